@@ -1,0 +1,33 @@
+"""clusterwire: TensorFlow's distributed runtime as a transport-agnostic, plugin-based library.
+
+``import clusterwire`` loads no transport: the plugin manager finds one the
+first time a protocol is asked for.
+"""
+
+from clusterwire import errors
+from clusterwire.cluster_spec import ClusterSpec
+from clusterwire.plugins import ResolverSpec, TransportSpec, get_plugin_manager, hookimpl
+from clusterwire.protos.cluster_pb2 import ClusterDef, JobDef
+from clusterwire.protos.tensorflow_server_pb2 import ConfigProto, ServerDef, ServerOptions
+from clusterwire.remote import remote
+from clusterwire.server import Server
+from clusterwire.session import Session
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ClusterDef",
+    "ClusterSpec",
+    "ConfigProto",
+    "JobDef",
+    "ResolverSpec",
+    "Server",
+    "ServerDef",
+    "ServerOptions",
+    "Session",
+    "TransportSpec",
+    "errors",
+    "get_plugin_manager",
+    "hookimpl",
+    "remote",
+]

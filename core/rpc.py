@@ -1,0 +1,109 @@
+"""Client-side request plumbing shared by Session and server-to-server forwarding.
+
+``RequestClient`` encodes a ``Request`` header plus buffers, sends it over the
+protocol's transport with a deadline, retries while the peer is unreachable
+(exponential backoff with jitter), and turns the response status into the
+matching clusterwire error.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from google.protobuf.message import DecodeError
+
+from clusterwire import errors
+from clusterwire.plugins import get_plugin_manager
+from clusterwire.protos.service_pb2 import Request, Response
+from clusterwire.transport import Buffer, Channel, ConnectionFailed, Frame
+
+# Methods that are safe to send twice when a connection broke after sending.
+IDEMPOTENT = frozenset({"status", "put", "get", "delete", "list", "barrier"})
+
+DEFAULT_TIMEOUT = 30.0
+_BACKOFF_START, _BACKOFF_MAX = 0.02, 1.0
+
+
+def raise_for_status(response: Response) -> None:
+    """Raise the clusterwire error a non-OK response status stands for."""
+    status = response.status
+    if status.code == errors.OK:
+        return
+    if status.remote_type:
+        raise errors.RemoteFunctionError(status.message, status.remote_type,
+                                         status.remote_traceback)
+    raise errors.error_from_code(status.code, status.message)
+
+
+def parse_response(frame: Frame) -> Response:
+    """The Response header of ``frame``; InternalError if the peer sent garbage."""
+    try:
+        return Response.FromString(frame.header)
+    except DecodeError as err:
+        raise errors.InternalError(f"Peer sent a malformed response header: {err}") from None
+
+
+class RequestClient:
+    """Sends requests to addresses over one protocol, reusing one channel per address."""
+
+    def __init__(self, protocol: str, timeout: float = DEFAULT_TIMEOUT):
+        self.protocol = protocol
+        self.timeout = timeout
+        self._transport = get_plugin_manager().transport(protocol)
+        self._channels: dict[str, Channel] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _channel(self, address: str) -> Channel:
+        with self._lock:
+            if self._closed:
+                raise errors.CancelledError("This client was closed.")
+            channel = self._channels.get(address)
+            if channel is None:
+                channel = self._channels[address] = self._transport.connect(address)
+            return channel
+
+    def send(self, address: str, request: Request, buffers: Sequence[Buffer] = (),
+             timeout: float | None = None) -> tuple[Response, list[Any]]:
+        """Send ``request`` to ``address``; return the OK response and its buffers."""
+        frame = self.send_frame(address, Frame(request.SerializeToString(), list(buffers)),
+                                request.method, timeout)
+        response = parse_response(frame)
+        raise_for_status(response)
+        return response, list(frame.buffers)
+
+    def send_frame(self, address: str, frame: Frame, method: str,
+                   timeout: float | None = None) -> Frame:
+        """Send a ready frame, retrying while ``address`` is unreachable, until the deadline."""
+        budget = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + budget
+        delay = _BACKOFF_START
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                return self._channel(address).call(frame, timeout=max(remaining, 0.001))
+            except errors.UnavailableError as err:
+                retryable = isinstance(err, ConnectionFailed) or method in IDEMPOTENT
+                remaining = deadline - time.monotonic()
+                if not retryable or remaining <= 0:
+                    raise errors.UnavailableError(
+                        f"Task at {address} ({self.protocol}) is unavailable after "
+                        f"{budget:.3g} s: {err.message}") from None
+                time.sleep(min(delay * random.uniform(0.5, 1.5), remaining))
+                delay = min(delay * 2, _BACKOFF_MAX)
+            except errors.DeadlineExceededError as err:
+                raise errors.DeadlineExceededError(
+                    f"Request {method!r} to {address} ({self.protocol}) did not finish within "
+                    f"{budget:.3g} s: {err.message}") from None
+
+    def close(self) -> None:
+        """Close every channel (idempotent)."""
+        with self._lock:
+            self._closed = True
+            channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            channel.close()

@@ -1,0 +1,169 @@
+"""Server: one task of a cluster, serving the cluster service over a protocol."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+from clusterwire import errors
+from clusterwire.addressing import join_host_port, split_host_port
+from clusterwire.cluster_spec import ClusterSpec
+from clusterwire.plugins import get_plugin_manager
+from clusterwire.protos.tensorflow_server_pb2 import ServerDef
+from clusterwire.server_def import make_server_def
+from clusterwire.service import ClusterService
+from clusterwire.transport import ListenOptions
+
+_DEFAULT_PEER_TIMEOUT = 30.0
+_DEFAULT_MAX_WORKERS = 16
+_DEFAULT_MAX_MESSAGE = 4 << 30
+
+
+class Server:
+    """An in-process server for one task of a cluster (``tf.distribute.Server``).
+
+    ``Server(server_or_cluster_def, job_name=None, task_index=None,
+    protocol=None, config=None, start=True)`` accepts a ``ServerDef``, a
+    ``ClusterDef``, a ``ClusterSpec`` or a dict. ``job_name``, ``task_index``
+    and ``protocol`` override the definition; ``config`` is a ``ConfigProto``
+    (merged into ``default_session_config``, as in TF) or clusterwire
+    ``ServerOptions`` / a dict of its fields (bind_address,
+    peer_timeout_seconds, max_workers, max_message_bytes, transport_options).
+
+    Unlike TF's: port 0 binds a free port that ``target`` and ``server_def``
+    report; the listener binds the host of the task's address (not every
+    interface); ``stop()`` exists and frees the port; ``join()`` returns once
+    the server is stopped; an unknown protocol is a NotFoundError at once,
+    never a fallback.
+    """
+
+    def __init__(self, server_or_cluster_def: Any, job_name: str | None = None,
+                 task_index: int | None = None, protocol: str | None = None,
+                 config: Any = None, start: bool = True):
+        if job_name is not None and not isinstance(job_name, str):
+            raise TypeError(f"job_name must be a string, got {job_name!r}")
+        if task_index is not None and (isinstance(task_index, bool)
+                                       or not isinstance(task_index, int)):
+            raise TypeError(f"task_index must be an int, got {task_index!r}")
+        if protocol is not None and not isinstance(protocol, str):
+            raise TypeError(f"protocol must be a string such as 'grpc', got {protocol!r}")
+        self._server_def = make_server_def(server_or_cluster_def, job_name, task_index,
+                                           protocol, config)
+        sd = self._server_def
+        cluster = ClusterSpec(sd.cluster)
+        if sd.job_name not in cluster.jobs:
+            raise errors.InvalidArgumentError(
+                f'Job "{sd.job_name}" was not defined in cluster {cluster!r}; '
+                f"pick job_name from {cluster.jobs}.")
+        if sd.task_index not in cluster.task_indices(sd.job_name):
+            raise errors.InvalidArgumentError(
+                f'Task {sd.task_index} was not defined in job "{sd.job_name}"; its tasks are '
+                f"{cluster.task_indices(sd.job_name)}.")
+        host, port = split_host_port(cluster.task_address(sd.job_name, sd.task_index))
+        if sd.port:
+            port = sd.port
+        options = sd.clusterwire_options
+        transport = get_plugin_manager().transport(sd.protocol)
+        self._transport = transport
+        self._lock = threading.Lock()
+        self._started = False
+        self._stopped = threading.Event()
+        self._service = ClusterService(
+            cluster, sd.job_name, sd.task_index, sd.protocol, lambda: self.target,
+            options.peer_timeout_seconds or _DEFAULT_PEER_TIMEOUT, transport.info)
+        listen_options = ListenOptions(
+            max_workers=options.max_workers or _DEFAULT_MAX_WORKERS,
+            max_message_bytes=options.max_message_bytes or _DEFAULT_MAX_MESSAGE)
+        bind = join_host_port(options.bind_address or host, port)
+        try:
+            self._listener = transport.listen(bind, self._service.handle, listen_options)
+        except BaseException:
+            self._service.close()
+            raise
+        self._host = host
+        self._port = split_host_port(self._listener.address)[1]
+        self._publish_bound_port(cluster)
+        self._finalizer = weakref.finalize(self, _shutdown, self._listener, self._service)
+        if start:
+            self.start()
+
+    def _publish_bound_port(self, cluster: ClusterSpec) -> None:
+        sd = self._server_def
+        address = join_host_port(self._host, self._port)
+        for job_def in sd.cluster.job:
+            if job_def.name == sd.job_name:
+                job_def.tasks[sd.task_index] = address
+        if sd.port:
+            sd.port = self._port
+        tasks = {job: {i: cluster.task_address(job, i) for i in cluster.task_indices(job)}
+                 for job in cluster.jobs}
+        tasks[sd.job_name][sd.task_index] = address
+        self._service.cluster = ClusterSpec(tasks)
+
+    @staticmethod
+    def create_local_server(config: Any = None, start: bool = True) -> Server:
+        """A single-task server (job "local", task 0) on a free port of localhost."""
+        return Server({"local": ["localhost:0"]}, protocol="grpc", config=config, start=start)
+
+    @property
+    def server_def(self) -> ServerDef:
+        """The ServerDef of this server, with the bound port in its own task's address."""
+        return self._server_def
+
+    @property
+    def target(self) -> str:
+        """``protocol://host:port`` that a Session connects to."""
+        return f"{self._server_def.protocol}://{join_host_port(self._host, self._port)}"
+
+    @property
+    def cluster_spec(self) -> ClusterSpec:
+        """The cluster as this server sees it (its own task with the bound port)."""
+        return self._service.cluster
+
+    def start(self) -> None:
+        """Start serving (idempotent); FailedPreconditionError after stop()."""
+        with self._lock:
+            if not self._finalizer.alive:
+                raise errors.FailedPreconditionError(
+                    "This server was stopped; create a new Server to serve again.")
+            if not self._started:
+                self._listener.start()
+                self._started = True
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Block until the server is stopped (or ``timeout`` passes); True once stopped."""
+        return self._stopped.wait(timeout)
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stop serving: in-flight requests get ``grace`` seconds, then CancelledError.
+
+        Idempotent; the port is free when it returns, and join() returns.
+        """
+        with self._lock:
+            owner = self._finalizer.detach() is not None
+        if not owner:
+            self._stopped.wait()
+            return
+        try:
+            _shutdown(self._listener, self._service, grace)
+        finally:
+            self._stopped.set()
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        sd = self._server_def
+        state = "stopped" if self._stopped.is_set() else "serving" if self._started else "created"
+        return f"<Server /job:{sd.job_name}/task:{sd.task_index} {self.target} {state}>"
+
+
+def _shutdown(listener, service, grace: float | None = None) -> None:
+    try:
+        listener.stop(grace)
+    finally:
+        service.close()

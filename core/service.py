@@ -1,0 +1,214 @@
+"""The cluster service every Server hosts: tensor store, remote calls, barrier, status.
+
+It is transport-agnostic: it takes a request ``Frame`` and returns a response
+``Frame``. Requests for another task of the cluster are forwarded to that
+task's server unchanged (header and buffers as received).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from google.protobuf.message import DecodeError
+
+from clusterwire import codec, errors, remote
+from clusterwire.cluster_spec import ClusterSpec
+from clusterwire.protos.service_pb2 import Request, Response, TaskRef, TaskStatus, Value
+from clusterwire.rpc import RequestClient
+from clusterwire.transport import Buffer, Frame
+
+_MAX_HOPS = 2
+
+
+def error_response(err: BaseException) -> Frame:
+    """A response frame carrying ``err`` as its status."""
+    response = Response()
+    if isinstance(err, errors.RemoteFunctionError):
+        response.status.remote_type = err.remote_type
+        response.status.remote_traceback = err.remote_traceback
+    if isinstance(err, errors.OpError):
+        response.status.code, response.status.message = err.error_code, err.message
+    else:
+        response.status.code = errors.INTERNAL
+        response.status.message = f"{type(err).__name__}: {err}"
+    return Frame(response.SerializeToString(), [])
+
+
+def value_response(value: Any) -> Frame:
+    """An OK response frame carrying ``value``."""
+    header, buffers = codec.encode(value)
+    return Frame(Response(value=header).SerializeToString(), buffers)
+
+
+@dataclass
+class _Stored:
+    value: Value
+    buffers: list[Buffer]
+
+
+class _Barrier:
+    """Counts the tasks of a job arriving at named barriers (run on the job's first task)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._state: dict[str, tuple[int, set[int]]] = {}
+
+    def arrive(self, name: str, index: int, expected: set[int], timeout: float) -> None:
+        with self._cond:
+            generation, arrived = self._state.get(name, (0, set()))
+            arrived.add(index)
+            if arrived >= expected:
+                self._state[name] = (generation + 1, set())
+                self._cond.notify_all()
+                return
+            self._state[name] = (generation, arrived)
+            released = self._cond.wait_for(
+                lambda: self._state[name][0] != generation, timeout=timeout)
+            if not released:
+                missing = sorted(expected - self._state[name][1])
+                self._state[name][1].discard(index)
+                raise errors.DeadlineExceededError(
+                    f"Barrier {name!r} timed out after {timeout:.3g} s waiting for task(s) "
+                    f"{missing}.")
+
+
+class ClusterService:
+    """Serves one task's requests; forwards requests for other tasks to their servers."""
+
+    def __init__(self, cluster: ClusterSpec, job: str, index: int, protocol: str,
+                 target: Callable[[], str], peer_timeout: float,
+                 transport_info: Callable[[], dict[str, str]]):
+        self.cluster = cluster
+        self.job, self.index, self.protocol = job, index, protocol
+        self._target = target
+        self._transport_info = transport_info
+        self._store: dict[str, _Stored] = {}
+        self._store_lock = threading.Lock()
+        self._barrier = _Barrier()
+        self._peers = RequestClient(protocol, timeout=peer_timeout)
+
+    def close(self) -> None:
+        """Release peer connections."""
+        self._peers.close()
+
+    def handle(self, frame: Frame) -> Frame:
+        """Serve one request frame; every failure becomes an error response."""
+        try:
+            try:
+                request = Request.FromString(frame.header)
+            except DecodeError as err:
+                raise errors.InvalidArgumentError(f"Malformed request header: {err}") from None
+            if request.has_task and (request.task.job, request.task.index) != (
+                    self.job, self.index):
+                return self._forward(request, frame)
+            return self._serve(request, list(frame.buffers))
+        except errors.OpError as err:
+            return error_response(err)
+        except Exception as err:  # a bug must not take the server down
+            return error_response(errors.InternalError(f"{type(err).__name__}: {err}"))
+
+    def _address_of(self, job: str, index: int) -> str:
+        try:
+            return self.cluster.task_address(job, index)
+        except ValueError:
+            raise errors.NotFoundError(
+                f"No task /job:{job}/task:{index} in the cluster {self.cluster!r}.") from None
+
+    def _forward(self, request: Request, frame: Frame) -> Frame:
+        if request.hops >= _MAX_HOPS:
+            raise errors.InternalError(
+                f"Request for /job:{request.task.job}/task:{request.task.index} was forwarded "
+                f"{request.hops} times: the tasks disagree on the cluster spec.")
+        address = self._address_of(request.task.job, request.task.index)
+        request.hops += 1
+        timeout = None
+        if request.method == "barrier" and request.timeout_seconds:
+            timeout = request.timeout_seconds + self._peers.timeout
+        return self._peers.send_frame(
+            address, Frame(request.SerializeToString(), frame.buffers), request.method, timeout)
+
+    def _serve(self, request: Request, buffers: list[Buffer]) -> Frame:
+        method = request.method
+        if method == "get":
+            with self._store_lock:
+                stored = self._store.get(request.name)
+            if stored is None:
+                raise errors.NotFoundError(
+                    f"No tensor named {request.name!r} on /job:{self.job}/task:{self.index}.")
+            return Frame(Response(value=stored.value).SerializeToString(), stored.buffers)
+        if method == "put":
+            codec.decode(request.value, buffers)  # validate before storing
+            with self._store_lock:
+                self._store[request.name] = _Stored(request.value, buffers)
+            return value_response(None)
+        if method == "delete":
+            with self._store_lock:
+                found = self._store.pop(request.name, None) is not None
+            return value_response(found)
+        if method == "list":
+            with self._store_lock:
+                return value_response(sorted(self._store))
+        if method == "call":
+            return self._call(request, buffers)
+        if method == "barrier":
+            return self._barrier_arrive(request)
+        if method == "status":
+            return Frame(Response(task_status=self.status()).SerializeToString(), [])
+        raise errors.UnimplementedError(
+            f"Unknown method {method!r}; this server serves: status, put, get, delete, list, "
+            "call, barrier.")
+
+    def _call(self, request: Request, buffers: list[Buffer]) -> Frame:
+        fn = remote.lookup(request.name)
+        arguments = codec.decode(request.value, buffers)
+        if (not isinstance(arguments, (list, tuple)) or len(arguments) != 2
+                or not isinstance(arguments[1], dict)):
+            raise errors.InvalidArgumentError("A call's value must be [args, kwargs].")
+        args, kwargs = arguments
+        try:
+            result = fn(*args, **kwargs)
+        except errors.OpError:
+            raise
+        except Exception as err:
+            raise errors.RemoteFunctionError(
+                str(err), f"{type(err).__module__}.{type(err).__qualname__}",
+                traceback.format_exc()) from None
+        return value_response(result)
+
+    def _barrier_arrive(self, request: Request) -> Frame:
+        job = request.from_task.job or self.job
+        index = request.from_task.index if request.from_task.job else self.index
+        try:
+            expected = set(self.cluster.task_indices(job))
+        except ValueError:
+            raise errors.NotFoundError(f"No job {job!r} in the cluster for a barrier.") from None
+        if index not in expected:
+            raise errors.InvalidArgumentError(f"Task {index} is not in job {job!r}.")
+        coordinator = min(expected)
+        if (job, coordinator) != (self.job, self.index):
+            request.task.CopyFrom(TaskRef(job=job, index=coordinator))
+            request.has_task = True
+            request.from_task.CopyFrom(TaskRef(job=job, index=index))
+            return self._forward(request, Frame(b"", []))
+        timeout = request.timeout_seconds or self._peers.timeout
+        self._barrier.arrive(request.name, index, expected, timeout)
+        return value_response(None)
+
+    def status(self) -> TaskStatus:
+        """This task's identity, cluster, devices and version."""
+        from clusterwire import __version__
+        from clusterwire.devices import local_devices
+
+        status = TaskStatus(task=TaskRef(job=self.job, index=self.index),
+                            cluster=self.cluster.as_cluster_def(), protocol=self.protocol,
+                            target=self._target(), version=__version__,
+                            cpu_count=len(os.sched_getaffinity(0)))
+        status.devices.extend(local_devices(self.job, self.index))
+        status.transport_info.update(self._transport_info())
+        return status
+

@@ -1,0 +1,132 @@
+"""Session: a client of one server target, reaching every task of its cluster."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from clusterwire import codec, errors, remote
+from clusterwire.addressing import parse_device, split_host_port, split_target
+from clusterwire.cluster_spec import ClusterSpec
+from clusterwire.protos.service_pb2 import Request, TaskRef
+from clusterwire.rpc import DEFAULT_TIMEOUT, RequestClient
+
+
+class Session:
+    """A connection to a server ``target`` (``"grpc://host:port"``).
+
+    ``task`` arguments are TF device strings (``"/job:ps/task:0"``,
+    ``"/job:ps/replica:0/task:0"``); None means the target's own task. A
+    request for another task is forwarded by the target server. Every request
+    has a deadline (``timeout`` seconds, default 30; per call overridable);
+    while the task is unreachable it is retried with backoff until then, then
+    raises UnavailableError.
+    """
+
+    def __init__(self, target: str, config: Any = None, timeout: float = DEFAULT_TIMEOUT):
+        self.target = target
+        self.config = config
+        protocol, address = split_target(target)
+        split_host_port(address)
+        if not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise errors.InvalidArgumentError(f"timeout must be > 0 seconds, got {timeout!r}")
+        self._address = address
+        self._client = RequestClient(protocol, timeout=float(timeout))
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the connection (idempotent)."""
+        self._client.close()
+
+    def _request(self, method: str, task: str | None, name: str = "") -> Request:
+        request = Request(method=method, name=name)
+        if task is not None:
+            job, index = parse_device(task)
+            request.task.CopyFrom(TaskRef(job=job, index=index))
+            request.has_task = True
+        return request
+
+    def _send(self, request: Request, buffers=(), timeout: float | None = None):
+        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise errors.InvalidArgumentError(f"timeout must be > 0 seconds, got {timeout!r}")
+        return self._client.send(self._address, request, buffers, timeout)
+
+    def _value(self, request: Request, buffers=(), timeout: float | None = None) -> Any:
+        response, received = self._send(request, buffers, timeout)
+        return codec.decode(response.value, received)
+
+    @staticmethod
+    def _check_name(name: Any) -> str:
+        if not isinstance(name, str) or not name:
+            raise errors.InvalidArgumentError(f"A tensor name must be a non-empty str, got {name!r}")
+        return name
+
+    def put(self, name: str, value: Any, task: str | None = None,
+            timeout: float | None = None) -> None:
+        """Store ``value`` under ``name`` on ``task`` (atomic: all or nothing)."""
+        request = self._request("put", task, self._check_name(name))
+        header, buffers = codec.encode(value)
+        request.value.CopyFrom(header)
+        self._value(request, buffers, timeout)
+
+    def get(self, name: str, task: str | None = None, timeout: float | None = None) -> Any:
+        """The value stored under ``name`` on ``task``; NotFoundError if none."""
+        return self._value(self._request("get", task, self._check_name(name)), (), timeout)
+
+    def delete(self, name: str, task: str | None = None, timeout: float | None = None) -> bool:
+        """Remove ``name`` from ``task``'s store; True if it was there."""
+        return self._value(self._request("delete", task, self._check_name(name)), (), timeout)
+
+    def list(self, task: str | None = None, timeout: float | None = None) -> list[str]:
+        """Names stored on ``task``, sorted."""
+        return self._value(self._request("list", task), (), timeout)
+
+    def call(self, fn_or_name: Callable[..., Any] | str, *args: Any, task: str | None = None,
+             timeout: float | None = None, **kwargs: Any) -> Any:
+        """Run a ``@remote`` function on ``task`` and return its result.
+
+        An exception in the function is raised here as RemoteFunctionError
+        (with the remote type and traceback), or as the clusterwire error it
+        was. ``task`` and ``timeout`` are taken by ``call`` itself.
+        """
+        request = self._request("call", task, remote.name_of(fn_or_name))
+        header, buffers = codec.encode([list(args), kwargs])
+        request.value.CopyFrom(header)
+        return self._value(request, buffers, timeout)
+
+    def status(self, task: str | None = None, timeout: float | None = None) -> dict[str, Any]:
+        """Identity, cluster, devices, protocol and version of ``task``."""
+        response, _ = self._send(self._request("status", task), (), timeout)
+        status = response.task_status
+        return {
+            "job": status.task.job,
+            "task_index": status.task.index,
+            "cluster": ClusterSpec(status.cluster),
+            "protocol": status.protocol,
+            "target": status.target,
+            "version": status.version,
+            "cpu_count": status.cpu_count,
+            "devices": [{"name": d.name, "device_type": d.device_type} for d in status.devices],
+            "transport": dict(status.transport_info),
+        }
+
+    def barrier(self, name: str = "barrier", task: str | None = None,
+                timeout: float | None = None) -> None:
+        """Arrive at barrier ``name`` as ``task`` (default: the target's task).
+
+        Returns once every task of that task's job has arrived at ``name``;
+        DeadlineExceededError (naming the missing tasks) after ``timeout``.
+        A barrier name can be reused: each release starts a new round.
+        """
+        request = Request(method="barrier", name=self._check_name(name))
+        if task is not None:
+            job, index = parse_device(task)
+            request.from_task.CopyFrom(TaskRef(job=job, index=index))
+        wait = DEFAULT_TIMEOUT if timeout is None else timeout
+        request.timeout_seconds = wait
+        self._value(request, (), wait + self._client.timeout)

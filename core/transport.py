@@ -1,0 +1,126 @@
+"""The contract between clusterwire's core and a transport plugin.
+
+A transport moves **frames**: a small control header (serialized protobuf
+bytes) plus a list of raw buffers (tensor bytes). It never looks inside the
+header, and bulk buffers never pass through a protobuf field, so a transport
+may send them on a separate data path (gRPC chunk streams, shared memory,
+UCX, zmq frames).
+
+Roles:
+
+* ``Transport``: created once per process and protocol by the plugin's
+  factory (``TransportSpec.factory(options)``). ``listen`` creates a server
+  side, ``connect`` a client side.
+* ``Listener``: binds ``host:port`` (port 0 picks a free port), reports the
+  bound contact address, calls the handler for every request frame on its own
+  threads (the handler is thread-safe), and stops with a grace period:
+  in-flight calls may finish within ``grace`` seconds, the rest end with
+  ``CancelledError`` at their callers; afterwards the port is free.
+* ``Channel``: a client connection to one address, safe to share between
+  threads. ``call`` sends one request frame and returns the response frame or
+  raises a ``clusterwire.errors`` class; it never blocks past ``timeout``.
+  ``close`` releases the connection.
+
+Errors a transport raises (never its library's own exception types):
+``UnavailableError`` (cannot connect, peer died), ``DeadlineExceededError``
+(timeout), ``CancelledError`` (server stopping), ``ResourceExhaustedError``
+(frame larger than the configured limit), ``InvalidArgumentError``
+(malformed frame).
+
+Buffer ownership: the caller of ``call`` (and the handler returning a frame)
+must not modify the buffers it passed until ``call`` returns (the handler's
+until the transport is done sending). Received buffers belong to the
+receiver; the transport must not reuse them, and should hand them over
+writable and without extra copies where it can.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from clusterwire.errors import UnavailableError
+
+Buffer = Any  # any object supporting the buffer protocol
+
+
+@dataclass
+class Frame:
+    """One message: a control header and the raw buffers it refers to."""
+
+    header: bytes
+    buffers: Sequence[Buffer] = field(default_factory=list)
+
+    @property
+    def payload_bytes(self) -> int:
+        """Total size of the raw buffers."""
+        return sum(memoryview(b).nbytes for b in self.buffers)
+
+
+Handler = Callable[[Frame], Frame]
+
+
+@dataclass(frozen=True)
+class ListenOptions:
+    """Server-side limits a transport must enforce."""
+
+    max_workers: int = 16
+    max_message_bytes: int = 4 << 30
+    max_concurrent_calls: int = 256
+
+
+class Listener(abc.ABC):
+    """The server side of a transport, bound to one address."""
+
+    @property
+    @abc.abstractmethod
+    def address(self) -> str:
+        """The contact address ``host:port`` with the bound port."""
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Start serving (idempotent)."""
+
+    @abc.abstractmethod
+    def stop(self, grace: float | None = None) -> None:
+        """Stop serving: drain for ``grace`` seconds, cancel the rest, free the port."""
+
+
+class Channel(abc.ABC):
+    """The client side of a transport, connected to one address."""
+
+    @abc.abstractmethod
+    def call(self, frame: Frame, timeout: float | None = None) -> Frame:
+        """Send ``frame`` and return the response frame."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the connection (idempotent)."""
+
+
+class Transport(abc.ABC):
+    """A protocol's factory for listeners and channels."""
+
+    protocol: str = ""
+
+    @abc.abstractmethod
+    def listen(self, address: str, handler: Handler, options: ListenOptions) -> Listener:
+        """Bind ``address`` (``host:port``; port 0 = any free port) and serve ``handler``."""
+
+    @abc.abstractmethod
+    def connect(self, address: str) -> Channel:
+        """A channel to the listener at ``address``; connecting may be lazy."""
+
+    def info(self) -> dict[str, str]:
+        """Facts about the transport for ``status`` (e.g. the data path in use)."""
+        return {}
+
+
+class ConnectionFailed(UnavailableError):
+    """The peer could not be reached and the request was certainly not delivered.
+
+    Transports raise it (rather than plain UnavailableError) when they know
+    nothing was sent, so the core may retry even non-idempotent requests.
+    """

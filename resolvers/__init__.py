@@ -1,0 +1,1 @@
+"""Cluster resolvers: discover a cluster from its manager (one module per manager)."""

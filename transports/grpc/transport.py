@@ -1,0 +1,243 @@
+"""The "grpc" transport: frames over gRPC, bulk buffers as chunk streams.
+
+Small frames (up to ``inline_bytes``) take one unary call each way, the
+cheapest path gRPC has. Larger request frames are uploaded as a stream of
+raw chunks; a larger response is announced in the unary reply and fetched as
+a stream of chunks, so no message exceeds ``chunk_bytes`` (gRPC's 4 MiB cap
+never applies) and no buffer passes through a protobuf field.
+
+Options (plugins.toml ``[options.grpc]``): ``inline_bytes`` (default 1 MiB),
+``chunk_bytes`` (default 1 MiB), ``fetch_ttl_seconds`` (default 60: how long
+an announced response waits for its fetch).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from concurrent import futures
+from typing import Any
+
+import grpc
+
+from clusterwire import errors
+from clusterwire.addressing import join_host_port, split_host_port
+from clusterwire.transport import (
+    Channel,
+    ConnectionFailed,
+    Frame,
+    Handler,
+    Listener,
+    ListenOptions,
+    Transport,
+)
+from clusterwire.transports.grpc import framing
+
+SERVICE = "clusterwire.Transport"
+_CALL, _UPLOAD, _FETCH = (f"/{SERVICE}/{m}" for m in ("Call", "Upload", "Fetch"))
+_CLIENT_LIMIT = 1 << 42
+
+
+def _grpc_error(err: grpc.RpcError, address: str) -> errors.OpError:
+    """The clusterwire error for a gRPC failure talking to ``address``."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = (err.details() if hasattr(err, "details") else None) or str(code)
+    if code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in details.lower():
+        return ConnectionFailed(f"cannot connect to {address}: {details}")
+    return errors.error_from_code(code.value[0], details)
+
+
+def _message_limit(inline_bytes: int, chunk_bytes: int) -> int:
+    return max(inline_bytes, chunk_bytes) + framing.MAX_HEADER_BYTES + (8 << 20)
+
+
+class _Pending:
+    """Announced responses waiting for their fetch, expiring after a TTL."""
+
+    def __init__(self, ttl: float):
+        self._ttl = ttl
+        self._items: dict[int, tuple[float, list[memoryview]]] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def add(self, views: list[memoryview]) -> int:
+        now = time.monotonic()
+        with self._lock:
+            for key in [k for k, (expiry, _) in self._items.items() if expiry < now]:
+                del self._items[key]
+            key = next(self._ids)
+            self._items[key] = (now + self._ttl, views)
+            return key
+
+    def take(self, key: int) -> list[memoryview] | None:
+        with self._lock:
+            item = self._items.pop(key, None)
+        return None if item is None else item[1]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+
+
+class GrpcListener(Listener):
+    """A gRPC server exposing Call / Upload / Fetch for one handler."""
+
+    def __init__(self, transport: GrpcTransport, address: str, handler: Handler,
+                 options: ListenOptions):
+        self._transport = transport
+        self._handler = handler
+        self._limit = options.max_message_bytes
+        self._pending = _Pending(transport.fetch_ttl)
+        self._pool = futures.ThreadPoolExecutor(options.max_workers,
+                                                thread_name_prefix="clusterwire-grpc")
+        limit = _message_limit(transport.inline_bytes, transport.chunk_bytes)
+        self._server = grpc.server(
+            self._pool, maximum_concurrent_rpcs=options.max_concurrent_calls,
+            options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", limit),
+                     ("grpc.max_send_message_length", -1)])
+        self._server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {
+            "Call": grpc.unary_unary_rpc_method_handler(self._call),
+            "Upload": grpc.stream_unary_rpc_method_handler(self._upload),
+            "Fetch": grpc.unary_stream_rpc_method_handler(self._fetch),
+        })])
+        host, _ = split_host_port(address)
+        try:
+            port = self._server.add_insecure_port(address)
+        except RuntimeError as err:
+            port, reason = 0, str(err)
+        else:
+            reason = "address in use or not local"
+        if not port:
+            self._server.stop(None)
+            self._pool.shutdown(wait=False)
+            raise errors.UnavailableError(
+                f"Could not bind {address} ({reason}). Choose a free port, or port 0 to let "
+                "the system pick one, and a host name of this machine.")
+        self._address = join_host_port(host, port)
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def start(self) -> None:
+        self._server.start()
+
+    def stop(self, grace: float | None = None) -> None:
+        self._server.stop(grace).wait()
+        self._pool.shutdown(wait=False)
+        self._pending.clear()
+
+    def _respond(self, response: Frame) -> bytes:
+        views = framing.buffer_views(response.buffers)
+        if sum(v.nbytes for v in views) <= self._transport.inline_bytes:
+            return framing.encode_inline(response.header, views)
+        fetch_id = self._pending.add(views)
+        return framing.encode_prefix(response.header, [v.nbytes for v in views],
+                                     framing.CONTINUED, fetch_id)
+
+    def _call(self, message: bytes, context: grpc.ServicerContext) -> bytes:
+        try:
+            prefix = framing.decode_prefix(message, self._limit)
+            if prefix.flags != framing.INLINE:
+                raise errors.InvalidArgumentError("Malformed frame: Call needs inline buffers.")
+            request = Frame(prefix.header, framing.split_inline(message, prefix))
+        except errors.OpError as err:
+            context.abort(grpc.StatusCode(_status(err.error_code)), err.message)
+        return self._respond(self._handler(request))
+
+    def _upload(self, messages: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        try:
+            first = next(messages, None)
+            if first is None:
+                raise errors.InvalidArgumentError("Malformed frame: empty upload.")
+            prefix = framing.decode_prefix(first, self._limit)
+            request = Frame(prefix.header, framing.assemble(messages, prefix.lengths))
+        except errors.OpError as err:
+            context.abort(grpc.StatusCode(_status(err.error_code)), err.message)
+        return self._respond(self._handler(request))
+
+    def _fetch(self, message: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        key = int.from_bytes(message[:8], "little") if len(message) == 8 else 0
+        views = self._pending.take(key)
+        if views is None:
+            context.abort(grpc.StatusCode.NOT_FOUND,
+                          f"No pending response {key}: it expired or was fetched already.")
+        yield from framing.chunks(views, self._transport.chunk_bytes)
+
+
+def _status(code: int) -> tuple[int, str]:
+    return next(s.value for s in grpc.StatusCode if s.value[0] == code)
+
+
+class GrpcChannel(Channel):
+    """A gRPC channel to one listener."""
+
+    def __init__(self, transport: GrpcTransport, address: str):
+        split_host_port(address)
+        self._transport = transport
+        self._address = address
+        limit = _message_limit(transport.inline_bytes, transport.chunk_bytes)
+        self._channel = grpc.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", -1)])
+        self._unary = self._channel.unary_unary(_CALL)
+        self._upload = self._channel.stream_unary(_UPLOAD)
+        self._fetch = self._channel.unary_stream(_FETCH)
+
+    def call(self, frame: Frame, timeout: float | None = None) -> Frame:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        views = framing.buffer_views(frame.buffers)
+        try:
+            if sum(v.nbytes for v in views) <= self._transport.inline_bytes:
+                reply = self._unary(framing.encode_inline(frame.header, views), timeout=timeout)
+            else:
+                first = framing.encode_prefix(frame.header, [v.nbytes for v in views], 0)
+                stream = itertools.chain(
+                    [first], framing.chunks(views, self._transport.chunk_bytes))
+                reply = self._upload(stream, timeout=timeout)
+            prefix = framing.decode_prefix(reply, _CLIENT_LIMIT)
+            if prefix.flags == framing.INLINE:
+                return Frame(prefix.header, framing.split_inline(reply, prefix))
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
+            stream = self._fetch(prefix.fetch_id.to_bytes(8, "little"), timeout=remaining)
+            return Frame(prefix.header, framing.assemble(iter(stream), prefix.lengths))
+        except grpc.RpcError as err:
+            raise _grpc_error(err, self._address) from None
+        except ValueError as err:  # grpc raises it for a closed channel
+            raise errors.CancelledError(f"Channel to {self._address} is closed: {err}") from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class GrpcTransport(Transport):
+    """Frames over gRPC (HTTP/2), one process-wide instance."""
+
+    protocol = "grpc"
+
+    def __init__(self, options: Mapping[str, Any] | None = None):
+        options = dict(options or {})
+        self.inline_bytes = _positive(options.pop("inline_bytes", 1 << 20), "inline_bytes")
+        self.chunk_bytes = _positive(options.pop("chunk_bytes", 1 << 20), "chunk_bytes")
+        self.fetch_ttl = float(_positive(options.pop("fetch_ttl_seconds", 60), "fetch_ttl_seconds"))
+        if options:
+            raise errors.InvalidArgumentError(
+                f"Unknown option(s) for the grpc transport: {sorted(options)}; known: "
+                "inline_bytes, chunk_bytes, fetch_ttl_seconds.")
+
+    def listen(self, address: str, handler: Handler, options: ListenOptions) -> Listener:
+        return GrpcListener(self, address, handler, options)
+
+    def connect(self, address: str) -> Channel:
+        return GrpcChannel(self, address)
+
+    def info(self) -> dict[str, str]:
+        return {"control": "grpc", "data": f"grpc chunk stream ({self.chunk_bytes} B chunks)"}
+
+
+def _positive(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise errors.InvalidArgumentError(f"grpc option {name} must be a positive number, "
+                                          f"got {value!r}")
+    return int(value)
