@@ -6,10 +6,10 @@ first time a protocol is asked for.
 
 from clusterwire import errors
 from clusterwire.cluster_spec import ClusterSpec
+from clusterwire.functions import remote
 from clusterwire.plugins import ResolverSpec, TransportSpec, get_plugin_manager, hookimpl
 from clusterwire.protos.cluster_pb2 import ClusterDef, JobDef
 from clusterwire.protos.tensorflow_server_pb2 import ConfigProto, ServerDef, ServerOptions
-from clusterwire.remote import remote
 from clusterwire.server import Server
 from clusterwire.session import Session
 

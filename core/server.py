@@ -91,9 +91,6 @@ class Server:
     def _publish_bound_port(self, cluster: ClusterSpec) -> None:
         sd = self._server_def
         address = join_host_port(self._host, self._port)
-        for job_def in sd.cluster.job:
-            if job_def.name == sd.job_name:
-                job_def.tasks[sd.task_index] = address
         if sd.port:
             sd.port = self._port
         tasks = {job: {i: cluster.task_address(job, i) for i in cluster.task_indices(job)}
@@ -109,6 +106,7 @@ class Server:
     @property
     def server_def(self) -> ServerDef:
         """The ServerDef of this server, with the bound port in its own task's address."""
+        self._server_def.cluster.CopyFrom(self._service.cluster.as_cluster_def())
         return self._server_def
 
     @property

@@ -16,7 +16,8 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from clusterwire import codec, errors, remote
+from clusterwire import codec, errors, functions
+from clusterwire.addressing import split_host_port
 from clusterwire.cluster_spec import ClusterSpec
 from clusterwire.protos.service_pb2 import Request, Response, TaskRef, TaskStatus, Value
 from clusterwire.rpc import RequestClient
@@ -157,14 +158,17 @@ class ClusterService:
             return self._call(request, buffers)
         if method == "barrier":
             return self._barrier_arrive(request)
+        if method == "complete_cluster":
+            self.complete_cluster(ClusterSpec(request.cluster))
+            return value_response(None)
         if method == "status":
             return Frame(Response(task_status=self.status()).SerializeToString(), [])
         raise errors.UnimplementedError(
             f"Unknown method {method!r}; this server serves: status, put, get, delete, list, "
-            "call, barrier.")
+            "call, barrier, complete_cluster.")
 
     def _call(self, request: Request, buffers: list[Buffer]) -> Frame:
-        fn = remote.lookup(request.name)
+        fn = functions.lookup(request.name)
         arguments = codec.decode(request.value, buffers)
         if (not isinstance(arguments, (list, tuple)) or len(arguments) != 2
                 or not isinstance(arguments[1], dict)):
@@ -198,6 +202,29 @@ class ClusterService:
         timeout = request.timeout_seconds or self._peers.timeout
         self._barrier.arrive(request.name, index, expected, timeout)
         return value_response(None)
+
+    def complete_cluster(self, cluster: ClusterSpec) -> None:
+        """Learn the ports of tasks that were started with port 0.
+
+        ``cluster`` must have the same tasks; an address may differ from the
+        known one only where the known port is 0 (FailedPreconditionError
+        otherwise), so a running cluster cannot be re-pointed.
+        """
+        known = self.cluster
+        if {j: known.task_indices(j) for j in known.jobs} != {
+                j: cluster.task_indices(j) for j in cluster.jobs}:
+            raise errors.FailedPreconditionError(
+                f"complete_cluster: {cluster!r} does not have the tasks of {known!r}.")
+        for job in known.jobs:
+            for index in known.task_indices(job):
+                old, new = known.task_address(job, index), cluster.task_address(job, index)
+                if old != new and split_host_port(old) != (split_host_port(new)[0], 0):
+                    raise errors.FailedPreconditionError(
+                        f"complete_cluster: /job:{job}/task:{index} is at {old}; only "
+                        "port-0 addresses can be completed.")
+        if cluster.task_address(self.job, self.index) != known.task_address(self.job, self.index):
+            raise errors.FailedPreconditionError("complete_cluster may not move this task.")
+        self.cluster = cluster
 
     def status(self) -> TaskStatus:
         """This task's identity, cluster, devices and version."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from clusterwire import codec, errors, remote
+from clusterwire import codec, errors, functions
 from clusterwire.addressing import parse_device, split_host_port, split_target
 from clusterwire.cluster_spec import ClusterSpec
 from clusterwire.protos.service_pb2 import Request, TaskRef
@@ -63,7 +63,8 @@ class Session:
     @staticmethod
     def _check_name(name: Any) -> str:
         if not isinstance(name, str) or not name:
-            raise errors.InvalidArgumentError(f"A tensor name must be a non-empty str, got {name!r}")
+            raise errors.InvalidArgumentError(
+                f"A tensor name must be a non-empty str, got {name!r}")
         return name
 
     def put(self, name: str, value: Any, task: str | None = None,
@@ -94,7 +95,7 @@ class Session:
         (with the remote type and traceback), or as the clusterwire error it
         was. ``task`` and ``timeout`` are taken by ``call`` itself.
         """
-        request = self._request("call", task, remote.name_of(fn_or_name))
+        request = self._request("call", task, functions.name_of(fn_or_name))
         header, buffers = codec.encode([list(args), kwargs])
         request.value.CopyFrom(header)
         return self._value(request, buffers, timeout)
@@ -114,6 +115,13 @@ class Session:
             "devices": [{"name": d.name, "device_type": d.device_type} for d in status.devices],
             "transport": dict(status.transport_info),
         }
+
+    def complete_cluster(self, cluster: Any, task: str | None = None,
+                         timeout: float | None = None) -> None:
+        """Tell ``task`` the bound ports of tasks that were started with port 0."""
+        request = self._request("complete_cluster", task)
+        request.cluster.CopyFrom(ClusterSpec(cluster).as_cluster_def())
+        self._value(request, (), timeout)
 
     def barrier(self, name: str = "barrier", task: str | None = None,
                 timeout: float | None = None) -> None:

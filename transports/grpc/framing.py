@@ -61,10 +61,12 @@ def encode_inline(header: bytes, views: Sequence[memoryview]) -> bytes:
 def decode_prefix(message: bytes, limit: int) -> Prefix:
     """Parse and validate a prefix; InvalidArgumentError / ResourceExhaustedError if bad."""
     if len(message) < _PREFIX.size:
-        raise InvalidArgumentError(f"Malformed frame: {len(message)} bytes is shorter than a prefix.")
+        raise InvalidArgumentError(
+            f"Malformed frame: {len(message)} bytes is shorter than a prefix.")
     magic, flags, header_len, count, fetch_id = _PREFIX.unpack_from(message)
     if magic != MAGIC:
-        raise InvalidArgumentError(f"Malformed frame: bad magic {magic!r} (not a clusterwire peer?).")
+        raise InvalidArgumentError(
+            f"Malformed frame: bad magic {magic!r} (not a clusterwire peer?).")
     if count > MAX_BUFFERS or header_len > MAX_HEADER_BYTES:
         raise ResourceExhaustedError(
             f"Frame declares {count} buffers and a {header_len}-byte header; the limits are "

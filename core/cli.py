@@ -1,0 +1,124 @@
+"""The ``clusterwire`` command: serve, status, plugins, demo."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import signal
+import sys
+import threading
+from typing import Any
+
+from clusterwire import errors
+
+
+def _json_arg(text: str, what: str) -> Any:
+    """Parse JSON given inline or as ``@file``."""
+    try:
+        if text.startswith("@"):
+            with open(text[1:], encoding="utf-8") as handle:
+                return json.load(handle)
+        return json.loads(text)
+    except (OSError, json.JSONDecodeError) as err:
+        raise SystemExit(f"clusterwire: invalid {what} {text!r}: {err}") from None
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from clusterwire.local_cluster import READY_PREFIX
+    from clusterwire.server import Server
+
+    for module in args.imports:
+        importlib.import_module(module)
+    cluster = _json_arg(args.cluster, "--cluster")
+    config = _json_arg(args.config, "--config") if args.config else None
+    server = Server(cluster, job_name=args.job_name, task_index=args.task_index,
+                    protocol=args.protocol, config=config)
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        threading.Thread(target=server.stop, args=(args.grace,), daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    sd = server.server_def
+    print(f"{READY_PREFIX}{server.target}", flush=True)
+    if not args.quiet:
+        print(f"clusterwire: serving /job:{sd.job_name}/task:{sd.task_index} at "
+              f"{server.target}", file=sys.stderr, flush=True)
+    server.join()
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from clusterwire.session import Session
+
+    with Session(args.target, timeout=args.timeout) as session:
+        status = session.status(task=args.task)
+    status["cluster"] = status["cluster"].as_dict()
+    print(json.dumps(status, indent=2))
+    return 0
+
+
+def _plugins(args: argparse.Namespace) -> int:
+    from clusterwire.plugins import get_plugin_manager
+
+    rows = [(i.kind, i.name, i.module, i.distribution, i.version)
+            for i in get_plugin_manager().listing()]
+    header = ("KIND", "NAME", "MODULE", "DISTRIBUTION", "VERSION")
+    widths = [max(len(str(r[c])) for r in [header, *rows]) for c in range(len(header))]
+    for row in [header, *rows]:
+        print("  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from clusterwire.demo import run_demo
+
+    return run_demo(protocol=args.protocol, steps=args.steps, workers=args.workers)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``clusterwire`` command."""
+    parser = argparse.ArgumentParser(prog="clusterwire", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run one task of a cluster until SIGINT/SIGTERM")
+    serve.add_argument("--cluster", required=True,
+                       help='cluster spec as JSON or @file, e.g. \'{"worker": ["127.0.0.1:0"]}\'')
+    serve.add_argument("--job-name")
+    serve.add_argument("--task-index", type=int)
+    serve.add_argument("--protocol", default=None, help="transport protocol (default: grpc)")
+    serve.add_argument("--config", help="ServerOptions as JSON or @file")
+    serve.add_argument("--import", dest="imports", action="append", default=[],
+                       metavar="MODULE", help="import MODULE first (registers @remote functions)")
+    serve.add_argument("--grace", type=float, default=5.0,
+                       help="seconds in-flight requests get at shutdown (default 5)")
+    serve.add_argument("--quiet", action="store_true", help="no banner on stderr")
+    serve.set_defaults(run=_serve)
+
+    status = commands.add_parser("status", help="print a task's status as JSON")
+    status.add_argument("target", help="e.g. grpc://127.0.0.1:2222")
+    status.add_argument("--task", help="another task of the cluster, e.g. /job:ps/task:0")
+    status.add_argument("--timeout", type=float, default=10.0)
+    status.set_defaults(run=_status)
+
+    plugins = commands.add_parser("plugins", help="list installed transports and resolvers")
+    plugins.set_defaults(run=_plugins)
+
+    demo = commands.add_parser(
+        "demo", help="train a model parameter-server style on a local 3-process cluster")
+    demo.add_argument("--protocol", default="grpc")
+    demo.add_argument("--steps", type=int, default=60)
+    demo.add_argument("--workers", type=int, default=2)
+    demo.set_defaults(run=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; clusterwire errors print as one line and exit 1."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (errors.OpError, ValueError, TypeError) as err:
+        print(f"clusterwire {args.command}: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
