@@ -29,7 +29,10 @@ def _serve(args: argparse.Namespace) -> int:
     from clusterwire.server import Server
 
     for module in args.imports:
-        importlib.import_module(module)
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            raise SystemExit(f"clusterwire serve: cannot --import {module!r}: {err}") from None
     cluster = _json_arg(args.cluster, "--cluster")
     config = _json_arg(args.config, "--config") if args.config else None
     server = Server(cluster, job_name=args.job_name, task_index=args.task_index,

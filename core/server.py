@@ -18,6 +18,8 @@ from clusterwire.transport import ListenOptions
 _DEFAULT_PEER_TIMEOUT = 30.0
 _DEFAULT_MAX_WORKERS = 16
 _DEFAULT_MAX_MESSAGE = 4 << 30
+# After the drain, responses already produced (and announced bulk fetches) get this long to flow.
+_FLUSH_GRACE = 1.0
 
 
 class Server:
@@ -69,11 +71,12 @@ class Server:
         self._lock = threading.Lock()
         self._started = False
         self._stopped = threading.Event()
+        max_workers = options.max_workers or _DEFAULT_MAX_WORKERS
         self._service = ClusterService(
             cluster, sd.job_name, sd.task_index, sd.protocol, lambda: self.target,
-            options.peer_timeout_seconds or _DEFAULT_PEER_TIMEOUT, transport.info)
+            options.peer_timeout_seconds or _DEFAULT_PEER_TIMEOUT, transport.info, max_workers)
         listen_options = ListenOptions(
-            max_workers=options.max_workers or _DEFAULT_MAX_WORKERS,
+            max_workers=max_workers,
             max_message_bytes=options.max_message_bytes or _DEFAULT_MAX_MESSAGE)
         bind = join_host_port(options.bind_address or host, port)
         try:
@@ -161,7 +164,9 @@ class Server:
 
 
 def _shutdown(listener, service, grace: float | None = None) -> None:
+    """Drain the service for ``grace`` s, cancel what is left, then close the listener."""
     try:
-        listener.stop(grace)
+        service.drain(grace)
+        listener.stop(_FLUSH_GRACE)
     finally:
         service.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import threading
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,13 @@ class _Barrier:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._state: dict[str, tuple[int, set[int]]] = {}
+        self._cancelled = False
+
+    def cancel(self) -> None:
+        """Wake every waiter with CancelledError (server stopping)."""
+        with self._cond:
+            self._cancelled = True
+            self._cond.notify_all()
 
     def arrive(self, name: str, index: int, expected: set[int], timeout: float) -> None:
         with self._cond:
@@ -69,7 +77,9 @@ class _Barrier:
                 return
             self._state[name] = (generation, arrived)
             released = self._cond.wait_for(
-                lambda: self._state[name][0] != generation, timeout=timeout)
+                lambda: self._state[name][0] != generation or self._cancelled, timeout=timeout)
+            if self._cancelled:
+                raise errors.CancelledError(f"Barrier {name!r} cancelled: the server is stopping.")
             if not released:
                 missing = sorted(expected - self._state[name][1])
                 self._state[name][1].discard(index)
@@ -83,7 +93,7 @@ class ClusterService:
 
     def __init__(self, cluster: ClusterSpec, job: str, index: int, protocol: str,
                  target: Callable[[], str], peer_timeout: float,
-                 transport_info: Callable[[], dict[str, str]]):
+                 transport_info: Callable[[], dict[str, str]], max_workers: int = 16):
         self.cluster = cluster
         self.job, self.index, self.protocol = job, index, protocol
         self._target = target
@@ -92,13 +102,50 @@ class ClusterService:
         self._store_lock = threading.Lock()
         self._barrier = _Barrier()
         self._peers = RequestClient(protocol, timeout=peer_timeout)
+        self._functions = ThreadPoolExecutor(max_workers, thread_name_prefix="clusterwire-call")
+        self._activity = threading.Condition()
+        self._in_flight = 0
+        self._draining = False
+        self._cancelled = threading.Event()
+        self._waiting_calls: set[threading.Event] = set()
+
+    def drain(self, grace: float | None) -> None:
+        """Refuse new requests, let in-flight ones finish for ``grace`` s, cancel the rest.
+
+        Cancelled remote calls and barrier waits answer CancelledError (the
+        function's thread cannot be killed; its result is dropped).
+        """
+        with self._activity:
+            self._draining = True
+            self._activity.wait_for(lambda: self._in_flight == 0, timeout=grace or 0)
+        self._cancelled.set()
+        with self._activity:
+            for event in self._waiting_calls:
+                event.set()
+        self._barrier.cancel()
+        with self._activity:
+            self._activity.wait_for(lambda: self._in_flight == 0, timeout=5)
 
     def close(self) -> None:
-        """Release peer connections."""
+        """Release peer connections and the function pool."""
         self._peers.close()
+        self._functions.shutdown(wait=False, cancel_futures=True)
 
     def handle(self, frame: Frame) -> Frame:
         """Serve one request frame; every failure becomes an error response."""
+        with self._activity:
+            if self._draining:
+                return error_response(errors.UnavailableError(
+                    f"/job:{self.job}/task:{self.index} is stopping."))
+            self._in_flight += 1
+        try:
+            return self._handle(frame)
+        finally:
+            with self._activity:
+                self._in_flight -= 1
+                self._activity.notify_all()
+
+    def _handle(self, frame: Frame) -> Frame:
         try:
             try:
                 request = Request.FromString(frame.header)
@@ -174,15 +221,21 @@ class ClusterService:
                 or not isinstance(arguments[1], dict)):
             raise errors.InvalidArgumentError("A call's value must be [args, kwargs].")
         args, kwargs = arguments
+        finished = threading.Event()
+        with self._activity:
+            self._waiting_calls.add(finished)
         try:
-            result = fn(*args, **kwargs)
-        except errors.OpError:
-            raise
-        except Exception as err:
-            raise errors.RemoteFunctionError(
-                str(err), f"{type(err).__module__}.{type(err).__qualname__}",
-                traceback.format_exc()) from None
-        return value_response(result)
+            future = self._functions.submit(_run_function, fn, args, kwargs)
+            future.add_done_callback(lambda _: finished.set())
+            finished.wait()
+        finally:
+            with self._activity:
+                self._waiting_calls.discard(finished)
+        if not future.done():
+            raise errors.CancelledError(
+                f"Call of {request.name!r} cancelled: /job:{self.job}/task:{self.index} "
+                "is stopping.")
+        return value_response(future.result())
 
     def _barrier_arrive(self, request: Request) -> Frame:
         job = request.from_task.job or self.job
@@ -239,3 +292,14 @@ class ClusterService:
         status.transport_info.update(self._transport_info())
         return status
 
+
+
+def _run_function(fn: Callable[..., Any], args: list, kwargs: dict) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except errors.OpError:
+        raise
+    except Exception as err:
+        raise errors.RemoteFunctionError(
+            str(err), f"{type(err).__module__}.{type(err).__qualname__}",
+            traceback.format_exc()) from None

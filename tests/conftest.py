@@ -1,0 +1,34 @@
+"""Shared fixtures: real servers on 127.0.0.1 and real multi-process clusters."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import clusterwire
+from clusterwire.local_cluster import LocalCluster
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def child_env() -> dict[str, str]:
+    """Environment for task processes: the tests folder importable (for cw_test_functions)."""
+    path = os.environ.get("PYTHONPATH", "")
+    return {"PYTHONPATH": TESTS_DIR + (os.pathsep + path if path else "")}
+
+
+@pytest.fixture
+def local_server():
+    """A started single-task server on a free port of localhost."""
+    server = clusterwire.Server.create_local_server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster3():
+    """A real 3-process cluster: 1 ps + 2 workers, grpc, on 127.0.0.1."""
+    with LocalCluster({"ps": 1, "worker": 2}, imports=["cw_test_functions"],
+                      env=child_env()) as cluster:
+        yield cluster

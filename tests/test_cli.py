@@ -1,0 +1,91 @@
+"""The clusterwire command: serve, status, plugins, demo."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from clusterwire import Session
+from clusterwire.local_cluster import READY_PREFIX
+
+
+def clusterwire(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "clusterwire", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture
+def serving():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "clusterwire", "serve", "--cluster",
+         '{"worker": ["127.0.0.1:0"]}', "--job-name", "worker", "--task-index", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert line.startswith(READY_PREFIX), proc.stderr.read()
+    yield proc, line[len(READY_PREFIX):].strip()
+    if proc.poll() is None:
+        proc.kill()
+    proc.communicate(timeout=10)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_serve_runs_until_a_signal_then_stops_cleanly(serving, signum):
+    proc, target = serving
+    with Session(target) as session:
+        assert session.status()["job"] == "worker"
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0
+    assert "serving /job:worker/task:0 at grpc://127.0.0.1:" in err
+    assert "Traceback" not in err
+
+
+def test_status_prints_json(serving):
+    _, target = serving
+    result = clusterwire("status", target)
+    assert result.returncode == 0, result.stderr
+    status = json.loads(result.stdout)
+    assert status["job"] == "worker" and status["target"] == target
+    assert status["cluster"] == {"worker": [target.removeprefix("grpc://")]}
+
+
+def test_status_of_a_dead_target_fails_in_bounded_time():
+    result = clusterwire("status", "grpc://127.0.0.1:1", "--timeout", "1")
+    assert result.returncode == 1
+    assert "UnavailableError" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_plugins_lists_grpc_with_module_distribution_and_version():
+    result = clusterwire("plugins")
+    assert result.returncode == 0
+    rows = [line.split() for line in result.stdout.splitlines()]
+    assert rows[0] == ["KIND", "NAME", "MODULE", "DISTRIBUTION", "VERSION"]
+    assert ["transport", "grpc", "clusterwire.transports.grpc", "clusterwire", "0.1.0"] in rows
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--cluster", "{not json"], "invalid --cluster"),
+    (["--cluster", "@/no/such/file.json"], "invalid --cluster"),
+    (["--cluster", '{"w": ["127.0.0.1:0"]}', "--protocol", "grpc+verbs"],
+     "clusterwire[verbs]"),
+    (["--cluster", '{"w": ["127.0.0.1:0"], "v": ["127.0.0.1:0"]}'], "explicit `job_name`"),
+    (["--cluster", '{"w": ["nohost"]}'], "no ':port' part"),
+    (["--cluster", '{"w": ["127.0.0.1:0"]}', "--import", "no_such_module_q"], "no_such_module_q"),
+])
+def test_serve_bad_input_is_one_clear_line(args, message):
+    result = clusterwire("serve", *args)
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_demo_trains_and_reports(tmp_path):
+    result = clusterwire("demo", "--steps", "30", timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "cluster up in" in result.stdout
+    final = [line for line in result.stdout.splitlines() if line.startswith("final loss")]
+    assert final and "MB/s" in final[0]
