@@ -6,15 +6,14 @@ import os
 import threading
 import time
 
+import cw_test_functions as fns
 import numpy as np
 import pytest
+from conftest import child_env
 
 from clusterwire import ClusterSpec, Session
 from clusterwire.errors import DeadlineExceededError, RemoteFunctionError, UnavailableError
 from clusterwire.local_cluster import LocalCluster
-
-import cw_test_functions as fns
-from conftest import child_env
 
 TASKS = ["/job:ps/task:0", "/job:worker/task:0", "/job:worker/task:1"]
 
@@ -109,10 +108,13 @@ def test_barrier_releases_all_tasks_of_a_job_together(cluster3):
 def test_barrier_is_reusable_and_can_arrive_on_behalf_of_another_task(cluster3):
     with Session(cluster3.target("ps")) as session:
         for _ in range(2):
-            done = []
-            waiter = threading.Thread(target=lambda: (
-                session.barrier("again", task="/job:worker/task:0", timeout=20),
-                done.append(True)))
+            done: list[bool] = []
+
+            def arrive_as_worker0(done=done):
+                session.barrier("again", task="/job:worker/task:0", timeout=20)
+                done.append(True)
+
+            waiter = threading.Thread(target=arrive_as_worker0)
             waiter.start()
             session.barrier("again", task="/job:worker/task:1", timeout=20)
             waiter.join(20)

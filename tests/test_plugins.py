@@ -8,12 +8,11 @@ import sys
 import textwrap
 
 import pytest
+from conftest import TESTS_DIR
 
 from clusterwire import ResolverSpec, TransportSpec, hookimpl
 from clusterwire.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError
 from clusterwire.plugins import PluginManager, load_config
-
-from conftest import TESTS_DIR
 
 
 def write(path, text):

@@ -6,6 +6,7 @@ import socket
 import threading
 import time
 
+import cw_test_functions as fns
 import numpy as np
 import pytest
 
@@ -18,8 +19,6 @@ from clusterwire.errors import (
     RemoteFunctionError,
     UnavailableError,
 )
-
-import cw_test_functions as fns
 
 
 @pytest.fixture
