@@ -27,7 +27,7 @@ class Server:
 
     ``Server(server_or_cluster_def, job_name=None, task_index=None,
     protocol=None, config=None, start=True)`` accepts a ``ServerDef``, a
-    ``ClusterDef``, a ``ClusterSpec`` or a dict. ``job_name``, ``task_index``
+    ``ClusterDef``, a ``ClusterSpec``, a dict or a ``ClusterResolver``. ``job_name``, ``task_index``
     and ``protocol`` override the definition; ``config`` is a ``ConfigProto``
     (merged into ``default_session_config``, as in TF) or clusterwire
     ``ServerOptions`` / a dict of its fields (bind_address,
@@ -100,6 +100,24 @@ class Server:
                  for job in cluster.jobs}
         tasks[sd.job_name][sd.task_index] = address
         self._service.cluster = ClusterSpec(tasks)
+
+    @classmethod
+    def from_resolver(cls, resolver: Any, protocol: str | None = None, config: Any = None,
+                      start: bool = True) -> Server:
+        """Start this process's task as ``resolver`` describes it.
+
+        The cluster comes from ``resolver.cluster_spec()``, the task from its
+        ``task_type``/``task_id``, the protocol from ``protocol`` or else the
+        resolver's ``rpc_layer`` (default "grpc").
+        """
+        cluster = resolver.cluster_spec()
+        job, index = resolver.task_type, resolver.task_id
+        if job is None or index is None:
+            raise errors.InvalidArgumentError(
+                f"{type(resolver).__name__} does not say which task this process is "
+                f"(task_type={job!r}, task_id={index!r}); set them on the resolver.")
+        return cls(cluster, job_name=job, task_index=int(index),
+                   protocol=protocol or resolver.rpc_layer or None, config=config, start=start)
 
     @staticmethod
     def create_local_server(config: Any = None, start: bool = True) -> Server:

@@ -33,11 +33,27 @@ def _merge_config(server_def: ServerDef, config: Any) -> None:
             f"ServerOptions fields, got {type(config).__name__}")
 
 
+def _is_resolver(value: Any) -> bool:
+    from clusterwire.cluster_resolver import ClusterResolver
+
+    return isinstance(value, ClusterResolver)
+
+
 def make_server_def(server_or_cluster_def: Any, job_name: str | None = None,
                     task_index: int | None = None, protocol: str | None = None,
                     config: Any = None) -> ServerDef:
-    """A ServerDef from a ServerDef, ClusterDef, ClusterSpec or dict, with TF's defaulting."""
+    """A ServerDef from a ServerDef, ClusterDef, ClusterSpec, dict or ClusterResolver.
+
+    TF's defaulting applies; a resolver contributes its cluster spec, task and
+    rpc_layer, which explicit arguments override.
+    """
     server_def = ServerDef()
+    if _is_resolver(server_or_cluster_def):
+        resolver = server_or_cluster_def
+        server_or_cluster_def = resolver.cluster_spec()
+        job_name = resolver.task_type if job_name is None else job_name
+        task_index = resolver.task_id if task_index is None else task_index
+        protocol = protocol or resolver.rpc_layer or None
     if isinstance(server_or_cluster_def, ServerDef):
         server_def.CopyFrom(server_or_cluster_def)
         if job_name is not None:

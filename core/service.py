@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 import threading
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
