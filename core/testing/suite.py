@@ -1,0 +1,365 @@
+"""The transport conformance checks (see ``clusterwire.testing``)."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from clusterwire import codec, errors
+from clusterwire.local_cluster import READY_PREFIX, LocalCluster
+from clusterwire.plugins import get_plugin_manager
+from clusterwire.server import Server
+from clusterwire.session import Session
+from clusterwire.testing.peer import ANNOUNCE, FAIL, SLEEP, echo_handler
+from clusterwire.transport import Channel, Frame, Listener, ListenOptions, Transport
+
+_MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a transport supports; checks for unsupported features are skipped."""
+
+    #: The listener owns a TCP port that raw bytes can be sent to (malformed-input check).
+    raw_tcp_port: bool = True
+    #: Frames of 256 MiB and more.
+    large_frames: bool = True
+    #: Listener and channel in different processes.
+    cross_process: bool = True
+    #: Servers of this protocol forward requests to each other (a multi-task cluster).
+    cluster: bool = True
+
+
+class _Peer:
+    """A listener in a child process (``python -m clusterwire.testing.peer``)."""
+
+    def __init__(self, protocol: str):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "clusterwire.testing.peer", protocol],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = ""
+        deadline = time.monotonic() + 60
+        while not line.startswith(READY_PREFIX):
+            line = self.proc.stdout.readline()
+            if not line or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"conformance peer for {protocol!r} did not start")
+        self.address = line[len(READY_PREFIX):].strip()
+
+    def wait_for(self, text: str, timeout: float) -> None:
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.append(self.proc.stdout.readline()),
+                                  daemon=True)
+        reader.start()
+        reader.join(timeout)
+        assert lines and lines[0].strip() == text, f"peer did not say {text!r}"
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+        for stream in (self.proc.stdin, self.proc.stdout):
+            stream.close()
+
+
+def _payload(nbytes: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def _same_bytes(received, sent) -> bool:
+    as_bytes = [np.frombuffer(memoryview(b).cast("B"), np.uint8) for b in (received, sent)]
+    return np.array_equal(*as_bytes)
+
+
+class TransportSuite:
+    """Subclass as ``TestXxx`` with ``protocol`` (and ``capabilities``) set."""
+
+    protocol: str = ""
+    capabilities: Capabilities = Capabilities()
+    host: str = "127.0.0.1"
+
+    # -- fixtures ---------------------------------------------------------------------
+
+    @pytest.fixture
+    def transport(self) -> Transport:
+        return get_plugin_manager().transport(self.protocol)
+
+    def _listen(self, transport: Transport, handler=echo_handler,
+                options: ListenOptions | None = None) -> Listener:
+        listener = transport.listen(f"{self.host}:0", handler, options or ListenOptions())
+        listener.start()
+        return listener
+
+    @pytest.fixture
+    def listener(self, transport) -> Iterator[Listener]:
+        listener = self._listen(transport)
+        yield listener
+        listener.stop(0)
+
+    @pytest.fixture
+    def channel(self, transport, listener) -> Iterator[Channel]:
+        channel = transport.connect(listener.address)
+        yield channel
+        channel.close()
+
+    @pytest.fixture
+    def peer(self) -> Iterator[_Peer]:
+        if not self.capabilities.cross_process:
+            pytest.skip(f"{self.protocol} does not run across processes")
+        peer = _Peer(self.protocol)
+        yield peer
+        peer.close()
+
+    def _blocking_listener(self, transport: Transport) -> tuple[Listener, threading.Event]:
+        """A listener whose handler signals entry, then blocks for 5 s."""
+        entered = threading.Event()
+
+        def handler(frame: Frame) -> Frame:
+            entered.set()
+            time.sleep(5)
+            return frame
+
+        return self._listen(transport, handler), entered
+
+    def _echo(self, channel: Channel, header: bytes, buffers, timeout: float = 60) -> Frame:
+        response = channel.call(Frame(header, buffers), timeout=timeout)
+        assert bytes(response.header) == header
+        assert len(response.buffers) == len(buffers)
+        for received, sent in zip(response.buffers, buffers, strict=True):
+            assert _same_bytes(received, sent)
+        return response
+
+    # -- payloads ---------------------------------------------------------------------
+
+    def test_empty_frame(self, channel):
+        self._echo(channel, b"", [])
+
+    def test_header_only_and_empty_buffers(self, channel):
+        self._echo(channel, b"h" * 1000, [b"", np.empty(0, np.uint8), b""])
+
+    def test_small_frame(self, channel):
+        self._echo(channel, b"small", [b"12345678"])
+
+    def test_encoded_values(self, channel):
+        value = {"scalar": np.array(3.5), "strided": np.arange(40.0).reshape(5, 8)[::2, ::3],
+                 "empty": np.zeros((0, 4)), "text": "x", "raw": b"\x00\xff"}
+        header, buffers = codec.encode(value)
+        response = channel.call(Frame(header.SerializeToString(), buffers), timeout=30)
+        from clusterwire.protos.service_pb2 import Value
+
+        result = codec.decode(Value.FromString(bytes(response.header)), list(response.buffers))
+        np.testing.assert_array_equal(result["strided"], value["strided"])
+        assert result["scalar"].shape == () and float(result["scalar"]) == 3.5
+        assert result["empty"].shape == (0, 4) and result["raw"] == b"\x00\xff"
+
+    def test_received_buffers_are_writable_and_owned(self, channel):
+        sent = _payload(4 * _MiB)
+        response = self._echo(channel, b"w", [sent])
+        view = memoryview(response.buffers[0]).cast("B")
+        assert not view.readonly
+        view[0] = (int(sent[0]) + 1) % 256
+        assert view[0] != sent[0]
+
+    def test_many_buffers(self, channel):
+        buffers = [_payload(n, n) for n in range(0, 3000, 3)]
+        self._echo(channel, b"many", buffers)
+
+    def test_multi_megabyte_buffers(self, channel):
+        self._echo(channel, b"mb", [_payload(5 * _MiB + 3, 1), b"tail", _payload(9 * _MiB, 2)])
+
+    def test_256_mib_frame(self, channel):
+        if not self.capabilities.large_frames:
+            pytest.skip(f"{self.protocol} does not carry large frames")
+        self._echo(channel, b"big", [_payload(256 * _MiB, 3)], timeout=120)
+
+    # -- concurrency, deadlines, cancellation ----------------------------------------
+
+    def test_concurrent_calls_from_many_threads(self, channel):
+        failures: list[BaseException] = []
+
+        def worker(seed: int) -> None:
+            try:
+                for i in range(20):
+                    self._echo(channel, f"t{seed}-{i}".encode(), [_payload(1000 + i, seed)])
+            except BaseException as err:  # collected and reported below
+                failures.append(err)
+
+        threads = [threading.Thread(target=worker, args=(s,)) for s in range(16)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not failures, failures[:3]
+
+    def test_deadline(self, channel):
+        started = time.monotonic()
+        with pytest.raises(errors.DeadlineExceededError):
+            channel.call(Frame(SLEEP + b"3", []), timeout=0.3)
+        assert time.monotonic() - started < 2.5
+        self._echo(channel, b"after", [b"x"])
+
+    def test_close_cancels_calls_in_flight(self, transport):
+        listener, entered = self._blocking_listener(transport)
+        channel = transport.connect(listener.address)
+        outcome: list[BaseException] = []
+
+        def call() -> None:
+            try:
+                channel.call(Frame(b"block", []), timeout=30)
+            except errors.OpError as err:
+                outcome.append(err)
+
+        caller = threading.Thread(target=call)
+        caller.start()
+        assert entered.wait(10)
+        started = time.monotonic()
+        channel.close()
+        caller.join(10)
+        listener.stop(0)
+        assert not caller.is_alive()
+        assert outcome and isinstance(outcome[0], (errors.CancelledError,
+                                                   errors.UnavailableError))
+        assert time.monotonic() - started < 2.5
+        with pytest.raises((errors.CancelledError, errors.UnavailableError)):
+            channel.call(Frame(b"closed", []), timeout=5)
+
+    def test_handler_failure_is_an_error_not_a_crash(self, channel):
+        with pytest.raises(errors.OpError):
+            channel.call(Frame(FAIL, []), timeout=10)
+        self._echo(channel, b"still", [b"serving"])
+
+    # -- failures of the peer --------------------------------------------------------
+
+    def test_connect_to_a_closed_port(self, transport):
+        with socket.socket() as probe:
+            probe.bind((self.host, 0))
+            port = probe.getsockname()[1]
+        channel = transport.connect(f"{self.host}:{port}")
+        started = time.monotonic()
+        try:
+            with pytest.raises(errors.UnavailableError):
+                channel.call(Frame(b"x", []), timeout=5)
+        finally:
+            channel.close()
+        assert time.monotonic() - started < 6
+
+    def test_peer_in_another_process(self, transport, peer):
+        channel = transport.connect(peer.address)
+        try:
+            self._echo(channel, b"cross", [_payload(3 * _MiB)])
+        finally:
+            channel.close()
+
+    def test_peer_killed_mid_transfer(self, transport, peer):
+        channel = transport.connect(peer.address)
+        outcome: list[object] = []
+
+        def call() -> None:
+            try:
+                outcome.append(channel.call(Frame(ANNOUNCE + str(256 * _MiB).encode(), []),
+                                            timeout=20))
+            except errors.OpError as err:
+                outcome.append(err)
+
+        caller = threading.Thread(target=call)
+        caller.start()
+        peer.wait_for("ENTERED", 30)
+        peer.proc.send_signal(signal.SIGKILL)
+        caller.join(25)
+        channel.close()
+        assert not caller.is_alive()
+        assert outcome and isinstance(outcome[0], (errors.UnavailableError,
+                                                   errors.AbortedError,
+                                                   errors.CancelledError)), outcome
+
+    def test_stop_with_calls_in_flight(self, transport):
+        listener, entered = self._blocking_listener(transport)
+        channel = transport.connect(listener.address)
+        outcome: list[object] = []
+
+        def call() -> None:
+            try:
+                outcome.append(channel.call(Frame(b"block", []), timeout=30))
+            except errors.OpError as err:
+                outcome.append(err)
+
+        caller = threading.Thread(target=call)
+        caller.start()
+        assert entered.wait(10)
+        started = time.monotonic()
+        listener.stop(0.2)
+        caller.join(15)
+        channel.close()
+        assert not caller.is_alive() and outcome
+        assert isinstance(outcome[0], (errors.CancelledError, errors.UnavailableError)), outcome
+        assert time.monotonic() - started < 10
+
+    # -- limits and malformed input ---------------------------------------------------
+
+    def test_oversized_frame_is_resource_exhausted(self, transport):
+        listener = self._listen(transport, options=ListenOptions(max_message_bytes=_MiB))
+        channel = transport.connect(listener.address)
+        try:
+            with pytest.raises(errors.ResourceExhaustedError):
+                channel.call(Frame(b"big", [_payload(2 * _MiB)]), timeout=30)
+            self._echo(channel, b"fits", [_payload(_MiB // 2)])
+        finally:
+            channel.close()
+            listener.stop(0)
+
+    def test_raw_garbage_does_not_take_the_listener_down(self, listener, channel):
+        if not self.capabilities.raw_tcp_port:
+            pytest.skip(f"{self.protocol} has no raw TCP port")
+        host, port = listener.address.rsplit(":", 1)
+        for payload in (b"\x00" * 100, b"GET / HTTP/1.1\r\n\r\n", bytes(range(256)) * 64,
+                        b"\xff" * 70000):
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=5) as sock:
+                sock.sendall(payload)
+        self._echo(channel, b"after garbage", [b"ok"])
+
+    # -- addresses --------------------------------------------------------------------
+
+    def test_port_zero_gives_a_contact_address(self, listener):
+        host, port = listener.address.rsplit(":", 1)
+        assert host == self.host and int(port) > 0
+
+    def test_busy_port_is_unavailable(self, transport, listener):
+        with pytest.raises(errors.UnavailableError):
+            transport.listen(listener.address, echo_handler, ListenOptions())
+
+    def test_stop_frees_the_port(self, transport):
+        listener = self._listen(transport)
+        listener.stop(0)
+        again = transport.listen(listener.address, echo_handler, ListenOptions())
+        again.stop(0)
+
+    # -- through Server and Session ------------------------------------------------
+
+    def test_server_and_session(self):
+        with Server({"w": [f"{self.host}:0"]}, protocol=self.protocol) as server:
+            assert server.target.startswith(f"{self.protocol}://")
+            with Session(server.target) as session:
+                array = np.arange(1000, dtype=np.float32).reshape(10, 100)
+                session.put("a", array)
+                np.testing.assert_array_equal(session.get("a"), array)
+                assert session.status()["protocol"] == self.protocol
+
+    def test_three_process_cluster(self):
+        if not (self.capabilities.cluster and self.capabilities.cross_process):
+            pytest.skip(f"{self.protocol} does not run multi-process clusters")
+        with LocalCluster({"ps": 1, "worker": 2}, protocol=self.protocol, host=self.host
+                          ) as cluster, Session(cluster.target("worker", 0)) as session:
+            value = _payload(6 * _MiB, 9)
+            for task in ("/job:ps/task:0", "/job:worker/task:1"):
+                session.put("v", value, task=task)
+                assert np.array_equal(session.get("v", task=task), value)
+                assert session.status(task=task)["protocol"] == self.protocol

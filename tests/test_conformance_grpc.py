@@ -1,0 +1,7 @@
+"""The built-in grpc transport passes the conformance kit."""
+
+from clusterwire.testing import TransportSuite
+
+
+class TestGrpcConformance(TransportSuite):
+    protocol = "grpc"
