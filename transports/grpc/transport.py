@@ -40,7 +40,7 @@ _CALL, _UPLOAD, _FETCH = (f"/{SERVICE}/{m}" for m in ("Call", "Upload", "Fetch")
 _CLIENT_LIMIT = 1 << 42
 
 
-def _grpc_error(err: grpc.RpcError, address: str) -> errors.OpError:
+def grpc_error(err: grpc.RpcError, address: str) -> errors.OpError:
     """The clusterwire error for a gRPC failure talking to ``address``."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = (err.details() if hasattr(err, "details") else None) or str(code)
@@ -144,7 +144,7 @@ class GrpcListener(Listener):
                 raise errors.InvalidArgumentError("Malformed frame: Call needs inline buffers.")
             request = Frame(prefix.header, framing.split_inline(message, prefix))
         except errors.OpError as err:
-            context.abort(grpc.StatusCode(_status(err.error_code)), err.message)
+            context.abort(grpc.StatusCode(status_code(err.error_code)), err.message)
         return self._respond(self._handler(request))
 
     def _upload(self, messages: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
@@ -155,7 +155,7 @@ class GrpcListener(Listener):
             prefix = framing.decode_prefix(first, self._limit)
             request = Frame(prefix.header, framing.assemble(messages, prefix.lengths))
         except errors.OpError as err:
-            context.abort(grpc.StatusCode(_status(err.error_code)), err.message)
+            context.abort(grpc.StatusCode(status_code(err.error_code)), err.message)
         return self._respond(self._handler(request))
 
     def _fetch(self, message: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
@@ -167,7 +167,7 @@ class GrpcListener(Listener):
         yield from framing.chunks(views, self._transport.chunk_bytes)
 
 
-def _status(code: int) -> tuple[int, str]:
+def status_code(code: int) -> tuple[int, str]:
     return next(s.value for s in grpc.StatusCode if s.value[0] == code)
 
 
@@ -203,7 +203,7 @@ class GrpcChannel(Channel):
             stream = self._fetch(prefix.fetch_id.to_bytes(8, "little"), timeout=remaining)
             return Frame(prefix.header, framing.assemble(iter(stream), prefix.lengths))
         except grpc.RpcError as err:
-            raise _grpc_error(err, self._address) from None
+            raise grpc_error(err, self._address) from None
         except ValueError as err:  # grpc raises it for a closed channel
             raise errors.CancelledError(f"Channel to {self._address} is closed: {err}") from None
 

@@ -1,0 +1,171 @@
+"""grpc+local: zero-copy in process, sealed shared memory across processes, nothing leaked."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import child_env
+
+from clusterwire import Server, Session
+from clusterwire.errors import UnavailableError
+from clusterwire.local_cluster import LocalCluster
+from clusterwire.transports.local import sealed, wire
+
+MiB = 1 << 20
+
+
+def shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture
+def server():
+    server = Server({"w": ["127.0.0.1:0"]}, protocol="grpc+local")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """Two grpc+local tasks in their own processes."""
+    with LocalCluster({"a": 1, "b": 1}, protocol="grpc+local", env=child_env(),
+                      imports=["cw_test_functions"]) as cluster:
+        yield cluster
+
+
+def test_same_process_get_is_zero_copy_and_read_only(server):
+    with Session(server.target) as session:
+        session.put("x", np.arange(8 * MiB, dtype=np.uint8))
+        first, second = session.get("x"), session.get("x")
+    assert np.shares_memory(first, second)
+    assert not first.flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        first[0] = 1
+
+
+def test_same_process_put_copies_writable_memory(server):
+    array = np.zeros(MiB, np.uint8)
+    with Session(server.target) as session:
+        session.put("x", array)
+        array[:] = 9  # the caller keeps mutating its own array
+        assert session.get("x").sum() == 0
+        frozen = np.ones(MiB, np.uint8)
+        frozen.flags.writeable = False
+        session.put("frozen", frozen)  # immutable: shared, not copied
+        assert np.shares_memory(session.get("frozen"), frozen)
+
+
+def test_cross_process_values_are_sealed_segments_shared_without_copies(pair):
+    value = np.random.default_rng(0).standard_normal(4 * MiB)
+    with Session(pair.target("a")) as session:
+        session.put("v", value, task="/job:b/task:0")
+        first = session.get("v", task="/job:b/task:0")
+        again = session.get("v", task="/job:b/task:0")
+    np.testing.assert_array_equal(first, value)
+    assert sealed.segment_of(first) is not None and not first.flags.writeable
+    fd_a, fd_b = sealed.segment_of(first), sealed.segment_of(again)
+    assert os.fstat(fd_a).st_ino == os.fstat(fd_b).st_ino  # the stored segment, re-sent
+
+
+def test_mixed_small_and_large_values_cross_process(pair):
+    value = {"small": np.arange(10), "large": np.ones((512, 1024)), "text": "t", "b": b"xy"}
+    with Session(pair.target("b")) as session:
+        session.put("m", value, task="/job:a/task:0")
+        result = session.get("m", task="/job:a/task:0")
+        session.delete("m", task="/job:a/task:0")
+    np.testing.assert_array_equal(result["large"], value["large"])
+    assert result["small"].tolist() == list(range(10)) and result["b"] == b"xy"
+
+
+def test_nothing_in_dev_shm_and_no_descriptor_leak(pair):
+    before_shm, before_fds = shm_entries(), open_fds()
+    with Session(pair.target("a")) as session:
+        for i in range(20):
+            session.put("leak", np.full(MiB, i, np.uint8), task="/job:b/task:0")
+            assert session.get("leak", task="/job:b/task:0")[0] == i
+        session.delete("leak", task="/job:b/task:0")
+    gc.collect()
+    assert shm_entries() == before_shm
+    assert open_fds() <= before_fds + 1
+
+
+def test_segments_released_after_a_peer_is_killed():
+    before = shm_entries()
+    with LocalCluster({"a": 1, "b": 1}, protocol="grpc+local", env=child_env(),
+                      config={"peer_timeout_seconds": 2}) as cluster:
+        with Session(cluster.target("a")) as session:
+            session.put("v", np.ones(8 * MiB), task="/job:b/task:0")
+            held = session.get("v", task="/job:b/task:0")
+            victim = cluster.process("b")
+            victim.send_signal(signal.SIGKILL)
+            victim.wait(10)
+            with pytest.raises(UnavailableError):
+                session.get("v", task="/job:b/task:0")
+            assert held.sum() == 8 * MiB  # what we received stays valid
+    del held
+    gc.collect()
+    assert shm_entries() == before
+
+
+def test_server_stop_releases_everything(server):
+    before = open_fds()
+    with Session(server.target) as session:
+        session.put("x", np.ones(2 * MiB))
+    server.stop()
+    gc.collect()
+    assert open_fds() <= before
+    assert not any("clusterwire" in e for e in shm_entries())
+
+
+def rogue_connect(target: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.connect(f"\0clusterwire-local:{target.split('://')[1]}")
+    return sock
+
+
+def test_rogue_unix_client_cannot_take_the_server_down(server):
+    for payload in (b"", b"garbage", b"\x00" * 17, wire.encode_unix(9, 1, 0)):
+        with rogue_connect(server.target) as sock:
+            sock.send(payload)
+    with rogue_connect(server.target) as sock:  # descriptors that are not sealed memfds
+        r, w = os.pipe()
+        socket.send_fds(sock, [wire.encode_unix(wire.SEGMENTS, 1, 2)], [r, w])
+        os.close(r)
+        os.close(w)
+    with Session(server.target) as session:
+        session.put("ok", np.ones(MiB))
+        assert session.get("ok").sum() == MiB
+
+
+def test_unsealed_segment_is_refused():
+    fd = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+    os.ftruncate(fd, 16)
+    with pytest.raises(Exception, match="not sealed"):
+        sealed.open_mapping(fd, 16)
+
+
+def test_a_server_of_another_protocol_is_a_clear_error():
+    with Server({"w": ["127.0.0.1:0"]}, protocol="grpc") as plain:
+        address = plain.target.split("://")[1]
+        with Session(f"grpc+local://{address}", timeout=1) as session:
+            with pytest.raises(UnavailableError, match="same host"):
+                session.get("x")
+
+
+def test_demo_runs_over_grpc_local():
+    result = subprocess.run([sys.executable, "-m", "clusterwire", "demo", "--protocol",
+                             "grpc+local", "--steps", "20"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "final loss" in result.stdout

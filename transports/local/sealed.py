@@ -1,0 +1,115 @@
+"""Sealed memfd segments: tensor bytes shared between processes without /dev/shm names.
+
+A segment is an anonymous ``memfd`` (nothing ever appears in /dev/shm), filled
+once and then sealed against writes, shrinking and growing, so a receiver may
+map it and use it in place, and no side can change the other's data. The
+kernel frees it when the last descriptor and mapping are gone, including when
+a process is SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import resource
+import weakref
+from typing import Any
+
+import numpy as np
+
+from clusterwire.errors import InvalidArgumentError
+
+_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def raise_fd_limit() -> None:
+    """Raise the soft RLIMIT_NOFILE to the hard limit: every stored segment keeps one fd."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+class SealedMapping(mmap.mmap):
+    """A read-only mapping of a sealed segment that remembers its descriptor (for re-sending)."""
+
+    fd: int
+
+
+def create(buffer: Any) -> int:
+    """A new sealed segment holding a copy of ``buffer``; returns its descriptor."""
+    view = memoryview(buffer).cast("B")
+    fd = os.memfd_create("clusterwire", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, view.nbytes)
+        written = 0
+        while written < view.nbytes:
+            written += os.pwrite(fd, view[written:], written)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_mapping(fd: int, length: int) -> np.ndarray:
+    """Map a received segment read-only as a uint8 array; takes ownership of ``fd``.
+
+    Refuses a descriptor that is not a fully sealed segment of ``length`` bytes:
+    a sender could otherwise change the data after handing it over.
+    """
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        size = os.fstat(fd).st_size
+    except OSError as err:
+        os.close(fd)
+        raise InvalidArgumentError(f"Received descriptor is not a memfd segment: {err}") from None
+    if seals & _SEALS != _SEALS or size != length:
+        os.close(fd)
+        raise InvalidArgumentError(
+            f"Received segment is not sealed or has {size} bytes instead of {length}.")
+    if length == 0:
+        os.close(fd)
+        return np.empty(0, np.uint8)
+    mapping = SealedMapping(fd, length, mmap.MAP_SHARED, mmap.PROT_READ)
+    mapping.fd = fd
+    weakref.finalize(mapping, os.close, fd)
+    return np.frombuffer(mapping, np.uint8)
+
+
+def segment_of(buffer: Any) -> int | None:
+    """The descriptor of the sealed segment ``buffer`` is a whole view of, else None."""
+    base = buffer
+    while base is not None:
+        if isinstance(base, SealedMapping):
+            return base.fd if memoryview(buffer).nbytes == len(base) else None
+        base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
+    return None
+
+
+def is_immutable(buffer: Any) -> bool:
+    """True when no one can write the memory behind ``buffer`` (safe to share, not copy)."""
+    base = buffer
+    while base is not None:
+        if isinstance(base, (bytes, SealedMapping)):
+            return True
+        if isinstance(base, memoryview):
+            if not base.readonly:
+                return False
+            base = base.obj
+        elif isinstance(base, np.ndarray):
+            if base.flags.writeable:
+                return False
+            if base.base is None:  # a read-only array owning its memory
+                return True
+            base = base.base
+        else:
+            return False
+    return False
+
+
+def frozen_copy(buffer: Any) -> np.ndarray:
+    """A read-only private copy of ``buffer``."""
+    copy = np.frombuffer(memoryview(buffer).cast("B"), np.uint8).copy()
+    copy.flags.writeable = False
+    return copy

@@ -1,0 +1,462 @@
+"""The "grpc+local" transport: gRPC control plane, shared-memory data plane, same host only.
+
+* Same process: a channel whose listener lives in this process calls the
+  handler directly. Read-only (immutable) buffers are handed over as they
+  are, writable ones are copied once into read-only memory, so neither side
+  can change the other's data; a stored tensor is returned without any copy.
+* Other process on this host: control messages and small buffers travel in
+  one gRPC unary call; larger buffers travel as sealed memfd segments whose
+  descriptors pass over a Unix socket (SCM_RIGHTS) beside the gRPC
+  connection. A receiver maps a segment read-only and uses it in place;
+  a segment received once is re-sent by descriptor, never copied again.
+  Nothing is ever named in /dev/shm: the kernel frees a segment with its
+  last descriptor or mapping, also when a process is SIGKILLed.
+
+Received buffers are read-only; ``.copy()`` an array to modify it.
+Options (plugins.toml ``[options."grpc+local"]``): ``segment_bytes``
+(buffers from this size on travel as segments; default 64 KiB).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent import futures
+from typing import Any
+
+import grpc
+
+from clusterwire import errors
+from clusterwire.addressing import join_host_port, split_host_port
+from clusterwire.transport import (
+    Channel,
+    ConnectionFailed,
+    Frame,
+    Handler,
+    Listener,
+    ListenOptions,
+    Transport,
+)
+from clusterwire.transports.grpc.transport import grpc_error, status_code
+from clusterwire.transports.local import sealed, wire
+
+_METHOD = "/clusterwire.Local/Call"
+_INLINE_BUDGET = 1 << 20
+_SEGMENT_WAIT = 10.0
+_HELLO_WAIT = 2.0
+_MAX_HELD_FDS = 65536
+_in_process: dict[str, LocalListener] = {}
+_in_process_lock = threading.Lock()
+
+
+def _unix_name(address: str) -> str:
+    return f"\0clusterwire-local:{address}"
+
+
+class _Inbox:
+    """Descriptors received on one Unix connection, by transfer id, until claimed."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._items: dict[int, list[int]] = {}
+        self._closed = False
+
+    def add(self, ident: int, fds: list[int]) -> None:
+        with self._cond:
+            held = sum(len(v) for v in self._items.values())
+            if self._closed or held + len(fds) > _MAX_HELD_FDS:
+                _close_all(fds)
+                raise errors.ResourceExhaustedError("Too many unclaimed segments.")
+            self._items.setdefault(ident, []).extend(fds)
+            self._cond.notify_all()
+
+    def take(self, ident: int, count: int, timeout: float) -> list[int]:
+        with self._cond:
+            arrived = self._cond.wait_for(
+                lambda: self._closed or len(self._items.get(ident, ())) >= count, timeout)
+            if self._closed:
+                raise errors.UnavailableError("The shared-memory connection closed.")
+            if not arrived:
+                raise errors.DeadlineExceededError(
+                    f"{count} shared-memory segment(s) of transfer {ident} did not arrive.")
+            fds = self._items.pop(ident)
+        if len(fds) != count:
+            _close_all(fds)
+            raise errors.InvalidArgumentError("More segments than the frame declares.")
+        return fds
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            for fds in self._items.values():
+                _close_all(fds)
+            self._items.clear()
+            self._cond.notify_all()
+
+
+def _shutdown(sock: socket.socket) -> None:
+    """Shut down and close ``sock``; shutdown wakes threads blocked on it."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+
+
+def _close_all(fds: Sequence[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+class _UnixPeer:
+    """One SOCK_SEQPACKET connection: a reader thread filling an inbox, and a locked sender."""
+
+    def __init__(self, sock: socket.socket, on_hello=None):
+        self.sock = sock
+        self.inbox = _Inbox()
+        self._on_hello = on_hello
+        self._send_lock = threading.Lock()
+        self.client_id = 0
+        self._reader = threading.Thread(target=self._read, daemon=True,
+                                        name="clusterwire-local-unix")
+        self._reader.start()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                message, fds, _, _ = socket.recv_fds(self.sock, wire.UNIX_MESSAGE_SIZE,
+                                                     wire.MAX_FDS_PER_MESSAGE)
+                if not message:
+                    _close_all(fds)
+                    break
+                try:
+                    op, ident, count = wire.decode_unix(message)
+                    if count != len(fds):
+                        raise errors.InvalidArgumentError("descriptor count mismatch")
+                except errors.OpError:
+                    _close_all(fds)
+                    break
+                if op == wire.HELLO and not fds and self._on_hello and not self.client_id:
+                    self.client_id = ident
+                    self._on_hello(ident, self)
+                elif op == wire.SEGMENTS:
+                    self.inbox.add(ident, fds)
+                else:
+                    _close_all(fds)
+                    break
+        except (OSError, errors.OpError):
+            pass
+        self.close()
+
+    def send(self, op: int, ident: int, fds: Sequence[int] = ()) -> None:
+        with self._send_lock:
+            if not fds:
+                self.sock.sendmsg([wire.encode_unix(op, ident, 0)])
+            for start in range(0, len(fds), wire.MAX_FDS_PER_MESSAGE):
+                part = list(fds[start:start + wire.MAX_FDS_PER_MESSAGE])
+                socket.send_fds(self.sock, [wire.encode_unix(op, ident, len(part))], part)
+
+    def close(self) -> None:
+        self.inbox.close()
+        _shutdown(self.sock)
+
+
+def _outgoing(buffers: Sequence[Any], threshold: int) -> tuple[list[memoryview], list[int]]:
+    """Views of ``buffers`` and the kind each travels as."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    kinds, inline = [], 0
+    for view in views:
+        small = view.nbytes < threshold and inline + view.nbytes <= _INLINE_BUDGET
+        kinds.append(wire.INLINE if small else wire.SEGMENT)
+        inline += view.nbytes if small else 0
+    return views, kinds
+
+
+def _send_segments(peer: _UnixPeer, ident: int, buffers: Sequence[Any],
+                   kinds: Sequence[int]) -> None:
+    """Send the SEGMENT buffers as sealed segments (re-sending received ones by descriptor)."""
+    fds = []
+    try:
+        for buffer, kind in zip(buffers, kinds, strict=True):
+            if kind == wire.SEGMENT:
+                existing = sealed.segment_of(buffer)
+                fds.append(os.dup(existing) if existing is not None else sealed.create(buffer))
+        if fds:
+            peer.send(wire.SEGMENTS, ident, fds)
+    finally:
+        _close_all(fds)
+
+
+def _received(control: wire.Control, fds: list[int]) -> list[Any]:
+    """The buffers of a control message: inline slices and mapped segments (all read-only)."""
+    buffers, offset, segments = [], 0, iter(fds)
+    inline = control.inline.toreadonly()
+    try:
+        for kind, length in zip(control.kinds, control.lengths, strict=True):
+            if kind == wire.INLINE:
+                buffers.append(inline[offset:offset + length])
+                offset += length
+            else:
+                buffers.append(sealed.open_mapping(next(segments), length))
+    except BaseException:
+        _close_all(list(segments))
+        raise
+    return buffers
+
+
+def _frozen(buffers: Sequence[Any]) -> list[Any]:
+    """Buffers safe to hand to another party in this process: shared if immutable, else copied."""
+    return [memoryview(b).toreadonly() if sealed.is_immutable(b) else sealed.frozen_copy(b)
+            for b in buffers]
+
+
+class LocalListener(Listener):
+    """gRPC control listener plus a Unix socket for segment descriptors."""
+
+    def __init__(self, transport: LocalTransport, address: str, handler: Handler,
+                 options: ListenOptions):
+        self._transport = transport
+        self._handler = handler
+        self._limit = options.max_message_bytes
+        self._pool = futures.ThreadPoolExecutor(options.max_workers,
+                                                thread_name_prefix="clusterwire-local")
+        self._server = grpc.server(
+            self._pool, maximum_concurrent_rpcs=options.max_concurrent_calls,
+            options=[("grpc.so_reuseport", 0), ("grpc.max_send_message_length", -1),
+                     ("grpc.max_receive_message_length", wire.MAX_HEADER_BYTES + (16 << 20))])
+        self._server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+            "clusterwire.Local", {"Call": grpc.unary_unary_rpc_method_handler(self._call)})])
+        host, _ = split_host_port(address)
+        try:
+            port = self._server.add_insecure_port(address)
+        except RuntimeError:
+            port = 0
+        if not port:
+            self._server.stop(None)
+            self._pool.shutdown(wait=False)
+            raise errors.UnavailableError(
+                f"Could not bind {address} (address in use or not local). Choose a free port, "
+                "or port 0 to let the system pick one, and a host name of this machine.")
+        self._address = join_host_port(host, port)
+        self._unix = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self._unix.bind(_unix_name(self._address))
+        except OSError as err:
+            self._unix.close()
+            self._server.stop(None)
+            self._pool.shutdown(wait=False)
+            raise errors.UnavailableError(
+                f"Could not bind the shared-memory socket of {self._address}: {err}") from None
+        self._unix.listen(64)
+        self._clients: dict[int, _UnixPeer] = {}
+        self._clients_lock = threading.Condition()
+        self._stopped = threading.Event()
+        self._started = False
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        self._server.start()
+        threading.Thread(target=self._accept, daemon=True, name="clusterwire-local-accept").start()
+        with _in_process_lock:
+            _in_process[self._address] = self
+
+    def _accept(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                conn, _ = self._unix.accept()
+            except OSError:
+                return
+            _UnixPeer(conn, on_hello=self._register)
+
+    def _register(self, client_id: int, peer: _UnixPeer) -> None:
+        with self._clients_lock:
+            old = self._clients.get(client_id)
+            self._clients[client_id] = peer
+            self._clients_lock.notify_all()
+        if old is not None:
+            old.close()
+
+    def stop(self, grace: float | None = None) -> None:
+        with _in_process_lock:
+            if _in_process.get(self._address) is self:
+                del _in_process[self._address]
+        self._stopped.set()
+        self._server.stop(grace).wait()
+        self._pool.shutdown(wait=False)
+        _shutdown(self._unix)  # also wakes the accept thread, releasing the name
+        with self._clients_lock:
+            peers, self._clients = list(self._clients.values()), {}
+        for peer in peers:
+            peer.close()
+
+    def _call(self, message: bytes, context: grpc.ServicerContext) -> bytes:
+        try:
+            control = wire.decode_control(message, self._limit)
+            with self._clients_lock:
+                # The client's HELLO races its first call: give the Unix reader a moment.
+                self._clients_lock.wait_for(lambda: control.client_id in self._clients,
+                                            _HELLO_WAIT)
+                peer = self._clients.get(control.client_id)
+            segments = control.kinds.count(wire.SEGMENT)
+            if peer is None:
+                raise errors.FailedPreconditionError(
+                    "No shared-memory connection from this client: grpc+local needs client "
+                    "and server on the same host.")
+            fds = peer.inbox.take(control.transfer_id, segments, _SEGMENT_WAIT) if segments else []
+            request = Frame(control.header, _received(control, fds))
+            response = self._handler(request)
+            views, kinds = _outgoing(response.buffers, self._transport.segment_bytes)
+            _send_segments(peer, control.transfer_id, response.buffers, kinds)
+            return wire.encode_control(response.header, kinds, views, 0, control.transfer_id)
+        except errors.OpError as err:
+            context.abort(grpc.StatusCode(status_code(err.error_code)), err.message)
+        except OSError as err:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"shared-memory connection failed: {err}")
+
+    def call_in_process(self, frame: Frame, timeout: float | None,
+                        cancelled: threading.Event) -> Frame:
+        """Serve ``frame`` from this process, zero-copy for immutable buffers."""
+        if self._stopped.is_set():
+            raise ConnectionFailed(f"The server at {self._address} is stopped.")
+        if frame.payload_bytes > self._limit:
+            raise errors.ResourceExhaustedError(
+                f"Frame of {frame.payload_bytes} bytes exceeds the limit of {self._limit} "
+                "bytes (max_message_bytes).")
+        request = Frame(frame.header, _frozen(frame.buffers))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            future = self._pool.submit(self._handler, request)
+        except RuntimeError:  # the pool shut down
+            raise errors.CancelledError(f"The server at {self._address} stopped.") from None
+        finished = threading.Event()
+        future.add_done_callback(lambda _: finished.set())
+        # Wake at once on completion; check for close/stop/deadline between short waits.
+        while not finished.wait(0.05):
+            if self._stopped.is_set():
+                raise errors.CancelledError(f"The server at {self._address} stopped.")
+            if cancelled.is_set():
+                raise errors.CancelledError("The channel was closed.")
+            if deadline is not None and time.monotonic() > deadline:
+                raise errors.DeadlineExceededError(f"No response within {timeout} s.")
+        try:
+            response = future.result()
+        except Exception as err:
+            raise errors.InternalError(f"Handler failed: {type(err).__name__}: {err}") from None
+        return Frame(response.header, _frozen(response.buffers))
+
+
+class LocalChannel(Channel):
+    """A channel to a grpc+local listener of this host (or of this process)."""
+
+    def __init__(self, transport: LocalTransport, address: str):
+        split_host_port(address)
+        self._transport = transport
+        self._address = address
+        self._client_id = secrets.randbits(63) + 1
+        self._ids = itertools.count(1)
+        self._channel = grpc.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", wire.MAX_HEADER_BYTES + (16 << 20)),
+            ("grpc.max_send_message_length", -1)])
+        self._unary = self._channel.unary_unary(_METHOD)
+        self._peer: _UnixPeer | None = None
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+
+    def _unix_peer(self) -> _UnixPeer:
+        with self._lock:
+            if self._closed.is_set():
+                raise errors.CancelledError(f"Channel to {self._address} is closed.")
+            if self._peer is None or self._peer.inbox._closed:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                try:
+                    sock.connect(_unix_name(self._address))
+                except OSError as err:
+                    sock.close()
+                    raise ConnectionFailed(
+                        f"cannot reach a grpc+local server at {self._address} on this host "
+                        f"({err}); grpc+local connects only tasks of the same host.") from None
+                self._peer = _UnixPeer(sock)
+                self._peer.send(wire.HELLO, self._client_id)
+            return self._peer
+
+    def call(self, frame: Frame, timeout: float | None = None) -> Frame:
+        with _in_process_lock:
+            local = _in_process.get(self._address)
+        if self._closed.is_set():
+            raise errors.CancelledError(f"Channel to {self._address} is closed.")
+        if local is not None:
+            return local.call_in_process(frame, timeout, self._closed)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        peer = self._unix_peer()
+        transfer_id = next(self._ids)
+        views, kinds = _outgoing(frame.buffers, self._transport.segment_bytes)
+        try:
+            _send_segments(peer, transfer_id, frame.buffers, kinds)
+            future = self._unary.future(
+                wire.encode_control(frame.header, kinds, views, self._client_id, transfer_id),
+                timeout=timeout)
+            reply = self._wait(future)
+        except grpc.RpcError as err:
+            raise grpc_error(err, self._address) from None
+        except OSError as err:
+            raise errors.UnavailableError(
+                f"shared-memory connection to {self._address} failed: {err}") from None
+        control = wire.decode_control(reply, 1 << 42)
+        segments = control.kinds.count(wire.SEGMENT)
+        remaining = _SEGMENT_WAIT if deadline is None else max(deadline - time.monotonic(), 0.01)
+        fds = peer.inbox.take(transfer_id, segments, remaining) if segments else []
+        return Frame(control.header, _received(control, fds))
+
+    def _wait(self, future: grpc.Future) -> bytes:
+        """The reply, or CancelledError as soon as the channel is closed."""
+        done = threading.Event()
+        future.add_done_callback(lambda _: done.set())
+        while not done.wait(0.05):
+            if self._closed.is_set():
+                future.cancel()
+                raise errors.CancelledError(f"Channel to {self._address} was closed.")
+        return future.result()
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            peer, self._peer = self._peer, None
+        if peer is not None:
+            peer.close()
+        self._channel.close()
+
+
+class LocalTransport(Transport):
+    """Same-host transport: in-process hand-off or sealed shared-memory segments."""
+
+    protocol = "grpc+local"
+
+    def __init__(self, options: Mapping[str, Any] | None = None):
+        options = dict(options or {})
+        self.segment_bytes = int(options.pop("segment_bytes", 64 << 10))
+        if self.segment_bytes <= 0:
+            raise errors.InvalidArgumentError("grpc+local option segment_bytes must be > 0.")
+        if options:
+            raise errors.InvalidArgumentError(
+                f"Unknown option(s) for grpc+local: {sorted(options)}; known: segment_bytes.")
+        sealed.raise_fd_limit()
+
+    def listen(self, address: str, handler: Handler, options: ListenOptions) -> Listener:
+        return LocalListener(self, address, handler, options)
+
+    def connect(self, address: str) -> Channel:
+        return LocalChannel(self, address)
+
+    def info(self) -> dict[str, str]:
+        return {"control": "grpc", "data": "in-process hand-off / sealed memfd segments",
+                "segment_bytes": str(self.segment_bytes)}

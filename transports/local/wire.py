@@ -1,0 +1,101 @@
+"""Message layouts of the grpc+local transport.
+
+Control message (one gRPC unary call each way)::
+
+    "CWL1" | header_len u32 | count u32 | client id u64 | transfer id u64 |
+    (kind u8, length u64) * count | header | inline bytes
+
+``kind`` 0: the buffer is inline (concatenated after the header); 1: it
+travels as a sealed memfd segment over the peer's Unix socket, under the
+transfer id. Unix-socket messages (SOCK_SEQPACKET, descriptors as SCM_RIGHTS)::
+
+    "CWU1" | op u8 | id u64 | count u32        op HELLO (id = client id) / SEGMENTS
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from clusterwire.errors import InvalidArgumentError, ResourceExhaustedError
+
+INLINE, SEGMENT = 0, 1
+_CONTROL = struct.Struct("<4sIIQQ")
+_ENTRY = struct.Struct("<BQ")
+_UNIX = struct.Struct("<4sBQI")
+HELLO, SEGMENTS = 1, 2
+MAX_BUFFERS = 1 << 20
+MAX_HEADER_BYTES = 64 << 20
+MAX_FDS_PER_MESSAGE = 250  # below the kernel's SCM_MAX_FD (253)
+
+
+@dataclass
+class Control:
+    """A decoded control message."""
+
+    header: bytes
+    kinds: list[int]
+    lengths: list[int]
+    client_id: int
+    transfer_id: int
+    inline: memoryview
+
+
+def encode_control(header: bytes, kinds: Sequence[int], views: Sequence[memoryview],
+                   client_id: int, transfer_id: int) -> bytes:
+    """A control message; only INLINE buffers' bytes are included."""
+    entries = b"".join(_ENTRY.pack(k, v.nbytes) for k, v in zip(kinds, views, strict=True))
+    inline = [v for k, v in zip(kinds, views, strict=True) if k == INLINE]
+    return b"".join([_CONTROL.pack(b"CWL1", len(header), len(views), client_id, transfer_id),
+                     entries, header, *inline])
+
+
+def decode_control(message: bytes, limit: int) -> Control:
+    """Parse and validate a control message before anything is allocated."""
+    if len(message) < _CONTROL.size:
+        raise InvalidArgumentError(f"Malformed frame: {len(message)} bytes is too short.")
+    magic, header_len, count, client_id, transfer_id = _CONTROL.unpack_from(message)
+    if magic != b"CWL1":
+        raise InvalidArgumentError(f"Malformed frame: bad magic {magic!r}.")
+    if count > MAX_BUFFERS or header_len > MAX_HEADER_BYTES:
+        raise ResourceExhaustedError(f"Frame declares {count} buffers, {header_len} header bytes.")
+    offset = _CONTROL.size + _ENTRY.size * count
+    if len(message) < offset + header_len:
+        raise InvalidArgumentError("Malformed frame: truncated.")
+    kinds, lengths = [], []
+    for i in range(count):
+        kind, length = _ENTRY.unpack_from(message, _CONTROL.size + _ENTRY.size * i)
+        if kind not in (INLINE, SEGMENT):
+            raise InvalidArgumentError(f"Malformed frame: buffer kind {kind}.")
+        kinds.append(kind)
+        lengths.append(length)
+    if sum(lengths) > limit:
+        raise ResourceExhaustedError(
+            f"Frame of {sum(lengths)} bytes exceeds the limit of {limit} bytes "
+            "(max_message_bytes).")
+    inline = memoryview(message)[offset + header_len:]
+    expected = sum(n for k, n in zip(kinds, lengths, strict=True) if k == INLINE)
+    if inline.nbytes != expected:
+        raise InvalidArgumentError(
+            f"Malformed frame: {inline.nbytes} inline bytes, declared {expected}.")
+    header = bytes(message[offset:offset + header_len])
+    return Control(header, kinds, lengths, client_id, transfer_id, inline)
+
+
+def encode_unix(op: int, ident: int, count: int) -> bytes:
+    """A Unix-socket message (descriptors travel beside it)."""
+    return _UNIX.pack(b"CWU1", op, ident, count)
+
+
+def decode_unix(message: bytes) -> tuple[int, int, int]:
+    """(op, id, count) of a Unix-socket message."""
+    if len(message) != _UNIX.size:
+        raise InvalidArgumentError("Malformed unix-socket message.")
+    magic, op, ident, count = _UNIX.unpack(message)
+    if magic != b"CWU1" or op not in (HELLO, SEGMENTS):
+        raise InvalidArgumentError("Malformed unix-socket message.")
+    return op, ident, count
+
+
+UNIX_MESSAGE_SIZE = _UNIX.size
