@@ -1,4 +1,4 @@
-"""The ``clusterwire`` command: serve, status, plugins, demo."""
+"""The ``clusterwire`` command: serve, resolve, status, plugins, demo."""
 
 from __future__ import annotations
 
@@ -24,6 +24,50 @@ def _json_arg(text: str, what: str) -> Any:
         raise SystemExit(f"clusterwire: invalid {what} {text!r}: {err}") from None
 
 
+def _resolver_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``--jobs ps=1,worker=3`` and ``--resolver-arg KEY=VALUE`` (VALUE as JSON, else text)."""
+    kwargs: dict[str, Any] = {}
+    for item in args.resolver_args:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise SystemExit(f"clusterwire: --resolver-arg {item!r} must be KEY=VALUE")
+        try:
+            kwargs[key] = json.loads(value)
+        except json.JSONDecodeError:
+            kwargs[key] = value
+    if args.jobs:
+        try:
+            kwargs["jobs"] = {job: int(count) for job, _, count in
+                              (part.partition("=") for part in args.jobs.split(","))}
+        except ValueError:
+            raise SystemExit(
+                f"clusterwire: --jobs {args.jobs!r} must be like ps=1,worker=3") from None
+    return kwargs
+
+
+def _make_resolver(args: argparse.Namespace) -> Any:
+    """The ClusterResolver named by ``--resolver``, built through the plugin manager."""
+    from clusterwire.plugins import get_plugin_manager
+
+    return get_plugin_manager().resolver_spec(args.resolver).factory(**_resolver_kwargs(args))
+
+
+def _add_resolver_args(parser: argparse.ArgumentParser, required: bool) -> None:
+    parser.add_argument("--resolver", required=required, metavar="NAME",
+                        help="cluster resolver (see `clusterwire plugins`), e.g. slurm, tfconfig")
+    parser.add_argument("--jobs", help="jobs and task counts for the resolver, e.g. ps=1,worker=3")
+    parser.add_argument("--resolver-arg", dest="resolver_args", action="append", default=[],
+                        metavar="KEY=VALUE", help="resolver argument (VALUE as JSON, else text)")
+
+
+def _resolve(args: argparse.Namespace) -> int:
+    resolver = _make_resolver(args)
+    print(json.dumps({"cluster": resolver.cluster_spec().as_dict(), "task_type": resolver.task_type,
+                      "task_id": resolver.task_id, "master": resolver.master(),
+                      "rpc_layer": resolver.rpc_layer}, indent=2))
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     from clusterwire.local_cluster import READY_PREFIX
     from clusterwire.server import Server
@@ -33,10 +77,16 @@ def _serve(args: argparse.Namespace) -> int:
             importlib.import_module(module)
         except ImportError as err:
             raise SystemExit(f"clusterwire serve: cannot --import {module!r}: {err}") from None
-    cluster = _json_arg(args.cluster, "--cluster")
     config = _json_arg(args.config, "--config") if args.config else None
-    server = Server(cluster, job_name=args.job_name, task_index=args.task_index,
-                    protocol=args.protocol, config=config)
+    if args.resolver:
+        if args.cluster:
+            raise SystemExit("clusterwire serve: give --cluster or --resolver, not both")
+        server = Server.from_resolver(_make_resolver(args), protocol=args.protocol, config=config)
+    elif args.cluster:
+        server = Server(_json_arg(args.cluster, "--cluster"), job_name=args.job_name,
+                        task_index=args.task_index, protocol=args.protocol, config=config)
+    else:
+        raise SystemExit("clusterwire serve: give --cluster JSON or --resolver NAME")
 
     def on_signal(signum: int, _frame: Any) -> None:
         threading.Thread(target=server.stop, args=(args.grace,), daemon=True).start()
@@ -86,8 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run one task of a cluster until SIGINT/SIGTERM")
-    serve.add_argument("--cluster", required=True,
+    serve.add_argument("--cluster",
                        help='cluster spec as JSON or @file, e.g. \'{"worker": ["127.0.0.1:0"]}\'')
+    _add_resolver_args(serve, required=False)
     serve.add_argument("--job-name")
     serve.add_argument("--task-index", type=int)
     serve.add_argument("--protocol", default=None, help="transport protocol (default: grpc)")
@@ -98,6 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds in-flight requests get at shutdown (default 5)")
     serve.add_argument("--quiet", action="store_true", help="no banner on stderr")
     serve.set_defaults(run=_serve)
+
+    resolve = commands.add_parser(
+        "resolve", help="print a resolver's cluster, this task and the master as JSON")
+    _add_resolver_args(resolve, required=True)
+    resolve.set_defaults(run=_resolve)
 
     status = commands.add_parser("status", help="print a task's status as JSON")
     status.add_argument("target", help="e.g. grpc://127.0.0.1:2222")

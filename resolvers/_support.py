@@ -1,0 +1,40 @@
+"""What every resolver shares: errors that are both clusterwire and TF exceptions, optional imports.
+
+TensorFlow's resolvers raise ``ValueError``, ``RuntimeError``, ``KeyError`` or
+``ImportError``; code written for TF catches those. clusterwire raises classes
+that are also ``clusterwire.errors`` classes, so both ``except ValueError`` and
+``except errors.InvalidArgumentError`` work.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from clusterwire import errors
+
+
+class ResolverValueError(errors.InvalidArgumentError, ValueError):
+    """Malformed input (environment variable, argument); a ValueError where TF raises one."""
+
+
+class ResolverRuntimeError(errors.FailedPreconditionError, RuntimeError):
+    """The environment does not allow resolving (e.g. not inside a Slurm step)."""
+
+
+class ResolverKeyError(errors.InvalidArgumentError, KeyError):
+    """A task defined twice when merging clusters (TF raises KeyError)."""
+
+
+class MissingDependencyError(errors.FailedPreconditionError, ImportError):
+    """An optional dependency of a resolver is not installed; names the extra to install."""
+
+
+def import_optional(module: str, extra: str, resolver: str) -> ModuleType:
+    """Import ``module``, else MissingDependencyError naming the extra to pip install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise MissingDependencyError(
+            f"{resolver} needs the {module.split('.')[0]!r} package, which is not installed "
+            f"({err}). Install it with: pip install 'clusterwire[{extra}]'") from None
