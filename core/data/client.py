@@ -1,0 +1,155 @@
+"""``distribute``, ``register_dataset`` and ``from_dataset_id``: reading through the service.
+
+They take tf.data service's arguments and perform its checks. A distributed
+dataset is a ``Dataset`` whose source is the service, so further
+transformations run in the client; each iteration is a new job (with
+``job_name``: the job named ``job_name`` for that iteration, shared with the
+other consumers using that name).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from clusterwire.data import compression as snappy
+from clusterwire.data import graph
+from clusterwire.data.dataset import Dataset
+from clusterwire.data.modes import (
+    COMPRESSION_SNAPPY,
+    check_consumers,
+    check_job_name,
+    check_max_outstanding,
+    check_target_workers,
+    compression_name,
+    parse_service,
+    sharding_policy,
+)
+from clusterwire.data.pipeline import Source
+from clusterwire.data.reader import _MAX_ELEMENTS, JobReader, ReadOptions
+from clusterwire.data.rpc import DispatcherClient
+from clusterwire.protos.data_service_pb2 import (
+    DataRequest,
+    GetDatasetRequest,
+    RegisterDatasetRequest,
+)
+
+# How long a client keeps retrying an unavailable dispatcher (e.g. while it restarts).
+DISPATCHER_RETRY_S = 60.0
+
+
+def _dispatcher(service: Any) -> DispatcherClient:
+    protocol, address = parse_service(service)
+    return DispatcherClient(protocol, address, DISPATCHER_RETRY_S)
+
+
+def register_dataset(service: Any, dataset: Dataset, compression: str | None = "AUTO",
+                     dataset_id: str | None = None) -> str:
+    """Register ``dataset`` with the dispatcher at ``service``; returns its dataset id.
+
+    An equal dataset registered before gets the same id; an explicit
+    ``dataset_id`` already used by a different dataset is an
+    InvalidArgumentError.
+    """
+    wire = compression_name(compression)
+    if wire == COMPRESSION_SNAPPY:
+        snappy.require()
+    if not isinstance(dataset, Dataset):
+        raise TypeError(f"`dataset` must be a clusterwire.data.Dataset, got {dataset!r}")
+    if dataset_id is not None and (not isinstance(dataset_id, str) or not dataset_id):
+        raise ValueError(f"`dataset_id` must be a non-empty string, got {dataset_id!r}")
+    definition, buffers = graph.to_def(dataset.pipeline)
+    client = _dispatcher(service)
+    try:
+        response, _ = client.call(DataRequest(register_dataset=RegisterDatasetRequest(
+            dataset=definition, dataset_id=dataset_id or "", compression=wire)), buffers)
+    finally:
+        client.close()
+    return response.register_dataset.dataset_id
+
+
+class ServiceSource(Source):
+    """The source of a distributed dataset: jobs of the tf.data service."""
+
+    def __init__(self, service: Any, options: ReadOptions):
+        self._service = service
+        self._options = options
+        self._iterations = itertools.count()
+
+    def iterate(self) -> Iterator[Any]:
+        reader = JobReader(_dispatcher(self._service), self._options, next(self._iterations))
+        try:
+            yield from reader
+        finally:
+            reader.close()
+
+
+def from_dataset_id(processing_mode: Any, service: Any, dataset_id: str,
+                    element_spec: Any = None, job_name: str | None = None,
+                    consumer_index: int | None = None, num_consumers: int | None = None,
+                    max_outstanding_requests: int | None = None,
+                    data_transfer_protocol: str | None = None,
+                    cross_trainer_cache: Any = None,
+                    target_workers: str = "AUTO") -> Dataset:
+    """A dataset reading the registered dataset ``dataset_id`` through the service.
+
+    ``element_spec`` and ``cross_trainer_cache`` are accepted for TF
+    compatibility; clusterwire elements describe themselves and there is no
+    cross-trainer cache. An unknown id is a NotFoundError.
+    """
+    del element_spec, cross_trainer_cache
+    policy = sharding_policy(processing_mode)
+    job_name = check_job_name(job_name)
+    consumers = check_consumers(job_name, consumer_index, num_consumers)
+    outstanding = check_max_outstanding(max_outstanding_requests)
+    target = check_target_workers(target_workers)
+    client = _dispatcher(service)
+    try:
+        response, _ = client.call(DataRequest(get_dataset=GetDatasetRequest(
+            dataset_id=str(dataset_id))))
+    finally:
+        client.close()
+    accepted = response.get_dataset.compression if snappy.available() else ""
+    if response.get_dataset.compression == COMPRESSION_SNAPPY:
+        snappy.require()
+    options = ReadOptions(
+        dataset_id=str(dataset_id), policy=policy, job_name=job_name,
+        consumer_index=consumer_index, num_consumers=consumers,
+        max_elements=min(outstanding or _MAX_ELEMENTS, _MAX_ELEMENTS),
+        data_transfer_protocol=data_transfer_protocol, compression=accepted,
+        target_workers=target)
+    return Dataset(ServiceSource(service, options))
+
+
+def distribute(processing_mode: Any, service: Any, job_name: str | None = None,
+               consumer_index: int | None = None, num_consumers: int | None = None,
+               max_outstanding_requests: int | None = None,
+               data_transfer_protocol: str | None = None, compression: str | None = "AUTO",
+               cross_trainer_cache: Any = None, target_workers: str = "AUTO"
+               ) -> Callable[[Dataset], Dataset]:
+    """A transformation for ``Dataset.apply`` that reads the dataset through the service.
+
+    ``processing_mode``: "parallel_epochs" (every worker produces the whole
+    dataset), "distributed_epoch" (workers share splits of the source; every
+    element once) or a ShardingPolicy. ``service``: the dispatcher's target
+    ("grpc://host:port", "host:port" or a (protocol, address) tuple).
+    """
+    policy = sharding_policy(processing_mode)
+    parse_service(service)
+    job_name = check_job_name(job_name)
+    check_consumers(job_name, consumer_index, num_consumers)
+    check_max_outstanding(max_outstanding_requests)
+    check_target_workers(target_workers)
+    compression_name(compression)
+
+    def apply(dataset: Dataset) -> Dataset:
+        dataset_id = register_dataset(service, dataset, compression)
+        return from_dataset_id(policy, service, dataset_id, job_name=job_name,
+                               consumer_index=consumer_index, num_consumers=num_consumers,
+                               max_outstanding_requests=max_outstanding_requests,
+                               data_transfer_protocol=data_transfer_protocol,
+                               cross_trainer_cache=cross_trainer_cache,
+                               target_workers=target_workers)
+
+    return apply

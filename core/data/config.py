@@ -1,0 +1,120 @@
+"""DispatcherConfig and WorkerConfig: TF's field names, defaults and time rules.
+
+Time fields follow TF: ``None`` leaves the choice to the runtime (stored as
+0) and an explicit 0 means "as small as possible" (stored as 1). The runtime
+defaults (``runtime_ms``) are TF's. ``allow_cloudpickle`` (and the
+dispatcher's ``bind_address``) are clusterwire additions.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+from clusterwire.addressing import split_host_port
+
+# Runtime defaults for time fields left at None.
+JOB_GC_CHECK_INTERVAL_MS = 10 * 60 * 1000
+JOB_GC_TIMEOUT_MS = 5 * 60 * 1000
+WORKER_TIMEOUT_MS = 60 * 1000
+CLIENT_TIMEOUT_MS = 2 * 60 * 1000
+HEARTBEAT_INTERVAL_MS = 30 * 1000
+DISPATCHER_TIMEOUT_MS = 60 * 60 * 1000
+
+
+def time_field(value: Any, name: str) -> int:
+    """TF's mapping of a time argument: None -> 0 (runtime default), 0 -> 1."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"`{name}` must be an int number of milliseconds, got {value!r}")
+    return 1 if value == 0 else value
+
+
+def runtime_ms(value: int, default: int) -> int:
+    """A stored time field as the runtime uses it (0 -> ``default``)."""
+    return default if value == 0 else value
+
+
+def _port(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
+        raise ValueError(f"`port` must be an int in 0..65535, got {value!r}")
+    return value
+
+
+_DISPATCHER_FIELDS = ("port", "protocol", "work_dir", "fault_tolerant_mode", "worker_addresses",
+                      "job_gc_check_interval_ms", "job_gc_timeout_ms", "worker_timeout_ms",
+                      "allow_cloudpickle", "bind_address")
+_WORKER_FIELDS = ("dispatcher_address", "worker_address", "port", "protocol",
+                  "heartbeat_interval_ms", "dispatcher_timeout_ms", "data_transfer_protocol",
+                  "data_transfer_address", "allow_cloudpickle")
+
+
+class DispatcherConfig(collections.namedtuple("DispatcherConfig", _DISPATCHER_FIELDS)):
+    """Configuration of a DispatchServer (``tf.data.experimental.service.DispatcherConfig``).
+
+    ``work_dir`` holds the journal and dataset payloads; ``fault_tolerant_mode``
+    journals state there (fsync'd) so a restarted dispatcher continues.
+    ``worker_addresses`` fixes the workers for static sharding.
+    ``job_gc_timeout_ms=-1`` never collects jobs. ``bind_address`` is the host
+    the dispatcher binds ("localhost"; "0.0.0.0" for every IPv4 interface).
+    """
+
+    def __new__(cls, port: int = 0, protocol: str | None = None, work_dir: str | None = None,
+                fault_tolerant_mode: bool = False, worker_addresses: list[str] | None = None,
+                job_gc_check_interval_ms: int | None = None,
+                job_gc_timeout_ms: int | None = None, worker_timeout_ms: int | None = None,
+                allow_cloudpickle: bool = False, bind_address: str = "localhost"):
+        gc_timeout = -1 if job_gc_timeout_ms == -1 else time_field(
+            job_gc_timeout_ms, "job_gc_timeout_ms")
+        if worker_addresses is not None:
+            worker_addresses = list(worker_addresses)
+            for address in worker_addresses:
+                split_host_port(address.replace("%port%", "0"))
+        return super().__new__(
+            cls, _port(port), protocol or "grpc", work_dir, bool(fault_tolerant_mode),
+            worker_addresses, time_field(job_gc_check_interval_ms, "job_gc_check_interval_ms"),
+            gc_timeout, time_field(worker_timeout_ms, "worker_timeout_ms"),
+            bool(allow_cloudpickle), bind_address)
+
+
+class WorkerConfig(collections.namedtuple("WorkerConfig", _WORKER_FIELDS)):
+    """Configuration of a WorkerServer (``tf.data.experimental.service.WorkerConfig``).
+
+    ``worker_address`` is what the dispatcher tells clients (``%port%`` is
+    replaced by the bound port); the worker binds its host.
+    ``data_transfer_protocol`` serves elements over a second transport at
+    ``data_transfer_address`` (``%dts_port%``: its bound port).
+    """
+
+    def __new__(cls, dispatcher_address: str | None = None, worker_address: str | None = None,
+                port: int = 0, protocol: str | None = None,
+                heartbeat_interval_ms: int | None = None,
+                dispatcher_timeout_ms: int | None = None,
+                data_transfer_protocol: str | None = None,
+                data_transfer_address: str | None = None, allow_cloudpickle: bool = False):
+        if dispatcher_address is None:
+            raise ValueError("Must specify a `dispatcher_address`.")
+        if not isinstance(dispatcher_address, str) or not dispatcher_address:
+            raise ValueError(f"`dispatcher_address` must be a non-empty string, got "
+                             f"{dispatcher_address!r}")
+        worker_address = worker_address or "localhost:%port%"
+        split_host_port(worker_address.replace("%port%", "0"))
+        return super().__new__(
+            cls, dispatcher_address, worker_address, _port(port), protocol or "grpc",
+            time_field(heartbeat_interval_ms, "heartbeat_interval_ms"),
+            time_field(dispatcher_timeout_ms, "dispatcher_timeout_ms"),
+            data_transfer_protocol, data_transfer_address or "localhost:%dts_port%",
+            bool(allow_cloudpickle))
+
+
+def as_config(config: Any, cls: type) -> Any:
+    """``config`` as ``cls`` (a DispatcherConfig/WorkerConfig, a dict of fields, or None)."""
+    if config is None:
+        return None
+    if isinstance(config, cls):
+        return config
+    if isinstance(config, dict):
+        return cls(**config)
+    raise TypeError(f"config must be a {cls.__name__} or a dict of its fields, got "
+                    f"{type(config).__name__}")

@@ -1,0 +1,393 @@
+"""DispatchServer: registers datasets, creates jobs, hands out splits, tracks workers.
+
+It never runs user code and never sees elements: workers produce them and
+consumers read them from the workers. In fault-tolerant mode every decision
+is journaled (fsync'd) in ``work_dir`` before it is answered, so a dispatcher
+restarted on the same port and work_dir continues where it died.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from typing import Any
+
+from clusterwire import errors
+from clusterwire.data import graph
+from clusterwire.data.config import (
+    CLIENT_TIMEOUT_MS,
+    JOB_GC_CHECK_INTERVAL_MS,
+    JOB_GC_TIMEOUT_MS,
+    WORKER_TIMEOUT_MS,
+    DispatcherConfig,
+    as_config,
+    runtime_ms,
+)
+from clusterwire.data.dispatcher_state import DispatcherState, Job
+from clusterwire.data.journal import Journal, ReadReport, read_payload, write_payload
+from clusterwire.data.modes import STATIC_POLICIES, ShardingPolicy
+from clusterwire.data.pipeline import INFINITE, split_plan
+from clusterwire.data.rpc import Endpoint
+from clusterwire.protos.data_service_pb2 import (
+    DataRequest,
+    DataResponse,
+    JobInfo,
+    JournalDataset,
+    JournalEntry,
+    JournalJob,
+    JournalSplit,
+    JournalSplitsDone,
+)
+
+_SPLITS_PER_WORKER = 8
+_MAX_SPLIT_UNITS = 4096
+_WILDCARDS = ("", "0.0.0.0", "::", "[::]")
+
+
+class DispatchServer:
+    """A tf.data service dispatcher (``tf.data.experimental.service.DispatchServer``).
+
+    ``DispatchServer(port=0, protocol="grpc", start=True, config=None)``; as in
+    TF, a ``DispatcherConfig`` may also be the first argument. ``port`` and
+    ``protocol`` override the config's. The protocol is any installed
+    transport. ``target`` is ``protocol://host:port`` with the bound port.
+    """
+
+    def __init__(self, port: Any = None, protocol: str | None = None, start: bool = True,
+                 config: DispatcherConfig | dict | None = None):
+        if isinstance(port, (DispatcherConfig, dict)):
+            port, config = None, port
+        config = as_config(config, DispatcherConfig) or DispatcherConfig()
+        if port is not None:
+            config = config._replace(port=DispatcherConfig(port=port).port)
+        if protocol is not None:
+            config = config._replace(protocol=protocol)
+        if config.fault_tolerant_mode and not config.work_dir:
+            raise ValueError(
+                "Cannot enable fault tolerant mode without configuring a work dir. Make sure "
+                "to set `work_dir` in the `config` object passed to `DispatcherServer`.")
+        self._config = config
+        self._worker_timeout = runtime_ms(config.worker_timeout_ms, WORKER_TIMEOUT_MS) / 1000
+        self._gc_interval = runtime_ms(config.job_gc_check_interval_ms,
+                                       JOB_GC_CHECK_INTERVAL_MS) / 1000
+        self._gc_timeout = (None if config.job_gc_timeout_ms == -1 else
+                            runtime_ms(config.job_gc_timeout_ms, JOB_GC_TIMEOUT_MS) / 1000)
+        self._client_timeout = CLIENT_TIMEOUT_MS / 1000
+        self._state = DispatcherState()
+        self._cond = threading.Condition()
+        self._journal: Journal | None = None
+        self.journal_report = ReadReport([])
+        if config.fault_tolerant_mode:
+            self._journal = Journal(config.work_dir)
+            self.journal_report = self._replay(self._journal)
+        host = config.bind_address
+        self._host = "localhost" if host in _WILDCARDS else host
+        self._endpoint = Endpoint(config.protocol, host or "0.0.0.0", config.port, self._handle,
+                                  "The tf.data service dispatcher")
+        self._stopping = threading.Event()
+        self._stopped = threading.Event()
+        self._started = False
+        self._lock = threading.Lock()
+        self._gc_thread = threading.Thread(target=self._gc_loop, daemon=True,
+                                           name="clusterwire-data-gc")
+        self._finalizer = weakref.finalize(self, _shutdown, self._endpoint, self._stopping,
+                                           self._journal, None)
+        if start:
+            self.start()
+
+    def _replay(self, journal: Journal) -> ReadReport:
+        report = journal.read()
+        for entry in report.entries:
+            buffers = None
+            if entry.WhichOneof("kind") == "dataset":
+                buffers = read_payload(self._config.work_dir, entry.dataset.dataset_id,
+                                       list(entry.dataset.buffer_lengths))
+            self._state.apply(entry, buffers)
+        return report
+
+    # ---- lifecycle ----
+
+    @property
+    def target(self) -> str:
+        """``protocol://host:port`` that clients and workers use."""
+        return f"{self._config.protocol}://{self._host}:{self._endpoint.port}"
+
+    @property
+    def config(self) -> DispatcherConfig:
+        """The configuration, with the bound port."""
+        return self._config._replace(port=self._endpoint.port)
+
+    def start(self) -> None:
+        """Start serving (idempotent); FailedPreconditionError after stop()."""
+        with self._lock:
+            if self._stopped.is_set():
+                raise errors.FailedPreconditionError("This dispatcher was stopped.")
+            if not self._started:
+                self._endpoint.start()
+                self._gc_thread.start()
+                self._started = True
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Block until the server is stopped (or ``timeout`` passes); True once stopped."""
+        return self._stopped.wait(timeout)
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stop serving and free the port (idempotent)."""
+        if self._finalizer.detach() is not None:
+            _shutdown(self._endpoint, self._stopping, self._journal, grace)
+            with self._cond:
+                self._cond.notify_all()
+        self._stopped.set()
+
+    def __enter__(self) -> DispatchServer:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.stop()
+
+    def num_workers(self) -> int:
+        """How many workers are alive (heard from within worker_timeout_ms)."""
+        with self._cond:
+            return len(self._state.live_workers(self._worker_timeout))
+
+    def num_jobs(self) -> int:
+        """How many jobs exist (not yet garbage collected)."""
+        with self._cond:
+            return len(self._state.jobs)
+
+    # ---- decisions ----
+
+    def _commit(self, entry: JournalEntry, buffers: list[Any] | None = None) -> None:
+        """Journal (fault-tolerant mode) and apply one decision; call with the lock held."""
+        if self._journal is not None:
+            self._journal.append(entry)
+        self._state.apply(entry, buffers)
+        self._cond.notify_all()
+
+    def _handle(self, request: DataRequest, buffers: list[Any]) -> tuple[DataResponse, list]:
+        kind = request.WhichOneof("kind")
+        handler = getattr(self, f"_on_{kind}", None) if kind else None
+        if handler is None or kind == "get_elements":
+            raise errors.UnimplementedError(
+                f"The dispatcher does not serve {kind!r} requests (is this a worker address?).")
+        return handler(getattr(request, kind), buffers)
+
+    def _on_register_dataset(self, request, buffers):
+        if not self._config.allow_cloudpickle:
+            graph.check_no_pickled(request.dataset)
+        graph.from_def(request.dataset, buffers, False, resolve=False)  # rejects malformed
+        fingerprint = graph.fingerprint(request.dataset, buffers)
+        with self._cond:
+            dataset_id = request.dataset_id
+            if dataset_id:
+                known = self._state.datasets.get(dataset_id)
+                if known is not None:
+                    if known.fingerprint != fingerprint:
+                        raise errors.InvalidArgumentError(
+                            "Datasets with the same ID should have the same structure: "
+                            f"dataset id {dataset_id!r} is already registered with a "
+                            "different dataset.")
+                    return self._registered(dataset_id), []
+            else:
+                known_id = self._state.by_fingerprint.get(fingerprint)
+                if known_id is not None:
+                    return self._registered(known_id), []
+                dataset_id = str(self._state.next_dataset_id)
+            lengths = [memoryview(b).nbytes for b in buffers]
+            if self._journal is not None:
+                write_payload(self._config.work_dir, dataset_id, buffers)
+            self._commit(JournalEntry(dataset=JournalDataset(
+                dataset_id=dataset_id, fingerprint=fingerprint,
+                compression=request.compression, dataset=request.dataset,
+                buffer_lengths=lengths)), buffers)
+        return self._registered(dataset_id), []
+
+    @staticmethod
+    def _registered(dataset_id: str) -> DataResponse:
+        response = DataResponse()
+        response.register_dataset.dataset_id = dataset_id
+        return response
+
+    def _dataset(self, dataset_id: str):
+        record = self._state.datasets.get(dataset_id)
+        if record is None:
+            raise errors.NotFoundError(f"Dataset id {dataset_id} not found.")
+        return record
+
+    def _on_get_dataset(self, request, _buffers):
+        with self._cond:
+            record = self._dataset(request.dataset_id)
+        response = DataResponse()
+        response.get_dataset.dataset.CopyFrom(record.dataset)
+        response.get_dataset.compression = record.compression
+        return response, record.buffers
+
+    def _on_get_or_create_job(self, request, _buffers):
+        policy = ShardingPolicy(request.sharding_policy)
+        with self._cond:
+            record = self._dataset(request.dataset_id)
+            job_id = self._state.job_keys.get(request.job_key)
+            if job_id is None:
+                job_id = self._create_job(request, record, policy)
+            job = self._state.jobs[job_id]
+            if job.info.sharding_policy != policy:
+                raise errors.InvalidArgumentError(
+                    f"Tried to create job with name {request.job_key.rsplit('/', 1)[0]!r} "
+                    f"and processing mode {policy.name}, but found an existing job with "
+                    f"different processing mode {ShardingPolicy(job.info.sharding_policy).name}.")
+            job.last_active = time.monotonic()
+            response = DataResponse()
+            response.job.CopyFrom(job.info)
+            response.job.workers.extend(self._workers_for(job))
+        return response, []
+
+    def _create_job(self, request, record, policy: ShardingPolicy) -> int:
+        pipe = graph.from_def(record.dataset, record.buffers, False, resolve=False)
+        order = self._config.worker_addresses
+        if policy in STATIC_POLICIES and not order:
+            raise errors.FailedPreconditionError(
+                f"Static sharding policy <{policy.name}> requires configuring "
+                "`worker_addresses` in DispatcherConfig, so the dispatcher knows which "
+                "worker reads which shard.")
+        if policy == ShardingPolicy.FILE and not pipe.source.has_files():
+            raise errors.InvalidArgumentError(
+                "Sharding policy FILE needs a dataset read from files (Dataset.from_files); "
+                "use DATA or FILE_OR_DATA.")
+        if request.num_consumers:
+            cardinality = pipe.cardinality()
+            if cardinality != INFINITE:
+                raise errors.FailedPreconditionError(
+                    "Round robin reads require that the input dataset has infinite "
+                    f"cardinality, but the dataset has cardinality {cardinality}.")
+            if policy != ShardingPolicy.OFF:
+                raise errors.InvalidArgumentError(
+                    "Round robin reads (consumer_index/num_consumers) need "
+                    "processing_mode='parallel_epochs'.")
+        info = JobInfo(job_id=self._state.next_job_id, dataset_id=record.dataset_id,
+                       sharding_policy=policy, num_consumers=request.num_consumers,
+                       compression=record.compression)
+        if policy in STATIC_POLICIES:
+            info.worker_order.extend(order)
+        job = JournalJob(job=info, job_key=request.job_key, named=request.named)
+        if policy == ShardingPolicy.DYNAMIC:
+            plan = split_plan(pipe)
+            workers = max(1, len(self._state.live_workers(self._worker_timeout)))
+            units = min(max(1, -(-plan.units // (workers * _SPLITS_PER_WORKER))),
+                        _MAX_SPLIT_UNITS)
+            job.split_units = -(-units // plan.align) * plan.align
+            job.total_units, job.epochs = plan.units, plan.epochs
+        self._commit(JournalEntry(job=job))
+        return info.job_id
+
+    def _workers_for(self, job: Job) -> list:
+        order = list(job.info.worker_order) or None
+        return self._state.live_workers(self._worker_timeout, order)
+
+    def _job(self, job_id: int) -> Job:
+        job = self._state.jobs.get(job_id)
+        if job is None:
+            raise errors.NotFoundError(
+                f"Job {job_id} not found: it finished and was garbage collected after "
+                "job_gc_timeout_ms without consumers.")
+        return job
+
+    def _seen(self, job: Job, consumer: str) -> None:
+        now = time.monotonic()
+        job.consumers[consumer] = now
+        job.last_active = now
+
+    def _on_client_heartbeat(self, request, _buffers):
+        with self._cond:
+            job = self._job(request.job_id)
+            if request.release:
+                job.consumers.pop(request.consumer_id, None)
+                job.released.add(request.consumer_id)
+                job.last_active = time.monotonic()
+            else:
+                self._seen(job, request.consumer_id)
+            if (request.finished and not job.info.finished
+                    and job.info.sharding_policy != ShardingPolicy.DYNAMIC):
+                self._commit(JournalEntry(finished_job=job.info.job_id))
+            response = DataResponse()
+            response.client_heartbeat.workers.extend(self._workers_for(job))
+            response.client_heartbeat.job_finished = job.info.finished
+        return response, []
+
+    def _on_get_split(self, request, _buffers):
+        with self._cond:
+            job = self._job(request.job_id)
+            self._seen(job, request.consumer_id)
+            return self._next_split(job, request.consumer_id, set(request.held),
+                                    list(request.done)), []
+
+    def _next_split(self, job: Job, consumer: str, held: set[int], done: list[int]
+                    ) -> DataResponse:
+        done_here = [s for s in done if job.assigned.get(s) == consumer or s in job.pool]
+        if done_here:
+            self._commit(JournalEntry(done=JournalSplitsDone(
+                job_id=job.info.job_id, consumer_id=consumer, split_ids=done_here)))
+        response = DataResponse()
+        result = response.get_split
+        lost = [s for s, c in job.assigned.items() if c == consumer and s not in held]
+        if lost:  # assigned before, but the answer never reached the consumer
+            split_id = min(lost)
+        elif job.pool or job.next_split < job.total_splits:
+            split_id = job.pool[0] if job.pool else job.next_split
+            self._commit(JournalEntry(assign=JournalSplit(
+                job_id=job.info.job_id, split_id=split_id, consumer_id=consumer)))
+        else:
+            if not any(c == consumer for c in job.assigned.values()):
+                result.end_of_splits = True
+            if job.all_splits_done and not job.info.finished:
+                self._commit(JournalEntry(finished_job=job.info.job_id))
+            return response
+        result.has_split = True
+        result.split.split_id = split_id
+        result.split.unit_start, result.split.unit_end = job.split_range(split_id)
+        return response
+
+    def _on_worker_heartbeat(self, request, _buffers):
+        worker = request.worker
+        order = self._config.worker_addresses
+        if order and worker.address not in order:
+            raise errors.FailedPreconditionError(
+                f"Worker {worker.address} is not in the dispatcher's configured "
+                f"worker_addresses {order}.")
+        with self._cond:
+            if self._state.workers.get(worker.address) != worker:
+                self._commit(JournalEntry(worker=worker))
+            self._state.worker_seen[worker.address] = time.monotonic()
+            response = DataResponse()
+            response.worker_heartbeat.live_jobs.extend(self._state.jobs)
+        return response, []
+
+    # ---- garbage collection ----
+
+    def _gc_loop(self) -> None:
+        while not self._stopping.wait(self._gc_interval):
+            with self._cond:
+                self._collect(time.monotonic())
+
+    def _collect(self, now: float) -> None:
+        for job in list(self._state.jobs.values()):
+            for consumer, seen in list(job.consumers.items()):
+                if now - seen > self._client_timeout:
+                    del job.consumers[consumer]
+                    mine = [s for s, c in job.assigned.items() if c == consumer]
+                    if mine:
+                        self._commit(JournalEntry(returned=JournalSplitsDone(
+                            job_id=job.info.job_id, consumer_id=consumer, split_ids=mine)))
+            if (self._gc_timeout is not None and not job.consumers
+                    and now - job.last_active > self._gc_timeout):
+                self._commit(JournalEntry(removed_job=job.info.job_id))
+
+
+def _shutdown(endpoint: Endpoint, stopping: threading.Event, journal: Journal | None,
+              grace: float | None) -> None:
+    stopping.set()
+    try:
+        endpoint.stop(grace)
+    finally:
+        if journal is not None:
+            journal.close()

@@ -1,0 +1,144 @@
+"""The dispatcher's durable state, changed only by applying journal entries.
+
+Every decision the dispatcher makes is expressed as a ``JournalEntry`` that
+is first written to the journal (in fault-tolerant mode) and then applied
+here; a restarted dispatcher applies the journal's entries and is back in
+the same state. Liveness (heartbeat times) is not journaled: after a replay
+every known worker and consumer counts as just seen.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from clusterwire.protos.data_service_pb2 import (
+    DatasetDef,
+    JobInfo,
+    JournalEntry,
+    WorkerInfo,
+)
+
+
+@dataclass
+class DatasetRecord:
+    """A registered dataset."""
+
+    dataset_id: str
+    fingerprint: str
+    compression: str
+    dataset: DatasetDef
+    buffers: list[Any]
+
+
+@dataclass
+class Job:
+    """A job: a dataset being read in one processing mode by one or more consumers."""
+
+    info: JobInfo
+    key: str
+    named: bool
+    split_units: int = 0
+    total_units: int = 0
+    epochs: int = 1
+    next_split: int = 0
+    assigned: dict[int, str] = field(default_factory=dict)  # split id -> consumer id
+    pool: list[int] = field(default_factory=list)  # splits given back, to hand out again
+    consumers: dict[str, float] = field(default_factory=dict)  # consumer -> last seen
+    released: set[str] = field(default_factory=set)
+    last_active: float = field(default_factory=time.monotonic)
+
+    @property
+    def splits_per_epoch(self) -> int:
+        if self.total_units == 0:
+            return 0
+        return -(-self.total_units // self.split_units)
+
+    @property
+    def total_splits(self) -> float:
+        """Splits in the job (inf when it repeats forever)."""
+        per_epoch = self.splits_per_epoch
+        if per_epoch == 0:
+            return 0
+        return float("inf") if self.epochs < 0 else per_epoch * self.epochs
+
+    def split_range(self, split_id: int) -> tuple[int, int]:
+        """The source units ``[start, end)`` of a split."""
+        start = (split_id % self.splits_per_epoch) * self.split_units
+        return start, min(start + self.split_units, self.total_units)
+
+    @property
+    def all_splits_done(self) -> bool:
+        return self.next_split >= self.total_splits and not self.assigned and not self.pool
+
+
+class DispatcherState:
+    """Datasets, jobs, split assignments and workers; mutated by ``apply`` only."""
+
+    def __init__(self) -> None:
+        self.datasets: dict[str, DatasetRecord] = {}
+        self.by_fingerprint: dict[str, str] = {}
+        self.jobs: dict[int, Job] = {}
+        self.job_keys: dict[str, int] = {}
+        self.workers: dict[str, WorkerInfo] = {}
+        self.worker_seen: dict[str, float] = {}
+        self.next_job_id = 1
+        self.next_dataset_id = 1000
+
+    def apply(self, entry: JournalEntry, buffers: list[Any] | None = None) -> None:
+        """Apply one decision (``buffers``: a dataset entry's payload buffers)."""
+        kind = entry.WhichOneof("kind")
+        now = time.monotonic()
+        if kind == "dataset":
+            d = entry.dataset
+            self.datasets[d.dataset_id] = DatasetRecord(
+                d.dataset_id, d.fingerprint, d.compression, d.dataset, list(buffers or []))
+            self.by_fingerprint.setdefault(d.fingerprint, d.dataset_id)
+            if d.dataset_id.isdigit():
+                self.next_dataset_id = max(self.next_dataset_id, int(d.dataset_id) + 1)
+        elif kind == "job":
+            j = entry.job
+            info = JobInfo()
+            info.CopyFrom(j.job)
+            self.jobs[info.job_id] = Job(info, j.job_key, j.named, j.split_units,
+                                         j.total_units, j.epochs)
+            self.job_keys[j.job_key] = info.job_id
+            self.next_job_id = max(self.next_job_id, info.job_id + 1)
+        elif kind == "assign":
+            job = self.jobs.get(entry.assign.job_id)
+            if job is not None:
+                split = entry.assign.split_id
+                job.assigned[split] = entry.assign.consumer_id
+                job.next_split = max(job.next_split, split + 1)
+                if split in job.pool:
+                    job.pool.remove(split)
+                job.consumers.setdefault(entry.assign.consumer_id, now)
+        elif kind in ("done", "returned"):
+            record = getattr(entry, kind)
+            job = self.jobs.get(record.job_id)
+            if job is not None:
+                for split in record.split_ids:
+                    job.assigned.pop(split, None)
+                    if kind == "returned":
+                        job.pool.append(split)
+                    elif split in job.pool:
+                        job.pool.remove(split)
+        elif kind == "finished_job":
+            job = self.jobs.get(entry.finished_job)
+            if job is not None:
+                job.info.finished = True
+        elif kind == "removed_job":
+            job = self.jobs.pop(entry.removed_job, None)
+            if job is not None and self.job_keys.get(job.key) == job.info.job_id:
+                del self.job_keys[job.key]
+        elif kind == "worker":
+            self.workers[entry.worker.address] = entry.worker
+            self.worker_seen[entry.worker.address] = now
+
+    def live_workers(self, timeout_s: float, order: list[str] | None = None) -> list[WorkerInfo]:
+        """Workers heard from within ``timeout_s``, in ``order`` if given (static sharding)."""
+        now = time.monotonic()
+        names = order if order is not None else sorted(self.workers)
+        return [self.workers[a] for a in names
+                if a in self.workers and now - self.worker_seen.get(a, 0) <= timeout_s]

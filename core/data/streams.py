@@ -1,0 +1,117 @@
+"""A worker's element stream: a producer thread filling a bounded buffer of encoded elements.
+
+Consumers take elements first come, first served. Each consumer's last
+batch is remembered under its request sequence number, so a retried request
+(its answer was lost) gets the same elements again rather than losing them;
+the consumer's next sequence number releases them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from clusterwire import errors
+from clusterwire.data.elements import Encoded
+
+MAX_BUFFERED_BYTES = 64 << 20
+MAX_BUFFERED_ELEMENTS = 8192
+
+
+def pipeline_error(err: BaseException) -> errors.OpError:
+    """A clusterwire error for an exception raised inside a dataset pipeline."""
+    if isinstance(err, errors.OpError):
+        return err
+    return errors.RemoteFunctionError(
+        f"The input pipeline raised on a tf.data service worker: {err}",
+        f"{type(err).__module__}.{type(err).__qualname__}", traceback.format_exc())
+
+
+class Stream:
+    """Elements of one pipeline run, produced ahead on a thread, read by consumers."""
+
+    def __init__(self, elements: Iterator[Any], encode: Callable[[Any], Encoded],
+                 max_bytes: int = MAX_BUFFERED_BYTES, max_elements: int = MAX_BUFFERED_ELEMENTS):
+        self._cond = threading.Condition()
+        self._ready: deque[Encoded] = deque()
+        self._ready_bytes = 0
+        self._max_bytes, self._max_elements = max_bytes, max_elements
+        self._done = False
+        self._closed = False
+        self._error: errors.OpError | None = None
+        self._claims: dict[str, tuple[int, list[Encoded], bool]] = {}
+        self.last_used = time.monotonic()
+        self._thread = threading.Thread(target=self._produce, args=(elements, encode),
+                                        daemon=True, name="clusterwire-data-stream")
+        self._thread.start()
+
+    def _produce(self, elements: Iterator[Any], encode: Callable[[Any], Encoded]) -> None:
+        try:
+            for element in elements:
+                encoded = encode(element)
+                with self._cond:
+                    self._cond.wait_for(lambda: self._closed or (
+                        self._ready_bytes < self._max_bytes
+                        and len(self._ready) < self._max_elements))
+                    if self._closed:
+                        return
+                    self._ready.append(encoded)
+                    self._ready_bytes += encoded.nbytes
+                    self._cond.notify_all()
+        except BaseException as err:  # handed to the consumer that reaches it
+            error = pipeline_error(err)
+            with self._cond:
+                self._error = error
+        finally:
+            close = getattr(elements, "close", None)
+            if close is not None:
+                close()
+            with self._cond:
+                self._done = True
+                self._cond.notify_all()
+
+    def fetch(self, consumer: str, seq: int, max_elements: int, max_bytes: int,
+              wait: float) -> tuple[list[Encoded], bool]:
+        """Up to ``max_elements``/``max_bytes`` elements (at least one if any come within
+        ``wait`` s) and whether the stream has ended after them."""
+        with self._cond:
+            self.last_used = time.monotonic()
+            last = self._claims.get(consumer)
+            if last is not None and last[0] == seq:
+                return last[1], last[2]
+            self._cond.wait_for(lambda: self._ready or self._done or self._closed, wait)
+            if self._closed:
+                raise errors.CancelledError("The stream was closed (job removed or worker "
+                                            "stopping).")
+            taken: list[Encoded] = []
+            size = 0
+            while self._ready and len(taken) < max_elements and (
+                    not taken or size + self._ready[0].nbytes <= max_bytes):
+                element = self._ready.popleft()
+                taken.append(element)
+                size += element.nbytes
+            self._ready_bytes -= size
+            if not self._ready and self._done and self._error is not None and not taken:
+                raise self._error
+            end = self._done and not self._ready and self._error is None
+            self._claims[consumer] = (seq, taken, end)
+            self._cond.notify_all()
+            return taken, end
+
+    @property
+    def finished(self) -> bool:
+        """Produced and handed out completely."""
+        with self._cond:
+            return self._done and not self._ready
+
+    def close(self) -> None:
+        """Stop producing and drop buffered elements."""
+        with self._cond:
+            self._closed = True
+            self._ready.clear()
+            self._claims.clear()
+            self._cond.notify_all()

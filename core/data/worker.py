@@ -1,0 +1,263 @@
+"""WorkerServer: runs dataset pipelines and serves their elements to consumers.
+
+A worker registers with the dispatcher and heartbeats; it learns datasets
+from the dispatcher on first use and starts a stream when a consumer first
+asks for one (a whole dataset, a static shard, or one split of the source).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import weakref
+from typing import Any
+
+from clusterwire import errors
+from clusterwire.addressing import split_host_port, split_target
+from clusterwire.data import compression, elements, graph
+from clusterwire.data.config import (
+    DISPATCHER_TIMEOUT_MS,
+    HEARTBEAT_INTERVAL_MS,
+    WorkerConfig,
+    as_config,
+    runtime_ms,
+)
+from clusterwire.data.modes import COMPRESSION_SNAPPY, ShardingPolicy
+from clusterwire.data.pipeline import FilesSource, Pipeline, split_plan
+from clusterwire.data.rpc import DispatcherClient, Endpoint
+from clusterwire.data.streams import Stream
+from clusterwire.protos.data_service_pb2 import (
+    DataRequest,
+    DataResponse,
+    GetDatasetRequest,
+    StreamSpec,
+    WorkerHeartbeatRequest,
+    WorkerInfo,
+)
+
+_IDLE_STREAM_S = 600.0
+_FINISHED_STREAM_S = 30.0
+_FIRST_REGISTRATION_S = 5.0
+
+
+def _substitute(address: str, placeholder: str, port: int) -> str:
+    return address.replace(placeholder, str(port))
+
+
+class WorkerServer:
+    """A tf.data service worker (``tf.data.experimental.service.WorkerServer``).
+
+    ``WorkerServer(port=0, dispatcher_address=None, protocol="grpc",
+    start=True, config=None)``; as in TF, a ``WorkerConfig`` may be the first
+    argument. ``dispatcher_address`` is ``host:port`` (a ``protocol://``
+    prefix is accepted). Without a dispatcher address: ValueError.
+    """
+
+    def __init__(self, port: Any = None, dispatcher_address: str | None = None,
+                 protocol: str | None = None, start: bool = True,
+                 config: WorkerConfig | dict | None = None):
+        if isinstance(port, (WorkerConfig, dict)):
+            port, config = None, port
+        config = as_config(config, WorkerConfig)
+        if config is None:
+            config = WorkerConfig(dispatcher_address=dispatcher_address, port=port or 0,
+                                  protocol=protocol)
+        else:
+            overrides = {k: v for k, v in (("dispatcher_address", dispatcher_address),
+                                           ("port", port), ("protocol", protocol))
+                         if v is not None}
+            config = WorkerConfig(**{**config._asdict(), **overrides})
+        self._config = config
+        host = split_host_port(_substitute(config.worker_address, "%port%", 0))[0]
+        self._endpoint = Endpoint(config.protocol, host, config.port, self._handle,
+                                  "The tf.data service worker")
+        info = WorkerInfo(address=_substitute(config.worker_address, "%port%",
+                                              self._endpoint.port),
+                          protocol=config.protocol)
+        self._transfer: Endpoint | None = None
+        try:
+            if config.data_transfer_protocol:
+                transfer_host = split_host_port(
+                    _substitute(config.data_transfer_address, "%dts_port%", 0))[0]
+                self._transfer = Endpoint(config.data_transfer_protocol, transfer_host, 0,
+                                          self._handle, "The tf.data service worker")
+                info.transfer_protocol = config.data_transfer_protocol
+                info.transfer_address = _substitute(config.data_transfer_address, "%dts_port%",
+                                                    self._transfer.port)
+        except BaseException:
+            self._endpoint.stop(0)
+            raise
+        self._info = info
+        _, dispatcher = split_target(config.dispatcher_address)
+        self._dispatcher = DispatcherClient(
+            config.protocol, dispatcher,
+            runtime_ms(config.dispatcher_timeout_ms, DISPATCHER_TIMEOUT_MS) / 1000)
+        self._heartbeat_s = runtime_ms(config.heartbeat_interval_ms, HEARTBEAT_INTERVAL_MS) / 1000
+        self._lock = threading.Lock()
+        self._streams: dict[tuple[int, int, str, int], Stream] = {}
+        self._datasets: dict[str, Pipeline] = {}
+        self._dataset_locks: dict[str, threading.Lock] = {}
+        self._stopping = threading.Event()
+        self._stopped = threading.Event()
+        self._started = False
+        self._registered = threading.Event()
+        self._heartbeats = threading.Thread(target=self._heartbeat_loop, daemon=True,
+                                            name="clusterwire-data-heartbeat")
+        self._finalizer = weakref.finalize(self, _shutdown, self._endpoints(), self._stopping,
+                                           self._dispatcher, self._streams, None)
+        if start:
+            self.start()
+
+    def _endpoints(self) -> list[Endpoint]:
+        return [e for e in (self._endpoint, self._transfer) if e is not None]
+
+    # ---- lifecycle ----
+
+    @property
+    def address(self) -> str:
+        """The worker address the dispatcher tells clients."""
+        return self._info.address
+
+    @property
+    def config(self) -> WorkerConfig:
+        """The configuration, with the bound port."""
+        return self._config._replace(port=self._endpoint.port)
+
+    def start(self) -> None:
+        """Serve and register with the dispatcher (waits briefly for the registration)."""
+        with self._lock:
+            if self._stopped.is_set():
+                raise errors.FailedPreconditionError("This worker was stopped.")
+            if self._started:
+                return
+            for endpoint in self._endpoints():
+                endpoint.start()
+            self._heartbeats.start()
+            self._started = True
+        self._registered.wait(_FIRST_REGISTRATION_S)
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Block until the server is stopped (or ``timeout`` passes); True once stopped."""
+        return self._stopped.wait(timeout)
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stop serving, stop every pipeline and free the port (idempotent)."""
+        if self._finalizer.detach() is not None:
+            _shutdown(self._endpoints(), self._stopping, self._dispatcher, self._streams, grace)
+        self._stopped.set()
+
+    def __enter__(self) -> WorkerServer:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.stop()
+
+    # ---- dispatcher ----
+
+    def _heartbeat_loop(self) -> None:
+        request = DataRequest(worker_heartbeat=WorkerHeartbeatRequest(worker=self._info))
+        while not self._stopping.is_set():
+            try:
+                response, _ = self._dispatcher.call(request)
+            except errors.CancelledError:
+                return
+            except errors.OpError:
+                if self._stopping.wait(min(self._heartbeat_s, 1.0)):
+                    return
+                continue
+            self._registered.set()
+            self._drop_streams(set(response.worker_heartbeat.live_jobs))
+            if self._stopping.wait(self._heartbeat_s):
+                return
+
+    def _drop_streams(self, live_jobs: set[int]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            dead = [key for key, stream in self._streams.items()
+                    if key[0] not in live_jobs or now - stream.last_used > _IDLE_STREAM_S
+                    or (key[1] >= 0 and stream.finished
+                        and now - stream.last_used > _FINISHED_STREAM_S)]
+            streams = [self._streams.pop(key) for key in dead]
+        for stream in streams:
+            stream.close()
+
+    def _pipeline(self, dataset_id: str) -> Pipeline:
+        with self._lock:
+            found = self._datasets.get(dataset_id)
+            lock = self._dataset_locks.setdefault(dataset_id, threading.Lock())
+        if found is not None:
+            return found
+        with lock:
+            with self._lock:
+                found = self._datasets.get(dataset_id)
+            if found is None:
+                response, buffers = self._dispatcher.call(
+                    DataRequest(get_dataset=GetDatasetRequest(dataset_id=dataset_id)))
+                found = graph.from_def(response.get_dataset.dataset, buffers,
+                                       self._config.allow_cloudpickle)
+                with self._lock:
+                    self._datasets[dataset_id] = found
+        return found
+
+    # ---- serving ----
+
+    def _handle(self, request: DataRequest, _buffers: list[Any]) -> tuple[DataResponse, list]:
+        if request.WhichOneof("kind") != "get_elements":
+            raise errors.UnimplementedError(
+                f"A tf.data service worker serves element reads, not "
+                f"{request.WhichOneof('kind')!r} (is this the dispatcher's address?).")
+        read = request.get_elements
+        spec = read.stream
+        key = ((spec.job_id, spec.split_id, read.consumer_id, spec.attempt) if spec.is_split
+               else (spec.job_id, -1, "", 0))
+        with self._lock:
+            stream = self._streams.get(key)
+        if stream is None:
+            stream = self._open(spec, read.offset, key)
+        taken, end = stream.fetch(read.consumer_id, read.request_seq, max(read.max_elements, 1),
+                                  read.max_bytes or (8 << 20), read.wait_seconds)
+        response = DataResponse()
+        response.get_elements.elements.extend(e.header for e in taken)
+        response.get_elements.end_of_stream = end
+        return response, [b for e in taken for b in e.buffers]
+
+    def _open(self, spec: StreamSpec, offset: int, key: tuple) -> Stream:
+        if spec.compression == COMPRESSION_SNAPPY:
+            compression.require()
+        mode = spec.compression if compression.available() else ""
+        elements_iter = self._elements(self._pipeline(spec.dataset_id), spec)
+        if spec.is_split and offset:
+            elements_iter = itertools.islice(elements_iter, offset, None)
+        with self._lock:
+            stream = self._streams.get(key)
+            if stream is None:
+                stream = self._streams[key] = Stream(
+                    elements_iter, lambda e: elements.encode(e, mode))
+        return stream
+
+    @staticmethod
+    def _elements(pipe: Pipeline, spec: StreamSpec):
+        if spec.is_split:
+            plan = split_plan(pipe)
+            return pipe.run(lambda: pipe.source.read(spec.unit_start, spec.unit_end), plan.ops)
+        policy = ShardingPolicy(spec.sharding_policy)
+        if spec.num_shards and policy in (ShardingPolicy.FILE, ShardingPolicy.FILE_OR_DATA) \
+                and pipe.source.has_files():
+            paths = pipe.source.paths[spec.shard_index::spec.num_shards]  # type: ignore
+            return pipe.run(FilesSource(tuple(paths)).iterate)
+        if spec.num_shards and policy in (ShardingPolicy.DATA, ShardingPolicy.FILE_OR_DATA):
+            return itertools.islice(pipe.run(), spec.shard_index, None, spec.num_shards)
+        return pipe.run()
+
+
+def _shutdown(endpoints: list[Endpoint], stopping: threading.Event,
+              dispatcher: DispatcherClient, streams: dict, grace: float | None) -> None:
+    stopping.set()
+    try:
+        for endpoint in endpoints:
+            endpoint.stop(grace)
+    finally:
+        dispatcher.close()
+        for stream in list(streams.values()):
+            stream.close()
