@@ -11,6 +11,9 @@ from clusterwire.local_cluster import LocalCluster
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
+# UCX (grpc+verbs) may use only the loopback device in tests; children inherit this.
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
 
 def child_env() -> dict[str, str]:
     """Environment for task processes: the tests folder importable (for cw_test_functions)."""

@@ -1,0 +1,83 @@
+"""grpc+verbs over real UCX: which UCX transport carried the bytes, and clear failures."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from conftest import child_env
+
+from clusterwire.local_cluster import LocalCluster
+
+pytest.importorskip("ucxx", reason="the verbs extra is not installed: pip install '.[verbs]'")
+
+CLIENT = textwrap.dedent("""
+    import sys, numpy as np, clusterwire
+    with clusterwire.Session(sys.argv[1], timeout=30) as session:
+        value = np.random.default_rng(5).integers(0, 255, 16 << 20, dtype=np.uint8)
+        session.put("x", value, task="/job:b/task:0")
+        assert np.array_equal(session.get("x", task="/job:b/task:0"), value)
+        status = session.status(task="/job:b/task:0")["transport"]
+        print("ROUND TRIP OK", status["ucx_tls"], status["ucx_transports"])
+""")
+
+
+def run_python(code: str, *args: str, env: dict[str, str], timeout: float = 60):
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **env})
+
+
+@pytest.mark.parametrize("tls,carrier", [("tcp,self", "tcp/lo"), ("sm,self", "cma/memory")])
+def test_bulk_bytes_travel_on_the_chosen_ucx_transport(tls, carrier):
+    env = {**child_env(), "UCX_TLS": tls, "UCX_PROTO_INFO": "y"}
+    with LocalCluster({"a": 1, "b": 1}, protocol="grpc+verbs", env=env) as cluster:
+        # The client is a third process: UCX's in-process "self" path would hide the wire.
+        result = run_python(CLIENT, cluster.target("a"), env=env)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert f"ROUND TRIP OK {tls}" in output
+    rendezvous = [line for line in output.splitlines() if "rendezvous" in line]
+    assert rendezvous and all(carrier in line for line in rendezvous), rendezvous
+
+
+def test_missing_ucxx_names_the_extra():
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["ucxx"] = None  # as if the verbs extra were not installed
+        import clusterwire
+        try:
+            clusterwire.Server({"w": ["127.0.0.1:0"]}, protocol="grpc+verbs")
+        except clusterwire.errors.NotFoundError as err:
+            print("ERROR", err)
+    """)
+    result = run_python(code, env={})
+    assert "ERROR" in result.stdout and "pip install 'clusterwire[verbs]'" in result.stdout
+
+
+def test_ucx_that_cannot_initialise_is_a_clear_error(tmp_path):
+    config = tmp_path / "plugins.toml"
+    config.write_text('[options."grpc+verbs"]\ntls = "no_such_transport"\n')
+    code = textwrap.dedent("""
+        import clusterwire
+        try:
+            clusterwire.Server({"w": ["127.0.0.1:0"]}, protocol="grpc+verbs")
+        except clusterwire.errors.UnavailableError as err:
+            print("ERROR", err)
+    """)
+    result = run_python(code, env={"CLUSTERWIRE_PLUGINS": str(config)})
+    assert "ERROR UCX could not initialise (TLS=no_such_transport" in result.stdout, \
+        result.stdout + result.stderr
+
+
+def test_status_reports_the_ucx_transports(tmp_path):
+    from clusterwire import Server, Session
+
+    with Server({"w": ["127.0.0.1:0"]}, protocol="grpc+verbs") as server, \
+            Session(server.target) as session:
+        transport = session.status()["transport"]
+    assert transport["data"] == "ucx"
+    assert "tcp/lo" in transport["ucx_transports"]
+    assert transport["rdma"].startswith("none")

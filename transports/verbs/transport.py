@@ -1,0 +1,387 @@
+"""The "grpc+verbs" transport: gRPC control plane, UCX data plane.
+
+gRPC carries what is rare: the hello that exchanges UCX worker addresses
+(so no UCX listener port is needed and any UCX_TLS works, shared memory
+included) and liveness pings. Every call then travels over UCX: a control
+message with the header and small buffers, and each bulk buffer as its own
+UCX message, received in place (rendezvous) into its final array. Bulk
+request buffers are sent only after the server accepts the frame's declared
+size, so an oversized frame is refused before anything is allocated.
+
+UCX picks RDMA verbs where InfiniBand/RoCE hardware and a verbs-enabled UCX
+exist, TCP or shared memory otherwise; ``status`` reports what UCX may use
+(the PyPI wheel of UCX has no verbs support: see the README). Endpoint error
+handling is off because it disables shared memory; a dead peer is detected
+through the control plane (pings while a call waits) instead.
+
+Options (plugins.toml ``[options."grpc+verbs"]``): ``tls`` (UCX_TLS, e.g.
+"tcp,self" or "sm,self"; default all), ``net_devices`` (UCX_NET_DEVICES),
+``bulk_bytes`` (buffers from this size on travel as their own message;
+default 64 KiB).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import struct
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent import futures
+from typing import Any
+
+import grpc
+import numpy as np
+
+from clusterwire import errors
+from clusterwire.addressing import join_host_port, split_host_port
+from clusterwire.transport import (
+    Channel,
+    Frame,
+    Handler,
+    Listener,
+    ListenOptions,
+    Transport,
+)
+from clusterwire.transports.grpc.transport import grpc_error
+from clusterwire.transports.verbs import wire
+from clusterwire.transports.verbs.engine import UcxEngine
+
+_SERVICE = "clusterwire.Verbs"
+_INLINE_BUDGET = 1 << 20
+_CONTROL_LIMIT = wire.MAX_HEADER_BYTES + (16 << 20)
+_PING_AFTER = 1.0
+_BULK_WAIT = 60.0
+_HELLO = struct.Struct("<I")
+
+
+class _Waiter:
+    """Collects the messages of one call as the engine delivers them."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.messages: dict[int, np.ndarray] = {}
+        self.error: BaseException | None = None
+
+    def deliver(self, error: BaseException | None, sender_tag: int, buffer: np.ndarray) -> None:
+        with self._cond:
+            if error is not None and self.error is None:
+                self.error = error
+            else:
+                self.messages[sender_tag] = buffer
+            self._cond.notify_all()
+
+    def wait_for(self, ready: Callable[[], bool], timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: ready() or self.error is not None, timeout)
+
+
+class VerbsListener(Listener):
+    """gRPC hello/ping service plus UCX request handling for one handler."""
+
+    def __init__(self, transport: VerbsTransport, address: str, handler: Handler,
+                 options: ListenOptions):
+        self._transport = transport
+        self._engine = transport.engine
+        self._handler = handler
+        self._limit = options.max_message_bytes
+        self._pool = futures.ThreadPoolExecutor(options.max_workers,
+                                                thread_name_prefix="clusterwire-verbs")
+        self._grpc_pool = futures.ThreadPoolExecutor(4, thread_name_prefix="clusterwire-verbs-ctl")
+        self._server = grpc.server(self._grpc_pool, options=[("grpc.so_reuseport", 0)])
+        self._server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(_SERVICE, {
+            "Hello": grpc.unary_unary_rpc_method_handler(self._hello),
+            "Ping": grpc.unary_unary_rpc_method_handler(lambda request, context: b""),
+        })])
+        host, _ = split_host_port(address)
+        try:
+            port = self._server.add_insecure_port(address)
+        except RuntimeError:
+            port = 0
+        if not port:
+            self._server.stop(None)
+            self._pool.shutdown(wait=False)
+            raise errors.UnavailableError(
+                f"Could not bind {address} (address in use or not local). Choose a free port, "
+                "or port 0 to let the system pick one, and a host name of this machine.")
+        self._address = join_host_port(host, port)
+        self._endpoints: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._started = False
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def start(self) -> None:
+        if not self._started:
+            self._started = True
+            self._server.start()
+
+    def _hello(self, client_address: bytes, context: grpc.ServicerContext) -> bytes:
+        if not client_address or len(client_address) > 65536:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Hello needs a UCX worker address.")
+        try:
+            endpoint = self._engine.connect(client_address)
+        except errors.OpError as err:
+            context.abort(grpc.StatusCode.UNAVAILABLE, err.message)
+        with self._lock:
+            if self._stopped:
+                self._engine.close_endpoint(endpoint)
+                context.abort(grpc.StatusCode.UNAVAILABLE, "The server is stopping.")
+            slot = self._transport.slots.add(self._on_request)
+            self._endpoints[slot] = endpoint
+        return _HELLO.pack(slot) + self._engine.address
+
+    def _on_request(self, slot: int, transfer: int, control: np.ndarray) -> None:
+        """Engine thread: a request control message arrived; serve it on the pool."""
+        with contextlib.suppress(RuntimeError):  # stopping: the caller's ping will fail
+            self._pool.submit(self._serve, slot, transfer, control)
+
+    def _serve(self, slot: int, transfer: int, message: np.ndarray) -> None:
+        with self._lock:
+            endpoint = self._endpoints.get(slot)
+        if endpoint is None:
+            return
+        engine = self._engine
+        reply_tag = wire.tag(wire.RESPONSE, slot, transfer)
+        try:
+            control = wire.decode(message, self._limit)
+            buffers = self._receive_bulk(endpoint, slot, transfer, control)
+            request = Frame(control.header, buffers)
+            try:
+                response = self._handler(request)
+            except Exception as err:
+                raise errors.InternalError(f"Handler failed: {type(err).__name__}: {err}") from None
+            views, kinds = _outgoing(response.buffers, self._transport.bulk_bytes)
+            engine.send(endpoint, wire.encode(response.header, kinds, views), reply_tag)
+            for index, (view, kind) in enumerate(zip(views, kinds, strict=True)):
+                if kind == wire.BULK:
+                    engine.send(endpoint, view, wire.tag(wire.RESPONSE_DATA, slot, transfer, index))
+        except errors.OpError as err:
+            engine.send(endpoint, wire.encode_error(err.error_code, err.message), reply_tag)
+
+    def _receive_bulk(self, endpoint, slot: int, transfer: int,
+                      control: wire.Control) -> list[Any]:
+        bulk = [i for i, k in enumerate(control.kinds) if k == wire.BULK]
+        waiter = _Waiter()
+        keys = [self._engine.expect(wire.tag(wire.REQUEST_DATA, slot, transfer, i),
+                                    (1 << 64) - 1, control.lengths[i], waiter.deliver)
+                for i in bulk]
+        if bulk:
+            self._engine.send(endpoint, b"go", wire.tag(wire.GO, slot, transfer))
+            if not waiter.wait_for(lambda: len(waiter.messages) == len(bulk), _BULK_WAIT):
+                for key in keys:
+                    self._engine.cancel(key)
+                raise errors.DeadlineExceededError("The request's bulk buffers did not arrive.")
+            if waiter.error is not None:
+                raise errors.InvalidArgumentError(f"Bulk buffer failed: {waiter.error}")
+        return _assemble(control, {wire.split_tag(t)[3]: b for t, b in waiter.messages.items()})
+
+    def stop(self, grace: float | None = None) -> None:
+        with self._lock:
+            self._stopped = True
+            endpoints, self._endpoints = dict(self._endpoints), {}
+        self._server.stop(grace).wait()
+        self._pool.shutdown(wait=False)
+        self._grpc_pool.shutdown(wait=False)
+        for slot, endpoint in endpoints.items():
+            self._transport.slots.remove(slot)
+            self._engine.close_endpoint(endpoint)
+
+
+def _outgoing(buffers: Sequence[Any], threshold: int) -> tuple[list[memoryview], list[int]]:
+    views = [memoryview(b).cast("B") for b in buffers]
+    kinds, inline = [], 0
+    for view in views:
+        small = view.nbytes < threshold and inline + view.nbytes <= _INLINE_BUDGET
+        kinds.append(wire.INLINE if small else wire.BULK)
+        inline += view.nbytes if small else 0
+    return views, kinds
+
+
+def _assemble(control: wire.Control, bulk: Mapping[int, np.ndarray]) -> list[Any]:
+    """The frame's buffers: writable copies of inline ones, received bulk arrays as they are."""
+    buffers, offset = [], 0
+    inline = bytearray(control.inline)
+    view = memoryview(inline)
+    for index, (kind, length) in enumerate(zip(control.kinds, control.lengths, strict=True)):
+        if kind == wire.INLINE:
+            buffers.append(view[offset:offset + length])
+            offset += length
+        else:
+            buffers.append(bulk[index])
+    return buffers
+
+
+class _Slots:
+    """Engine-wide slot numbers of client connections, dispatching request messages."""
+
+    def __init__(self, engine: UcxEngine):
+        self._engine = engine
+        self._handlers: dict[int, Callable[[int, int, np.ndarray], None]] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        engine.expect(wire.tag(wire.REQUEST, 0, 0), wire.KIND_MASK, _CONTROL_LIMIT,
+                      self._dispatch, standing=True)
+
+    def add(self, handler: Callable[[int, int, np.ndarray], None]) -> int:
+        with self._lock:
+            if len(self._handlers) >= wire.MAX_SLOTS - 1:
+                raise errors.ResourceExhaustedError("Too many grpc+verbs client connections.")
+            slot = next(self._ids) % (wire.MAX_SLOTS - 1) + 1
+            while slot in self._handlers:
+                slot = next(self._ids) % (wire.MAX_SLOTS - 1) + 1
+            self._handlers[slot] = handler
+            return slot
+
+    def remove(self, slot: int) -> None:
+        with self._lock:
+            self._handlers.pop(slot, None)
+
+    def _dispatch(self, error: BaseException | None, sender_tag: int, buffer: np.ndarray) -> None:
+        _, slot, transfer, _ = wire.split_tag(sender_tag)
+        with self._lock:
+            handler = self._handlers.get(slot)
+        if handler is not None and error is None:
+            handler(slot, transfer, buffer)
+
+
+class VerbsChannel(Channel):
+    """A client of one grpc+verbs listener: hello over gRPC, then calls over UCX."""
+
+    def __init__(self, transport: VerbsTransport, address: str):
+        split_host_port(address)
+        self._transport = transport
+        self._engine = transport.engine
+        self._address = address
+        self._grpc = grpc.insecure_channel(address)
+        self._hello = self._grpc.unary_unary(f"/{_SERVICE}/Hello")
+        self._ping = self._grpc.unary_unary(f"/{_SERVICE}/Ping")
+        self._lock = threading.Lock()
+        self._connection: tuple[int, Any] | None = None
+        self._closed = threading.Event()
+
+    def _connect(self, timeout: float | None) -> tuple[int, Any]:
+        with self._lock:
+            if self._closed.is_set():
+                raise errors.CancelledError(f"Channel to {self._address} is closed.")
+            if self._connection is None:
+                try:
+                    reply = self._hello(self._engine.address, timeout=timeout)
+                except grpc.RpcError as err:
+                    raise grpc_error(err, self._address) from None
+                (slot,) = _HELLO.unpack_from(reply)
+                endpoint = self._engine.connect(reply[_HELLO.size:])
+                self._connection = (slot, endpoint)
+            return self._connection
+
+    def _drop_connection(self) -> None:
+        with self._lock:
+            connection, self._connection = self._connection, None
+        if connection is not None:
+            self._engine.close_endpoint(connection[1])
+
+    def call(self, frame: Frame, timeout: float | None = None) -> Frame:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        slot, endpoint = self._connect(timeout)
+        engine = self._engine
+        transfer = engine.next_transfer()
+        views, kinds = _outgoing(frame.buffers, self._transport.bulk_bytes)
+        bulk = [i for i, k in enumerate(kinds) if k == wire.BULK]
+        waiter = _Waiter()
+        response_tag = wire.tag(wire.RESPONSE, slot, transfer)
+        go_tag = wire.tag(wire.GO, slot, transfer)
+        keys = [engine.expect(response_tag, (1 << 64) - 1, _CONTROL_LIMIT, waiter.deliver)]
+        if bulk:
+            keys.append(engine.expect(go_tag, (1 << 64) - 1, 16, waiter.deliver))
+        try:
+            engine.send(endpoint, wire.encode(frame.header, kinds, views),
+                        wire.tag(wire.REQUEST, slot, transfer))
+            if bulk:
+                self._wait(waiter, lambda: go_tag in waiter.messages
+                           or response_tag in waiter.messages, deadline)
+                if go_tag in waiter.messages:
+                    for index in bulk:
+                        engine.send(endpoint, views[index],
+                                    wire.tag(wire.REQUEST_DATA, slot, transfer, index))
+            self._wait(waiter, lambda: response_tag in waiter.messages, deadline)
+            control = wire.decode(waiter.messages[response_tag], 1 << 42)
+            if control.status:
+                message = control.header.decode(errors="replace")
+                raise errors.error_from_code(control.status, message)
+            wanted = {wire.tag(wire.RESPONSE_DATA, slot, transfer, i): control.lengths[i]
+                      for i, k in enumerate(control.kinds) if k == wire.BULK}
+            keys += [engine.expect(t, (1 << 64) - 1, n, waiter.deliver)
+                     for t, n in wanted.items()]
+            self._wait(waiter, lambda: all(t in waiter.messages for t in wanted), deadline)
+            return Frame(control.header, _assemble(
+                control, {wire.split_tag(t)[3]: waiter.messages[t] for t in wanted}))
+        finally:
+            for key in keys:
+                engine.cancel(key)
+
+    def _wait(self, waiter: _Waiter, ready: Callable[[], bool], deadline: float | None) -> None:
+        """Wait for ``ready``; ping the server while waiting long, so a dead peer fails fast."""
+        next_ping = time.monotonic() + _PING_AFTER
+        while True:
+            now = time.monotonic()
+            step = next_ping - now if deadline is None else min(next_ping, deadline) - now
+            if waiter.wait_for(ready, max(step, 0)):
+                if waiter.error is not None:
+                    raise errors.UnavailableError(f"UCX transfer failed: {waiter.error}")
+                return
+            if self._closed.is_set():
+                raise errors.CancelledError(f"Channel to {self._address} was closed.")
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise errors.DeadlineExceededError(f"No response from {self._address} in time.")
+            if now >= next_ping:
+                self._check_alive()
+                next_ping = time.monotonic() + _PING_AFTER
+
+    def _check_alive(self) -> None:
+        try:
+            self._ping(b"", timeout=2.0)
+        except grpc.RpcError as err:
+            self._drop_connection()
+            error = grpc_error(err, self._address)
+            raise errors.UnavailableError(
+                f"The server at {self._address} stopped answering: {error.message}") from None
+        except ValueError:  # the gRPC channel was closed under us
+            raise errors.CancelledError(f"Channel to {self._address} was closed.") from None
+
+    def close(self) -> None:
+        self._closed.set()
+        self._drop_connection()
+        self._grpc.close()
+
+
+class VerbsTransport(Transport):
+    """gRPC control plane, UCX data plane; one UCX engine per process."""
+
+    protocol = "grpc+verbs"
+
+    def __init__(self, options: Mapping[str, Any] | None = None):
+        options = dict(options or {})
+        tls = options.pop("tls", None)
+        net_devices = options.pop("net_devices", None)
+        self.bulk_bytes = int(options.pop("bulk_bytes", 64 << 10))
+        if options:
+            raise errors.InvalidArgumentError(
+                f"Unknown option(s) for grpc+verbs: {sorted(options)}; known: tls, net_devices, "
+                "bulk_bytes.")
+        self.engine = UcxEngine(tls, net_devices)
+        self.slots = _Slots(self.engine)
+
+    def listen(self, address: str, handler: Handler, options: ListenOptions) -> Listener:
+        return VerbsListener(self, address, handler, options)
+
+    def connect(self, address: str) -> Channel:
+        return VerbsChannel(self, address)
+
+    def info(self) -> dict[str, str]:
+        return {"control": "grpc (hello, liveness)", "data": "ucx", **self.engine.info()}
+

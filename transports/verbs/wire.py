@@ -1,0 +1,106 @@
+"""Tags and control messages of the grpc+verbs transport.
+
+UCX tag (64 bits)::
+
+    kind:4 | slot:20 | transfer:24 | index:16
+
+``slot`` names a client connection (assigned by the server at hello),
+``transfer`` one call of that client, ``index`` a buffer of the call.
+Kinds: REQUEST / RESPONSE control messages, GO (the server accepts a
+request's bulk buffers), REQUEST_DATA / RESPONSE_DATA bulk buffers.
+
+Control message::
+
+    "CWV1" | status u32 | header_len u32 | count u32 | (kind u8, length u64) * count |
+    header | inline bytes
+
+``status`` 0 is a normal frame; otherwise the frame failed in the transport
+and ``header`` is the UTF-8 error message. ``kind`` 0 is an inline buffer,
+1 a bulk buffer sent as its own UCX message.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from clusterwire.errors import InvalidArgumentError, ResourceExhaustedError
+
+REQUEST, RESPONSE, GO, REQUEST_DATA, RESPONSE_DATA = 1, 2, 3, 4, 5
+INLINE, BULK = 0, 1
+KIND_MASK = 0xF << 60
+CALL_MASK = (1 << 64) - (1 << 16)  # everything but the buffer index
+MAX_SLOTS = 1 << 20
+MAX_TRANSFERS = 1 << 24
+MAX_BULK = 1 << 16
+MAX_HEADER_BYTES = 64 << 20
+_PREFIX = struct.Struct("<4sIII")
+_ENTRY = struct.Struct("<BQ")
+
+
+def tag(kind: int, slot: int, transfer: int, index: int = 0) -> int:
+    """The UCX tag of one message."""
+    return kind << 60 | slot << 40 | transfer << 16 | index
+
+
+def split_tag(value: int) -> tuple[int, int, int, int]:
+    """(kind, slot, transfer, index) of a tag."""
+    return value >> 60, (value >> 40) & 0xFFFFF, (value >> 16) & 0xFFFFFF, value & 0xFFFF
+
+
+@dataclass
+class Control:
+    """A decoded control message."""
+
+    status: int
+    header: bytes
+    kinds: list[int]
+    lengths: list[int]
+    inline: memoryview
+
+
+def encode(header: bytes, kinds: Sequence[int], views: Sequence[memoryview],
+           status: int = 0) -> bytes:
+    """A control message carrying the INLINE buffers' bytes."""
+    entries = b"".join(_ENTRY.pack(k, v.nbytes) for k, v in zip(kinds, views, strict=True))
+    inline = [v for k, v in zip(kinds, views, strict=True) if k == INLINE]
+    return b"".join([_PREFIX.pack(b"CWV1", status, len(header), len(views)), entries, header,
+                     *inline])
+
+
+def encode_error(code: int, message: str) -> bytes:
+    """A control message reporting a transport-level failure."""
+    return encode(message.encode(), [], [], status=code)
+
+
+def decode(message: memoryview | bytes, limit: int) -> Control:
+    """Parse and validate a control message before any bulk buffer is accepted."""
+    message = memoryview(message).cast("B")
+    if message.nbytes < _PREFIX.size:
+        raise InvalidArgumentError(f"Malformed frame: {message.nbytes} bytes is too short.")
+    magic, status, header_len, count = _PREFIX.unpack_from(message)
+    if magic != b"CWV1":
+        raise InvalidArgumentError(f"Malformed frame: bad magic {bytes(magic)!r}.")
+    if count > MAX_BULK or header_len > MAX_HEADER_BYTES:
+        raise ResourceExhaustedError(f"Frame declares {count} buffers, {header_len} header bytes.")
+    offset = _PREFIX.size + _ENTRY.size * count
+    if message.nbytes < offset + header_len:
+        raise InvalidArgumentError("Malformed frame: truncated.")
+    kinds, lengths = [], []
+    for i in range(count):
+        kind, length = _ENTRY.unpack_from(message, _PREFIX.size + _ENTRY.size * i)
+        if kind not in (INLINE, BULK):
+            raise InvalidArgumentError(f"Malformed frame: buffer kind {kind}.")
+        kinds.append(kind)
+        lengths.append(length)
+    if sum(lengths) > limit:
+        raise ResourceExhaustedError(
+            f"Frame of {sum(lengths)} bytes exceeds the limit of {limit} bytes "
+            "(max_message_bytes).")
+    inline = message[offset + header_len:]
+    expected = sum(n for k, n in zip(kinds, lengths, strict=True) if k == INLINE)
+    if inline.nbytes != expected:
+        raise InvalidArgumentError(
+            f"Malformed frame: {inline.nbytes} inline bytes, declared {expected}.")
+    return Control(status, bytes(message[offset:offset + header_len]), kinds, lengths, inline)
