@@ -170,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=60)
     demo.add_argument("--workers", type=int, default=2)
     demo.set_defaults(run=_demo)
+
+    from clusterwire.data.cli import add_commands
+
+    add_commands(commands)
     return parser
 
 

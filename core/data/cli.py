@@ -1,0 +1,113 @@
+"""The ``clusterwire dispatcher`` and ``clusterwire worker`` commands.
+
+Each runs one data-service server as a dedicated process until SIGINT or
+SIGTERM, printing ``CLUSTERWIRE_READY <target>`` on stdout once it serves
+(the worker's target is its worker address).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import signal
+import sys
+import threading
+from typing import Any
+
+
+def _imports(args: argparse.Namespace) -> None:
+    for module in args.imports:
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            raise SystemExit(f"clusterwire {args.command}: cannot --import {module!r}: "
+                             f"{err}") from None
+
+
+def _serve_until_signal(server: Any, target: str, what: str, args: argparse.Namespace) -> int:
+    from clusterwire.local_cluster import READY_PREFIX
+
+    def on_signal(_signum: int, _frame: Any) -> None:
+        threading.Thread(target=server.stop, args=(args.grace,), daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    print(f"{READY_PREFIX}{target}", flush=True)
+    if not args.quiet:
+        print(f"clusterwire: tf.data service {what} serving at {target}", file=sys.stderr,
+              flush=True)
+    server.join()
+    return 0
+
+
+def _dispatcher(args: argparse.Namespace) -> int:
+    from clusterwire.data import DispatcherConfig, DispatchServer
+
+    _imports(args)
+    config = DispatcherConfig(
+        port=args.port, protocol=args.protocol, work_dir=args.work_dir,
+        fault_tolerant_mode=args.fault_tolerant_mode, worker_addresses=args.worker_addresses,
+        job_gc_check_interval_ms=args.job_gc_check_interval_ms,
+        job_gc_timeout_ms=args.job_gc_timeout_ms, worker_timeout_ms=args.worker_timeout_ms,
+        allow_cloudpickle=args.allow_cloudpickle, bind_address=args.bind_address)
+    server = DispatchServer(config=config)
+    report = server.journal_report
+    if report.message:
+        print(f"clusterwire dispatcher: {report.message}", file=sys.stderr, flush=True)
+    return _serve_until_signal(server, server.target, "dispatcher", args)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from clusterwire.data import WorkerConfig, WorkerServer
+
+    _imports(args)
+    config = WorkerConfig(
+        dispatcher_address=args.dispatcher_address, worker_address=args.worker_address,
+        port=args.port, protocol=args.protocol, heartbeat_interval_ms=args.heartbeat_interval_ms,
+        dispatcher_timeout_ms=args.dispatcher_timeout_ms,
+        data_transfer_protocol=args.data_transfer_protocol,
+        data_transfer_address=args.data_transfer_address,
+        allow_cloudpickle=args.allow_cloudpickle)
+    server = WorkerServer(config=config)
+    return _serve_until_signal(server, f"{config.protocol}://{server.address}", "worker", args)
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--port", type=int, default=0, help="port to bind (0: a free port)")
+    parser.add_argument("--protocol", default="grpc", help="transport protocol (default grpc)")
+    parser.add_argument("--allow-cloudpickle", action="store_true",
+                        help="UNSAFE: run pickled lambdas sent by any client")
+    parser.add_argument("--import", dest="imports", action="append", default=[],
+                        metavar="MODULE", help="import MODULE first")
+    parser.add_argument("--grace", type=float, default=5.0,
+                        help="seconds in-flight requests get at shutdown (default 5)")
+    parser.add_argument("--quiet", action="store_true", help="no banner on stderr")
+
+
+def add_commands(commands: Any) -> None:
+    """Add the ``dispatcher`` and ``worker`` subcommands to the clusterwire parser."""
+    dispatcher = commands.add_parser(
+        "dispatcher", help="run a tf.data service dispatcher until SIGINT/SIGTERM")
+    _common(dispatcher)
+    dispatcher.add_argument("--work-dir", help="journal and dataset directory")
+    dispatcher.add_argument("--fault-tolerant-mode", action="store_true",
+                            help="journal state in --work-dir to survive restarts")
+    dispatcher.add_argument("--worker-addresses", nargs="+", metavar="HOST:PORT",
+                            help="fixed workers, for static sharding policies")
+    for name in ("job-gc-check-interval-ms", "job-gc-timeout-ms", "worker-timeout-ms"):
+        dispatcher.add_argument(f"--{name}", type=int)
+    dispatcher.add_argument("--bind-address", default="localhost",
+                            help="host to bind (default localhost; 0.0.0.0 for all IPv4)")
+    dispatcher.set_defaults(run=_dispatcher)
+
+    worker = commands.add_parser(
+        "worker", help="run a tf.data service worker until SIGINT/SIGTERM")
+    _common(worker)
+    worker.add_argument("--dispatcher-address", required=True, help="HOST:PORT of the dispatcher")
+    worker.add_argument("--worker-address", help="address told to clients (default "
+                        "localhost:%%port%%)")
+    for name in ("heartbeat-interval-ms", "dispatcher-timeout-ms"):
+        worker.add_argument(f"--{name}", type=int)
+    worker.add_argument("--data-transfer-protocol", help="second transport for elements")
+    worker.add_argument("--data-transfer-address")
+    worker.set_defaults(run=_worker)

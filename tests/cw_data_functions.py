@@ -1,0 +1,43 @@
+"""Module-level dataset functions the data-service tests send to workers by reference."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+
+def square(x):
+    return x * x
+
+
+def is_even(x):
+    return x % 2 == 0
+
+
+def add(x, y):
+    return x + y
+
+
+def fill_2k(x):
+    """A 2 KiB int64 element holding x."""
+    return np.full(256, x, np.int64)
+
+
+def slow_identity(x):
+    """x, after a short pause (keeps a job running long enough to kill a worker in it)."""
+    time.sleep(float(os.environ.get("CW_DATA_SLOW_S", "0.002")))
+    return x
+
+
+def count_up(n):
+    """A generator of 0..n-1 as int64."""
+    for i in range(n):
+        yield np.int64(i)
+
+
+def fail_at_five(x):
+    if x == 5:
+        raise ValueError("element five is cursed")
+    return x
