@@ -70,6 +70,8 @@ class AWSClusterResolver(ClusterResolver):
     This process's task is ``task_type``/``task_id``, or else the instance whose
     id is ``instance_id``. ``client``: a boto3 EC2 client to use instead of one
     built from ``region_name``/``endpoint_url`` and boto3's configuration.
+    ``page_size``: instances per DescribeInstances page (5..1000; default: the
+    API's); every page is read.
 
     Errors: no matching instance is NotFoundError; a duplicate index or a
     non-integer index tag is InvalidArgumentError; API errors map to
@@ -82,11 +84,13 @@ class AWSClusterResolver(ClusterResolver):
                  default_job: str = "worker", task_type: str | None = None,
                  task_id: int | None = None, instance_id: str | None = None,
                  rpc_layer: str | None = "grpc", region_name: str | None = None,
-                 endpoint_url: str | None = None, client: Any = None):
+                 endpoint_url: str | None = None, client: Any = None,
+                 page_size: int | None = None):
         self._filters = dict(filters or {})
         self._port = port
         self._job_tag, self._task_tag, self._default_job = job_tag, task_tag, default_job
         self._instance_id = instance_id
+        self._pagination = {"PageSize": page_size} if page_size else {}
         self.task_type, self.task_id, self.rpc_layer = task_type, task_id, rpc_layer
         if client is None:
             boto3 = import_optional("boto3", "aws", "AWSClusterResolver")
@@ -103,7 +107,7 @@ class AWSClusterResolver(ClusterResolver):
         instances = []
         try:
             for page in self._client.get_paginator("describe_instances").paginate(
-                    Filters=request_filters):
+                    Filters=request_filters, PaginationConfig=self._pagination):
                 for reservation in page.get("Reservations", []):
                     instances.extend(reservation.get("Instances", []))
         except Exception as err:  # botocore's ClientError, EndpointConnectionError, ...

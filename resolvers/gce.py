@@ -44,6 +44,9 @@ def _api_error(err: Exception, what: str) -> errors.OpError:
         if cls is None:
             cls = errors.UnavailableError if status >= 500 else errors.InvalidArgumentError
         return cls(f"{what}: HTTP {status}: {err._get_reason()}")
+    google_auth = import_optional("google.auth.exceptions", "gce", "GCEClusterResolver")
+    if isinstance(err, google_auth.GoogleAuthError):  # e.g. a 401 whose token refresh failed
+        return errors.UnauthenticatedError(f"{what}: {type(err).__name__}: {err}")
     return errors.UnavailableError(f"{what}: {type(err).__name__}: {err}")
 
 
