@@ -1,9 +1,11 @@
 """The dispatcher's journal: an append-only file of fsync'd, checksummed records.
 
-Record layout: ``length u32 | crc32 u32 | JournalEntry bytes`` (little
-endian). ``append`` returns only after the record is on disk, and the
-dispatcher answers a request only after journaling what it decided, so
-whatever a client or worker was told survives a crash.
+Record layout: ``length u32 | crc32(length) u32 | crc32(body) u32 | body``
+(little endian; the body is a JournalEntry). The length has its own checksum
+so a damaged length is told apart from a record cut short. ``append``
+returns only after the record is on disk, and the dispatcher answers a
+request only after journaling what it decided, so whatever a client or
+worker was told survives a crash.
 
 Reading back: a last record cut short (the dispatcher died while writing
 it, so nobody was told about it) is reported and cut off; a record whose
@@ -27,7 +29,8 @@ from google.protobuf.message import DecodeError
 from clusterwire.errors import DataLossError
 from clusterwire.protos.data_service_pb2 import JournalEntry
 
-_HEAD = struct.Struct("<II")
+_HEAD = struct.Struct("<III")
+_LENGTH = struct.Struct("<I")
 _MAX_RECORD = 256 << 20
 JOURNAL_DIR = "tf_data_dispatcher_journal"
 JOURNAL_FILE = "journal.log"
@@ -59,12 +62,12 @@ def _records(data: bytes, path: str) -> Iterator[tuple[int, JournalEntry | None]
         if len(data) - offset < _HEAD.size:
             yield offset, None
             return
-        length, crc = _HEAD.unpack_from(data, offset)
+        length, length_crc, crc = _HEAD.unpack_from(data, offset)
         body = data[offset + _HEAD.size:offset + _HEAD.size + length]
-        if length > _MAX_RECORD:
+        if length > _MAX_RECORD or zlib.crc32(_LENGTH.pack(length)) != length_crc:
             raise DataLossError(
                 f"Journal {path} is corrupt at byte {offset}: record length {length} is "
-                "impossible. Refusing to replay it; move the work_dir aside to start afresh.")
+                "damaged. Refusing to replay it; move the work_dir aside to start afresh.")
         if len(body) < length:
             yield offset, None
             return
@@ -116,7 +119,7 @@ class Journal:
     def append(self, *entries: JournalEntry) -> None:
         """Write ``entries`` and fsync before returning."""
         data = b"".join(
-            _HEAD.pack(len(body), zlib.crc32(body)) + body
+            _HEAD.pack(len(body), zlib.crc32(_LENGTH.pack(len(body))), zlib.crc32(body)) + body
             for body in (e.SerializeToString() for e in entries))
         with self._lock:
             if self._file is None:

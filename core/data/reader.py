@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import Iterator
@@ -50,6 +51,8 @@ _READ_TIMEOUT_S = 15.0
 _MAX_ELEMENTS = 1024
 _MAX_BYTES = 8 << 20
 _RETRY_S = 0.05
+# A parallel_epochs worker unreachable this long is given up even while the dispatcher lists it.
+_WORKER_GONE_S = 5.0
 _WORKER_FAILURES = (errors.UnavailableError, errors.DeadlineExceededError, errors.CancelledError)
 _END = object()
 
@@ -271,16 +274,20 @@ class JobReader(Iterator[Any]):
         order = list(self._job.worker_order)
         if self._job.sharding_policy in STATIC_POLICIES and address in order:
             spec.shard_index, spec.num_shards = order.index(address), len(order)
+        failing_since = None
         while not self._stop.is_set():
             try:
                 batch, end = self._read(address, spec, 0)
             except _WORKER_FAILURES:
+                now = time.monotonic()
+                failing_since = failing_since or now
                 with self._lock:
                     gone = address not in self._workers
-                if gone:
+                if gone or now - failing_since > _WORKER_GONE_S:
                     return  # the worker died: its copy of the data is lost, as in TF
                 self._stop.wait(_RETRY_S)
                 continue
+            failing_since = None
             if batch:
                 self._put("batch", batch)
             if end:

@@ -1,0 +1,77 @@
+"""Data-service servers as separate processes (``python -m clusterwire dispatcher|worker``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+
+from clusterwire.local_cluster import READY_PREFIX
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+class ServerProcess:
+    """One server process; ``target`` is read from its ready line."""
+
+    def __init__(self, command: str, *args: str, env: dict[str, str] | None = None,
+                 timeout: float = 30.0):
+        path = os.environ.get("PYTHONPATH", "")
+        child_env = {**os.environ, "PYTHONPATH": TESTS_DIR + (os.pathsep + path if path else ""),
+                     **(env or {})}
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "clusterwire", command, *args, "--quiet"],
+            stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=child_env)
+        self.target = self._await_ready(timeout)
+        self.address = self.target.split("://", 1)[1]
+        self.port = int(self.address.rsplit(":", 1)[1])
+
+    def _await_ready(self, timeout: float) -> str:
+        found: list[str] = []
+        ready = threading.Event()
+
+        def read() -> None:
+            for line in self.process.stdout:  # keeps draining so the child never blocks
+                if not found and line.startswith(READY_PREFIX):
+                    found.append(line[len(READY_PREFIX):].strip())
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        ready.wait(timeout)
+        if not found:
+            self.kill()
+            raise RuntimeError(f"server did not start: {self.stderr()}")
+        return found[0]
+
+    def stderr(self) -> str:
+        """What the process wrote to stderr so far."""
+        self._stderr.seek(0)
+        return self._stderr.read().decode(errors="replace")
+
+    def kill(self) -> None:
+        """SIGKILL and reap."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(10)
+
+    def terminate(self, timeout: float = 20.0) -> int:
+        """SIGTERM, wait for the exit code (SIGKILL if it does not come)."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+
+    def close(self) -> None:
+        """Stop the process however it is and release its files."""
+        self.kill()
+        if self.process.stdout:
+            self.process.stdout.close()
+        self._stderr.close()

@@ -1,0 +1,152 @@
+"""The data service across processes: CLI servers, SIGKILLed workers, dispatcher restarts."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import zlib
+from collections import Counter
+
+import cw_data_functions as fns
+import pytest
+from cw_data_procs import ServerProcess
+
+from clusterwire import data, errors
+from clusterwire.data.journal import JOURNAL_DIR, JOURNAL_FILE
+
+SLOW = {"CW_DATA_SLOW_S": "0.001"}
+
+
+@pytest.fixture
+def processes():
+    """Start server processes through ``start(...)``; every one is killed at the end."""
+    started: list[ServerProcess] = []
+
+    def start(command: str, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
+        started.append(ServerProcess(command, *args, env=env))
+        return started[-1]
+
+    yield start
+    for process in started:
+        process.close()
+
+
+def worker_args(dispatcher: ServerProcess) -> list[str]:
+    return ["--dispatcher-address", dispatcher.address, "--heartbeat-interval-ms", "200"]
+
+
+@pytest.mark.timeout(60)
+def test_cli_servers_run_the_issue_example_and_stop_on_sigterm(processes):
+    dispatcher = processes("dispatcher", "--port", "0")
+    worker = processes("worker", *worker_args(dispatcher))
+    assert dispatcher.target.startswith("grpc://localhost:")
+    dataset = data.Dataset.range(10).apply(
+        data.distribute(processing_mode="parallel_epochs", service=dispatcher.target))
+    assert list(dataset.as_numpy_iterator()) == list(range(10))
+    assert worker.terminate() == 0 and dispatcher.terminate() == 0
+    assert "Traceback" not in dispatcher.stderr() + worker.stderr()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_sigkilled_worker_loses_and_repeats_nothing(processes, seed):
+    rng = random.Random(seed)
+    dispatcher = processes("dispatcher", "--port", "0", "--worker-timeout-ms", "1000")
+    workers = [processes("worker", *worker_args(dispatcher), env=SLOW) for _ in range(3)]
+    count = 600
+    ds = data.Dataset.range(count).map(fns.slow_identity).apply(
+        data.distribute("distributed_epoch", dispatcher.target))
+    kill_after = rng.randint(1, count * 2 // 3)
+    victim = rng.choice(workers)
+    seen = Counter()
+    for index, element in enumerate(ds):
+        seen[int(element)] += 1
+        if index + 1 == kill_after:
+            victim.kill()
+    assert victim.process.returncode == -9
+    assert seen == Counter(range(count)), (kill_after, seen - Counter(range(count)),
+                                           Counter(range(count)) - seen)
+
+
+@pytest.mark.timeout(90)
+def test_dispatcher_sigkill_and_restart_in_fault_tolerant_mode(processes, tmp_path):
+    work_dir = str(tmp_path / "work")
+    ft = ["--fault-tolerant-mode", "--work-dir", work_dir]
+    dispatcher = processes("dispatcher", "--port", "0", *ft)
+    for _ in range(2):
+        processes("worker", *worker_args(dispatcher), env={"CW_DATA_SLOW_S": "0.003"})
+    count = 400
+    dataset_id = data.register_dataset(
+        dispatcher.target, data.Dataset.range(count).map(fns.slow_identity), dataset_id="kept")
+    ds = data.from_dataset_id("distributed_epoch", dispatcher.target, dataset_id)
+    seen = Counter()
+    for index, element in enumerate(ds):
+        seen[int(element)] += 1
+        if index + 1 == count // 4:
+            dispatcher.kill()
+            dispatcher = processes("dispatcher", "--port", str(dispatcher.port), *ft)
+    assert seen == Counter(range(count))
+    again = data.from_dataset_id("distributed_epoch", dispatcher.target, "kept")
+    assert sorted(int(x) for x in again) == list(range(count))
+
+
+def journal_path(work_dir: str) -> str:
+    return os.path.join(work_dir, JOURNAL_DIR, JOURNAL_FILE)
+
+
+def ft_config(work_dir: str) -> data.DispatcherConfig:
+    # The replayed journal names the first run's worker; it times out quickly.
+    return data.DispatcherConfig(port=0, work_dir=work_dir, fault_tolerant_mode=True,
+                                 worker_timeout_ms=500)
+
+
+def run_jobs_in_fault_tolerant_mode(work_dir: str) -> None:
+    config = ft_config(work_dir)
+    with data.DispatchServer(config) as dispatcher:
+        address = dispatcher.target.split("://")[1]
+        with data.WorkerServer(port=0, dispatcher_address=address):
+            data.register_dataset(dispatcher.target, data.Dataset.range(30), dataset_id="ds")
+            read = data.from_dataset_id("distributed_epoch", dispatcher.target, "ds")
+            assert sorted(int(x) for x in read) == list(range(30))
+
+
+@pytest.mark.timeout(60)
+def test_a_cut_short_journal_tail_is_reported_and_dropped(tmp_path):
+    work_dir = str(tmp_path)
+    run_jobs_in_fault_tolerant_mode(work_dir)
+    size = os.path.getsize(journal_path(work_dir))
+    with open(journal_path(work_dir), "ab") as journal:
+        length = (100).to_bytes(4, "little")
+        journal.write(length + zlib.crc32(length).to_bytes(4, "little") + b"\0" * 4 + b"partial")
+    config = ft_config(work_dir)
+    with data.DispatchServer(config) as dispatcher:
+        report = dispatcher.journal_report
+        assert report.truncated_bytes == 19 and "cut short" in report.message
+        assert os.path.getsize(journal_path(work_dir)) == size
+        address = dispatcher.target.split("://")[1]
+        with data.WorkerServer(port=0, dispatcher_address=address):
+            read = data.from_dataset_id("parallel_epochs", dispatcher.target, "ds")
+            assert sorted(int(x) for x in read) == list(range(30))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", [0, 4, 8, 0.5])
+def test_a_corrupt_journal_is_refused_not_replayed(tmp_path, where):
+    work_dir = str(tmp_path)
+    run_jobs_in_fault_tolerant_mode(work_dir)
+    size = os.path.getsize(journal_path(work_dir))
+    with open(journal_path(work_dir), "r+b") as journal:  # a length, its checksum, a body
+        journal.seek(int(size * where) if isinstance(where, float) else where)
+        byte = journal.read(1)
+        journal.seek(-1, os.SEEK_CUR)
+        journal.write(bytes([byte[0] ^ 0xFF]))
+    config = ft_config(work_dir)
+    with pytest.raises(errors.DataLossError, match="is corrupt at byte"):
+        data.DispatchServer(config)
+    result = subprocess.run(
+        [sys.executable, "-m", "clusterwire", "dispatcher", "--fault-tolerant-mode",
+         "--work-dir", work_dir], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 1
+    assert "DataLossError" in result.stderr and "Traceback" not in result.stderr
