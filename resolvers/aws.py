@@ -17,10 +17,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from clusterwire import errors
-from clusterwire.cluster_resolver import ClusterResolver, format_master_url
+from clusterwire.cluster_resolver import ClusterResolver
 from clusterwire.cluster_spec import ClusterSpec
 from clusterwire.plugins import ResolverSpec, hookimpl
-from clusterwire.resolvers._support import import_optional
+from clusterwire.resolvers._support import import_optional, task_master
 
 _DENIED = {"UnauthorizedOperation", "AccessDenied", "AccessDeniedException", "OptInRequired"}
 _UNAUTHENTICATED = {"AuthFailure", "InvalidClientTokenId", "SignatureDoesNotMatch",
@@ -177,13 +177,7 @@ class AWSClusterResolver(ClusterResolver):
     def master(self, task_type: str | None = None, task_id: int | None = None,
                rpc_layer: str | None = None) -> str:
         """``rpc_layer://ip:port`` of a task (default: this one); ``""`` if none is known."""
-        spec = self.cluster_spec()
-        task_type = task_type if task_type is not None else self.task_type
-        task_id = task_id if task_id is not None else self.task_id
-        if task_type is None or task_id is None:
-            return ""
-        return format_master_url(spec.task_address(task_type, task_id),
-                                 rpc_layer or self.rpc_layer)
+        return task_master(self, task_type, task_id, rpc_layer)
 
 
 @hookimpl

@@ -25,10 +25,10 @@ from __future__ import annotations
 from typing import Any
 
 from clusterwire import errors
-from clusterwire.cluster_resolver import ClusterResolver, format_master_url
+from clusterwire.cluster_resolver import ClusterResolver
 from clusterwire.cluster_spec import ClusterSpec
 from clusterwire.plugins import ResolverSpec, hookimpl
-from clusterwire.resolvers._support import ResolverRuntimeError, import_optional
+from clusterwire.resolvers._support import ResolverRuntimeError, import_optional, task_master
 
 _BY_STATUS = {400: errors.InvalidArgumentError, 401: errors.UnauthenticatedError,
               403: errors.PermissionDeniedError, 404: errors.NotFoundError,
@@ -136,12 +136,7 @@ class GCEClusterResolver(ClusterResolver):
     def master(self, task_type: str | None = None, task_id: int | None = None,
                rpc_layer: str | None = None) -> str:
         """``rpc_layer://ip:port`` of a task (default: this one)."""
-        task_type = task_type if task_type is not None else self._task_type
-        task_id = task_id if task_id is not None else self.task_id
-        if task_type is None or task_id is None:
-            return ""
-        address = self.cluster_spec().task_address(task_type, task_id)
-        return format_master_url(address, rpc_layer or self.rpc_layer)
+        return task_master(self, task_type, task_id, rpc_layer)
 
 
 @hookimpl

@@ -28,10 +28,10 @@ import shutil
 import subprocess
 from collections.abc import Mapping
 
-from clusterwire.cluster_resolver import ClusterResolver, format_master_url
+from clusterwire.cluster_resolver import ClusterResolver
 from clusterwire.cluster_spec import ClusterSpec
 from clusterwire.plugins import ResolverSpec, hookimpl
-from clusterwire.resolvers._support import ResolverRuntimeError, ResolverValueError
+from clusterwire.resolvers._support import ResolverRuntimeError, ResolverValueError, task_master
 from clusterwire.resolvers.hostlist import expand_hostlist, expand_tasks_per_node
 
 _OUTSIDE = ("Not running inside a SLURM step? Start every task with srun (in an sbatch "
@@ -235,12 +235,7 @@ class SlurmClusterResolver(ClusterResolver):
     def master(self, task_type: str | None = None, task_id: int | None = None,
                rpc_layer: str | None = None) -> str:
         """``rpc_layer://host:port`` of a task (default: this one)."""
-        task_type = task_type if task_type is not None else self.task_type
-        task_id = task_id if task_id is not None else self.task_id
-        if task_type is None or task_id is None:
-            return ""
-        address = self.cluster_spec().task_address(task_type, task_id)
-        return format_master_url(address, rpc_layer or self.rpc_layer)
+        return task_master(self, task_type, task_id, rpc_layer)
 
     def num_accelerators(self, task_type: str | None = None, task_id: int | None = None,
                          config_proto=None) -> dict[str, int]:
