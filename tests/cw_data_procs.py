@@ -7,9 +7,8 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 
-from clusterwire.local_cluster import READY_PREFIX
+from clusterwire.data.cli import await_ready
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -31,22 +30,11 @@ class ServerProcess:
         self.port = int(self.address.rsplit(":", 1)[1])
 
     def _await_ready(self, timeout: float) -> str:
-        found: list[str] = []
-        ready = threading.Event()
-
-        def read() -> None:
-            for line in self.process.stdout:  # keeps draining so the child never blocks
-                if not found and line.startswith(READY_PREFIX):
-                    found.append(line[len(READY_PREFIX):].strip())
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        ready.wait(timeout)
-        if not found:
+        target = await_ready(self.process, timeout)
+        if target is None:
             self.kill()
             raise RuntimeError(f"server did not start: {self.stderr()}")
-        return found[0]
+        return target
 
     def stderr(self) -> str:
         """What the process wrote to stderr so far."""

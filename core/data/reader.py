@@ -245,12 +245,13 @@ class JobReader(Iterator[Any]):
             return worker.transfer_protocol, worker.transfer_address
         return worker.protocol, worker.address
 
-    def _read(self, address: str, spec: StreamSpec, offset: int) -> tuple[list[Any], bool]:
-        """One batch from a worker; retried with the same sequence number on failure."""
+    def _read(self, address: str, spec: StreamSpec, offset: int, first: bool
+              ) -> tuple[list[Any], bool]:
+        """One batch from a worker (a single element when ``first``, to start fast)."""
         request = DataRequest(get_elements=GetElementsRequest(
             stream=spec, consumer_id=self._consumer, request_seq=next(self._seq),
-            offset=offset, max_elements=self._options.max_elements, max_bytes=_MAX_BYTES,
-            wait_seconds=_READ_WAIT_S))
+            offset=offset, max_elements=1 if first else self._options.max_elements,
+            max_bytes=_MAX_BYTES, wait_seconds=_READ_WAIT_S))
         endpoint = self._endpoint(address)
         if endpoint is None:
             raise errors.UnavailableError(f"Worker {address} left the job.")
@@ -274,10 +275,10 @@ class JobReader(Iterator[Any]):
         order = list(self._job.worker_order)
         if self._job.sharding_policy in STATIC_POLICIES and address in order:
             spec.shard_index, spec.num_shards = order.index(address), len(order)
-        failing_since = None
+        failing_since, first = None, True
         while not self._stop.is_set():
             try:
-                batch, end = self._read(address, spec, 0)
+                batch, end = self._read(address, spec, 0, first)
             except _WORKER_FAILURES:
                 now = time.monotonic()
                 failing_since = failing_since or now
@@ -287,7 +288,7 @@ class JobReader(Iterator[Any]):
                     return  # the worker died: its copy of the data is lost, as in TF
                 self._stop.wait(_RETRY_S)
                 continue
-            failing_since = None
+            failing_since, first = None, False
             if batch:
                 self._put("batch", batch)
             if end:
@@ -335,7 +336,7 @@ class JobReader(Iterator[Any]):
         spec.unit_start, spec.unit_end = split.unit_start, split.unit_end
         while not self._stop.is_set():
             try:
-                batch, end = self._read(address, spec, split.received)
+                batch, end = self._read(address, spec, split.received, not split.received)
             except _WORKER_FAILURES:
                 self._orphan(address, split)
                 return False
