@@ -18,6 +18,7 @@ from typing import Any
 
 from clusterwire import errors
 from clusterwire.cluster_spec import ClusterSpec
+from clusterwire.security import security_fields
 from clusterwire.session import Session
 
 READY_PREFIX = "CLUSTERWIRE_READY "
@@ -56,8 +57,12 @@ class LocalCluster:
                 job: [addresses[job, i] for i in range(count)] for job, count in jobs.items()})
             self.targets = {job: [f"{protocol}://{addresses[job, i]}" for i in range(count)]
                             for job, count in jobs.items()}
+            # The launcher presents the servers' own credentials (TLS files, token file).
+            credentials = {k: v for k, v in (config or {}).items() if k in security_fields()}
+            self.client_config = credentials or None
             for target in (t for ts in self.targets.values() for t in ts):
-                with Session(target, timeout=start_timeout) as session:
+                with Session(target, config=self.client_config,
+                             timeout=start_timeout) as session:
                     session.complete_cluster(self.cluster_spec)
         except BaseException:
             self.close()

@@ -84,6 +84,7 @@ class PluginConfig:
     load: list[str] = field(default_factory=list)
     block: list[str] = field(default_factory=list)
     options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    security: dict[str, Any] = field(default_factory=dict)
 
 
 def find_config_path(path: str | os.PathLike | None = None) -> str | None:
@@ -109,10 +110,11 @@ def load_config(path: str | os.PathLike | None = None) -> PluginConfig:
             f"{'the argument' if path is not None else '$' + CONFIG_ENV}).") from None
     except tomllib.TOMLDecodeError as err:
         raise InvalidArgumentError(f"Malformed plugin configuration {found}: {err}") from None
-    unknown = set(data) - {"load", "block", "options"}
+    unknown = set(data) - {"load", "block", "options", "security"}
     if unknown:
         raise InvalidArgumentError(
-            f"{found}: unknown key(s) {sorted(unknown)}; allowed: load, block, [options.NAME].")
+            f"{found}: unknown key(s) {sorted(unknown)}; allowed: load, block, [options.NAME], "
+            "[security].")
     config = PluginConfig(path=found)
     for key in ("load", "block"):
         value = data.get(key, [])
@@ -123,6 +125,10 @@ def load_config(path: str | os.PathLike | None = None) -> PluginConfig:
     if not all(isinstance(v, dict) for v in options.values()):
         raise InvalidArgumentError(f"{found}: [options] must hold one table per plugin name.")
     config.options = options
+    security = data.get("security", {})
+    if not isinstance(security, dict):
+        raise InvalidArgumentError(f"{found}: [security] must be a table.")
+    config.security = security
     return config
 
 
@@ -263,6 +269,12 @@ class PluginManager:
         with self._lock:
             self._ensure_loaded()
             return dict(self.config.options.get(plugin_name, {}))
+
+    def security_options(self) -> dict[str, Any]:
+        """The [security] table of plugins.toml (TLS files, token file)."""
+        with self._lock:
+            self._ensure_loaded()
+            return dict(self.config.security)
 
     def _missing(self, kind: str, name: str, installed: list[str]) -> NotFoundError:
         hint = PROVIDERS.get(name)

@@ -19,7 +19,8 @@ from google.protobuf.message import DecodeError
 from clusterwire import errors
 from clusterwire.plugins import get_plugin_manager
 from clusterwire.protos.service_pb2 import Request, Response
-from clusterwire.transport import Buffer, Channel, ConnectionFailed, Frame
+from clusterwire.security import Security
+from clusterwire.transport import Buffer, Channel, ConnectionFailed, Frame, HandshakeFailed
 
 # Methods that are safe to send twice when a connection broke after sending.
 IDEMPOTENT = frozenset({"status", "put", "get", "delete", "list", "barrier"})
@@ -50,9 +51,11 @@ def parse_response(frame: Frame) -> Response:
 class RequestClient:
     """Sends requests to addresses over one protocol, reusing one channel per address."""
 
-    def __init__(self, protocol: str, timeout: float = DEFAULT_TIMEOUT):
+    def __init__(self, protocol: str, timeout: float = DEFAULT_TIMEOUT,
+                 security: Security | None = None):
         self.protocol = protocol
         self.timeout = timeout
+        self.security = security or Security()
         self._transport = get_plugin_manager().transport(protocol)
         self._channels: dict[str, Channel] = {}
         self._lock = threading.Lock()
@@ -64,7 +67,8 @@ class RequestClient:
                 raise errors.CancelledError("This client was closed.")
             channel = self._channels.get(address)
             if channel is None:
-                channel = self._channels[address] = self._transport.connect(address)
+                channel = self._channels[address] = self._transport.connect(address,
+                                                                            self.security)
             return channel
 
     def send(self, address: str, request: Request, buffers: Sequence[Buffer] = (),
@@ -87,9 +91,14 @@ class RequestClient:
             try:
                 return self._channel(address).call(frame, timeout=max(remaining, 0.001))
             except errors.UnavailableError as err:
-                retryable = isinstance(err, ConnectionFailed) or method in IDEMPOTENT
+                retryable = not isinstance(err, HandshakeFailed) and (
+                    isinstance(err, ConnectionFailed) or method in IDEMPOTENT)
                 remaining = deadline - time.monotonic()
-                if not retryable or remaining <= 0:
+                if not retryable:
+                    raise errors.UnavailableError(
+                        f"Task at {address} ({self.protocol}) is unavailable: {err.message}"
+                    ) from None
+                if remaining <= 0:
                     raise errors.UnavailableError(
                         f"Task at {address} ({self.protocol}) is unavailable after "
                         f"{budget:.3g} s: {err.message}") from None

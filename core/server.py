@@ -11,6 +11,7 @@ from clusterwire.addressing import join_host_port, split_host_port
 from clusterwire.cluster_spec import ClusterSpec
 from clusterwire.plugins import get_plugin_manager
 from clusterwire.protos.tensorflow_server_pb2 import ServerDef
+from clusterwire.security import load_security, security_fields
 from clusterwire.server_def import make_server_def
 from clusterwire.service import ClusterService
 from clusterwire.transport import ListenOptions
@@ -18,6 +19,7 @@ from clusterwire.transport import ListenOptions
 _DEFAULT_PEER_TIMEOUT = 30.0
 _DEFAULT_MAX_WORKERS = 16
 _DEFAULT_MAX_MESSAGE = 4 << 30
+_DEFAULT_MAX_CONCURRENT = 256
 # After the drain, responses already produced (and announced bulk fetches) get this long to flow.
 _FLUSH_GRACE = 1.0
 
@@ -31,7 +33,9 @@ class Server:
     and ``protocol`` override the definition; ``config`` is a ``ConfigProto``
     (merged into ``default_session_config``, as in TF) or clusterwire
     ``ServerOptions`` / a dict of its fields (bind_address,
-    peer_timeout_seconds, max_workers, max_message_bytes, transport_options).
+    peer_timeout_seconds, max_workers, max_message_bytes, max_concurrent_calls,
+    transport_options, and the security options tls_cert_file, tls_key_file,
+    tls_ca_file, tls_client_auth, auth_token_file: see clusterwire.security).
 
     Unlike TF's: port 0 binds a free port that ``target`` and ``server_def``
     report; the listener binds the host of the task's address (not every
@@ -72,12 +76,16 @@ class Server:
         self._started = False
         self._stopped = threading.Event()
         max_workers = options.max_workers or _DEFAULT_MAX_WORKERS
+        self._security = load_security({f: getattr(options, f) for f in security_fields()})
         self._service = ClusterService(
             cluster, sd.job_name, sd.task_index, sd.protocol, lambda: self.target,
-            options.peer_timeout_seconds or _DEFAULT_PEER_TIMEOUT, transport.info, max_workers)
+            options.peer_timeout_seconds or _DEFAULT_PEER_TIMEOUT, transport.info, max_workers,
+            self._security)
         listen_options = ListenOptions(
             max_workers=max_workers,
-            max_message_bytes=options.max_message_bytes or _DEFAULT_MAX_MESSAGE)
+            max_message_bytes=options.max_message_bytes or _DEFAULT_MAX_MESSAGE,
+            max_concurrent_calls=options.max_concurrent_calls or _DEFAULT_MAX_CONCURRENT,
+            security=self._security)
         bind = join_host_port(options.bind_address or host, port)
         try:
             self._listener = transport.listen(bind, self._service.handle, listen_options)
@@ -134,6 +142,11 @@ class Server:
     def target(self) -> str:
         """``protocol://host:port`` that a Session connects to."""
         return f"{self._server_def.protocol}://{join_host_port(self._host, self._port)}"
+
+    @property
+    def secure(self) -> bool:
+        """True when this server requires TLS or a cluster token."""
+        return self._security.secure
 
     @property
     def cluster_spec(self) -> ClusterSpec:

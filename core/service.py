@@ -22,6 +22,7 @@ from clusterwire.addressing import split_host_port
 from clusterwire.cluster_spec import ClusterSpec
 from clusterwire.protos.service_pb2 import Request, Response, TaskRef, TaskStatus, Value
 from clusterwire.rpc import RequestClient
+from clusterwire.security import Security
 from clusterwire.transport import Buffer, Frame
 
 _MAX_HOPS = 2
@@ -93,7 +94,8 @@ class ClusterService:
 
     def __init__(self, cluster: ClusterSpec, job: str, index: int, protocol: str,
                  target: Callable[[], str], peer_timeout: float,
-                 transport_info: Callable[[], dict[str, str]], max_workers: int = 16):
+                 transport_info: Callable[[], dict[str, str]], max_workers: int = 16,
+                 security: Security | None = None):
         self.cluster = cluster
         self.job, self.index, self.protocol = job, index, protocol
         self._target = target
@@ -101,7 +103,9 @@ class ClusterService:
         self._store: dict[str, _Stored] = {}
         self._store_lock = threading.Lock()
         self._barrier = _Barrier()
-        self._peers = RequestClient(protocol, timeout=peer_timeout)
+        # Peers are reached with this server's own credentials (its certificate
+        # doubles as the client certificate under mutual TLS).
+        self._peers = RequestClient(protocol, timeout=peer_timeout, security=security)
         self._functions = ThreadPoolExecutor(max_workers, thread_name_prefix="clusterwire-call")
         self._activity = threading.Condition()
         self._in_flight = 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from clusterwire import codec, errors, functions
@@ -10,6 +10,7 @@ from clusterwire.addressing import parse_device, split_host_port, split_target
 from clusterwire.cluster_spec import ClusterSpec
 from clusterwire.protos.service_pb2 import Request, TaskRef
 from clusterwire.rpc import DEFAULT_TIMEOUT, RequestClient
+from clusterwire.security import load_security
 
 
 class Session:
@@ -23,15 +24,19 @@ class Session:
     raises UnavailableError.
     """
 
-    def __init__(self, target: str, config: Any = None, timeout: float = DEFAULT_TIMEOUT):
+    def __init__(self, target: str, config: Mapping[str, Any] | None = None,
+                 timeout: float = DEFAULT_TIMEOUT):
         self.target = target
         self.config = config
         protocol, address = split_target(target)
         split_host_port(address)
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise errors.InvalidArgumentError(f"timeout must be > 0 seconds, got {timeout!r}")
+        if config is not None and not isinstance(config, Mapping):
+            raise TypeError(f"config must be a dict of security options, got {config!r}")
         self._address = address
-        self._client = RequestClient(protocol, timeout=float(timeout))
+        self._client = RequestClient(protocol, timeout=float(timeout),
+                                     security=load_security(config))
 
     def __enter__(self) -> Session:
         return self

@@ -21,11 +21,21 @@ Roles:
   raises a ``clusterwire.errors`` class; it never blocks past ``timeout``.
   ``close`` releases the connection.
 
+Security (``ListenOptions.security`` / ``connect(..., security)``): with TLS
+configured the control plane speaks TLS; with a token, the listener checks
+each request's token (constant time) before it reads bulk data or calls the
+handler, and answers ``UnauthenticatedError`` otherwise. A data path outside
+the control connection (shared memory, UCX, ...) accepts a transfer only
+for a request or connection the control plane authenticated. A transport
+that cannot provide what is asked must refuse with ``UnimplementedError``,
+never silently run without it.
+
 Errors a transport raises (never its library's own exception types):
 ``UnavailableError`` (cannot connect, peer died), ``DeadlineExceededError``
 (timeout), ``CancelledError`` (server stopping), ``ResourceExhaustedError``
 (frame larger than the configured limit), ``InvalidArgumentError``
-(malformed frame).
+(malformed frame), ``UnauthenticatedError`` (wrong token, TLS handshake or
+certificate refused).
 
 Buffer ownership: the caller of ``call`` (and the handler returning a frame)
 must not modify the buffers it passed until ``call`` returns (the handler's
@@ -42,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from clusterwire.errors import UnavailableError
+from clusterwire.security import Security
 
 Buffer = Any  # any object supporting the buffer protocol
 
@@ -69,6 +80,7 @@ class ListenOptions:
     max_workers: int = 16
     max_message_bytes: int = 4 << 30
     max_concurrent_calls: int = 256
+    security: Security = field(default_factory=Security)
 
 
 class Listener(abc.ABC):
@@ -110,8 +122,13 @@ class Transport(abc.ABC):
         """Bind ``address`` (``host:port``; port 0 = any free port) and serve ``handler``."""
 
     @abc.abstractmethod
-    def connect(self, address: str) -> Channel:
-        """A channel to the listener at ``address``; connecting may be lazy."""
+    def connect(self, address: str, security: Security | None = None) -> Channel:
+        """A channel to the listener at ``address``; connecting may be lazy.
+
+        With ``security.tls`` the channel speaks TLS (checking the server with
+        the root certificates, presenting its own certificate for mutual TLS);
+        with ``security.token`` every request carries the cluster token.
+        """
 
     def info(self) -> dict[str, str]:
         """Facts about the transport for ``status`` (e.g. the data path in use)."""
@@ -123,4 +140,11 @@ class ConnectionFailed(UnavailableError):
 
     Transports raise it (rather than plain UnavailableError) when they know
     nothing was sent, so the core may retry even non-idempotent requests.
+    """
+
+
+class HandshakeFailed(UnavailableError):
+    """The peer was reached but the connection's security handshake failed.
+
+    Retrying with the same settings cannot help, so the core does not retry it.
     """

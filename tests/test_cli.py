@@ -70,8 +70,8 @@ def test_plugins_lists_grpc_with_module_distribution_and_version():
 @pytest.mark.parametrize("args,message", [
     (["--cluster", "{not json"], "invalid --cluster"),
     (["--cluster", "@/no/such/file.json"], "invalid --cluster"),
-    (["--cluster", '{"w": ["127.0.0.1:0"]}', "--protocol", "grpc+verbs"],
-     "clusterwire[verbs]"),
+    (["--cluster", '{"w": ["127.0.0.1:0"]}', "--protocol", "carrier-pigeon"],
+     "No transport registered for 'carrier-pigeon'"),
     (["--cluster", '{"w": ["127.0.0.1:0"], "v": ["127.0.0.1:0"]}'], "explicit `job_name`"),
     (["--cluster", '{"w": ["nohost"]}'], "no ':port' part"),
     (["--cluster", '{"w": ["127.0.0.1:0"]}', "--import", "no_such_module_q"], "no_such_module_q"),

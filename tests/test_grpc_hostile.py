@@ -13,7 +13,7 @@ from clusterwire.errors import InvalidArgumentError, ResourceExhaustedError, Uni
 from clusterwire.protos.service_pb2 import Request
 from clusterwire.transport import Frame
 from clusterwire.transports.grpc import framing
-from clusterwire.transports.grpc.transport import GrpcChannel, GrpcTransport
+from clusterwire.transports.grpc.transport import GrpcTransport
 
 
 @pytest.fixture
@@ -59,7 +59,7 @@ def test_malformed_unary_frames_are_invalid_argument(server, raw, message):
 
 
 def test_garbage_header_gets_an_invalid_argument_response(server):
-    channel = GrpcChannel(GrpcTransport(), server.target.removeprefix("grpc://"))
+    channel = GrpcTransport().connect(server.target.removeprefix("grpc://"))
     try:
         from clusterwire.rpc import parse_response, raise_for_status
 

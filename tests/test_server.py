@@ -181,8 +181,8 @@ def test_job_or_task_not_in_cluster():
 
 
 def test_unknown_protocol_is_not_found_never_a_fallback():
-    with pytest.raises(NotFoundError, match="No transport registered for 'grpc\\+verbs'"):
-        Server({"w": ["127.0.0.1:0"]}, protocol="grpc+verbs")
+    with pytest.raises(NotFoundError, match="No transport registered for 'grpc\\+pigeon'"):
+        Server({"w": ["127.0.0.1:0"]}, protocol="grpc+pigeon")
 
 
 def test_unresolvable_host_is_a_clear_error():

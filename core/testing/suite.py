@@ -17,6 +17,7 @@ import pytest
 from clusterwire import codec, errors
 from clusterwire.local_cluster import READY_PREFIX, LocalCluster
 from clusterwire.plugins import get_plugin_manager
+from clusterwire.security import Security, TlsConfig
 from clusterwire.server import Server
 from clusterwire.session import Session
 from clusterwire.testing.peer import ANNOUNCE, FAIL, SLEEP, echo_handler
@@ -39,6 +40,10 @@ class Capabilities:
     cluster: bool = True
     #: Received buffers are writable (a zero-copy transport may hand out read-only memory).
     writable_buffers: bool = True
+    #: The listener checks a cluster token (Security.token) on every request.
+    token_auth: bool = True
+    #: The control plane speaks TLS when Security.tls is set.
+    tls: bool = True
 
 
 class _Peer:
@@ -349,6 +354,109 @@ class TransportSuite:
             self._echo(channel, b"after garbage", [b"ok"])
         finally:
             channel.close()
+
+    # -- security ----------------------------------------------------------------------
+
+    def _secure_pair(self, transport, listen: Security, connect: Security):
+        listener = self._listen(transport, options=ListenOptions(security=listen))
+        return listener, transport.connect(listener.address, connect)
+
+    def test_token_is_required_and_checked(self, transport):
+        if not self.capabilities.token_auth:
+            pytest.skip(f"{self.protocol} does not check tokens")
+        token = b"k" * 32
+        listener = self._listen(transport, options=ListenOptions(security=Security(token=token)))
+        try:
+            for presented in (None, b"x" * 32):
+                channel = transport.connect(listener.address, Security(token=presented))
+                try:
+                    with pytest.raises(errors.UnauthenticatedError):
+                        channel.call(Frame(b"no", [_payload(_MiB)]), timeout=10)
+                finally:
+                    channel.close()
+            channel = transport.connect(listener.address, Security(token=token))
+            try:
+                self._echo(channel, b"yes", [_payload(_MiB)])
+            finally:
+                channel.close()
+        finally:
+            listener.stop(0)
+
+    @pytest.fixture(scope="class")
+    def authority(self, tmp_path_factory):
+        pytest.importorskip("cryptography")
+        from clusterwire.testing.certs import Authority
+
+        return Authority(tmp_path_factory.mktemp("pki"))
+
+    def _tls(self, authority, pair=None, client_auth=False, ca=True) -> TlsConfig:
+        return TlsConfig(
+            certificate_chain=pair.cert.read_bytes() if pair else None,
+            private_key=pair.key.read_bytes() if pair else None,
+            root_certificates=authority.pair.cert.read_bytes() if ca else None,
+            require_client_auth=client_auth)
+
+    def test_tls(self, transport, authority):
+        if not self.capabilities.tls:
+            pytest.skip(f"{self.protocol} does not speak TLS")
+        server = self._tls(authority, authority.issue("server"), ca=False)
+        listener = self._listen(transport, options=ListenOptions(security=Security(tls=server)))
+        try:
+            good = transport.connect(listener.address, Security(tls=self._tls(authority)))
+            try:
+                self._echo(good, b"tls", [_payload(2 * _MiB)])
+            finally:
+                good.close()
+            started = time.monotonic()
+            plain = transport.connect(listener.address, Security())
+            try:
+                with pytest.raises((errors.UnavailableError, errors.UnauthenticatedError)):
+                    plain.call(Frame(b"plain", []), timeout=20)
+            finally:
+                plain.close()
+            assert time.monotonic() - started < 15, "a plaintext client must fail, not hang"
+        finally:
+            listener.stop(0)
+
+    def test_tls_refuses_a_certificate_from_another_authority(self, transport, authority,
+                                                              tmp_path):
+        if not self.capabilities.tls:
+            pytest.skip(f"{self.protocol} does not speak TLS")
+        from clusterwire.testing.certs import Authority
+
+        stranger = Authority(tmp_path, "stranger CA")
+        server = self._tls(stranger, stranger.issue("server"), ca=False)
+        listener = self._listen(transport, options=ListenOptions(security=Security(tls=server)))
+        try:
+            channel = transport.connect(listener.address, Security(tls=self._tls(authority)))
+            try:
+                with pytest.raises(errors.UnauthenticatedError):
+                    channel.call(Frame(b"x", []), timeout=20)
+            finally:
+                channel.close()
+        finally:
+            listener.stop(0)
+
+    def test_mutual_tls(self, transport, authority):
+        if not self.capabilities.tls:
+            pytest.skip(f"{self.protocol} does not speak TLS")
+        server = self._tls(authority, authority.issue("server"), client_auth=True)
+        listener = self._listen(transport, options=ListenOptions(security=Security(tls=server)))
+        try:
+            client = self._tls(authority, authority.issue("client"))
+            channel = transport.connect(listener.address, Security(tls=client))
+            try:
+                self._echo(channel, b"mtls", [b"ok"])
+            finally:
+                channel.close()
+            anonymous = transport.connect(listener.address, Security(tls=self._tls(authority)))
+            try:
+                with pytest.raises((errors.UnavailableError, errors.UnauthenticatedError)):
+                    anonymous.call(Frame(b"x", []), timeout=20)
+            finally:
+                anonymous.close()
+        finally:
+            listener.stop(0)
 
     # -- addresses --------------------------------------------------------------------
 

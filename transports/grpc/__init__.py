@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
 from clusterwire.plugins import TransportSpec, hookimpl
+
+# Before grpc is first imported (by any of the gRPC-based transports): no INFO
+# log lines from the C core, e.g. for every refused TLS handshake.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 
 def _factory(options: Mapping[str, Any]):

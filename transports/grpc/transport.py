@@ -14,6 +14,7 @@ an announced response waits for its fetch).
 from __future__ import annotations
 
 import itertools
+import secrets
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -23,30 +24,22 @@ from typing import Any
 import grpc
 
 from clusterwire import errors
-from clusterwire.addressing import join_host_port, split_host_port
-from clusterwire.transport import (
-    Channel,
-    ConnectionFailed,
-    Frame,
-    Handler,
-    Listener,
-    ListenOptions,
-    Transport,
-)
+from clusterwire.addressing import split_host_port
+from clusterwire.security import Security
+from clusterwire.transport import Channel, Frame, Handler, Listener, ListenOptions, Transport
 from clusterwire.transports.grpc import framing
+from clusterwire.transports.grpc.plumbing import (
+    bind,
+    check_token,
+    grpc_error,
+    open_channel,
+    status_code,
+    token_metadata,
+)
 
 SERVICE = "clusterwire.Transport"
 _CALL, _UPLOAD, _FETCH = (f"/{SERVICE}/{m}" for m in ("Call", "Upload", "Fetch"))
 _CLIENT_LIMIT = 1 << 42
-
-
-def grpc_error(err: grpc.RpcError, address: str) -> errors.OpError:
-    """The clusterwire error for a gRPC failure talking to ``address``."""
-    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
-    details = (err.details() if hasattr(err, "details") else None) or str(code)
-    if code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in details.lower():
-        return ConnectionFailed(f"cannot connect to {address}: {details}")
-    return errors.error_from_code(code.value[0], details)
 
 
 def _message_limit(inline_bytes: int, chunk_bytes: int) -> int:
@@ -59,7 +52,6 @@ class _Pending:
     def __init__(self, ttl: float):
         self._ttl = ttl
         self._items: dict[int, tuple[float, list[memoryview]]] = {}
-        self._ids = itertools.count(1)
         self._lock = threading.Lock()
 
     def add(self, views: list[memoryview]) -> int:
@@ -67,7 +59,7 @@ class _Pending:
         with self._lock:
             for key in [k for k, (expiry, _) in self._items.items() if expiry < now]:
                 del self._items[key]
-            key = next(self._ids)
+            key = secrets.randbits(63) + 1  # unguessable: a fetch needs no other secret
             self._items[key] = (now + self._ttl, views)
             return key
 
@@ -102,20 +94,13 @@ class GrpcListener(Listener):
             "Upload": grpc.stream_unary_rpc_method_handler(self._upload),
             "Fetch": grpc.unary_stream_rpc_method_handler(self._fetch),
         })])
-        host, _ = split_host_port(address)
+        self._security = options.security
         try:
-            port = self._server.add_insecure_port(address)
-        except RuntimeError as err:
-            port, reason = 0, str(err)
-        else:
-            reason = "address in use or not local"
-        if not port:
+            self._address = bind(self._server, address, self._security)
+        except errors.OpError:
             self._server.stop(None)
             self._pool.shutdown(wait=False)
-            raise errors.UnavailableError(
-                f"Could not bind {address} ({reason}). Choose a free port, or port 0 to let "
-                "the system pick one, and a host name of this machine.")
-        self._address = join_host_port(host, port)
+            raise
 
     @property
     def address(self) -> str:
@@ -138,6 +123,7 @@ class GrpcListener(Listener):
                                      framing.CONTINUED, fetch_id)
 
     def _call(self, message: bytes, context: grpc.ServicerContext) -> bytes:
+        check_token(context, self._security)
         try:
             prefix = framing.decode_prefix(message, self._limit)
             if prefix.flags != framing.INLINE:
@@ -148,6 +134,7 @@ class GrpcListener(Listener):
         return self._respond(self._handler(request))
 
     def _upload(self, messages: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        check_token(context, self._security)
         try:
             first = next(messages, None)
             if first is None:
@@ -159,6 +146,7 @@ class GrpcListener(Listener):
         return self._respond(self._handler(request))
 
     def _fetch(self, message: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        check_token(context, self._security)
         key = int.from_bytes(message[:8], "little") if len(message) == 8 else 0
         views = self._pending.take(key)
         if views is None:
@@ -167,19 +155,16 @@ class GrpcListener(Listener):
         yield from framing.chunks(views, self._transport.chunk_bytes)
 
 
-def status_code(code: int) -> tuple[int, str]:
-    return next(s.value for s in grpc.StatusCode if s.value[0] == code)
-
-
 class GrpcChannel(Channel):
     """A gRPC channel to one listener."""
 
-    def __init__(self, transport: GrpcTransport, address: str):
+    def __init__(self, transport: GrpcTransport, address: str, security: Security):
         split_host_port(address)
         self._transport = transport
         self._address = address
+        self._metadata = token_metadata(security)
         limit = _message_limit(transport.inline_bytes, transport.chunk_bytes)
-        self._channel = grpc.insecure_channel(address, options=[
+        self._channel = open_channel(address, security, [
             ("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", -1)])
         self._unary = self._channel.unary_unary(_CALL)
         self._upload = self._channel.stream_unary(_UPLOAD)
@@ -190,17 +175,19 @@ class GrpcChannel(Channel):
         views = framing.buffer_views(frame.buffers)
         try:
             if sum(v.nbytes for v in views) <= self._transport.inline_bytes:
-                reply = self._unary(framing.encode_inline(frame.header, views), timeout=timeout)
+                reply = self._unary(framing.encode_inline(frame.header, views), timeout=timeout,
+                                    metadata=self._metadata)
             else:
                 first = framing.encode_prefix(frame.header, [v.nbytes for v in views], 0)
                 stream = itertools.chain(
                     [first], framing.chunks(views, self._transport.chunk_bytes))
-                reply = self._upload(stream, timeout=timeout)
+                reply = self._upload(stream, timeout=timeout, metadata=self._metadata)
             prefix = framing.decode_prefix(reply, _CLIENT_LIMIT)
             if prefix.flags == framing.INLINE:
                 return Frame(prefix.header, framing.split_inline(reply, prefix))
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
-            stream = self._fetch(prefix.fetch_id.to_bytes(8, "little"), timeout=remaining)
+            stream = self._fetch(prefix.fetch_id.to_bytes(8, "little"), timeout=remaining,
+                                 metadata=self._metadata)
             return Frame(prefix.header, framing.assemble(iter(stream), prefix.lengths))
         except grpc.RpcError as err:
             raise grpc_error(err, self._address) from None
@@ -229,8 +216,8 @@ class GrpcTransport(Transport):
     def listen(self, address: str, handler: Handler, options: ListenOptions) -> Listener:
         return GrpcListener(self, address, handler, options)
 
-    def connect(self, address: str) -> Channel:
-        return GrpcChannel(self, address)
+    def connect(self, address: str, security: Security | None = None) -> Channel:
+        return GrpcChannel(self, address, security or Security())
 
     def info(self) -> dict[str, str]:
         return {"control": "grpc", "data": f"grpc chunk stream ({self.chunk_bytes} B chunks)"}

@@ -33,7 +33,8 @@ from typing import Any
 import grpc
 
 from clusterwire import errors
-from clusterwire.addressing import join_host_port, split_host_port
+from clusterwire.addressing import split_host_port
+from clusterwire.security import Security
 from clusterwire.transport import (
     Channel,
     ConnectionFailed,
@@ -43,7 +44,14 @@ from clusterwire.transport import (
     ListenOptions,
     Transport,
 )
-from clusterwire.transports.grpc.transport import grpc_error, status_code
+from clusterwire.transports.grpc.plumbing import (
+    bind,
+    check_token,
+    grpc_error,
+    open_channel,
+    status_code,
+    token_metadata,
+)
 from clusterwire.transports.local import sealed, wire
 
 _METHOD = "/clusterwire.Local/Call"
@@ -115,8 +123,9 @@ def _close_all(fds: Sequence[int]) -> None:
 class _UnixPeer:
     """One SOCK_SEQPACKET connection: a reader thread filling an inbox, and a locked sender."""
 
-    def __init__(self, sock: socket.socket, on_hello=None):
+    def __init__(self, sock: socket.socket, on_hello=None, security: Security | None = None):
         self.sock = sock
+        self._security = security or Security()
         self.inbox = _Inbox()
         self._on_hello = on_hello
         self._send_lock = threading.Lock()
@@ -128,21 +137,26 @@ class _UnixPeer:
     def _read(self) -> None:
         try:
             while True:
-                message, fds, _, _ = socket.recv_fds(self.sock, wire.UNIX_MESSAGE_SIZE,
+                message, fds, _, _ = socket.recv_fds(self.sock, wire.MAX_UNIX_MESSAGE,
                                                      wire.MAX_FDS_PER_MESSAGE)
                 if not message:
                     _close_all(fds)
                     break
                 try:
-                    op, ident, count = wire.decode_unix(message)
+                    op, ident, count, payload = wire.decode_unix(message)
                     if count != len(fds):
                         raise errors.InvalidArgumentError("descriptor count mismatch")
                 except errors.OpError:
                     _close_all(fds)
                     break
                 if op == wire.HELLO and not fds and self._on_hello and not self.client_id:
+                    # Segments are accepted only on a connection that showed the token.
+                    self._security.check_token(payload or None)
                     self.client_id = ident
                     self._on_hello(ident, self)
+                elif self._on_hello and not self.client_id:
+                    _close_all(fds)
+                    break
                 elif op == wire.SEGMENTS:
                     self.inbox.add(ident, fds)
                 else:
@@ -152,10 +166,10 @@ class _UnixPeer:
             pass
         self.close()
 
-    def send(self, op: int, ident: int, fds: Sequence[int] = ()) -> None:
+    def send(self, op: int, ident: int, fds: Sequence[int] = (), payload: bytes = b"") -> None:
         with self._send_lock:
             if not fds:
-                self.sock.sendmsg([wire.encode_unix(op, ident, 0)])
+                self.sock.sendmsg([wire.encode_unix(op, ident, 0, payload)])
             for start in range(0, len(fds), wire.MAX_FDS_PER_MESSAGE):
                 part = list(fds[start:start + wire.MAX_FDS_PER_MESSAGE])
                 socket.send_fds(self.sock, [wire.encode_unix(op, ident, len(part))], part)
@@ -230,18 +244,13 @@ class LocalListener(Listener):
                      ("grpc.max_receive_message_length", wire.MAX_HEADER_BYTES + (16 << 20))])
         self._server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
             "clusterwire.Local", {"Call": grpc.unary_unary_rpc_method_handler(self._call)})])
-        host, _ = split_host_port(address)
+        self._security = options.security
         try:
-            port = self._server.add_insecure_port(address)
-        except RuntimeError:
-            port = 0
-        if not port:
+            self._address = bind(self._server, address, self._security)
+        except errors.OpError:
             self._server.stop(None)
             self._pool.shutdown(wait=False)
-            raise errors.UnavailableError(
-                f"Could not bind {address} (address in use or not local). Choose a free port, "
-                "or port 0 to let the system pick one, and a host name of this machine.")
-        self._address = join_host_port(host, port)
+            raise
         self._unix = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._unix.bind(_unix_name(self._address))
@@ -276,7 +285,7 @@ class LocalListener(Listener):
                 conn, _ = self._unix.accept()
             except OSError:
                 return
-            _UnixPeer(conn, on_hello=self._register)
+            _UnixPeer(conn, on_hello=self._register, security=self._security)
 
     def _register(self, client_id: int, peer: _UnixPeer) -> None:
         with self._clients_lock:
@@ -300,6 +309,7 @@ class LocalListener(Listener):
             peer.close()
 
     def _call(self, message: bytes, context: grpc.ServicerContext) -> bytes:
+        check_token(context, self._security)
         try:
             control = wire.decode_control(message, self._limit)
             with self._clients_lock:
@@ -323,9 +333,15 @@ class LocalListener(Listener):
         except OSError as err:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"shared-memory connection failed: {err}")
 
+    @property
+    def shortcut_allowed(self) -> bool:
+        """In-process calls skip the wire; not under TLS, whose handshake must decide."""
+        return self._security.tls is None
+
     def call_in_process(self, frame: Frame, timeout: float | None,
-                        cancelled: threading.Event) -> Frame:
+                        cancelled: threading.Event, security: Security) -> Frame:
         """Serve ``frame`` from this process, zero-copy for immutable buffers."""
+        self._security.check_token(security.token)
         if self._stopped.is_set():
             raise ConnectionFailed(f"The server at {self._address} is stopped.")
         if frame.payload_bytes > self._limit:
@@ -358,13 +374,15 @@ class LocalListener(Listener):
 class LocalChannel(Channel):
     """A channel to a grpc+local listener of this host (or of this process)."""
 
-    def __init__(self, transport: LocalTransport, address: str):
+    def __init__(self, transport: LocalTransport, address: str, security: Security):
         split_host_port(address)
         self._transport = transport
         self._address = address
+        self._security = security
+        self._metadata = token_metadata(security)
         self._client_id = secrets.randbits(63) + 1
         self._ids = itertools.count(1)
-        self._channel = grpc.insecure_channel(address, options=[
+        self._channel = open_channel(address, security, [
             ("grpc.max_receive_message_length", wire.MAX_HEADER_BYTES + (16 << 20)),
             ("grpc.max_send_message_length", -1)])
         self._unary = self._channel.unary_unary(_METHOD)
@@ -386,7 +404,7 @@ class LocalChannel(Channel):
                         f"cannot reach a grpc+local server at {self._address} on this host "
                         f"({err}); grpc+local connects only tasks of the same host.") from None
                 self._peer = _UnixPeer(sock)
-                self._peer.send(wire.HELLO, self._client_id)
+                self._peer.send(wire.HELLO, self._client_id, payload=self._security.token or b"")
             return self._peer
 
     def call(self, frame: Frame, timeout: float | None = None) -> Frame:
@@ -394,8 +412,8 @@ class LocalChannel(Channel):
             local = _in_process.get(self._address)
         if self._closed.is_set():
             raise errors.CancelledError(f"Channel to {self._address} is closed.")
-        if local is not None:
-            return local.call_in_process(frame, timeout, self._closed)
+        if local is not None and local.shortcut_allowed:
+            return local.call_in_process(frame, timeout, self._closed, self._security)
         deadline = None if timeout is None else time.monotonic() + timeout
         peer = self._unix_peer()
         transfer_id = next(self._ids)
@@ -404,7 +422,7 @@ class LocalChannel(Channel):
             _send_segments(peer, transfer_id, frame.buffers, kinds)
             future = self._unary.future(
                 wire.encode_control(frame.header, kinds, views, self._client_id, transfer_id),
-                timeout=timeout)
+                timeout=timeout, metadata=self._metadata)
             reply = self._wait(future)
         except grpc.RpcError as err:
             raise grpc_error(err, self._address) from None
@@ -454,8 +472,8 @@ class LocalTransport(Transport):
     def listen(self, address: str, handler: Handler, options: ListenOptions) -> Listener:
         return LocalListener(self, address, handler, options)
 
-    def connect(self, address: str) -> Channel:
-        return LocalChannel(self, address)
+    def connect(self, address: str, security: Security | None = None) -> Channel:
+        return LocalChannel(self, address, security or Security())
 
     def info(self) -> dict[str, str]:
         return {"control": "grpc", "data": "in-process hand-off / sealed memfd segments",

@@ -9,7 +9,9 @@ Control message (one gRPC unary call each way)::
 travels as a sealed memfd segment over the peer's Unix socket, under the
 transfer id. Unix-socket messages (SOCK_SEQPACKET, descriptors as SCM_RIGHTS)::
 
-    "CWU1" | op u8 | id u64 | count u32        op HELLO (id = client id) / SEGMENTS
+    "CWU1" | op u8 | id u64 | count u32 | payload
+        HELLO: id = client id, payload = the cluster token (if any)
+        SEGMENTS: id = transfer id, ``count`` descriptors attached
 """
 
 from __future__ import annotations
@@ -83,19 +85,19 @@ def decode_control(message: bytes, limit: int) -> Control:
     return Control(header, kinds, lengths, client_id, transfer_id, inline)
 
 
-def encode_unix(op: int, ident: int, count: int) -> bytes:
+def encode_unix(op: int, ident: int, count: int, payload: bytes = b"") -> bytes:
     """A Unix-socket message (descriptors travel beside it)."""
-    return _UNIX.pack(b"CWU1", op, ident, count)
+    return _UNIX.pack(b"CWU1", op, ident, count) + payload
 
 
-def decode_unix(message: bytes) -> tuple[int, int, int]:
-    """(op, id, count) of a Unix-socket message."""
-    if len(message) != _UNIX.size:
+def decode_unix(message: bytes) -> tuple[int, int, int, bytes]:
+    """(op, id, count, payload) of a Unix-socket message."""
+    if len(message) < _UNIX.size:
         raise InvalidArgumentError("Malformed unix-socket message.")
-    magic, op, ident, count = _UNIX.unpack(message)
+    magic, op, ident, count = _UNIX.unpack_from(message)
     if magic != b"CWU1" or op not in (HELLO, SEGMENTS):
         raise InvalidArgumentError("Malformed unix-socket message.")
-    return op, ident, count
+    return op, ident, count, message[_UNIX.size:]
 
 
-UNIX_MESSAGE_SIZE = _UNIX.size
+MAX_UNIX_MESSAGE = _UNIX.size + 4096

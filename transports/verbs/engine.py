@@ -10,6 +10,7 @@ in ``select`` on the worker's event descriptor (UCX "blocking" progress).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import os
@@ -54,6 +55,16 @@ class _Expectation:
         self.callback, self.standing = callback, standing
 
 
+class Endpoint:
+    """A UCX endpoint that knows whether it was closed (ucxx crashes on a closed one)."""
+
+    __slots__ = ("ucx", "closed")
+
+    def __init__(self, ucx) -> None:
+        self.ucx = ucx
+        self.closed = False
+
+
 class UcxEngine:
     """A UCX context and worker plus the thread that drives them."""
 
@@ -87,6 +98,8 @@ class UcxEngine:
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, daemon=True, name="clusterwire-ucx")
         self._thread.start()
+        # UCX must not be progressed while the interpreter tears its objects down.
+        atexit.register(self.stop)
 
     # -- called from any thread ----------------------------------------------------
 
@@ -124,31 +137,39 @@ class UcxEngine:
         """An endpoint to the worker at ``address`` (error handling off, so shared memory works)."""
         u = self._u
 
-        def create():
+        def create() -> Endpoint:
             remote = u.UCXAddress.create_from_buffer(address)
-            return u.UCXEndpoint.create_from_worker_address(self._worker, remote, False)
+            return Endpoint(u.UCXEndpoint.create_from_worker_address(self._worker, remote, False))
 
         try:
             return self.run(create)
         except u.UCXError as err:
             raise errors.UnavailableError(f"UCX cannot reach the peer: {err}") from None
 
-    def close_endpoint(self, endpoint) -> None:
+    def close_endpoint(self, endpoint: Endpoint) -> None:
         """Close an endpoint; its unfinished sends complete with an error."""
-        self.call_soon(endpoint.close)
 
-    def send(self, endpoint, buffer: Any, tag: int,
+        def close() -> None:
+            if not endpoint.closed:
+                endpoint.closed = True
+                endpoint.ucx.close()
+
+        self.call_soon(close)
+
+    def send(self, endpoint: Endpoint, buffer: Any, tag: int,
              on_done: Callable[[BaseException | None], None] | None = None) -> None:
         """Send ``buffer`` (kept alive until sent) as one tagged message."""
         array = self._array(buffer)
         u = self._u
 
         def post() -> None:
+            if endpoint.closed:
+                (on_done or _ignore)(errors.UnavailableError("The UCX endpoint is closed."))
+                return
             try:
-                request = endpoint.tag_send(array, u.UCXXTag(tag))
-            except Exception as err:  # a closed endpoint
-                if on_done:
-                    on_done(err)
+                request = endpoint.ucx.tag_send(array, u.UCXXTag(tag))
+            except Exception as err:  # UCX refused the send
+                (on_done or _ignore)(err)
                 return
             self._pending.append((request, array, on_done or _ignore))
 
@@ -246,9 +267,11 @@ class UcxEngine:
             (request, buffer, lambda err: want.callback(err, sender_tag, buffer)))
 
     def stop(self) -> None:
-        """Stop the engine thread (the process is exiting)."""
+        """Stop and join the engine thread (the process is exiting)."""
         self._stopping = True
         self.call_soon(lambda: None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(5)
 
 
 def _ignore(_: BaseException | None) -> None:

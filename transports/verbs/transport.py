@@ -23,7 +23,9 @@ default 64 KiB).
 from __future__ import annotations
 
 import contextlib
+import hmac
 import itertools
+import secrets
 import struct
 import threading
 import time
@@ -35,7 +37,8 @@ import grpc
 import numpy as np
 
 from clusterwire import errors
-from clusterwire.addressing import join_host_port, split_host_port
+from clusterwire.addressing import split_host_port
+from clusterwire.security import Security
 from clusterwire.transport import (
     Channel,
     Frame,
@@ -44,7 +47,13 @@ from clusterwire.transport import (
     ListenOptions,
     Transport,
 )
-from clusterwire.transports.grpc.transport import grpc_error
+from clusterwire.transports.grpc.plumbing import (
+    bind,
+    check_token,
+    grpc_error,
+    open_channel,
+    token_metadata,
+)
 from clusterwire.transports.verbs import wire
 from clusterwire.transports.verbs.engine import UcxEngine
 
@@ -53,7 +62,7 @@ _INLINE_BUDGET = 1 << 20
 _CONTROL_LIMIT = wire.MAX_HEADER_BYTES + (16 << 20)
 _PING_AFTER = 1.0
 _BULK_WAIT = 60.0
-_HELLO = struct.Struct("<I")
+_HELLO = struct.Struct("<IQ")  # slot, slot key
 
 
 class _Waiter:
@@ -92,21 +101,16 @@ class VerbsListener(Listener):
         self._server = grpc.server(self._grpc_pool, options=[("grpc.so_reuseport", 0)])
         self._server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(_SERVICE, {
             "Hello": grpc.unary_unary_rpc_method_handler(self._hello),
-            "Ping": grpc.unary_unary_rpc_method_handler(lambda request, context: b""),
+            "Ping": grpc.unary_unary_rpc_method_handler(self._ping),
         })])
-        host, _ = split_host_port(address)
+        self._security = options.security
         try:
-            port = self._server.add_insecure_port(address)
-        except RuntimeError:
-            port = 0
-        if not port:
+            self._address = bind(self._server, address, self._security)
+        except errors.OpError:
             self._server.stop(None)
             self._pool.shutdown(wait=False)
-            raise errors.UnavailableError(
-                f"Could not bind {address} (address in use or not local). Choose a free port, "
-                "or port 0 to let the system pick one, and a host name of this machine.")
-        self._address = join_host_port(host, port)
-        self._endpoints: dict[int, Any] = {}
+            raise
+        self._endpoints: dict[int, tuple[Any, int]] = {}
         self._lock = threading.Lock()
         self._stopped = False
         self._started = False
@@ -120,7 +124,12 @@ class VerbsListener(Listener):
             self._started = True
             self._server.start()
 
+    def _ping(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        check_token(context, self._security)
+        return b""
+
     def _hello(self, client_address: bytes, context: grpc.ServicerContext) -> bytes:
+        check_token(context, self._security)
         if not client_address or len(client_address) > 65536:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Hello needs a UCX worker address.")
         try:
@@ -132,8 +141,9 @@ class VerbsListener(Listener):
                 self._engine.close_endpoint(endpoint)
                 context.abort(grpc.StatusCode.UNAVAILABLE, "The server is stopping.")
             slot = self._transport.slots.add(self._on_request)
-            self._endpoints[slot] = endpoint
-        return _HELLO.pack(slot) + self._engine.address
+            key = secrets.randbits(64)
+            self._endpoints[slot] = (endpoint, key)
+        return _HELLO.pack(slot, key) + self._engine.address
 
     def _on_request(self, slot: int, transfer: int, control: np.ndarray) -> None:
         """Engine thread: a request control message arrived; serve it on the pool."""
@@ -142,13 +152,16 @@ class VerbsListener(Listener):
 
     def _serve(self, slot: int, transfer: int, message: np.ndarray) -> None:
         with self._lock:
-            endpoint = self._endpoints.get(slot)
+            endpoint, key = self._endpoints.get(slot, (None, 0))
         if endpoint is None:
             return
         engine = self._engine
         reply_tag = wire.tag(wire.RESPONSE, slot, transfer)
         try:
             control = wire.decode(message, self._limit)
+            if not hmac.compare_digest(control.key.to_bytes(8, "little"),
+                                       key.to_bytes(8, "little")):
+                return  # not from the client that authenticated this slot: drop it
             buffers = self._receive_bulk(endpoint, slot, transfer, control)
             request = Frame(control.header, buffers)
             try:
@@ -187,7 +200,7 @@ class VerbsListener(Listener):
         self._server.stop(grace).wait()
         self._pool.shutdown(wait=False)
         self._grpc_pool.shutdown(wait=False)
-        for slot, endpoint in endpoints.items():
+        for slot, (endpoint, _) in endpoints.items():
             self._transport.slots.remove(slot)
             self._engine.close_endpoint(endpoint)
 
@@ -252,41 +265,43 @@ class _Slots:
 class VerbsChannel(Channel):
     """A client of one grpc+verbs listener: hello over gRPC, then calls over UCX."""
 
-    def __init__(self, transport: VerbsTransport, address: str):
+    def __init__(self, transport: VerbsTransport, address: str, security: Security):
         split_host_port(address)
         self._transport = transport
         self._engine = transport.engine
         self._address = address
-        self._grpc = grpc.insecure_channel(address)
+        self._metadata = token_metadata(security)
+        self._grpc = open_channel(address, security)
         self._hello = self._grpc.unary_unary(f"/{_SERVICE}/Hello")
         self._ping = self._grpc.unary_unary(f"/{_SERVICE}/Ping")
         self._lock = threading.Lock()
-        self._connection: tuple[int, Any] | None = None
+        self._connection: tuple[int, int, Any] | None = None
         self._closed = threading.Event()
 
-    def _connect(self, timeout: float | None) -> tuple[int, Any]:
+    def _connect(self, timeout: float | None) -> tuple[int, int, Any]:
         with self._lock:
             if self._closed.is_set():
                 raise errors.CancelledError(f"Channel to {self._address} is closed.")
             if self._connection is None:
                 try:
-                    reply = self._hello(self._engine.address, timeout=timeout)
+                    reply = self._hello(self._engine.address, timeout=timeout,
+                                        metadata=self._metadata)
                 except grpc.RpcError as err:
                     raise grpc_error(err, self._address) from None
-                (slot,) = _HELLO.unpack_from(reply)
+                slot, key = _HELLO.unpack_from(reply)
                 endpoint = self._engine.connect(reply[_HELLO.size:])
-                self._connection = (slot, endpoint)
+                self._connection = (slot, key, endpoint)
             return self._connection
 
     def _drop_connection(self) -> None:
         with self._lock:
             connection, self._connection = self._connection, None
         if connection is not None:
-            self._engine.close_endpoint(connection[1])
+            self._engine.close_endpoint(connection[2])
 
     def call(self, frame: Frame, timeout: float | None = None) -> Frame:
         deadline = None if timeout is None else time.monotonic() + timeout
-        slot, endpoint = self._connect(timeout)
+        slot, key, endpoint = self._connect(timeout)
         engine = self._engine
         transfer = engine.next_transfer()
         views, kinds = _outgoing(frame.buffers, self._transport.bulk_bytes)
@@ -298,7 +313,7 @@ class VerbsChannel(Channel):
         if bulk:
             keys.append(engine.expect(go_tag, (1 << 64) - 1, 16, waiter.deliver))
         try:
-            engine.send(endpoint, wire.encode(frame.header, kinds, views),
+            engine.send(endpoint, wire.encode(frame.header, kinds, views, key),
                         wire.tag(wire.REQUEST, slot, transfer))
             if bulk:
                 self._wait(waiter, lambda: go_tag in waiter.messages
@@ -344,7 +359,7 @@ class VerbsChannel(Channel):
 
     def _check_alive(self) -> None:
         try:
-            self._ping(b"", timeout=2.0)
+            self._ping(b"", timeout=2.0, metadata=self._metadata)
         except grpc.RpcError as err:
             self._drop_connection()
             error = grpc_error(err, self._address)
@@ -379,8 +394,8 @@ class VerbsTransport(Transport):
     def listen(self, address: str, handler: Handler, options: ListenOptions) -> Listener:
         return VerbsListener(self, address, handler, options)
 
-    def connect(self, address: str) -> Channel:
-        return VerbsChannel(self, address)
+    def connect(self, address: str, security: Security | None = None) -> Channel:
+        return VerbsChannel(self, address, security or Security())
 
     def info(self) -> dict[str, str]:
         return {"control": "grpc (hello, liveness)", "data": "ucx", **self.engine.info()}

@@ -11,11 +11,13 @@ request's bulk buffers), REQUEST_DATA / RESPONSE_DATA bulk buffers.
 
 Control message::
 
-    "CWV1" | status u32 | header_len u32 | count u32 | (kind u8, length u64) * count |
-    header | inline bytes
+    "CWV1" | status u32 | header_len u32 | count u32 | key u64 |
+    (kind u8, length u64) * count | header | inline bytes
 
-``status`` 0 is a normal frame; otherwise the frame failed in the transport
-and ``header`` is the UTF-8 error message. ``kind`` 0 is an inline buffer,
+``key`` is the secret of the client's slot (handed out by the authenticated
+gRPC hello): a request with a wrong key is dropped. ``status`` 0 is a normal
+frame; otherwise the frame failed in the transport and ``header`` is the UTF-8
+error message. ``kind`` 0 is an inline buffer,
 1 a bulk buffer sent as its own UCX message.
 """
 
@@ -35,7 +37,7 @@ MAX_SLOTS = 1 << 20
 MAX_TRANSFERS = 1 << 24
 MAX_BULK = 1 << 16
 MAX_HEADER_BYTES = 64 << 20
-_PREFIX = struct.Struct("<4sIII")
+_PREFIX = struct.Struct("<4sIIIQ")
 _ENTRY = struct.Struct("<BQ")
 
 
@@ -54,19 +56,20 @@ class Control:
     """A decoded control message."""
 
     status: int
+    key: int
     header: bytes
     kinds: list[int]
     lengths: list[int]
     inline: memoryview
 
 
-def encode(header: bytes, kinds: Sequence[int], views: Sequence[memoryview],
+def encode(header: bytes, kinds: Sequence[int], views: Sequence[memoryview], key: int = 0,
            status: int = 0) -> bytes:
     """A control message carrying the INLINE buffers' bytes."""
     entries = b"".join(_ENTRY.pack(k, v.nbytes) for k, v in zip(kinds, views, strict=True))
     inline = [v for k, v in zip(kinds, views, strict=True) if k == INLINE]
-    return b"".join([_PREFIX.pack(b"CWV1", status, len(header), len(views)), entries, header,
-                     *inline])
+    return b"".join([_PREFIX.pack(b"CWV1", status, len(header), len(views), key), entries,
+                     header, *inline])
 
 
 def encode_error(code: int, message: str) -> bytes:
@@ -79,7 +82,7 @@ def decode(message: memoryview | bytes, limit: int) -> Control:
     message = memoryview(message).cast("B")
     if message.nbytes < _PREFIX.size:
         raise InvalidArgumentError(f"Malformed frame: {message.nbytes} bytes is too short.")
-    magic, status, header_len, count = _PREFIX.unpack_from(message)
+    magic, status, header_len, count, key = _PREFIX.unpack_from(message)
     if magic != b"CWV1":
         raise InvalidArgumentError(f"Malformed frame: bad magic {bytes(magic)!r}.")
     if count > MAX_BULK or header_len > MAX_HEADER_BYTES:
@@ -103,4 +106,5 @@ def decode(message: memoryview | bytes, limit: int) -> Control:
     if inline.nbytes != expected:
         raise InvalidArgumentError(
             f"Malformed frame: {inline.nbytes} inline bytes, declared {expected}.")
-    return Control(status, bytes(message[offset:offset + header_len]), kinds, lengths, inline)
+    return Control(status, key, bytes(message[offset:offset + header_len]), kinds, lengths,
+                   inline)

@@ -1,0 +1,104 @@
+"""gRPC pieces shared by the transports whose control plane is gRPC.
+
+Binding with or without TLS, opening channels with the matching credentials,
+carrying and checking the cluster token, and mapping gRPC failures to
+clusterwire errors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+
+from clusterwire import errors
+from clusterwire.addressing import join_host_port, split_host_port
+from clusterwire.security import TOKEN_KEY, Security
+from clusterwire.transport import ConnectionFailed, HandshakeFailed
+
+#: gRPC metadata key of the cluster token ("-bin": any bytes allowed).
+TOKEN_METADATA = f"{TOKEN_KEY}-bin"
+
+
+def bind(server: grpc.Server, address: str, security: Security) -> str:
+    """Bind ``address`` (TLS if configured); the contact address with the bound port."""
+    tls = security.tls
+    try:
+        if tls is None:
+            port = server.add_insecure_port(address)
+        else:
+            if not (tls.certificate_chain and tls.private_key):
+                raise errors.InvalidArgumentError(
+                    "A TLS server needs tls_cert_file and tls_key_file.")
+            credentials = grpc.ssl_server_credentials(
+                [(tls.private_key, tls.certificate_chain)],
+                root_certificates=tls.root_certificates,
+                require_client_auth=tls.require_client_auth)
+            port = server.add_secure_port(address, credentials)
+        reason = "address in use or not local"
+    except RuntimeError as err:
+        port, reason = 0, str(err)
+    if not port:
+        raise errors.UnavailableError(
+            f"Could not bind {address} ({reason}). Choose a free port, or port 0 to let the "
+            "system pick one, and a host name of this machine.")
+    return join_host_port(split_host_port(address)[0], port)
+
+
+def open_channel(address: str, security: Security,
+                 options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
+    """A channel to ``address`` with TLS credentials when configured."""
+    tls = security.tls
+    if tls is None:
+        return grpc.insecure_channel(address, options=list(options))
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=tls.root_certificates, private_key=tls.private_key,
+        certificate_chain=tls.certificate_chain)
+    return grpc.secure_channel(address, credentials, options=list(options))
+
+
+def token_metadata(security: Security) -> tuple[tuple[str, bytes], ...] | None:
+    """The call metadata that carries the token, if there is one."""
+    return ((TOKEN_METADATA, security.token),) if security.token else None
+
+
+def check_token(context: grpc.ServicerContext, security: Security) -> None:
+    """Abort the call with UNAUTHENTICATED unless it carries the cluster token."""
+    if security.token is None:
+        return
+    presented = next((v for k, v in context.invocation_metadata() if k == TOKEN_METADATA), None)
+    try:
+        security.check_token(presented)
+    except errors.UnauthenticatedError as err:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, err.message)
+
+
+def grpc_error(err: grpc.RpcError, address: str) -> errors.OpError:
+    """The clusterwire error for a gRPC failure talking to ``address``."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = (err.details() if hasattr(err, "details") else None) or str(code)
+    lowered = details.lower()
+    if code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in lowered:
+        if "certificate_verify_failed" in lowered or "peer_did_not_return" in lowered:
+            return errors.UnauthenticatedError(
+                f"TLS to {address}: the certificate was refused ({_reason(details)}). Check "
+                "tls_ca_file and that the certificate is current and names this host.")
+        if "wrong_version_number" in lowered:
+            return HandshakeFailed(
+                f"TLS to {address} failed: the server does not speak TLS ({_reason(details)}).")
+        if "socket closed" in lowered:
+            return HandshakeFailed(
+                f"{address} closed the connection during the handshake: it probably requires "
+                "TLS, or a client certificate, that this client does not present. Set "
+                "tls_ca_file (and tls_cert_file/tls_key_file for mutual TLS).")
+        return ConnectionFailed(f"cannot connect to {address}: {details}")
+    return errors.error_from_code(code.value[0], details)
+
+
+def _reason(details: str) -> str:
+    return details.rsplit(":", 2)[-2].strip() if details.count(":") >= 2 else details
+
+
+def status_code(code: int) -> tuple[int, str]:
+    """The grpc.StatusCode value of a clusterwire error code."""
+    return next(s.value for s in grpc.StatusCode if s.value[0] == code)
