@@ -18,11 +18,12 @@ from clusterwire.resolvers import (
     AWSClusterResolver,
     ClusterResolver,
     GCEClusterResolver,
+    KubernetesClusterResolver,
     SimpleClusterResolver,
     TFConfigClusterResolver,
 )
 
-BUILT_IN = {"aws", "gce", "simple", "slurm", "tfconfig", "union"}
+BUILT_IN = {"aws", "gce", "kubernetes", "simple", "slurm", "tfconfig", "union"}
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -65,6 +66,7 @@ def test_third_party_resolver_and_blocking_a_built_in(clean_env, tmp_path):
     ("boto3", lambda: AWSClusterResolver({"cluster": "x"}), "aws"),
     ("googleapiclient.discovery",
      lambda: GCEClusterResolver("p", "z", "g", 8470, credentials=None), "gce"),
+    ("kubernetes.config", lambda: KubernetesClusterResolver(), "kubernetes"),
 ])
 def test_missing_optional_dependency_names_the_extra(monkeypatch, module, build, extra):
     monkeypatch.setitem(sys.modules, module, None)  # makes `import module` fail
@@ -78,7 +80,8 @@ def test_loading_resolver_plugins_imports_no_optional_dependency():
             "import clusterwire.resolvers\n"
             "from clusterwire.plugins import get_plugin_manager\n"
             "names = get_plugin_manager().resolver_names()\n"
-            "print(sorted(m for m in ('boto3', 'botocore', 'googleapiclient', 'google.auth')\n"
+            "optional = ('boto3', 'botocore', 'googleapiclient', 'google.auth', 'kubernetes')\n"
+            "print(sorted(m for m in optional\n"
             "             if m in sys.modules), names)\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=30)

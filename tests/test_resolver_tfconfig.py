@@ -103,3 +103,11 @@ def test_malformed_tf_config_names_it(tf_config, value, text):
         resolver.cluster_spec()
         resolver.task_id  # noqa: B018
     assert isinstance(info.value, errors.InvalidArgumentError)
+
+
+def test_unknown_job_or_index_is_a_value_error(tf_config):
+    tf_config({"cluster": CLUSTER, "task": {"type": "evaluator", "index": 0}})
+    with pytest.raises(ValueError, match="No such job in cluster: 'evaluator'"):
+        TFConfigClusterResolver().master()
+    with pytest.raises(ValueError, match="No task with index 7 in job 'worker'"):
+        TFConfigClusterResolver().master("worker", 7)
