@@ -184,6 +184,17 @@ def test_register_dataset_and_from_dataset_id(service):
         data.from_dataset_id("parallel_epochs", service.target, "nope")
 
 
+def test_round_robin_reads_take_rounds_from_the_workers_in_turn(service):
+    def reader(index):
+        ds = distributed(data.Dataset.range(1000).repeat(), "parallel_epochs", service.target,
+                         job_name="rounds", consumer_index=index, num_consumers=2)
+        return [int(x) for x in ds.take(12)]
+
+    # round r comes from worker r mod 2, at position (r // 2) * 2 + consumer_index
+    assert reader(0) == [0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10]
+    assert reader(1) == [1, 1, 3, 3, 5, 5, 7, 7, 9, 9, 11, 11]
+
+
 def test_round_robin_needs_an_infinite_dataset(service):
     ds = distributed(data.Dataset.range(5), "parallel_epochs", service.target, job_name="rr",
                      consumer_index=0, num_consumers=2)

@@ -109,6 +109,7 @@ class JobReader(Iterator[Any]):
         self._held: dict[int, _Split] = {}
         self._done_splits: list[int] = []
         self._end_of_splits = False
+        self._round_robin_started = False
         self._finished = False
         named = options.job_name is not None
         key = f"{options.job_name}/{iteration}" if named else f"anonymous/{self._consumer}"
@@ -205,6 +206,11 @@ class JobReader(Iterator[Any]):
             new = [w for w in workers if w.address not in self._started]
             for worker in new:
                 self._started[worker.address] = 0
+        if self._options.num_consumers:
+            if new and not self._round_robin_started:
+                self._round_robin_started = True
+                self._spawn(self._round_robin, new[0].address)
+            return
         for worker in new:
             if self._job.sharding_policy == ShardingPolicy.DYNAMIC:
                 for _ in range(SLOTS_PER_WORKER):
@@ -245,13 +251,17 @@ class JobReader(Iterator[Any]):
             return worker.transfer_protocol, worker.transfer_address
         return worker.protocol, worker.address
 
-    def _read(self, address: str, spec: StreamSpec, offset: int, first: bool
-              ) -> tuple[list[Any], bool]:
-        """One batch from a worker (a single element when ``first``, to start fast)."""
+    def _read(self, address: str, spec: StreamSpec, seq: int, offset: int = 0,
+              first: bool = False, position: int = 0) -> tuple[list[Any], bool]:
+        """One batch from a worker (a single element when ``first``, to start fast).
+
+        A retry must repeat ``seq``: the worker then answers with the same
+        elements instead of handing out new ones.
+        """
         request = DataRequest(get_elements=GetElementsRequest(
-            stream=spec, consumer_id=self._consumer, request_seq=next(self._seq),
-            offset=offset, max_elements=1 if first else self._options.max_elements,
-            max_bytes=_MAX_BYTES, wait_seconds=_READ_WAIT_S))
+            stream=spec, consumer_id=self._consumer, request_seq=seq, offset=offset,
+            max_elements=1 if first else self._options.max_elements, max_bytes=_MAX_BYTES,
+            wait_seconds=_READ_WAIT_S, position=position))
         endpoint = self._endpoint(address)
         if endpoint is None:
             raise errors.UnavailableError(f"Worker {address} left the job.")
@@ -275,24 +285,53 @@ class JobReader(Iterator[Any]):
         order = list(self._job.worker_order)
         if self._job.sharding_policy in STATIC_POLICIES and address in order:
             spec.shard_index, spec.num_shards = order.index(address), len(order)
-        failing_since, first = None, True
+        first = True
+        while not self._stop.is_set():
+            batch, end = self._read_retrying(address, spec, first=first)
+            first = False
+            if batch:
+                self._put("batch", batch)
+            if end:
+                return
+
+    def _read_retrying(self, address: str, spec: StreamSpec, **read: Any
+                       ) -> tuple[list[Any], bool]:
+        """``_read`` retried (same sequence number) while the worker is listed and was
+        reachable within ``_WORKER_GONE_S``; an empty end when it is given up."""
+        seq, failing_since = next(self._seq), None
         while not self._stop.is_set():
             try:
-                batch, end = self._read(address, spec, 0, first)
+                return self._read(address, spec, seq, **read)
             except _WORKER_FAILURES:
                 now = time.monotonic()
                 failing_since = failing_since or now
                 with self._lock:
                     gone = address not in self._workers
                 if gone or now - failing_since > _WORKER_GONE_S:
-                    return  # the worker died: its copy of the data is lost, as in TF
+                    return [], True  # the worker died: its copy of the data is lost, as in TF
                 self._stop.wait(_RETRY_S)
-                continue
-            failing_since, first = None, False
-            if batch:
-                self._put("batch", batch)
-            if end:
+        return [], True
+
+    # ---- round-robin reads ----
+
+    def _round_robin(self, _address: str) -> None:
+        """Round r comes from worker r mod W, the same for every consumer (strict order)."""
+        with self._lock:
+            workers = sorted(self._workers)
+        spec = self._spec()
+        spec.num_consumers = consumers = self._options.num_consumers
+        for round_ in itertools.count():
+            address = workers[round_ % len(workers)]
+            position = (round_ // len(workers)) * consumers + (self._options.consumer_index or 0)
+            batch: list[Any] = []
+            while not batch and not self._stop.is_set():
+                batch, end = self._read_retrying(address, spec, position=position)
+                if end:
+                    raise errors.UnavailableError(
+                        f"Round-robin reads lost worker {address} (or its stream ended).")
+            if self._stop.is_set():
                 return
+            self._put("batch", batch)
 
     # ---- distributed_epoch ----
 
@@ -336,7 +375,8 @@ class JobReader(Iterator[Any]):
         spec.unit_start, spec.unit_end = split.unit_start, split.unit_end
         while not self._stop.is_set():
             try:
-                batch, end = self._read(address, spec, split.received, not split.received)
+                batch, end = self._read(address, spec, next(self._seq), split.received,
+                                        not split.received)
             except _WORKER_FAILURES:
                 self._orphan(address, split)
                 return False

@@ -1,6 +1,7 @@
 """A worker's element stream: a producer thread filling a bounded buffer of encoded elements.
 
-Consumers take elements first come, first served. Each consumer's last
+Consumers take elements first come, first served, or (round-robin reads)
+by position, each position read by exactly one consumer. Each consumer's last
 batch is remembered under its request sequence number, so a retried request
 (its answer was lost) gets the same elements again rather than losing them;
 the consumer's next sequence number releases them.
@@ -38,6 +39,8 @@ class Stream:
                  max_bytes: int = MAX_BUFFERED_BYTES, max_elements: int = MAX_BUFFERED_ELEMENTS):
         self._cond = threading.Condition()
         self._ready: deque[Encoded] = deque()
+        self._base = 0  # the stream position of _ready[0]
+        self._taken: set[int] = set()  # positions read out of order (round-robin)
         self._ready_bytes = 0
         self._max_bytes, self._max_elements = max_bytes, max_elements
         self._done = False
@@ -95,12 +98,45 @@ class Stream:
                 taken.append(element)
                 size += element.nbytes
             self._ready_bytes -= size
+            self._base += len(taken)
             if not self._ready and self._done and self._error is not None and not taken:
                 raise self._error
             end = self._done and not self._ready and self._error is None
             self._claims[consumer] = (seq, taken, end)
             self._cond.notify_all()
             return taken, end
+
+    def fetch_at(self, consumer: str, seq: int, position: int, wait: float
+                 ) -> tuple[list[Encoded], bool]:
+        """The element at ``position`` (empty if not produced within ``wait`` s) and
+        whether the stream ended before it."""
+        with self._cond:
+            self.last_used = time.monotonic()
+            last = self._claims.get(consumer)
+            if last is not None and last[0] == seq:
+                return last[1], last[2]
+            self._cond.wait_for(lambda: self._closed or self._done
+                                or self._base + len(self._ready) > position, wait)
+            if self._closed:
+                raise errors.CancelledError("The stream was closed (job removed or worker "
+                                            "stopping).")
+            if position < self._base or position in self._taken:
+                raise errors.FailedPreconditionError(
+                    f"Element {position} of this round-robin stream was read already: two "
+                    "consumers use the same consumer_index.")
+            if position >= self._base + len(self._ready):
+                if self._done and self._error is not None:
+                    raise self._error
+                return [], self._done
+            element = self._ready[position - self._base]
+            self._taken.add(position)
+            while self._ready and self._base in self._taken:
+                self._taken.discard(self._base)
+                self._ready_bytes -= self._ready.popleft().nbytes
+                self._base += 1
+            self._claims[consumer] = (seq, [element], False)
+            self._cond.notify_all()
+            return [element], False
 
     @property
     def finished(self) -> bool:

@@ -215,8 +215,13 @@ class WorkerServer:
             stream = self._streams.get(key)
         if stream is None:
             stream = self._open(spec, read.offset, key)
-        taken, end = stream.fetch(read.consumer_id, read.request_seq, max(read.max_elements, 1),
-                                  read.max_bytes or (8 << 20), read.wait_seconds)
+        if spec.num_consumers:
+            taken, end = stream.fetch_at(read.consumer_id, read.request_seq, read.position,
+                                         read.wait_seconds)
+        else:
+            taken, end = stream.fetch(read.consumer_id, read.request_seq,
+                                      max(read.max_elements, 1), read.max_bytes or (8 << 20),
+                                      read.wait_seconds)
         response = DataResponse()
         response.get_elements.elements.extend(e.header for e in taken)
         response.get_elements.end_of_stream = end
