@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
-from typing import Any
 
 from clusterwire import errors
-from clusterwire.cluster_resolver import format_master_url
+from clusterwire.cluster_resolver import ClusterResolver, format_master_url
 
 
 class ResolverValueError(errors.InvalidArgumentError, ValueError):
@@ -42,18 +41,21 @@ def import_optional(module: str, extra: str, resolver: str) -> ModuleType:
             f"({err}). Install it with: pip install 'clusterwire[{extra}]'") from None
 
 
-def task_master(resolver: Any, task_type: str | None, task_id: int | None,
-                rpc_layer: str | None) -> str:
-    """TF's ``master()`` for resolvers that know their own task.
 
-    ``rpc_layer://address`` of ``task_type``/``task_id`` (default: the
-    resolver's own) in a fresh ``cluster_spec()``; ``""`` when no task is known.
-    The cluster is resolved first, since some resolvers learn their own task from it.
-    """
-    cluster = resolver.cluster_spec()
-    task_type = task_type if task_type is not None else resolver.task_type
-    task_id = task_id if task_id is not None else resolver.task_id
-    if task_type is None or task_id is None:
-        return ""
-    return format_master_url(cluster.task_address(task_type, task_id),
-                             rpc_layer or resolver.rpc_layer)
+class OwnTaskResolver(ClusterResolver):
+    """A resolver that knows (or learns from its cluster) which task this process is."""
+
+    def master(self, task_type: str | None = None, task_id: int | None = None,
+               rpc_layer: str | None = None) -> str:
+        """``rpc_layer://address`` of a task (default: this one); ``""`` if none is known.
+
+        The cluster is resolved first (fresh, as in TF), since some resolvers
+        learn their own task from it.
+        """
+        cluster = self.cluster_spec()
+        task_type = task_type if task_type is not None else self.task_type
+        task_id = task_id if task_id is not None else self.task_id
+        if task_type is None or task_id is None:
+            return ""
+        return format_master_url(cluster.task_address(task_type, task_id),
+                                 rpc_layer or self.rpc_layer)

@@ -17,10 +17,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from clusterwire import errors
-from clusterwire.cluster_resolver import ClusterResolver
 from clusterwire.cluster_spec import ClusterSpec
 from clusterwire.plugins import ResolverSpec, hookimpl
-from clusterwire.resolvers._support import import_optional, task_master
+from clusterwire.resolvers._support import OwnTaskResolver, import_optional
 
 _DENIED = {"UnauthorizedOperation", "AccessDenied", "AccessDeniedException", "OptInRequired"}
 _UNAUTHENTICATED = {"AuthFailure", "InvalidClientTokenId", "SignatureDoesNotMatch",
@@ -61,7 +60,7 @@ def _api_error(err: Exception, what: str) -> errors.OpError:
     return errors.UnavailableError(f"{what}: {type(err).__name__}: {err}")
 
 
-class AWSClusterResolver(ClusterResolver):
+class AWSClusterResolver(OwnTaskResolver):
     """Running EC2 instances selected by tags, grouped into jobs by a tag.
 
     ``filters``: ``{tag: value or [values]}`` every instance of the cluster has
@@ -173,11 +172,6 @@ class AWSClusterResolver(ClusterResolver):
                     f"tagged {self._filters}.")
         return ClusterSpec({job: {i: a for i, (a, _) in members.items()}
                             for job, members in tasks.items()})
-
-    def master(self, task_type: str | None = None, task_id: int | None = None,
-               rpc_layer: str | None = None) -> str:
-        """``rpc_layer://ip:port`` of a task (default: this one); ``""`` if none is known."""
-        return task_master(self, task_type, task_id, rpc_layer)
 
 
 @hookimpl

@@ -25,10 +25,9 @@ from __future__ import annotations
 from typing import Any
 
 from clusterwire import errors
-from clusterwire.cluster_resolver import ClusterResolver
 from clusterwire.cluster_spec import ClusterSpec
 from clusterwire.plugins import ResolverSpec, hookimpl
-from clusterwire.resolvers._support import ResolverRuntimeError, import_optional, task_master
+from clusterwire.resolvers._support import OwnTaskResolver, ResolverRuntimeError, import_optional
 
 _BY_STATUS = {400: errors.InvalidArgumentError, 401: errors.UnauthenticatedError,
               403: errors.PermissionDeniedError, 404: errors.NotFoundError,
@@ -64,7 +63,7 @@ def _build_service(credentials: Any, client_options: Any) -> Any:
                            cache_discovery=False, client_options=client_options)
 
 
-class GCEClusterResolver(ClusterResolver):
+class GCEClusterResolver(OwnTaskResolver):
     """A one-job cluster of a GCE instance group (TF's ``GCEClusterResolver``).
 
     Every task listens on ``port``; this process is ``task_type``/``task_id``
@@ -132,11 +131,6 @@ class GCEClusterResolver(ClusterResolver):
                 ) from None
             addresses.append(f"{ip}:{self._port}")
         return ClusterSpec({self._task_type: addresses})
-
-    def master(self, task_type: str | None = None, task_id: int | None = None,
-               rpc_layer: str | None = None) -> str:
-        """``rpc_layer://ip:port`` of a task (default: this one)."""
-        return task_master(self, task_type, task_id, rpc_layer)
 
 
 @hookimpl

@@ -27,10 +27,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from clusterwire import errors
-from clusterwire.cluster_resolver import ClusterResolver
 from clusterwire.cluster_spec import ClusterSpec
 from clusterwire.plugins import ResolverSpec, hookimpl
-from clusterwire.resolvers._support import ResolverRuntimeError, import_optional, task_master
+from clusterwire.resolvers._support import OwnTaskResolver, ResolverRuntimeError, import_optional
 
 _BY_STATUS = {400: errors.InvalidArgumentError, 401: errors.UnauthenticatedError,
               403: errors.PermissionDeniedError, 404: errors.NotFoundError}
@@ -69,7 +68,7 @@ def _api_error(err: Exception, what: str) -> errors.OpError:
     return errors.UnavailableError(f"{what}: {type(err).__name__}: {err}")
 
 
-class KubernetesClusterResolver(ClusterResolver):
+class KubernetesClusterResolver(OwnTaskResolver):
     """Pods by label selector (TF's ``KubernetesClusterResolver``).
 
     ``job_to_label_mapping``: ``{job: [selector, ...]}`` (default
@@ -127,11 +126,6 @@ class KubernetesClusterResolver(ClusterResolver):
             raise errors.NotFoundError(
                 f"Pod {self._pod_name!r} is not among the pods selected by {self._mapping}.")
         return ClusterSpec(cluster)
-
-    def master(self, task_type: str | None = None, task_id: int | None = None,
-               rpc_layer: str | None = None) -> str:
-        """``rpc_layer://ip:port`` of a task (default: this one); ``""`` if none is known."""
-        return task_master(self, task_type, task_id, rpc_layer)
 
 
 @hookimpl

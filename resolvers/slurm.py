@@ -28,10 +28,9 @@ import shutil
 import subprocess
 from collections.abc import Mapping
 
-from clusterwire.cluster_resolver import ClusterResolver
 from clusterwire.cluster_spec import ClusterSpec
 from clusterwire.plugins import ResolverSpec, hookimpl
-from clusterwire.resolvers._support import ResolverRuntimeError, ResolverValueError, task_master
+from clusterwire.resolvers._support import OwnTaskResolver, ResolverRuntimeError, ResolverValueError
 from clusterwire.resolvers.hostlist import expand_hostlist, expand_tasks_per_node
 
 _OUTSIDE = ("Not running inside a SLURM step? Start every task with srun (in an sbatch "
@@ -117,7 +116,7 @@ def _nvidia_smi_gpus() -> int:
     return sum(1 for line in result.stdout.splitlines() if line.startswith("GPU "))
 
 
-class SlurmClusterResolver(ClusterResolver):
+class SlurmClusterResolver(OwnTaskResolver):
     """The cluster of the current Slurm step (TF's ``SlurmClusterResolver``).
 
     Reads ``SLURM_PROCID`` (always), ``SLURM_STEP_NUM_TASKS`` (when ``jobs`` is
@@ -231,11 +230,6 @@ class SlurmClusterResolver(ClusterResolver):
     def get_task_info(self) -> tuple[str, int]:
         """``(task_type, task_id)`` of this task."""
         return self.task_type, self.task_id
-
-    def master(self, task_type: str | None = None, task_id: int | None = None,
-               rpc_layer: str | None = None) -> str:
-        """``rpc_layer://host:port`` of a task (default: this one)."""
-        return task_master(self, task_type, task_id, rpc_layer)
 
     def num_accelerators(self, task_type: str | None = None, task_id: int | None = None,
                          config_proto=None) -> dict[str, int]:
