@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import child_env
 
 from clusterwire import Server, Session
 from clusterwire.cli import is_loopback
@@ -20,8 +21,6 @@ from clusterwire.errors import (
 from clusterwire.local_cluster import LocalCluster
 from clusterwire.security import load_security
 from clusterwire.testing.certs import Authority
-
-from conftest import child_env
 
 PROTOCOLS = ["grpc", "grpc+local"]
 try:

@@ -55,6 +55,7 @@ from clusterwire.transports.grpc.plumbing import (
     token_metadata,
 )
 from clusterwire.transports.verbs import wire
+from clusterwire.transports.verbs.address_check import AddressChecker
 from clusterwire.transports.verbs.engine import UcxEngine
 
 _SERVICE = "clusterwire.Verbs"
@@ -111,6 +112,7 @@ class VerbsListener(Listener):
             self._pool.shutdown(wait=False)
             raise
         self._endpoints: dict[int, tuple[Any, int]] = {}
+        transport.addresses.start()
         self._lock = threading.Lock()
         self._stopped = False
         self._started = False
@@ -130,8 +132,9 @@ class VerbsListener(Listener):
 
     def _hello(self, client_address: bytes, context: grpc.ServicerContext) -> bytes:
         check_token(context, self._security)
-        if not client_address or len(client_address) > 65536:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Hello needs a UCX worker address.")
+        if not self._transport.addresses.usable(client_address):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          "Hello needs a valid UCX worker address of the client.")
         try:
             endpoint = self._engine.connect(client_address)
         except errors.OpError as err:
@@ -390,6 +393,7 @@ class VerbsTransport(Transport):
                 "bulk_bytes.")
         self.engine = UcxEngine(tls, net_devices)
         self.slots = _Slots(self.engine)
+        self.addresses = AddressChecker()
 
     def listen(self, address: str, handler: Handler, options: ListenOptions) -> Listener:
         return VerbsListener(self, address, handler, options)
