@@ -145,7 +145,8 @@ def _plugins(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from clusterwire.demo import run_demo
 
-    return run_demo(protocol=args.protocol, steps=args.steps, workers=args.workers)
+    return run_demo(protocol=args.protocol, steps=args.steps, workers=args.workers,
+                    chaos=args.chaos)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -187,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--protocol", default="grpc")
     demo.add_argument("--steps", type=int, default=60)
     demo.add_argument("--workers", type=int, default=2)
+    demo.add_argument("--chaos", action="store_true",
+                      help="SIGKILL a worker a third of the way through and restart it")
     demo.set_defaults(run=_demo)
 
     from clusterwire.data.cli import add_commands

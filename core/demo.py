@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -70,44 +70,86 @@ def worker_train(own_target: str, steps: int, learning_rate: float) -> int:
 
 
 def run_demo(protocol: str = "grpc", steps: int = 60, workers: int = 2, dim: int = 2048,
-             samples_per_worker: int = 6144, out=sys.stdout) -> int:
-    """Train on a local cluster of 1 ps + ``workers`` workers; 0 if the loss fell 100x."""
+             samples_per_worker: int = 6144, chaos: bool = False, out=sys.stdout) -> int:
+    """Train on a local cluster of 1 ps + ``workers`` workers; 0 if the loss fell 100x.
+
+    With ``chaos``, the last worker is SIGKILLed a third of the way through and
+    restarted on the same port; its shard is sent again and it trains again,
+    while the ps keeps its state.
+    """
     from clusterwire.local_cluster import LocalCluster
 
     started = time.perf_counter()
     rng = np.random.default_rng(0)
     true_weights = (rng.standard_normal(dim) / np.sqrt(dim)).astype(np.float32)
+    shards = []
+    for _ in range(workers):
+        features = rng.standard_normal((samples_per_worker, dim), np.float32)
+        shards.append((features, features @ true_weights))
+    initial_loss = float(np.mean(shards[-1][1] ** 2))
     with LocalCluster({"ps": 1, "worker": workers}, protocol=protocol,
                       imports=["clusterwire.demo"]) as cluster:
         print(f"cluster up in {time.perf_counter() - started:.2f} s ({protocol}): "
               f"{cluster.cluster_spec}", file=out, flush=True)
-        moved = 0
         with Session(cluster.target("ps")) as session:
             session.call(ps_init, dim)
-            for index in range(workers):
-                features = rng.standard_normal((samples_per_worker, dim), np.float32)
-                labels = features @ true_weights
-                task = f"/job:worker/task:{index}"
-                session.put("features", features, task=task)
-                session.put("labels", labels, task=task)
-                moved += features.nbytes + labels.nbytes
-            initial_loss = float(np.mean(labels ** 2))
+            moved = sum(_send_shard(session, i, shards[i]) for i in range(workers))
             t0 = time.perf_counter()
-            with ThreadPoolExecutor(workers) as pool:
-                runs = [pool.submit(session.call, worker_train, cluster.target("worker", i),
-                                    steps, 0.4, task=f"/job:worker/task:{i}", timeout=600)
-                        for i in range(workers)]
-                done = threading.Event()
-                threading.Thread(target=lambda: ([r.result() for r in runs], done.set()),
-                                 daemon=True).start()
-                while not done.wait(0.5):
-                    step, loss = session.call(ps_progress)
-                    print(f"  step {step:4d}/{steps * workers}  loss {loss:.3e}",
-                          file=out, flush=True)
-                moved += sum(r.result() for r in runs)
+            moved += _train(session, cluster, steps, chaos, shards, out)
             elapsed = time.perf_counter() - t0
             step, loss = session.call(ps_progress)
+            weights = session.call(ps_pull)
     print(f"final loss {loss:.3e} (initial {initial_loss:.4f}) after {step} steps; "
           f"{moved / 1e6:.1f} MB moved in {elapsed:.2f} s = {moved / elapsed / 1e6:.1f} MB/s",
           file=out, flush=True)
-    return 0 if loss < initial_loss / 100 else 1
+    intact = bool(np.isfinite(weights).all()) and step >= steps * workers
+    if chaos:
+        print(f"ps state intact: {intact} (step {step} >= {steps * workers}, weights finite)",
+              file=out, flush=True)
+    return 0 if intact and loss < initial_loss / 100 else 1
+
+
+def _send_shard(session: Session, index: int, shard: tuple[np.ndarray, np.ndarray]) -> int:
+    task = f"/job:worker/task:{index}"
+    session.put("features", shard[0], task=task)
+    session.put("labels", shard[1], task=task)
+    return shard[0].nbytes + shard[1].nbytes
+
+
+def _train(session: Session, cluster, steps: int, chaos: bool, shards, out) -> int:
+    """Run every worker's training loop (restarting one mid-way with ``chaos``); bytes moved."""
+    from clusterwire.errors import UnavailableError
+
+    workers = len(shards)
+    total = steps * workers
+    moved = 0
+
+    def launch(pool: ThreadPoolExecutor, index: int) -> Future:
+        return pool.submit(session.call, worker_train, cluster.target("worker", index), steps,
+                           0.4, task=f"/job:worker/task:{index}", timeout=600)
+
+    with ThreadPoolExecutor(workers) as pool:
+        runs = {i: launch(pool, i) for i in range(workers)}
+        victim = workers - 1 if chaos else None
+        last_report = 0.0
+        while runs:
+            # Poll often while the chaos kill is pending, so it lands mid-run.
+            done, _ = wait(list(runs.values()), timeout=0.05 if victim is not None else 0.5,
+                           return_when=FIRST_COMPLETED)
+            for index in [i for i, run in runs.items() if run in done]:
+                run = runs.pop(index)
+                if isinstance(run.exception(), UnavailableError) and index == victim:
+                    moved += _send_shard(session, index, shards[index])
+                    runs[index] = launch(pool, index)  # the restarted worker trains again
+                    victim = None
+                else:
+                    moved += run.result()
+            step, loss = session.call(ps_progress)
+            if done or time.monotonic() - last_report >= 0.5:
+                last_report = time.monotonic()
+                print(f"  step {step:4d}/{total}  loss {loss:.3e}", file=out, flush=True)
+            if victim is not None and step >= total // 3 and victim in runs:
+                cluster.restart("worker", victim)
+                print(f"  chaos: worker {victim} killed (SIGKILL) at step {step} and restarted "
+                      "on the same port", file=out, flush=True)
+    return moved

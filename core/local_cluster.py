@@ -36,21 +36,13 @@ class LocalCluster:
                  env: Mapping[str, str] | None = None, config: Mapping[str, Any] | None = None):
         self.protocol = protocol
         self._processes: dict[tuple[str, int], subprocess.Popen] = {}
+        self._options = {"protocol": protocol, "imports": list(imports), "config": config,
+                         "env": {**os.environ, **(env or {})}, "timeout": start_timeout}
         spec = {job: [f"{host}:0"] * count for job, count in jobs.items()}
-        cluster_json = json.dumps(spec)
-        child_env = {**os.environ, **(env or {})}
         try:
             for job, count in jobs.items():
                 for index in range(count):
-                    command = [sys.executable, "-m", "clusterwire", "serve", "--cluster",
-                               cluster_json, "--job-name", job, "--task-index", str(index),
-                               "--protocol", protocol, "--quiet"]
-                    if config:
-                        command += ["--config", json.dumps(dict(config))]
-                    for module in imports:
-                        command += ["--import", module]
-                    self._processes[job, index] = subprocess.Popen(
-                        command, stdout=subprocess.PIPE, text=True, env=child_env)
+                    self._processes[job, index] = self._spawn(spec, job, index)
             addresses = {key: self._await_ready(key, proc, start_timeout)
                          for key, proc in self._processes.items()}
             self.cluster_spec = ClusterSpec({
@@ -67,6 +59,32 @@ class LocalCluster:
         except BaseException:
             self.close()
             raise
+
+    def _spawn(self, cluster: Mapping[str, Any], job: str, index: int) -> subprocess.Popen:
+        options = self._options
+        command = [sys.executable, "-m", "clusterwire", "serve", "--cluster",
+                   json.dumps(cluster), "--job-name", job, "--task-index", str(index),
+                   "--protocol", options["protocol"], "--quiet"]
+        if options["config"]:
+            command += ["--config", json.dumps(dict(options["config"]))]
+        for module in options["imports"]:
+            command += ["--import", module]
+        return subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=options["env"])
+
+    def restart(self, job: str, index: int = 0) -> None:
+        """Kill one task (SIGKILL) and start it again on the same address.
+
+        The new process starts with an empty store, as a real restart would.
+        """
+        old = self._processes[job, index]
+        if old.poll() is None:
+            old.kill()
+        old.wait()
+        if old.stdout:
+            old.stdout.close()
+        proc = self._spawn(self.cluster_spec.as_dict(), job, index)
+        self._processes[job, index] = proc
+        self._await_ready((job, index), proc, self._options["timeout"])
 
     @staticmethod
     def _await_ready(key: tuple[str, int], proc: subprocess.Popen, timeout: float) -> str:

@@ -77,16 +77,17 @@ class _Barrier:
                 self._cond.notify_all()
                 return
             self._state[name] = (generation, arrived)
-            released = self._cond.wait_for(
+            self._cond.wait_for(
                 lambda: self._state[name][0] != generation or self._cancelled, timeout=timeout)
+            if self._state[name][0] != generation:
+                return  # released: answered even if the server began stopping meanwhile
             if self._cancelled:
                 raise errors.CancelledError(f"Barrier {name!r} cancelled: the server is stopping.")
-            if not released:
-                missing = sorted(expected - self._state[name][1])
-                self._state[name][1].discard(index)
-                raise errors.DeadlineExceededError(
-                    f"Barrier {name!r} timed out after {timeout:.3g} s waiting for task(s) "
-                    f"{missing}.")
+            missing = sorted(expected - self._state[name][1])
+            self._state[name][1].discard(index)
+            raise errors.DeadlineExceededError(
+                f"Barrier {name!r} timed out after {timeout:.3g} s waiting for task(s) "
+                f"{missing}.")
 
 
 class ClusterService:

@@ -146,3 +146,16 @@ def test_cluster_spec_of_local_cluster(cluster3):
     assert isinstance(cluster3.cluster_spec, ClusterSpec)
     assert cluster3.cluster_spec.jobs == ["ps", "worker"]
     assert cluster3.cluster_spec.num_tasks("worker") == 2
+
+
+def test_chaos_demo_survives_a_killed_and_restarted_worker():
+    """The parameter-server demo finishes with a worker SIGKILLed and restarted mid-run."""
+    import io
+
+    from clusterwire.demo import run_demo
+
+    out = io.StringIO()
+    assert run_demo(steps=30, chaos=True, out=out) == 0, out.getvalue()
+    text = out.getvalue()
+    assert "chaos: worker 1 killed (SIGKILL)" in text
+    assert "ps state intact: True" in text
