@@ -27,8 +27,8 @@ def main() -> None:
                                         else [])
     parser.add_argument("--protocols", default=",".join(default))
     args = parser.parse_args()
-    print(f"| protocol | clients x requests | requests/s | median us | p99 us | errors "
-          f"| mismatches | server RSS MiB before/after | server threads before/after |")
+    print("| protocol | clients x requests | requests/s | median us | p99 us | errors "
+          "| mismatches | server RSS MiB before/after | server threads before/after |")
     print("|---|---|---:|---:|---:|---:|---:|---|---|")
     for protocol in args.protocols.split(","):
         with LocalCluster({"w": 1}, protocol=protocol,
