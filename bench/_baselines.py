@@ -19,6 +19,7 @@ blob it serves is ``blob(N)``, so the client can check it byte for byte.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -157,10 +158,8 @@ class ServerProcess:
     def close(self) -> None:
         """Stop the server and reap it (idempotent)."""
         if self.proc.poll() is None:
-            try:
+            with contextlib.suppress(OSError):
                 self.proc.stdin.close()  # type: ignore[union-attr]
-            except OSError:
-                pass
             try:
                 self.proc.wait(5)
             except subprocess.TimeoutExpired:

@@ -4,7 +4,7 @@ Run from the repository root::
 
     python bench/bench_session.py
 
-It measures, in one run (about a minute on 2 cores):
+It measures, in one run (about 40 s on 2 cores):
 
 1. 8-byte round trips: ``Session.get`` of an 8-byte array and ``Session.call``
    of an echo ``@remote`` function, direct (client -> owning task) and
@@ -20,6 +20,11 @@ It measures, in one run (about a minute on 2 cores):
    (``--chunk-bytes``; each size runs a fresh task with a temporary
    plugins.toml).
 
+Paths that are compared run side by side: all servers are up at once and the
+round trips (and transfers) of the paths are interleaved in rounds, so a slow
+phase of the machine hits every path alike. ``--cpus 0`` pins everything to
+one CPU (no cross-CPU wake-ups; the numbers then add up CPU time).
+
 The Markdown report is printed and written to bench/results/session-<time>.md.
 Every process started here is stopped at the end, also on error.
 """
@@ -27,18 +32,20 @@ Every process started here is stopped at the end, also on error.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib.util
 import json
 import os
 import platform
 import re
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,33 +103,56 @@ class Throughput:
         return self.nbytes / max(self.seconds) / 1e9, self.nbytes / min(self.seconds) / 1e9
 
 
-def time_round_trips(fn: Callable[[], object], iterations: int, warmup: int) -> list[int]:
-    """Per-call wall times in ns of ``iterations`` calls after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
+def interleaved_round_trips(variants: dict[Hashable, Callable[[], object]], iterations: int,
+                            warmup: int, rounds: int) -> dict[Hashable, list[int]]:
+    """Per-call wall times (ns) of every variant, measured in interleaved rounds.
+
+    Each variant first runs ``warmup`` untimed calls. Then, ``rounds`` times,
+    every variant in turn (rotating the order) runs ``iterations / rounds``
+    timed calls, so slow phases of the machine hit all variants alike.
+    """
+    for fn in variants.values():
+        for _ in range(warmup):
+            fn()
+    names = list(variants)
+    samples: dict[Hashable, list[int]] = {name: [] for name in names}
     clock = time.perf_counter_ns
-    samples = []
-    for _ in range(iterations):
-        start = clock()
-        fn()
-        samples.append(clock() - start)
+    per_round = max(1, iterations // rounds)
+    for round_index in range(rounds):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            fn, out = variants[name], samples[name]
+            for _ in range(per_round):
+                start = clock()
+                fn()
+                out.append(clock() - start)
     return samples
 
 
-def time_transfers(fn: Callable[[], object], check: Callable[[object], bool],
-                   transfers: int) -> list[float]:
-    """Seconds per transfer of ``transfers`` runs after one checked warm-up run."""
-    first = fn()
-    if not check(first):
-        raise AssertionError("warm-up transfer returned wrong bytes")
-    del first
-    seconds = []
-    for _ in range(transfers):
-        start = time.perf_counter()
-        result = fn()
-        seconds.append(time.perf_counter() - start)
-        del result
+def interleaved_transfers(variants: dict[Hashable, Callable[[], object]],
+                          check: Callable[[object], bool],
+                          transfers: int) -> dict[Hashable, list[float]]:
+    """Seconds per transfer of every variant: one checked warm-up each, then interleaved."""
+    for name, fn in variants.items():
+        first = fn()
+        if not check(first):
+            raise AssertionError(f"{name}: warm-up transfer returned wrong bytes")
+        del first
+    names = list(variants)
+    seconds: dict[Hashable, list[float]] = {name: [] for name in names}
+    for index in range(transfers):
+        shift = index % len(names)
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            result = variants[name]()
+            seconds[name].append(time.perf_counter() - start)
+            del result
     return seconds
+
+
+def _require(ok: bool, what: str) -> None:
+    if not ok:
+        raise RuntimeError(f"sanity check failed: {what} returned the wrong value")
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -142,125 +172,128 @@ def _same_bytes(expected: np.ndarray) -> Callable[[object], bool]:
 # ----------------------------------------------------------------------------- sections
 
 
-def measure_baselines(args: argparse.Namespace, payload: np.ndarray):
-    """Raw TCP, bare grpcio and memcpy: (latencies, throughputs)."""
-    latencies, throughputs = [], []
-    nbytes = payload.nbytes
-    eight = bytes(range(8))
-    out = np.empty(nbytes, np.uint8)
-    out_view = memoryview(out)
-    check = _same_bytes(payload)
+def measure_transports(args: argparse.Namespace, payload: np.ndarray):
+    """Baselines and clusterwire side by side: (latencies, throughputs, transport info).
 
-    with _baselines.ServerProcess("tcp", nbytes) as server:
-        client = _baselines.TcpClient(server.port)
-        try:
-            assert client.ping(eight) == eight
-            latencies.append(Latency("raw TCP ping-pong", "direct", time_round_trips(
-                lambda: client.ping(eight), args.iterations, args.warmup)))
-
-            def tcp_fetch():
-                client.fetch_blob(out_view)
-                return out
-            throughputs.append(Throughput("raw TCP, recv_into preallocated", "direct", nbytes,
-                                          time_transfers(tcp_fetch, check, args.transfers)))
-        finally:
-            client.close()
-
-    with _baselines.ServerProcess("grpc", nbytes, args.baseline_chunk) as server:
-        client = _baselines.GrpcClient(server.port)
-        try:
-            assert client.echo(eight) == eight
-            latencies.append(Latency("bare grpcio unary_unary", "direct", time_round_trips(
-                lambda: client.echo(eight), args.iterations, args.warmup)))
-            throughputs.append(Throughput(
-                "bare grpcio, one unary message", "direct", nbytes,
-                time_transfers(lambda: client.blob(b""), check, args.transfers)))
-
-            def stream_fetch():
-                client.blob_stream_into(out_view)
-                return out
-            throughputs.append(Throughput(
-                f"bare grpcio, unary_stream of {args.baseline_chunk // 1024} KiB chunks "
-                "into preallocated", "direct", nbytes,
-                time_transfers(stream_fetch, check, args.transfers)))
-        finally:
-            client.close()
-
-    def copy_preallocated():
-        np.copyto(out, payload)
-        return out
-
-    def copy_fresh():
-        fresh = np.empty(nbytes, np.uint8)
-        np.copyto(fresh, payload)
-        return fresh
-    throughputs.append(Throughput("numpy memcpy into preallocated", "in-process", nbytes,
-                                  time_transfers(copy_preallocated, check, args.transfers)))
-    throughputs.append(Throughput("numpy memcpy into fresh np.empty", "in-process", nbytes,
-                                  time_transfers(copy_fresh, check, args.transfers)))
-    return latencies, throughputs
-
-
-def measure_clusterwire(args: argparse.Namespace, payload: np.ndarray):
-    """Session.get / Session.call on a 2-task LocalCluster: (latencies, throughputs, info)."""
+    All servers run at once (raw TCP, bare grpcio, a 2-task LocalCluster), each
+    in its own process; this process is the client of all of them.
+    """
     from clusterwire import Session
     from clusterwire.local_cluster import LocalCluster
 
-    latencies, throughputs = [], []
+    nbytes = payload.nbytes
+    eight = bytes(range(8))
     small = np.arange(8, dtype=np.uint8)
-    check = _same_bytes(payload)
-    with LocalCluster({"worker": 2}, imports=["_bench_remote"], env=child_env()) as cluster, \
-            Session(cluster.target("worker", 0)) as session, \
-            Session(cluster.target("worker", 1)) as other:
+    out = np.empty(nbytes, np.uint8)
+    out_view = memoryview(out)
+    chunk_kib = args.baseline_chunk // 1024
+    with contextlib.ExitStack() as stack:
+        tcp_server = stack.enter_context(_baselines.ServerProcess("tcp", nbytes))
+        grpc_server = stack.enter_context(
+            _baselines.ServerProcess("grpc", nbytes, args.baseline_chunk))
+        cluster = stack.enter_context(
+            LocalCluster({"worker": 2}, imports=["_bench_remote"], env=child_env()))
+        tcp = _baselines.TcpClient(tcp_server.port)
+        stack.callback(tcp.close)
+        bare = _baselines.GrpcClient(grpc_server.port)
+        stack.callback(bare.close)
+        session = stack.enter_context(Session(cluster.target("worker", 0)))
+        with Session(cluster.target("worker", 1)) as other:
+            for store in (session, other):
+                store.put("small", small)
+                store.put("big", payload)
         info = session.status()["transport"]
-        for store in (session, other):
-            store.put("small", small)
-            store.put("big", payload)
-        for topology, task in (("direct", None), ("forwarded", REMOTE_TASK)):
-            assert np.array_equal(session.get("small", task=task), small)
-            assert np.array_equal(session.call(ECHO, small, task=task), small)
-            latencies.append(Latency("clusterwire Session.get", topology, time_round_trips(
-                lambda t=task: session.get("small", task=t), args.iterations, args.warmup)))
-            latencies.append(Latency("clusterwire Session.call (echo)", topology,
-                                     time_round_trips(
-                                         lambda t=task: session.call(ECHO, small, task=t),
-                                         args.iterations, args.warmup)))
-        for topology, task in (("direct", None), ("forwarded", REMOTE_TASK)):
-            throughputs.append(Throughput(
-                "clusterwire Session.get", topology, payload.nbytes,
-                time_transfers(lambda t=task: session.get("big", task=t), check,
-                               args.transfers)))
+
+        _require(tcp.ping(eight) == eight and bare.echo(eight) == eight, "baseline echo")
+        for task in (None, REMOTE_TASK):
+            _require(np.array_equal(session.get("small", task=task), small), f"get {task}")
+            _require(np.array_equal(session.call(ECHO, small, task=task), small),
+                     f"call {task}")
+        round_trips = {
+            ("raw TCP ping-pong", "direct"): lambda: tcp.ping(eight),
+            ("bare grpcio unary_unary", "direct"): lambda: bare.echo(eight),
+            ("bare grpcio unary_unary, timeout=30 s", "direct"):
+                lambda: bare.echo(eight, timeout=30.0),
+            ("clusterwire Session.get", "direct"): lambda: session.get("small"),
+            ("clusterwire Session.call (echo)", "direct"): lambda: session.call(ECHO, small),
+            ("clusterwire Session.get", "forwarded"):
+                lambda: session.get("small", task=REMOTE_TASK),
+            ("clusterwire Session.call (echo)", "forwarded"):
+                lambda: session.call(ECHO, small, task=REMOTE_TASK),
+        }
+        samples = interleaved_round_trips(round_trips, args.iterations, args.warmup,
+                                          args.rounds)
+        latencies = [Latency(name, topology, samples[name, topology])
+                     for name, topology in round_trips]
+
+        def tcp_fetch():
+            tcp.fetch_blob(out_view)
+            return out
+
+        def stream_fetch():
+            bare.blob_stream_into(out_view)
+            return out
+
+        def copy_preallocated():
+            np.copyto(out, payload)
+            return out
+
+        def copy_fresh():
+            fresh = np.empty(nbytes, np.uint8)
+            np.copyto(fresh, payload)
+            return fresh
+
+        transfers = {
+            ("numpy memcpy into preallocated", "in-process"): copy_preallocated,
+            ("numpy memcpy into fresh np.empty", "in-process"): copy_fresh,
+            ("raw TCP, recv_into preallocated", "direct"): tcp_fetch,
+            ("bare grpcio, one unary message", "direct"): lambda: bare.blob(b""),
+            (f"bare grpcio, unary_stream of {chunk_kib} KiB chunks into preallocated",
+             "direct"): stream_fetch,
+            ("clusterwire Session.get", "direct"): lambda: session.get("big"),
+            ("clusterwire Session.get", "forwarded"):
+                lambda: session.get("big", task=REMOTE_TASK),
+        }
+        seconds = interleaved_transfers(transfers, _same_bytes(payload), args.transfers)
+        throughputs = [Throughput(name, topology, nbytes, seconds[name, topology])
+                       for name, topology in transfers]
     return latencies, throughputs, info
 
 
 def measure_chunk_sweep(args: argparse.Namespace, payload: np.ndarray):
-    """64 MiB direct Session.get with each grpc chunk_bytes: [(chunk, Throughput, info)]."""
+    """64 MiB direct Session.get per grpc chunk_bytes: [(chunk, Throughput, task's data path)].
+
+    Each size gets its own 1-task cluster started with a temporary plugins.toml
+    (``[options.grpc] chunk_bytes``) and a Session whose client transport was
+    created from the same file; transfers are interleaved across the sizes.
+    """
     from clusterwire import Session
     from clusterwire.local_cluster import LocalCluster
     from clusterwire.plugins import PluginManager, set_plugin_manager
 
-    results = []
-    check = _same_bytes(payload)
-    for chunk in args.chunk_bytes:
-        with tempfile.TemporaryDirectory(prefix="cw-bench-") as tmp:
-            path = os.path.join(tmp, "plugins.toml")
+    sessions, data_paths = {}, {}
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="cw-bench-"))
+        for chunk in args.chunk_bytes:
+            path = os.path.join(tmp, f"plugins-{chunk}.toml")
             with open(path, "w", encoding="utf-8") as handle:
                 handle.write(f"[options.grpc]\nchunk_bytes = {chunk}\n")
+            cluster = stack.enter_context(LocalCluster(
+                {"worker": 1}, env=child_env({"CLUSTERWIRE_PLUGINS": path})))
             old = set_plugin_manager(PluginManager(path))
-            try:
-                with LocalCluster({"worker": 1}, env=child_env({"CLUSTERWIRE_PLUGINS": path})) \
-                        as cluster, Session(cluster.target("worker", 0)) as session:
-                    info = session.status()["transport"].get("data", "?")
-                    if str(chunk) not in info:
-                        raise AssertionError(f"task did not take chunk_bytes={chunk}: {info}")
-                    session.put("big", payload)
-                    seconds = time_transfers(lambda s=session: s.get("big"), check,
-                                             args.transfers)
+            try:  # the Session keeps the transport it was created with
+                session = stack.enter_context(Session(cluster.target("worker", 0)))
             finally:
                 set_plugin_manager(old)
-        results.append((chunk, Throughput("clusterwire Session.get", "direct",
-                                          payload.nbytes, seconds), info))
-    return results
+            # Shown in the report, so a plugins.toml the task ignored would be visible.
+            data_paths[chunk] = session.status()["transport"].get("data", "?")
+            session.put("big", payload)
+            sessions[chunk] = session
+        seconds = interleaved_transfers(
+            {chunk: (lambda s=session: s.get("big")) for chunk, session in sessions.items()},
+            _same_bytes(payload), args.transfers)
+    return [(chunk, Throughput("clusterwire Session.get", "direct", payload.nbytes,
+                               seconds[chunk]), data_paths[chunk]) for chunk in args.chunk_bytes]
 
 
 _IMPORT_PROBE = (
@@ -290,15 +323,6 @@ def measure_import(repeats: int) -> dict:
               for _ in range(repeats)]
     trace = subprocess.run([python, "-X", "importtime", "-c", "import clusterwire"],
                            check=True, capture_output=True, text=True).stderr
-    cumulative: dict[str, int] = {}
-    for line in trace.splitlines():
-        match = re.match(r"import time:\s+(\d+) \|\s+(\d+) \| (\s*)(\S+)", line)
-        if match:
-            cumulative.setdefault(match.group(4), int(match.group(2)))
-    parts = {name: cumulative[name] / 1e6 for name in (
-        "numpy", "google.protobuf", "clusterwire.protos.service_pb2", "pluggy", "tomllib")
-        if name in cumulative}
-    tf = importlib.util.find_spec("tensorflow") is not None
     return {
         "bare_wall": statistics.median(bare),
         "wall": statistics.median(wall),
@@ -306,10 +330,36 @@ def measure_import(repeats: int) -> dict:
         "inproc": statistics.median(p["seconds"] for p in probes),
         "grpc_loaded": any(p["grpc"] for p in probes),
         "transports_loaded": sorted({m for p in probes for m in p["transports"]}),
-        "parts": parts,
-        "tf_wall": statistics.median(_wall([python, "-c", "import tensorflow"])
-                                     for _ in range(repeats)) if tf else None,
+        "parts": import_breakdown(trace),
+        "tf_wall": _tensorflow_wall(repeats),
     }
+
+
+def import_breakdown(trace: str) -> dict[str, float]:
+    """Seconds of ``-X importtime`` self time per top-level package, for ``import clusterwire``.
+
+    Only the modules imported after interpreter start-up (after ``site``) count.
+    """
+    rows = []
+    for line in trace.splitlines():
+        match = re.match(r"import time:\s+(\d+) \|\s+(\d+) \| (\s*)(\S+)", line)
+        if match:
+            rows.append((match.group(4), int(match.group(1))))
+    starts = [i for i, (name, _) in enumerate(rows) if name == "site"]
+    rows = rows[starts[-1] + 1:] if starts else rows
+    groups: dict[str, float] = {}
+    for name, self_us in rows:
+        top = name.split(".")[0]
+        key = top if top in ("clusterwire", "numpy", "google", "pluggy") else "other (stdlib)"
+        groups[key] = groups.get(key, 0.0) + self_us / 1e6
+    return dict(sorted(groups.items(), key=lambda item: -item[1]))
+
+
+def _tensorflow_wall(repeats: int) -> float | None:
+    if importlib.util.find_spec("tensorflow") is None:
+        return None
+    return statistics.median(_wall([sys.executable, "-c", "import tensorflow"])
+                             for _ in range(repeats))
 
 
 def _cluster_up_child() -> None:
@@ -338,10 +388,20 @@ def measure_cluster_up(repeats: int) -> list[dict]:
     """Cold local-cluster start-ups, each in a fresh interpreter (it pays its grpc import)."""
     runs = []
     for _ in range(repeats):
-        done = subprocess.run([sys.executable, os.path.abspath(__file__), "--role",
-                               "cluster-up"], check=True, capture_output=True, text=True,
-                              timeout=120)
-        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        # Own process group: if it hangs, its cluster's task processes go with it.
+        child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--role",
+                                  "cluster-up"], stdout=subprocess.PIPE, text=True,
+                                 start_new_session=True)
+        try:
+            out, _ = child.communicate(timeout=120)
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
+            child.communicate()
+            raise
+        if child.returncode != 0:
+            raise RuntimeError(f"cluster start-up run failed with exit code {child.returncode}")
+        runs.append(json.loads(out.strip().splitlines()[-1]))
     return runs
 
 
@@ -362,7 +422,8 @@ def machine() -> dict[str, str]:
     except OSError:
         pass
     return {
-        "cpus": f"{len(os.sched_getaffinity(0))} usable (os.cpu_count() = {os.cpu_count()})",
+        "cpus": f"os.cpu_count() = {os.cpu_count()}, this run on CPUs "
+                f"{sorted(os.sched_getaffinity(0))}",
         "cpu": model,
         "os": f"{platform.system()} {platform.release()}",
         "python": platform.python_version(),
@@ -371,50 +432,73 @@ def machine() -> dict[str, str]:
     }
 
 
+def git_state() -> str:
+    """The commit measured, and whether core/ or transports/ differ from it."""
+    root = os.path.dirname(HERE)
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, check=True,
+                              capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "core", "transports"],
+                               cwd=root, check=True, capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return head + (" + uncommitted changes in core/ or transports/" if dirty.strip() else "")
+
+
 def _met(ok: bool) -> str:
     return "met" if ok else "**NOT met**"
 
 
-def render(args, env, base_lat, base_tp, cw_lat, cw_tp, info, sweep, imports, ups,
-           elapsed) -> str:
-    grpc_us = next(r.median_us for r in base_lat if r.name.startswith("bare grpcio"))
-    tcp_gbs = next(r.median_gbs for r in base_tp if r.name.startswith("raw TCP"))
+def _find(rows, name: str, topology: str = "direct"):
+    return next(r for r in rows if r.name == name and r.topology == topology)
+
+
+def render(args, env, latencies, throughputs, info, sweep, imports, ups, elapsed) -> str:
+    grpc_us = _find(latencies, "bare grpcio unary_unary").median_us
+    tcp_gbs = _find(throughputs, "raw TCP, recv_into preallocated").median_gbs
+    get8 = _find(latencies, "clusterwire Session.get").median_us / grpc_us
+    get64 = _find(throughputs, "clusterwire Session.get").median_gbs / tcp_gbs
+    up = statistics.median(run["up"] for run in ups)
     lines = [
         f"# clusterwire Session benchmark, {env['when']}",
         "",
-        f"Command: `{env['command']}` (took {elapsed:.0f} s). All traffic on 127.0.0.1; "
-        "client and every server in separate processes.",
+        f"Command: `{env['command']}` ({elapsed:.0f} s). Loopback 127.0.0.1; the client (this "
+        "process) and every server run in separate processes.",
         "",
-        f"- CPU: {env['cpu']}, {env['cpus']}",
+        f"- clusterwire commit: {env['git']}",
+        f"- CPU: {env['cpu']}, {env['cpus']}; load average (1 min) at start / end: "
+        f"{env['load_start']:.2f} / {env['load_end']:.2f} (the end value includes this "
+        "benchmark; other work on the machine adds noise)",
         f"- OS: {env['os']}; Python {env['python']}; {env['versions']}",
-        f"- clusterwire transport as reported by `status()`: {info}",
-        f"- round trips: {args.iterations} timed after {args.warmup} warm-up; "
-        f"{args.size_mib} MiB transfers: median of {args.transfers} after 1 checked warm-up",
+        f"- clusterwire grpc transport, as reported by `status()`: {info}",
+        f"- Round trips: {args.warmup} warm-up calls per path, then {args.iterations} timed calls "
+        f"per path in {args.rounds} interleaved rounds. {args.size_mib} MiB: one checked "
+        f"warm-up per path, then {args.transfers} timed transfers per path, interleaved.",
         "",
-        f"## 8-byte round trip ({args.iterations} calls)",
+        f"## 8-byte round trip ({args.iterations} calls per path)",
         "",
         "| Path | Topology | Median (us) | p99 (us) | x bare grpcio | Target |",
         "|---|---|---:|---:|---:|---|",
     ]
-    for row in base_lat + cw_lat:
+    for row in latencies:
         ratio = row.median_us / grpc_us
         target = ""
-        if row.name == "clusterwire Session.get" and row.topology == "direct":
+        if (row.name, row.topology) == ("clusterwire Session.get", "direct"):
             target = f"<= {TARGETS['get8_vs_grpc']}x: {_met(ratio <= TARGETS['get8_vs_grpc'])}"
-        lines.append(f"| {row.name} | {row.topology} | {row.median_us:.1f} | {row.p99_us:.1f} "
+        lines.append(f"| {row.name} | {row.topology} | {row.median_us:.0f} | {row.p99_us:.0f} "
                      f"| {ratio:.2f}x | {target} |")
     lines += [
         "",
-        f"## {args.size_mib} MiB transfer (GB/s = 1e9 B/s)",
+        f"## {args.size_mib} MiB transfer (GB/s = 1e9 B/s; median of {args.transfers})",
         "",
         "| Path | Topology | Median GB/s | Min-max GB/s | Median ms | x raw TCP | Target |",
         "|---|---|---:|---:|---:|---:|---|",
     ]
-    for row in base_tp + cw_tp:
+    for row in throughputs:
         ratio = row.median_gbs / tcp_gbs
         low, high = row.range_gbs
         target = ""
-        if row.name == "clusterwire Session.get" and row.topology == "direct":
+        if (row.name, row.topology) == ("clusterwire Session.get", "direct"):
             target = f">= {TARGETS['get64_vs_tcp']}x: {_met(ratio >= TARGETS['get64_vs_tcp'])}"
         lines.append(f"| {row.name} | {row.topology} | {row.median_gbs:.2f} | {low:.2f}-{high:.2f}"
                      f" | {statistics.median(row.seconds) * 1e3:.1f} | {ratio:.2f}x | {target} |")
@@ -422,20 +506,22 @@ def render(args, env, base_lat, base_tp, cw_lat, cw_tp, info, sweep, imports, up
         best = max(sweep, key=lambda item: item[1].median_gbs)[0]
         lines += [
             "",
-            f"## grpc `chunk_bytes` sweep, {args.size_mib} MiB direct Session.get",
+            f"## grpc `chunk_bytes` sweep: {args.size_mib} MiB direct Session.get",
             "",
-            "Each row is a fresh 1-task cluster whose task (and this client) read a temporary "
-            "plugins.toml with `[options.grpc] chunk_bytes = N`.",
+            "One 1-task cluster per size, started with a temporary plugins.toml "
+            "(`[options.grpc] chunk_bytes = N`, client transport from the same file); "
+            f"transfers interleaved across sizes, median of {args.transfers}. Compare sizes "
+            "with each other: x raw TCP is against the raw TCP row above, measured earlier.",
             "",
-            "| chunk_bytes | Median GB/s | Min-max GB/s | x raw TCP | |",
-            "|---:|---:|---:|---:|---|",
+            "| chunk_bytes | Median GB/s | Min-max GB/s | x raw TCP | | Task reports |",
+            "|---:|---:|---:|---:|---|---|",
         ]
-        for chunk, row, _info in sweep:
+        for chunk, row, data_path in sweep:
             low, high = row.range_gbs
-            mark = "best" if chunk == best else ""
+            marks = [m for m, on in (("default", chunk == 1 << 20), ("best", chunk == best)) if on]
             lines.append(f"| {_size(chunk)} | {row.median_gbs:.2f} | {low:.2f}-{high:.2f} "
-                         f"| {row.median_gbs / tcp_gbs:.2f}x | {mark} |")
-    up = statistics.median(run["up"] for run in ups)
+                         f"| {row.median_gbs / tcp_gbs:.2f}x | {', '.join(marks)} "
+                         f"| {data_path} |")
     parts = ", ".join(f"{name} {seconds * 1e3:.0f} ms"
                       for name, seconds in imports["parts"].items())
     tf = ("not installed" if imports["tf_wall"] is None
@@ -446,21 +532,22 @@ def render(args, env, base_lat, base_tp, cw_lat, cw_tp, info, sweep, imports, up
         "",
         "| Measurement | Value | Target |",
         "|---|---:|---|",
-        f"| `python -c \"import clusterwire\"` wall (median of {args.repeats}) "
+        f"| `python -c \"import clusterwire\"` wall, median of {args.repeats} "
         f"| {imports['wall']:.3f} s | < {TARGETS['import_s']} s: "
         f"{_met(imports['wall'] < TARGETS['import_s'])} |",
-        f"| `python -c pass` wall (interpreter alone) | {imports['bare_wall']:.3f} s | |",
-        f"| in-process `import clusterwire` (perf_counter, fresh interpreter) "
+        f"| `python -c pass` wall (the interpreter alone) | {imports['bare_wall']:.3f} s | |",
+        "| `import clusterwire` in a fresh interpreter (perf_counter around the import) "
         f"| {imports['inproc'] * 1e3:.0f} ms | |",
         f"| `grpc` in sys.modules after `import clusterwire` | {imports['grpc_loaded']} "
         f"| False: {_met(not imports['grpc_loaded'])} |",
         f"| `python -c \"import tensorflow\"` | {tf} | |",
-        f"| LocalCluster(ps:1, worker:2) until status(ps) via worker 0 (median of "
-        f"{len(ups)}, each in a fresh interpreter) | {up:.3f} s | < {TARGETS['cluster_up_s']} s: "
+        f"| LocalCluster(ps:1, worker:2) until `status(task=\"/job:ps/task:0\")` through worker 0"
+        f", median of {len(ups)} | {up:.3f} s | < {TARGETS['cluster_up_s']} s: "
         f"{_met(up < TARGETS['cluster_up_s'])} |",
         "",
-        f"Import breakdown (`-X importtime`, cumulative): {parts}.",
-        "Cluster start-up runs (up / constructor returned / close): "
+        f"Import self time by package (`-X importtime`): {parts}.",
+        "Each cluster start-up runs in a fresh interpreter after `import clusterwire` (so it "
+        "pays the launcher's own grpc import); runs (up / constructor returned / close): "
         + "; ".join(f"{r['up']:.3f} / {r['constructed']:.3f} / {r['close']:.3f} s" for r in ups)
         + ".",
         "",
@@ -468,21 +555,22 @@ def render(args, env, base_lat, base_tp, cw_lat, cw_tp, info, sweep, imports, up
         "",
         "| Target | Measured | |",
         "|---|---:|---|",
-    ]
-    get8 = next(r for r in cw_lat if r.name == "clusterwire Session.get"
-                and r.topology == "direct").median_us / grpc_us
-    get64 = next(r for r in cw_tp if r.topology == "direct").median_gbs / tcp_gbs
-    lines += [
         f"| direct 8 B get <= {TARGETS['get8_vs_grpc']}x bare grpcio unary | {get8:.2f}x "
         f"| {_met(get8 <= TARGETS['get8_vs_grpc'])} |",
         f"| direct {args.size_mib} MiB get >= {TARGETS['get64_vs_tcp']}x raw TCP | {get64:.2f}x "
         f"| {_met(get64 >= TARGETS['get64_vs_tcp'])} |",
-        f"| import clusterwire < {TARGETS['import_s']} s | {imports['wall']:.3f} s "
+        f"| `import clusterwire` < {TARGETS['import_s']} s (wall) | {imports['wall']:.3f} s "
         f"| {_met(imports['wall'] < TARGETS['import_s'])} |",
-        f"| no grpc after import | {not imports['grpc_loaded']} "
+        f"| no grpc after `import clusterwire` | {not imports['grpc_loaded']} "
         f"| {_met(not imports['grpc_loaded'])} |",
         f"| local cluster up < {TARGETS['cluster_up_s']} s | {up:.3f} s "
         f"| {_met(up < TARGETS['cluster_up_s'])} |",
+        "",
+        "## Reference, not measured here",
+        "",
+        "Observed by others on a machine of the same kind (for context only):",
+        "",
+        *(f"- {what}: {value}" for what, value in TF_REFERENCE),
         "",
     ]
     return "\n".join(lines)
@@ -500,6 +588,13 @@ def _parse_size(text: str) -> int:
     return int(match.group(1)) * factor
 
 
+def _parse_cpus(text: str) -> set[int]:
+    try:
+        return {int(part) for part in text.split(",")}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad CPU list {text!r} (e.g. 0 or 0,1)") from None
+
+
 def _parse_sizes(text: str) -> list[int]:
     if text.strip().lower() in ("", "none", "off"):
         return []
@@ -509,10 +604,11 @@ def _parse_sizes(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--role", choices=["cluster-up"], help=argparse.SUPPRESS)
-    parser.add_argument("--iterations", type=int, default=2000, help="timed round trips")
-    parser.add_argument("--warmup", type=int, default=200, help="untimed round trips first")
-    parser.add_argument("--transfers", type=int, default=8, help="timed bulk transfers")
-    parser.add_argument("--size-mib", type=int, default=64, help="bulk transfer size")
+    parser.add_argument("--iterations", type=int, default=2000, help="timed round trips per path")
+    parser.add_argument("--warmup", type=int, default=200, help="untimed round trips per path")
+    parser.add_argument("--rounds", type=int, default=40, help="interleaved rounds of round trips")
+    parser.add_argument("--transfers", type=int, default=8, help="timed bulk transfers per path")
+    parser.add_argument("--size-mib", type=int, default=64, help="bulk transfer size in MiB")
     parser.add_argument("--repeats", type=int, default=5, help="import timing repeats")
     parser.add_argument("--cluster-repeats", type=int, default=3, help="cluster start-ups")
     parser.add_argument("--chunk-bytes", type=_parse_sizes, default="256K,1M,2M,4M,8M",
@@ -520,19 +616,24 @@ def main(argv: list[str] | None = None) -> int:
                              "(comma-separated, K/M suffixes; 'none' skips the sweep)")
     parser.add_argument("--baseline-chunk", type=_parse_size, default=MIB,
                         help="chunk size of the bare grpcio stream baseline")
+    parser.add_argument("--cpus", type=_parse_cpus,
+                        help="run this process and every process it starts on these CPUs only "
+                             "(e.g. 0 or 0,1; default: no pinning)")
     parser.add_argument("--output", help="report path (default bench/results/session-<time>.md)")
     args = parser.parse_args(argv)
     if args.role == "cluster-up":
         _cluster_up_child()
         return 0
+    if args.cpus:
+        os.sched_setaffinity(0, args.cpus)  # inherited by every child process
 
     started = time.perf_counter()
     now = datetime.datetime.now()
-    env = {"when": now.strftime("%Y-%m-%d %H:%M:%S"),
-           "command": " ".join(["python", os.path.relpath(__file__)] + sys.argv[1:]),
-           **machine()}
-    nbytes = args.size_mib * MIB
-    payload = np.frombuffer(_baselines.blob(nbytes), np.uint8)
+    shown = sys.argv[1:] if argv is None else argv
+    env = {"when": now.strftime("%Y-%m-%d %H:%M:%S"), "git": git_state(),
+           "load_start": os.getloadavg()[0],
+           "command": " ".join(["python", "bench/bench_session.py", *shown]), **machine()}
+    payload = np.frombuffer(_baselines.blob(args.size_mib * MIB), np.uint8)
 
     def step(text: str) -> None:
         print(f"[{time.perf_counter() - started:6.1f} s] {text}", file=sys.stderr, flush=True)
@@ -541,24 +642,22 @@ def main(argv: list[str] | None = None) -> int:
     imports = measure_import(args.repeats)
     step("local cluster start-up")
     ups = measure_cluster_up(args.cluster_repeats)
-    step("baselines: raw TCP, bare grpcio, memcpy")
-    base_lat, base_tp = measure_baselines(args, payload)
-    step("clusterwire Session: direct and forwarded")
-    cw_lat, cw_tp, info = measure_clusterwire(args, payload)
+    step("round trips and transfers: raw TCP, bare grpcio, clusterwire direct and forwarded")
+    latencies, throughputs, info = measure_transports(args, payload)
     sweep = []
     if args.chunk_bytes:
         step(f"chunk_bytes sweep: {', '.join(_size(c) for c in args.chunk_bytes)}")
         sweep = measure_chunk_sweep(args, payload)
-    elapsed = time.perf_counter() - started
-    report = render(args, env, base_lat, base_tp, cw_lat, cw_tp, info, sweep, imports, ups,
-                    elapsed)
+    env["load_end"] = os.getloadavg()[0]
+    report = render(args, env, latencies, throughputs, info, sweep, imports, ups,
+                    time.perf_counter() - started)
     print(report)
     output = args.output or os.path.join(
         HERE, "results", f"session-{now.strftime('%Y%m%d-%H%M%S')}.md")
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     with open(output, "w", encoding="utf-8") as handle:
         handle.write(report)
-    step(f"report written to {os.path.relpath(output)}")
+    step(f"report written to {output}")
     return 0
 
 
