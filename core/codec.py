@@ -10,6 +10,7 @@ never pass through a protobuf field.
 from __future__ import annotations
 
 import ast
+import functools
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,7 @@ _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 Buffer = Any  # any object supporting the buffer protocol
 
 
+@functools.lru_cache(maxsize=512)
 def _dtype_text(dtype: np.dtype) -> str:
     if dtype.hasobject:
         raise InvalidArgumentError(
@@ -32,6 +34,7 @@ def _dtype_text(dtype: np.dtype) -> str:
     return repr(np.lib.format.dtype_to_descr(dtype))
 
 
+@functools.lru_cache(maxsize=512)
 def _parse_dtype(text: str) -> np.dtype:
     try:
         descr = ast.literal_eval(text) if text[:1] in "[(" else text

@@ -11,7 +11,6 @@ import os
 import threading
 import traceback
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,12 +19,14 @@ from google.protobuf.message import DecodeError
 from clusterwire import codec, errors, functions
 from clusterwire.addressing import split_host_port
 from clusterwire.cluster_spec import ClusterSpec
-from clusterwire.protos.service_pb2 import Request, Response, TaskRef, TaskStatus, Value
+from clusterwire.protos.service_pb2 import Request, Response, TaskRef, TaskStatus
 from clusterwire.rpc import RequestClient
 from clusterwire.security import Security
 from clusterwire.transport import Buffer, Frame
 
 _MAX_HOPS = 2
+# After a drain, how long released barrier waiters get to send their answers.
+_BARRIER_ANSWER = 0.5
 
 
 def error_response(err: BaseException) -> Frame:
@@ -50,7 +51,7 @@ def value_response(value: Any) -> Frame:
 
 @dataclass
 class _Stored:
-    value: Value
+    header: bytes  # the serialized get response, built once at put
     buffers: list[Buffer]
 
 
@@ -95,7 +96,7 @@ class ClusterService:
 
     def __init__(self, cluster: ClusterSpec, job: str, index: int, protocol: str,
                  target: Callable[[], str], peer_timeout: float,
-                 transport_info: Callable[[], dict[str, str]], max_workers: int = 16,
+                 transport_info: Callable[[], dict[str, str]],
                  security: Security | None = None):
         self.cluster = cluster
         self.job, self.index, self.protocol = job, index, protocol
@@ -107,34 +108,28 @@ class ClusterService:
         # Peers are reached with this server's own credentials (its certificate
         # doubles as the client certificate under mutual TLS).
         self._peers = RequestClient(protocol, timeout=peer_timeout, security=security)
-        self._functions = ThreadPoolExecutor(max_workers, thread_name_prefix="clusterwire-call")
         self._activity = threading.Condition()
         self._in_flight = 0
         self._draining = False
-        self._cancelled = threading.Event()
-        self._waiting_calls: set[threading.Event] = set()
 
     def drain(self, grace: float | None) -> None:
-        """Refuse new requests, let in-flight ones finish for ``grace`` s, cancel the rest.
+        """Refuse new requests and let in-flight ones finish for ``grace`` seconds.
 
-        Cancelled remote calls and barrier waits answer CancelledError (the
-        function's thread cannot be killed; its result is dropped).
+        Then barrier waits are answered with CancelledError; remote calls
+        still running are cancelled by the listener's stop, which answers
+        their callers with CancelledError (a function's thread cannot be
+        killed; its result is dropped).
         """
         with self._activity:
             self._draining = True
             self._activity.wait_for(lambda: self._in_flight == 0, timeout=grace or 0)
-        self._cancelled.set()
-        with self._activity:
-            for event in self._waiting_calls:
-                event.set()
         self._barrier.cancel()
         with self._activity:
-            self._activity.wait_for(lambda: self._in_flight == 0, timeout=5)
+            self._activity.wait_for(lambda: self._in_flight == 0, timeout=_BARRIER_ANSWER)
 
     def close(self) -> None:
-        """Release peer connections and the function pool."""
+        """Release peer connections."""
         self._peers.close()
-        self._functions.shutdown(wait=False, cancel_futures=True)
 
     def handle(self, frame: Frame) -> Frame:
         """Serve one request frame; every failure becomes an error response."""
@@ -148,7 +143,8 @@ class ClusterService:
         finally:
             with self._activity:
                 self._in_flight -= 1
-                self._activity.notify_all()
+                if self._draining:
+                    self._activity.notify_all()
 
     def _handle(self, frame: Frame) -> Frame:
         try:
@@ -193,11 +189,12 @@ class ClusterService:
             if stored is None:
                 raise errors.NotFoundError(
                     f"No tensor named {request.name!r} on /job:{self.job}/task:{self.index}.")
-            return Frame(Response(value=stored.value).SerializeToString(), stored.buffers)
+            return Frame(stored.header, stored.buffers)
         if method == "put":
             codec.decode(request.value, buffers)  # validate before storing
             with self._store_lock:
-                self._store[request.name] = _Stored(request.value, buffers)
+                self._store[request.name] = _Stored(
+                    Response(value=request.value).SerializeToString(), buffers)
             return value_response(None)
         if method == "delete":
             with self._store_lock:
@@ -226,21 +223,15 @@ class ClusterService:
                 or not isinstance(arguments[1], dict)):
             raise errors.InvalidArgumentError("A call's value must be [args, kwargs].")
         args, kwargs = arguments
-        finished = threading.Event()
-        with self._activity:
-            self._waiting_calls.add(finished)
         try:
-            future = self._functions.submit(_run_function, fn, args, kwargs)
-            future.add_done_callback(lambda _: finished.set())
-            finished.wait()
-        finally:
-            with self._activity:
-                self._waiting_calls.discard(finished)
-        if not future.done():
-            raise errors.CancelledError(
-                f"Call of {request.name!r} cancelled: /job:{self.job}/task:{self.index} "
-                "is stopping.")
-        return value_response(future.result())
+            result = fn(*args, **kwargs)
+        except errors.OpError:
+            raise
+        except Exception as err:
+            raise errors.RemoteFunctionError(
+                str(err), f"{type(err).__module__}.{type(err).__qualname__}",
+                traceback.format_exc()) from None
+        return value_response(result)
 
     def _barrier_arrive(self, request: Request) -> Frame:
         job = request.from_task.job or self.job
@@ -298,13 +289,3 @@ class ClusterService:
         return status
 
 
-
-def _run_function(fn: Callable[..., Any], args: list, kwargs: dict) -> Any:
-    try:
-        return fn(*args, **kwargs)
-    except errors.OpError:
-        raise
-    except Exception as err:
-        raise errors.RemoteFunctionError(
-            str(err), f"{type(err).__module__}.{type(err).__qualname__}",
-            traceback.format_exc()) from None

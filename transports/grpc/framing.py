@@ -85,6 +85,8 @@ def decode_prefix(message: bytes, limit: int) -> Prefix:
 
 def split_inline(message: bytes, prefix: Prefix) -> list[memoryview]:
     """Writable views of the inline buffers of ``message`` (one copy of the body)."""
+    if not prefix.lengths and len(message) == prefix.body_offset:
+        return []
     body = bytearray(memoryview(message)[prefix.body_offset:])
     if len(body) != sum(prefix.lengths):
         raise InvalidArgumentError(

@@ -78,6 +78,9 @@ def grpc_error(err: grpc.RpcError, address: str) -> errors.OpError:
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = (err.details() if hasattr(err, "details") else None) or str(code)
     lowered = details.lower()
+    if code == grpc.StatusCode.UNAVAILABLE and details == "Cancelling all calls":
+        # What a gRPC server's stop() tells calls still running after the grace period.
+        return errors.CancelledError(f"The server at {address} stopped during the call.")
     if code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in lowered:
         if "certificate_verify_failed" in lowered or "peer_did_not_return" in lowered:
             return errors.UnauthenticatedError(

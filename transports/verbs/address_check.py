@@ -79,10 +79,13 @@ def main() -> None:
     """The child side: answer for each address whether UCX can unpack it."""
     from clusterwire.transports.verbs.engine import _import_ucxx
 
+    # UCX logs (UCX_PROTO_INFO, warnings) go to fd 1: keep the answer pipe for answers only.
+    answers = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)
     u, _ = _import_ucxx()
     context = u.UCXContext(feature_flags=(u.Feature.TAG,))
     worker = u.UCXWorker(context)
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    stdin = sys.stdin.buffer
     while True:
         header = stdin.read(_LENGTH.size)
         if len(header) < _LENGTH.size:
@@ -96,8 +99,7 @@ def main() -> None:
             ok = True
         except Exception:
             ok = False
-        stdout.write(b"\x01" if ok else b"\x00")
-        stdout.flush()
+        answers.write(b"\x01" if ok else b"\x00")
 
 
 if __name__ == "__main__":

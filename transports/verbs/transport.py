@@ -112,6 +112,7 @@ class VerbsListener(Listener):
             self._pool.shutdown(wait=False)
             raise
         self._endpoints: dict[int, tuple[Any, int]] = {}
+        self._active: set[tuple[Any, int]] = set()  # (endpoint, reply tag) being served
         transport.addresses.start()
         self._lock = threading.Lock()
         self._stopped = False
@@ -160,6 +161,8 @@ class VerbsListener(Listener):
             return
         engine = self._engine
         reply_tag = wire.tag(wire.RESPONSE, slot, transfer)
+        with self._lock:
+            self._active.add((endpoint, reply_tag))
         try:
             control = wire.decode(message, self._limit)
             if not hmac.compare_digest(control.key.to_bytes(8, "little"),
@@ -178,6 +181,9 @@ class VerbsListener(Listener):
                     engine.send(endpoint, view, wire.tag(wire.RESPONSE_DATA, slot, transfer, index))
         except errors.OpError as err:
             engine.send(endpoint, wire.encode_error(err.error_code, err.message), reply_tag)
+        finally:
+            with self._lock:
+                self._active.discard((endpoint, reply_tag))
 
     def _receive_bulk(self, endpoint, slot: int, transfer: int,
                       control: wire.Control) -> list[Any]:
@@ -200,6 +206,15 @@ class VerbsListener(Listener):
         with self._lock:
             self._stopped = True
             endpoints, self._endpoints = dict(self._endpoints), {}
+            active, self._active = list(self._active), set()
+        # Calls still running are answered CancelledError before the endpoints close.
+        sent = threading.Semaphore(0)
+        for endpoint, reply_tag in active:
+            self._engine.send(endpoint, wire.encode_error(
+                errors.CANCELLED, f"The server at {self._address} stopped during the call."),
+                reply_tag, lambda _: sent.release())
+        for _ in active:
+            sent.acquire(timeout=1.0)
         self._server.stop(grace).wait()
         self._pool.shutdown(wait=False)
         self._grpc_pool.shutdown(wait=False)
