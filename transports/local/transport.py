@@ -420,12 +420,15 @@ class LocalChannel(Channel):
         views, kinds = _outgoing(frame.buffers, self._transport.segment_bytes)
         try:
             _send_segments(peer, transfer_id, frame.buffers, kinds)
-            future = self._unary.future(
+            reply = self._unary(
                 wire.encode_control(frame.header, kinds, views, self._client_id, transfer_id),
                 timeout=timeout, metadata=self._metadata)
-            reply = self._wait(future)
         except grpc.RpcError as err:
+            if self._closed.is_set():
+                raise errors.CancelledError(f"Channel to {self._address} was closed.") from None
             raise grpc_error(err, self._address) from None
+        except ValueError as err:  # grpc refuses calls on a closed channel
+            raise errors.CancelledError(f"Channel to {self._address} is closed: {err}") from None
         except OSError as err:
             raise errors.UnavailableError(
                 f"shared-memory connection to {self._address} failed: {err}") from None
@@ -434,16 +437,6 @@ class LocalChannel(Channel):
         remaining = _SEGMENT_WAIT if deadline is None else max(deadline - time.monotonic(), 0.01)
         fds = peer.inbox.take(transfer_id, segments, remaining) if segments else []
         return Frame(control.header, _received(control, fds))
-
-    def _wait(self, future: grpc.Future) -> bytes:
-        """The reply, or CancelledError as soon as the channel is closed."""
-        done = threading.Event()
-        future.add_done_callback(lambda _: done.set())
-        while not done.wait(0.05):
-            if self._closed.is_set():
-                future.cancel()
-                raise errors.CancelledError(f"Channel to {self._address} was closed.")
-        return future.result()
 
     def close(self) -> None:
         self._closed.set()
