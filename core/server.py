@@ -79,7 +79,8 @@ class Server:
         self._security = load_security({f: getattr(options, f) for f in security_fields()})
         self._service = ClusterService(
             cluster, sd.job_name, sd.task_index, sd.protocol, lambda: self.target,
-            options.peer_timeout_seconds or _DEFAULT_PEER_TIMEOUT, transport.info, self._security)
+            options.peer_timeout_seconds or _DEFAULT_PEER_TIMEOUT, transport.info, self._security,
+            options.max_concurrent_calls or _DEFAULT_MAX_CONCURRENT)
         listen_options = ListenOptions(
             max_workers=max_workers,
             max_message_bytes=options.max_message_bytes or _DEFAULT_MAX_MESSAGE,

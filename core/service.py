@@ -97,7 +97,7 @@ class ClusterService:
     def __init__(self, cluster: ClusterSpec, job: str, index: int, protocol: str,
                  target: Callable[[], str], peer_timeout: float,
                  transport_info: Callable[[], dict[str, str]],
-                 security: Security | None = None):
+                 security: Security | None = None, max_concurrent_calls: int = 256):
         self.cluster = cluster
         self.job, self.index, self.protocol = job, index, protocol
         self._target = target
@@ -110,6 +110,7 @@ class ClusterService:
         self._peers = RequestClient(protocol, timeout=peer_timeout, security=security)
         self._activity = threading.Condition()
         self._in_flight = 0
+        self._max_in_flight = max_concurrent_calls
         self._draining = False
 
     def drain(self, grace: float | None) -> None:
@@ -137,6 +138,10 @@ class ClusterService:
             if self._draining:
                 return error_response(errors.UnavailableError(
                     f"/job:{self.job}/task:{self.index} is stopping."))
+            if self._in_flight >= self._max_in_flight:
+                return error_response(errors.ResourceExhaustedError(
+                    f"/job:{self.job}/task:{self.index} is serving {self._in_flight} requests, "
+                    "its max_concurrent_calls; retry later or raise the limit."))
             self._in_flight += 1
         try:
             return self._handle(frame)

@@ -79,6 +79,8 @@ class ListenOptions:
 
     max_workers: int = 16
     max_message_bytes: int = 4 << 30
+    #: Requests served at once. The core's cluster service enforces it itself; a
+    #: transport may also enforce it early (before reading a request's data).
     max_concurrent_calls: int = 256
     security: Security = field(default_factory=Security)
 

@@ -15,6 +15,7 @@ allocation.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -47,10 +48,15 @@ def buffer_views(buffers: Sequence) -> list[memoryview]:
     return [memoryview(b).cast("B") for b in buffers]
 
 
+@functools.lru_cache(maxsize=64)
+def _lengths(count: int) -> struct.Struct:
+    return struct.Struct(f"<{count}Q")
+
+
 def encode_prefix(header: bytes, lengths: Sequence[int], flags: int, fetch_id: int = 0) -> bytes:
     """The prefix of a framed message (without inline data)."""
     return b"".join((_PREFIX.pack(MAGIC, flags, len(header), len(lengths), fetch_id),
-                     struct.pack(f"<{len(lengths)}Q", *lengths), header))
+                     _lengths(len(lengths)).pack(*lengths), header))
 
 
 def encode_inline(header: bytes, views: Sequence[memoryview]) -> bytes:
@@ -74,7 +80,7 @@ def decode_prefix(message: bytes, limit: int) -> Prefix:
     offset = _PREFIX.size + 8 * count
     if len(message) < offset + header_len:
         raise InvalidArgumentError("Malformed frame: truncated prefix.")
-    lengths = list(struct.unpack_from(f"<{count}Q", message, _PREFIX.size))
+    lengths = list(_lengths(count).unpack_from(message, _PREFIX.size))
     total = sum(lengths)
     if total > limit:
         raise ResourceExhaustedError(

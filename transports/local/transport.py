@@ -239,7 +239,7 @@ class LocalListener(Listener):
         self._pool = futures.ThreadPoolExecutor(options.max_workers,
                                                 thread_name_prefix="clusterwire-local")
         self._server = grpc.server(
-            self._pool, maximum_concurrent_rpcs=options.max_concurrent_calls,
+            self._pool,
             options=[("grpc.so_reuseport", 0), ("grpc.max_send_message_length", -1),
                      ("grpc.max_receive_message_length", wire.MAX_HEADER_BYTES + (16 << 20))])
         self._server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
