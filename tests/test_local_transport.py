@@ -73,9 +73,10 @@ def test_cross_process_values_are_sealed_segments_shared_without_copies(pair):
         first = session.get("v", task="/job:b/task:0")
         again = session.get("v", task="/job:b/task:0")
     np.testing.assert_array_equal(first, value)
-    assert sealed.segment_of(first) is not None and not first.flags.writeable
-    fd_a, fd_b = sealed.segment_of(first), sealed.segment_of(again)
-    assert os.fstat(fd_a).st_ino == os.fstat(fd_b).st_ino  # the stored segment, re-sent
+    assert sealed.locate(first) is not None and not first.flags.writeable
+    (map_a, off_a), (map_b, off_b) = sealed.locate(first), sealed.locate(again)
+    assert os.fstat(map_a.fd).st_ino == os.fstat(map_b.fd).st_ino  # the stored segment, re-sent
+    assert off_a == off_b
 
 
 def test_mixed_small_and_large_values_cross_process(pair):
@@ -152,7 +153,7 @@ def test_unsealed_segment_is_refused():
     fd = os.memfd_create("unsealed", os.MFD_CLOEXEC)
     os.ftruncate(fd, 16)
     with pytest.raises(Exception, match="not sealed"):
-        sealed.open_mapping(fd, 16)
+        sealed.open_segment(fd)
 
 
 def test_a_server_of_another_protocol_is_a_clear_error():

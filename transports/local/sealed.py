@@ -34,29 +34,43 @@ class SealedMapping(mmap.mmap):
     """A read-only mapping of a sealed segment that remembers its descriptor (for re-sending)."""
 
     fd: int
+    address: int  # where the mapping starts in this process's memory
 
 
-def create(buffer: Any) -> int:
-    """A new sealed segment holding a copy of ``buffer``; returns its descriptor."""
-    view = memoryview(buffer).cast("B")
+ALIGNMENT = 64
+
+
+def packed_layout(sizes: list[int]) -> tuple[list[int], int]:
+    """Offsets of buffers packed one after another (64-byte aligned) and the total size."""
+    offsets, end = [], 0
+    for size in sizes:
+        offsets.append(end)
+        end += -(-size // ALIGNMENT) * ALIGNMENT
+    return offsets, end
+
+
+def create_packed(views: list[memoryview]) -> tuple[int, list[int]]:
+    """One new sealed segment holding copies of ``views``; (descriptor, offsets)."""
+    offsets, total = packed_layout([view.nbytes for view in views])
     fd = os.memfd_create("clusterwire", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        os.ftruncate(fd, view.nbytes)
-        written = 0
-        while written < view.nbytes:
-            written += os.pwrite(fd, view[written:], written)
+        os.ftruncate(fd, total)
+        for view, start in zip(views, offsets, strict=True):
+            written = 0
+            while written < view.nbytes:
+                written += os.pwrite(fd, view[written:], start + written)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return fd, offsets
 
 
-def open_mapping(fd: int, length: int) -> np.ndarray:
+def open_segment(fd: int) -> np.ndarray:
     """Map a received segment read-only as a uint8 array; takes ownership of ``fd``.
 
-    Refuses a descriptor that is not a fully sealed segment of ``length`` bytes:
-    a sender could otherwise change the data after handing it over.
+    Refuses a descriptor that is not a fully sealed memfd segment: a sender
+    could otherwise change the data after handing it over.
     """
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
@@ -64,25 +78,27 @@ def open_mapping(fd: int, length: int) -> np.ndarray:
     except OSError as err:
         os.close(fd)
         raise InvalidArgumentError(f"Received descriptor is not a memfd segment: {err}") from None
-    if seals & _SEALS != _SEALS or size != length:
+    if seals & _SEALS != _SEALS:
         os.close(fd)
-        raise InvalidArgumentError(
-            f"Received segment is not sealed or has {size} bytes instead of {length}.")
-    if length == 0:
+        raise InvalidArgumentError("Received segment is not sealed against writes.")
+    if size == 0:
         os.close(fd)
         return np.empty(0, np.uint8)
-    mapping = SealedMapping(fd, length, mmap.MAP_SHARED, mmap.PROT_READ)
+    mapping = SealedMapping(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
     mapping.fd = fd
+    array = np.frombuffer(mapping, np.uint8)
+    mapping.address = array.__array_interface__["data"][0]
     weakref.finalize(mapping, os.close, fd)
-    return np.frombuffer(mapping, np.uint8)
+    return array
 
 
-def segment_of(buffer: Any) -> int | None:
-    """The descriptor of the sealed segment ``buffer`` is a whole view of, else None."""
+def locate(buffer: Any) -> tuple[SealedMapping, int] | None:
+    """The sealed mapping ``buffer`` lies in and its offset there, else None."""
     base = buffer
     while base is not None:
         if isinstance(base, SealedMapping):
-            return base.fd if memoryview(buffer).nbytes == len(base) else None
+            start = np.frombuffer(memoryview(buffer).cast("B"), np.uint8)
+            return base, start.__array_interface__["data"][0] - base.address
         base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
     return None
 

@@ -179,26 +179,60 @@ class _UnixPeer:
         _shutdown(self.sock)
 
 
-def _outgoing(buffers: Sequence[Any], threshold: int) -> tuple[list[memoryview], list[int]]:
-    """Views of ``buffers`` and the kind each travels as."""
+def _plan(buffers: Sequence[Any], threshold: int
+          ) -> tuple[list[memoryview], list[int], list[tuple[int, int]], list[int]]:
+    """How a frame's buffers travel: (views, kinds, (segment, offset) places, descriptors).
+
+    Small buffers go inline. A buffer lying in a segment received earlier is
+    re-sent by that segment's descriptor; the other bulk buffers are packed
+    into one new sealed segment. The caller owns (and closes) the descriptors.
+    """
     views = [memoryview(b).cast("B") for b in buffers]
-    kinds, inline = [], 0
-    for view in views:
-        small = view.nbytes < threshold and inline + view.nbytes <= _INLINE_BUDGET
-        kinds.append(wire.INLINE if small else wire.SEGMENT)
-        inline += view.nbytes if small else 0
-    return views, kinds
-
-
-def _send_segments(peer: _UnixPeer, ident: int, buffers: Sequence[Any],
-                   kinds: Sequence[int]) -> None:
-    """Send the SEGMENT buffers as sealed segments (re-sending received ones by descriptor)."""
-    fds = []
+    kinds: list[int] = []
+    places: list[tuple[int, int]] = []
+    fds: list[int] = []
+    segments: dict[int, int] = {}  # id(mapping) -> its index in fds
+    to_pack: list[int] = []
+    inline = 0
     try:
-        for buffer, kind in zip(buffers, kinds, strict=True):
-            if kind == wire.SEGMENT:
-                existing = sealed.segment_of(buffer)
-                fds.append(os.dup(existing) if existing is not None else sealed.create(buffer))
+        for index, (buffer, view) in enumerate(zip(buffers, views, strict=True)):
+            if view.nbytes < threshold and inline + view.nbytes <= _INLINE_BUDGET:
+                kinds.append(wire.INLINE)
+                places.append((0, 0))
+                inline += view.nbytes
+                continue
+            kinds.append(wire.SEGMENT)
+            found = sealed.locate(buffer)
+            if found is None:
+                to_pack.append(index)
+                places.append((0, 0))
+                continue
+            mapping, offset = found
+            if id(mapping) not in segments:
+                segments[id(mapping)] = len(fds)
+                fds.append(os.dup(mapping.fd))
+            places.append((segments[id(mapping)], offset))
+        if to_pack:
+            fd, offsets = sealed.create_packed([views[i] for i in to_pack])
+            fds.append(fd)
+            for index, offset in zip(to_pack, offsets, strict=True):
+                places[index] = (len(fds) - 1, offset)
+    except BaseException:
+        _close_all(fds)
+        raise
+    return views, kinds, places, fds
+
+
+def _segments_needed(control: wire.Control) -> int:
+    """How many descriptors the frame's SEGMENT buffers refer to."""
+    indices = [segment for kind, (segment, _) in zip(control.kinds, control.places, strict=True)
+               if kind == wire.SEGMENT]
+    return max(indices) + 1 if indices else 0
+
+
+def _send_segments(peer: _UnixPeer, ident: int, fds: list[int]) -> None:
+    """Send the planned descriptors (then close our copies)."""
+    try:
         if fds:
             peer.send(wire.SEGMENTS, ident, fds)
     finally:
@@ -206,19 +240,27 @@ def _send_segments(peer: _UnixPeer, ident: int, buffers: Sequence[Any],
 
 
 def _received(control: wire.Control, fds: list[int]) -> list[Any]:
-    """The buffers of a control message: inline slices and mapped segments (all read-only)."""
-    buffers, offset, segments = [], 0, iter(fds)
-    inline = control.inline.toreadonly()
+    """The buffers of a control message: inline slices and views of mapped segments."""
+    segments = []
     try:
-        for kind, length in zip(control.kinds, control.lengths, strict=True):
-            if kind == wire.INLINE:
-                buffers.append(inline[offset:offset + length])
-                offset += length
-            else:
-                buffers.append(sealed.open_mapping(next(segments), length))
+        while fds:
+            segments.append(sealed.open_segment(fds.pop(0)))
     except BaseException:
-        _close_all(list(segments))
+        _close_all(fds)
         raise
+    buffers, offset = [], 0
+    inline = control.inline.toreadonly()
+    for kind, length, (segment, start) in zip(control.kinds, control.lengths, control.places,
+                                               strict=True):
+        if kind == wire.INLINE:
+            buffers.append(inline[offset:offset + length])
+            offset += length
+            continue
+        if segment >= len(segments) or start + length > segments[segment].nbytes:
+            raise errors.InvalidArgumentError(
+                f"Malformed frame: buffer at segment {segment} offset {start} length {length} "
+                "lies outside the received segments.")
+        buffers.append(segments[segment][start:start + length])
     return buffers
 
 
@@ -317,7 +359,7 @@ class LocalListener(Listener):
                 self._clients_lock.wait_for(lambda: control.client_id in self._clients,
                                             _HELLO_WAIT)
                 peer = self._clients.get(control.client_id)
-            segments = control.kinds.count(wire.SEGMENT)
+            segments = _segments_needed(control)
             if peer is None:
                 raise errors.FailedPreconditionError(
                     "No shared-memory connection from this client: grpc+local needs client "
@@ -325,9 +367,10 @@ class LocalListener(Listener):
             fds = peer.inbox.take(control.transfer_id, segments, _SEGMENT_WAIT) if segments else []
             request = Frame(control.header, _received(control, fds))
             response = self._handler(request)
-            views, kinds = _outgoing(response.buffers, self._transport.segment_bytes)
-            _send_segments(peer, control.transfer_id, response.buffers, kinds)
-            return wire.encode_control(response.header, kinds, views, 0, control.transfer_id)
+            views, kinds, places, fds = _plan(response.buffers, self._transport.segment_bytes)
+            _send_segments(peer, control.transfer_id, fds)
+            return wire.encode_control(response.header, kinds, views, places, 0,
+                                       control.transfer_id)
         except errors.OpError as err:
             context.abort(grpc.StatusCode(status_code(err.error_code)), err.message)
         except OSError as err:
@@ -417,11 +460,12 @@ class LocalChannel(Channel):
         deadline = None if timeout is None else time.monotonic() + timeout
         peer = self._unix_peer()
         transfer_id = next(self._ids)
-        views, kinds = _outgoing(frame.buffers, self._transport.segment_bytes)
         try:
-            _send_segments(peer, transfer_id, frame.buffers, kinds)
+            views, kinds, places, fds = _plan(frame.buffers, self._transport.segment_bytes)
+            _send_segments(peer, transfer_id, fds)
             reply = self._unary(
-                wire.encode_control(frame.header, kinds, views, self._client_id, transfer_id),
+                wire.encode_control(frame.header, kinds, views, places, self._client_id,
+                                    transfer_id),
                 timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as err:
             if self._closed.is_set():
@@ -433,7 +477,7 @@ class LocalChannel(Channel):
             raise errors.UnavailableError(
                 f"shared-memory connection to {self._address} failed: {err}") from None
         control = wire.decode_control(reply, 1 << 42)
-        segments = control.kinds.count(wire.SEGMENT)
+        segments = _segments_needed(control)
         remaining = _SEGMENT_WAIT if deadline is None else max(deadline - time.monotonic(), 0.01)
         fds = peer.inbox.take(transfer_id, segments, remaining) if segments else []
         return Frame(control.header, _received(control, fds))

@@ -3,11 +3,14 @@
 Control message (one gRPC unary call each way)::
 
     "CWL1" | header_len u32 | count u32 | client id u64 | transfer id u64 |
-    (kind u8, length u64) * count | header | inline bytes
+    (kind u8, length u64, segment u32, offset u64) * count | header | inline bytes
 
-``kind`` 0: the buffer is inline (concatenated after the header); 1: it
-travels as a sealed memfd segment over the peer's Unix socket, under the
-transfer id. Unix-socket messages (SOCK_SEQPACKET, descriptors as SCM_RIGHTS)::
+``kind`` 0: the buffer is inline (concatenated after the header); 1: it lies
+in a sealed memfd segment, entry ``segment`` of the descriptors sent over the
+peer's Unix socket under the transfer id, at ``offset`` (bulk buffers of one
+frame are packed into one new segment; a buffer received earlier is re-sent
+as its own segment's descriptor, never copied). Unix-socket messages
+(SOCK_SEQPACKET, descriptors as SCM_RIGHTS)::
 
     "CWU1" | op u8 | id u64 | count u32 | payload
         HELLO: id = client id, payload = the cluster token (if any)
@@ -24,7 +27,7 @@ from clusterwire.errors import InvalidArgumentError, ResourceExhaustedError
 
 INLINE, SEGMENT = 0, 1
 _CONTROL = struct.Struct("<4sIIQQ")
-_ENTRY = struct.Struct("<BQ")
+_ENTRY = struct.Struct("<BQIQ")
 _UNIX = struct.Struct("<4sBQI")
 HELLO, SEGMENTS = 1, 2
 MAX_BUFFERS = 1 << 20
@@ -39,15 +42,17 @@ class Control:
     header: bytes
     kinds: list[int]
     lengths: list[int]
+    places: list[tuple[int, int]]  # (segment, offset) of SEGMENT buffers
     client_id: int
     transfer_id: int
     inline: memoryview
 
 
 def encode_control(header: bytes, kinds: Sequence[int], views: Sequence[memoryview],
-                   client_id: int, transfer_id: int) -> bytes:
+                   places: Sequence[tuple[int, int]], client_id: int, transfer_id: int) -> bytes:
     """A control message; only INLINE buffers' bytes are included."""
-    entries = b"".join(_ENTRY.pack(k, v.nbytes) for k, v in zip(kinds, views, strict=True))
+    entries = b"".join(_ENTRY.pack(k, v.nbytes, *place)
+                       for k, v, place in zip(kinds, views, places, strict=True))
     inline = [v for k, v in zip(kinds, views, strict=True) if k == INLINE]
     return b"".join([_CONTROL.pack(b"CWL1", len(header), len(views), client_id, transfer_id),
                      entries, header, *inline])
@@ -65,13 +70,14 @@ def decode_control(message: bytes, limit: int) -> Control:
     offset = _CONTROL.size + _ENTRY.size * count
     if len(message) < offset + header_len:
         raise InvalidArgumentError("Malformed frame: truncated.")
-    kinds, lengths = [], []
+    kinds, lengths, places = [], [], []
     for i in range(count):
-        kind, length = _ENTRY.unpack_from(message, _CONTROL.size + _ENTRY.size * i)
+        kind, length, segment, start = _ENTRY.unpack_from(message, _CONTROL.size + _ENTRY.size * i)
         if kind not in (INLINE, SEGMENT):
             raise InvalidArgumentError(f"Malformed frame: buffer kind {kind}.")
         kinds.append(kind)
         lengths.append(length)
+        places.append((segment, start))
     if sum(lengths) > limit:
         raise ResourceExhaustedError(
             f"Frame of {sum(lengths)} bytes exceeds the limit of {limit} bytes "
@@ -82,7 +88,7 @@ def decode_control(message: bytes, limit: int) -> Control:
         raise InvalidArgumentError(
             f"Malformed frame: {inline.nbytes} inline bytes, declared {expected}.")
     header = bytes(message[offset:offset + header_len])
-    return Control(header, kinds, lengths, client_id, transfer_id, inline)
+    return Control(header, kinds, lengths, places, client_id, transfer_id, inline)
 
 
 def encode_unix(op: int, ident: int, count: int, payload: bytes = b"") -> bytes:
