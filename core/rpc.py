@@ -62,6 +62,9 @@ class RequestClient:
         self._closed = False
 
     def _channel(self, address: str) -> Channel:
+        channel = self._channels.get(address)  # the common case, without the lock
+        if channel is not None and not self._closed:
+            return channel
         with self._lock:
             if self._closed:
                 raise errors.CancelledError("This client was closed.")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import struct
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -32,9 +32,8 @@ MAX_BUFFERS = 1 << 20
 MAX_HEADER_BYTES = 64 << 20
 
 
-@dataclass
-class Prefix:
-    """The decoded fixed part of a framed message."""
+class Prefix(NamedTuple):
+    """The decoded fixed part of a framed message (a tuple: cheap on the hot path)."""
 
     flags: int
     header: bytes
@@ -61,6 +60,8 @@ def encode_prefix(header: bytes, lengths: Sequence[int], flags: int, fetch_id: i
 
 def encode_inline(header: bytes, views: Sequence[memoryview]) -> bytes:
     """One message holding the header and every buffer."""
+    if not views:
+        return _PREFIX.pack(MAGIC, INLINE, len(header), 0, 0) + header
     return b"".join([encode_prefix(header, [v.nbytes for v in views], INLINE), *views])
 
 
@@ -91,14 +92,18 @@ def decode_prefix(message: bytes, limit: int) -> Prefix:
 
 def split_inline(message: bytes, prefix: Prefix) -> list[memoryview]:
     """Writable views of the inline buffers of ``message`` (one copy of the body)."""
-    if not prefix.lengths and len(message) == prefix.body_offset:
-        return []
-    body = bytearray(memoryview(message)[prefix.body_offset:])
-    if len(body) != sum(prefix.lengths):
+    lengths = prefix.lengths
+    if len(message) - prefix.body_offset != sum(lengths):
         raise InvalidArgumentError(
-            f"Malformed frame: {len(body)} inline bytes, declared {sum(prefix.lengths)}.")
-    views, offset, whole = [], 0, memoryview(body)
-    for length in prefix.lengths:
+            f"Malformed frame: {len(message) - prefix.body_offset} inline bytes, declared "
+            f"{sum(lengths)}.")
+    if not lengths:
+        return []
+    whole = memoryview(bytearray(memoryview(message)[prefix.body_offset:]))
+    if len(lengths) == 1:
+        return [whole]
+    views, offset = [], 0
+    for length in lengths:
         views.append(whole[offset:offset + length])
         offset += length
     return views

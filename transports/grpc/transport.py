@@ -174,7 +174,7 @@ class GrpcChannel(Channel):
 
     def call(self, frame: Frame, timeout: float | None = None) -> Frame:
         deadline = None if timeout is None else time.monotonic() + timeout
-        views = framing.buffer_views(frame.buffers)
+        views = framing.buffer_views(frame.buffers) if frame.buffers else []
         try:
             if sum(v.nbytes for v in views) <= self._transport.inline_bytes:
                 reply = self._unary(framing.encode_inline(frame.header, views), timeout=timeout,
