@@ -139,6 +139,9 @@ def _plugins(args: argparse.Namespace) -> int:
     widths = [max(len(str(r[c])) for r in [header, *rows]) for c in range(len(header))]
     for row in [header, *rows]:
         print("  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+    for info in get_plugin_manager().listing():
+        if info.kind == "broken":
+            print(f"plugin {info.plugin!r} failed to load: {info.description}", file=sys.stderr)
     return 0
 
 

@@ -10,6 +10,7 @@ loaded. Each hook returns typed records that are validated at load time.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import os
 import re
 import sys
@@ -158,6 +159,8 @@ class PluginManager:
         self._transports: dict[str, tuple[TransportSpec, PluginInfo]] = {}
         self._resolvers: dict[str, tuple[ResolverSpec, PluginInfo]] = {}
         self._instances: dict[str, Any] = {}
+        self._distributions: dict[str, Any] = {}  # plugin name -> importlib.metadata.Distribution
+        self._broken: dict[str, tuple[Any, str]] = {}  # plugin name -> (distribution, error)
 
     @property
     def pluggy(self) -> pluggy.PluginManager:
@@ -184,7 +187,7 @@ class PluginManager:
         self.config = load_config(self._config_path)
         for name in self.config.block:
             self._pm.set_blocked(name)
-        self._pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+        self._load_entry_points()
         for module_name in self.config.load:
             if self._pm.is_blocked(module_name):
                 continue
@@ -199,12 +202,27 @@ class PluginManager:
         self._collect()
         self._loaded = True
 
+    def _load_entry_points(self) -> None:
+        """Register each entry point's plugin; one that fails to import is kept aside.
+
+        A broken third-party plugin must not take the other transports down:
+        its error is reported when its own protocol is asked for.
+        """
+        for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if self._pm.is_blocked(entry.name) or self._pm.has_plugin(entry.name):
+                continue
+            try:
+                plugin = entry.load()
+            except Exception as err:
+                self._broken[entry.name] = (entry.dist, f"{type(err).__name__}: {err}")
+                continue
+            self._pm.register(plugin, name=entry.name)
+            self._distributions[entry.name] = entry.dist
+
     def _info(self, kind: str, name: str, plugin: object, description: str) -> PluginInfo:
         plugin_name = self._pm.get_name(plugin) or repr(plugin)
-        dist_name, version = "-", "-"
-        for candidate, dist in self._pm.list_plugin_distinfo():
-            if candidate is plugin:
-                dist_name, version = dist.project_name, dist.version
+        dist = self._distributions.get(plugin_name)
+        dist_name, version = (dist.name, dist.version) if dist is not None else ("-", "-")
         module = getattr(plugin, "__name__", type(plugin).__module__)
         return PluginInfo(kind, name, plugin_name, module, dist_name, version, description)
 
@@ -258,11 +276,18 @@ class PluginManager:
             return sorted(self._resolvers)
 
     def listing(self) -> list[PluginInfo]:
-        """Every transport and resolver with its plugin, module, distribution, version."""
+        """Every transport and resolver with its plugin, module, distribution, version.
+
+        Plugins that failed to load are listed with kind "broken" and the error.
+        """
         with self._lock:
             self._ensure_loaded()
+            broken = [PluginInfo("broken", plugin, plugin, "-",
+                                 dist.name if dist is not None else "-",
+                                 dist.version if dist is not None else "-", error)
+                      for plugin, (dist, error) in sorted(self._broken.items())]
             return [info for _, info in self._transports.values()] + [
-                info for _, info in self._resolvers.values()]
+                info for _, info in self._resolvers.values()] + broken
 
     def options_for(self, plugin_name: str) -> dict[str, Any]:
         """The per-plugin options of plugins.toml for ``plugin_name``."""
@@ -279,6 +304,9 @@ class PluginManager:
     def _missing(self, kind: str, name: str, installed: list[str]) -> NotFoundError:
         hint = PROVIDERS.get(name)
         text = f"No {kind} registered for {name!r}. Installed: {', '.join(installed) or 'none'}."
+        for plugin, (dist, error) in sorted(self._broken.items()):
+            origin = f"distribution {dist.name} {dist.version}" if dist is not None else "-"
+            text += f" Plugin {plugin!r} ({origin}) failed to load: {error}."
         if hint:
             text += f" {name!r} is provided by {hint}."
         return NotFoundError(text)

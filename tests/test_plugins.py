@@ -197,3 +197,32 @@ def test_third_party_entry_point_is_discovered(tmp_path):
     rows = {line.split()[1]: line.split() for line in out.splitlines()[1:]}
     assert rows["fake"] == ["transport", "fake", "cw_fake_transport", "cw-fake-transport", "2.5"]
     assert rows["grpc"][3:] == ["clusterwire", "0.1.0"]
+
+
+def test_a_broken_plugin_does_not_take_the_others_down(tmp_path):
+    """A distribution whose plugin module fails to import: grpc still works, its protocol errs."""
+    dist = tmp_path / "cw_broken-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: cw-broken\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[clusterwire]\nbroken = cw_broken_plugin\n")
+    (tmp_path / "cw_broken_plugin.py").write_text("import no_such_dependency_xyz\n")
+    code = textwrap.dedent("""
+        import clusterwire
+        with clusterwire.Server({"w": ["127.0.0.1:0"]}) as server:
+            print("GRPC", clusterwire.Session(server.target).status()["protocol"])
+        try:
+            clusterwire.Server({"w": ["127.0.0.1:0"]}, protocol="broken")
+        except clusterwire.errors.NotFoundError as err:
+            print("ERROR", err)
+    """)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    env.pop("CLUSTERWIRE_PLUGINS", None)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, env=env, cwd=tmp_path).stdout
+    assert "GRPC grpc" in out
+    assert ("Plugin 'broken' (distribution cw-broken 1.0) failed to load: "
+            "ModuleNotFoundError") in out
+    listing = subprocess.run([sys.executable, "-m", "clusterwire", "plugins"],
+                             capture_output=True, text=True, timeout=60, env=env,
+                             cwd=tmp_path).stdout
+    assert any(line.split()[:2] == ["broken", "broken"] for line in listing.splitlines())
