@@ -7,7 +7,8 @@ clusterwire errors.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from concurrent import futures
 
 import grpc
 
@@ -43,6 +44,33 @@ def bind(server: grpc.Server, address: str, security: Security) -> str:
             f"Could not bind {address} ({reason}). Choose a free port, or port 0 to let the "
             "system pick one, and a host name of this machine.")
     return join_host_port(split_host_port(address)[0], port)
+
+
+class ControlServer:
+    """A gRPC server on its own thread pool, bound (with TLS if configured) when created."""
+
+    def __init__(self, address: str, security: Security, service: str,
+                 handlers: Mapping[str, grpc.RpcMethodHandler], max_workers: int, name: str,
+                 options: Sequence[tuple[str, object]] = ()):
+        self.pool = futures.ThreadPoolExecutor(max_workers,
+                                               thread_name_prefix=f"clusterwire-{name}")
+        self.server = grpc.server(self.pool, options=[("grpc.so_reuseport", 0), *options])
+        self.server.add_generic_rpc_handlers(
+            [grpc.method_handlers_generic_handler(service, dict(handlers))])
+        try:
+            self.address = bind(self.server, address, security)
+        except errors.OpError:
+            self.stop(None)
+            raise
+
+    def start(self) -> None:
+        """Start serving."""
+        self.server.start()
+
+    def stop(self, grace: float | None) -> None:
+        """Stop (in-flight calls get ``grace`` seconds), then release the pool."""
+        self.server.stop(grace).wait()
+        self.pool.shutdown(wait=False)
 
 
 def open_channel(address: str, security: Security,

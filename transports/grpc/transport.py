@@ -18,7 +18,6 @@ import secrets
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from concurrent import futures
 from typing import Any
 
 import grpc
@@ -29,7 +28,7 @@ from clusterwire.security import Security
 from clusterwire.transport import Channel, Frame, Handler, Listener, ListenOptions, Transport
 from clusterwire.transports.grpc import framing
 from clusterwire.transports.grpc.plumbing import (
-    bind,
+    ControlServer,
     check_token,
     grpc_error,
     open_channel,
@@ -82,38 +81,27 @@ class GrpcListener(Listener):
         self._handler = handler
         self._limit = options.max_message_bytes
         self._pending = _Pending(transport.fetch_ttl)
-        self._pool = futures.ThreadPoolExecutor(options.max_workers,
-                                                thread_name_prefix="clusterwire-grpc")
+        self._security = options.security
         limit = _message_limit(transport.inline_bytes, transport.chunk_bytes)
         # No maximum_concurrent_rpcs: gRPC's Python-side accounting costs ~45 us per call
         # here; the cluster service enforces max_concurrent_calls itself.
-        self._server = grpc.server(
-            self._pool,
-            options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", limit),
-                     ("grpc.max_send_message_length", -1)])
-        self._server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {
-            "Call": grpc.unary_unary_rpc_method_handler(self._call),
-            "Upload": grpc.stream_unary_rpc_method_handler(self._upload),
-            "Fetch": grpc.unary_stream_rpc_method_handler(self._fetch),
-        })])
-        self._security = options.security
-        try:
-            self._address = bind(self._server, address, self._security)
-        except errors.OpError:
-            self._server.stop(None)
-            self._pool.shutdown(wait=False)
-            raise
+        self._control = ControlServer(
+            address, self._security, SERVICE, {
+                "Call": grpc.unary_unary_rpc_method_handler(self._call),
+                "Upload": grpc.stream_unary_rpc_method_handler(self._upload),
+                "Fetch": grpc.unary_stream_rpc_method_handler(self._fetch),
+            }, options.max_workers, "grpc",
+            [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", -1)])
 
     @property
     def address(self) -> str:
-        return self._address
+        return self._control.address
 
     def start(self) -> None:
-        self._server.start()
+        self._control.start()
 
     def stop(self, grace: float | None = None) -> None:
-        self._server.stop(grace).wait()
-        self._pool.shutdown(wait=False)
+        self._control.stop(grace)
         self._pending.clear()
 
     def _respond(self, response: Frame) -> bytes:

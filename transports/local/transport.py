@@ -27,7 +27,6 @@ import socket
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from concurrent import futures
 from typing import Any
 
 import grpc
@@ -45,7 +44,7 @@ from clusterwire.transport import (
     Transport,
 )
 from clusterwire.transports.grpc.plumbing import (
-    bind,
+    ControlServer,
     check_token,
     grpc_error,
     open_channel,
@@ -278,28 +277,20 @@ class LocalListener(Listener):
         self._transport = transport
         self._handler = handler
         self._limit = options.max_message_bytes
-        self._pool = futures.ThreadPoolExecutor(options.max_workers,
-                                                thread_name_prefix="clusterwire-local")
-        self._server = grpc.server(
-            self._pool,
-            options=[("grpc.so_reuseport", 0), ("grpc.max_send_message_length", -1),
-                     ("grpc.max_receive_message_length", wire.MAX_HEADER_BYTES + (16 << 20))])
-        self._server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
-            "clusterwire.Local", {"Call": grpc.unary_unary_rpc_method_handler(self._call)})])
         self._security = options.security
-        try:
-            self._address = bind(self._server, address, self._security)
-        except errors.OpError:
-            self._server.stop(None)
-            self._pool.shutdown(wait=False)
-            raise
+        self._control = ControlServer(
+            address, self._security, "clusterwire.Local",
+            {"Call": grpc.unary_unary_rpc_method_handler(self._call)}, options.max_workers,
+            "local", [("grpc.max_send_message_length", -1),
+                      ("grpc.max_receive_message_length", wire.MAX_HEADER_BYTES + (16 << 20))])
+        self._address = self._control.address
+        self._pool = self._control.pool
         self._unix = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._unix.bind(_unix_name(self._address))
         except OSError as err:
             self._unix.close()
-            self._server.stop(None)
-            self._pool.shutdown(wait=False)
+            self._control.stop(None)
             raise errors.UnavailableError(
                 f"Could not bind the shared-memory socket of {self._address}: {err}") from None
         self._unix.listen(64)
@@ -316,7 +307,7 @@ class LocalListener(Listener):
         if self._started:
             return
         self._started = True
-        self._server.start()
+        self._control.start()
         threading.Thread(target=self._accept, daemon=True, name="clusterwire-local-accept").start()
         with _in_process_lock:
             _in_process[self._address] = self
@@ -342,8 +333,7 @@ class LocalListener(Listener):
             if _in_process.get(self._address) is self:
                 del _in_process[self._address]
         self._stopped.set()
-        self._server.stop(grace).wait()
-        self._pool.shutdown(wait=False)
+        self._control.stop(grace)
         _shutdown(self._unix)  # also wakes the accept thread, releasing the name
         with self._clients_lock:
             peers, self._clients = list(self._clients.values()), {}

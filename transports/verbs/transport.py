@@ -48,7 +48,7 @@ from clusterwire.transport import (
     Transport,
 )
 from clusterwire.transports.grpc.plumbing import (
-    bind,
+    ControlServer,
     check_token,
     grpc_error,
     open_channel,
@@ -98,19 +98,16 @@ class VerbsListener(Listener):
         self._limit = options.max_message_bytes
         self._pool = futures.ThreadPoolExecutor(options.max_workers,
                                                 thread_name_prefix="clusterwire-verbs")
-        self._grpc_pool = futures.ThreadPoolExecutor(4, thread_name_prefix="clusterwire-verbs-ctl")
-        self._server = grpc.server(self._grpc_pool, options=[("grpc.so_reuseport", 0)])
-        self._server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(_SERVICE, {
-            "Hello": grpc.unary_unary_rpc_method_handler(self._hello),
-            "Ping": grpc.unary_unary_rpc_method_handler(self._ping),
-        })])
         self._security = options.security
         try:
-            self._address = bind(self._server, address, self._security)
+            self._control = ControlServer(address, self._security, _SERVICE, {
+                "Hello": grpc.unary_unary_rpc_method_handler(self._hello),
+                "Ping": grpc.unary_unary_rpc_method_handler(self._ping),
+            }, 4, "verbs-control")
         except errors.OpError:
-            self._server.stop(None)
             self._pool.shutdown(wait=False)
             raise
+        self._address = self._control.address
         self._endpoints: dict[int, tuple[Any, int]] = {}
         self._active: set[tuple[Any, int]] = set()  # (endpoint, reply tag) being served
         transport.addresses.start()
@@ -125,7 +122,7 @@ class VerbsListener(Listener):
     def start(self) -> None:
         if not self._started:
             self._started = True
-            self._server.start()
+            self._control.start()
 
     def _ping(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         check_token(context, self._security)
@@ -215,9 +212,8 @@ class VerbsListener(Listener):
                 reply_tag, lambda _: sent.release())
         for _ in active:
             sent.acquire(timeout=1.0)
-        self._server.stop(grace).wait()
+        self._control.stop(grace)
         self._pool.shutdown(wait=False)
-        self._grpc_pool.shutdown(wait=False)
         for slot, (endpoint, _) in endpoints.items():
             self._transport.slots.remove(slot)
             self._engine.close_endpoint(endpoint)
