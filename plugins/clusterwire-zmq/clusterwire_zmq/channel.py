@@ -1,0 +1,262 @@
+"""The zmq channel: a pool of DEALER connections, one call at a time on each.
+
+A call borrows an idle connection (or opens one), sends, and waits for its reply on that
+connection in its own thread, so concurrent calls never hand messages between threads.
+zmq connects lazily and never reports a dead peer to a DEALER, so each connection starts
+with a HELLO/WELCOME handshake (which also brings the listener's size limit), and every
+wait also watches the socket's monitor events (refused, handshake failed, disconnected)
+and the channel's cancel pipe, which ``close`` writes to.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from clusterwire import errors
+from clusterwire.security import Security
+from clusterwire.transport import Channel, ConnectionFailed, Frame, HandshakeFailed
+from clusterwire_zmq import wire
+from clusterwire_zmq.auth import configure_client, refuse_tls
+from clusterwire_zmq.endpoints import connect_endpoint
+from clusterwire_zmq.options import Settings
+
+_NO_LIMIT = 1 << 62
+_LOST = {
+    zmq.EVENT_CONNECT_RETRIED: "connection refused or failed",
+    zmq.EVENT_CLOSED: "connection closed",
+    zmq.EVENT_DISCONNECTED: "connection lost",
+}
+_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | _HANDSHAKE_FAILED
+           | sum(_LOST))
+_monitor_ids = itertools.count()
+
+
+class _Link:
+    """One DEALER connection with its monitor; used by one call at a time."""
+
+    def __init__(self, context: zmq.Context, endpoint: str, ipv6: bool, settings: Settings,
+                 security: Security | None, cancel_fd: int, address: str):
+        self.address = address
+        self.sock = context.socket(zmq.DEALER)
+        self.events = context.socket(zmq.PAIR)
+        try:
+            settings.configure(self.sock, ipv6)
+            configure_client(self.sock, security)
+            # A failed link is replaced, never reconnected by libzmq: a link left retrying
+            # would emit monitor events forever.
+            self.sock.setsockopt(zmq.RECONNECT_IVL, -1)
+            self.events.setsockopt(zmq.LINGER, 0)
+            # libzmq sends monitor events with a blocking send from the context's I/O
+            # thread: a full monitor pipe would stall every connection of the context.
+            self.events.setsockopt(zmq.RCVHWM, 0)
+            monitor = f"inproc://clusterwire-zmq-monitor-{next(_monitor_ids)}"
+            self.sock.monitor(monitor, _EVENTS)
+            self.events.connect(monitor)
+            self.sock.connect(endpoint)
+        except BaseException:
+            self.close()
+            raise
+        self.poller = zmq.Poller()
+        for item in (self.sock, self.events, cancel_fd):
+            self.poller.register(item, zmq.POLLIN)
+        self.cancel_fd = cancel_fd
+        self.connected = False  # the ZMTP handshake succeeded
+        self.limit: int | None = None  # the listener's max_message_bytes, from WELCOME
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.events.close(linger=0)
+
+    def stale(self) -> bool:
+        """Whether the connection dropped while the link sat idle."""
+        try:
+            while self.events.poll(0):
+                self._on_event(sent=False)
+        except errors.UnavailableError:
+            return True
+        return False
+
+    def handshake(self, request_id: int, deadline: float | None) -> None:
+        """HELLO -> WELCOME: the listener is alive; learn its limit."""
+        hello = wire.encode(wire.HELLO, request_id, b"", [], 0)
+        while True:
+            try:
+                self.sock.send_multipart(hello, zmq.NOBLOCK)
+                break
+            except zmq.Again:  # libzmq dropped the pipe (handshake refused): events say why
+                self._await_writable(deadline)
+        welcome = self.await_reply(request_id, deadline, sent=False)
+        if welcome.kind != wire.WELCOME:
+            raise errors.InvalidArgumentError(
+                f"{self.address} answered HELLO with a kind {welcome.kind} message.")
+        self.limit = wire.welcome_limit(welcome)
+
+    def send(self, parts: list) -> None:
+        try:
+            self.sock.send_multipart(parts, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            raise ConnectionFailed(f"Cannot send to {self.address}: not connected.") from None
+
+    def _await_writable(self, deadline: float | None) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLOUT)
+        poller.register(self.events, zmq.POLLIN)
+        poller.register(self.cancel_fd, zmq.POLLIN)
+        ready = dict(poller.poll(_milliseconds(deadline, self._timed_out(sent=False))))
+        if self.cancel_fd in ready:
+            raise errors.CancelledError(f"The zmq channel to {self.address} was closed.")
+        if self.events in ready:
+            self._on_event(sent=False)
+
+    def await_reply(self, request_id: int, deadline: float | None, sent: bool) -> wire.Message:
+        """The reply to ``request_id``; the error a failure, timeout or close stands for."""
+        while True:
+            ready = dict(self.poller.poll(_milliseconds(deadline, self._timed_out(sent))))
+            if self.sock in ready:
+                message = wire.decode(self.sock.recv_multipart(copy=False), _NO_LIMIT)
+                if message.request_id == request_id:
+                    return message
+            elif self.cancel_fd in ready:
+                raise errors.CancelledError(f"The zmq channel to {self.address} was closed.")
+            elif self.events in ready:
+                self._on_event(sent)
+
+    def _timed_out(self, sent: bool) -> errors.OpError:
+        if not self.connected:
+            return ConnectionFailed(
+                f"Cannot connect to {self.address}: no zmq connection within the deadline.")
+        what = "call" if sent else "handshake"
+        return errors.DeadlineExceededError(
+            f"The {what} to {self.address} did not finish within its deadline.")
+
+    def _on_event(self, sent: bool) -> None:
+        event = parse_monitor_message(self.events.recv_multipart())["event"]
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.connected = True
+        elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            raise errors.UnauthenticatedError(
+                f"The zmq listener at {self.address} refused this client's cluster token.")
+        elif event & _HANDSHAKE_FAILED:
+            raise HandshakeFailed(
+                f"The ZMTP handshake with {self.address} failed: not a clusterwire zmq "
+                "listener, or one with other security settings.")
+        elif sent:
+            raise errors.UnavailableError(
+                f"zmq peer {self.address}: {_LOST.get(event)} while a call was in flight.")
+        else:
+            raise ConnectionFailed(f"Cannot reach {self.address} over zmq: {_LOST.get(event)}.")
+
+
+def _milliseconds(deadline: float | None, timed_out: errors.OpError) -> int | None:
+    """A poll timeout until ``deadline``; raises ``timed_out`` once it has passed."""
+    if deadline is None:
+        return None
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise timed_out
+    return max(1, int(remaining * 1000))
+
+
+class ZmqChannel(Channel):
+    """A channel to one zmq listener, shared between threads."""
+
+    def __init__(self, context: zmq.Context, address: str, settings: Settings,
+                 security: Security | None = None):
+        refuse_tls(security)
+        self._endpoint, self._ipv6 = connect_endpoint(address)
+        self._security = security
+        self._context = context
+        self._address = address
+        self._settings = settings
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._idle: list[_Link] = []
+        self._users = 0
+        self._closed = False
+        # Written once by close(), never read: wakes every wait of every link.
+        self._cancel_r, self._cancel_w = os.pipe()
+
+    def call(self, frame: Frame, timeout: float | None = None) -> Frame:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        views = wire.byte_views(frame.buffers)
+        header = frame.header if isinstance(frame.header, bytes) else bytes(frame.header)
+        link = self._checkout()
+        keep = False
+        try:
+            if link.limit is None:
+                link.handshake(next(self._ids), deadline)
+            total = sum(v.nbytes for v in views)
+            if total > link.limit:
+                keep = True
+                raise errors.ResourceExhaustedError(
+                    f"Frame of {total} bytes exceeds the limit of {link.limit} bytes "
+                    f"(max_message_bytes) of the zmq listener at {self._address}.")
+            request_id = next(self._ids)
+            link.send(wire.encode(wire.REQUEST, request_id, header, views,
+                                  self._settings.inline_bytes))
+            reply = link.await_reply(request_id, deadline, sent=True)
+            keep = True
+        finally:
+            self._checkin(link, keep)
+        if reply.status:
+            raise errors.error_from_code(reply.status, reply.header.decode("utf-8", "replace"))
+        if reply.kind != wire.REPLY:
+            raise errors.InvalidArgumentError(
+                f"{self._address} answered a request with a kind {reply.kind} message.")
+        return Frame(reply.header, reply.buffers)
+
+    def _checkout(self) -> _Link:
+        with self._lock:
+            if self._closed:
+                raise errors.CancelledError(f"The zmq channel to {self._address} is closed.")
+            self._users += 1
+            while self._idle:
+                link = self._idle.pop()
+                if not link.stale():
+                    return link
+                link.close()
+        try:
+            return _Link(self._context, self._endpoint, self._ipv6, self._settings,
+                         self._security, self._cancel_r, self._address)
+        except BaseException:
+            self._checkin(None, False)
+            raise
+
+    def _checkin(self, link: _Link | None, keep: bool) -> None:
+        with self._lock:
+            self._users -= 1
+            if keep and link is not None and not self._closed:
+                self._idle.append(link)
+                link = None
+            release = self._closed and self._users == 0
+        if link is not None:
+            link.close()
+        if release:
+            self._release_pipe()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            idle, self._idle = self._idle, []
+            os.write(self._cancel_w, b"\0")
+            release = self._users == 0
+        for link in idle:
+            link.close()
+        if release:
+            self._release_pipe()
+
+    def _release_pipe(self) -> None:
+        with self._lock:
+            fds, self._cancel_r, self._cancel_w = (self._cancel_r, self._cancel_w), -1, -1
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)

@@ -1,0 +1,201 @@
+"""The zmq listener: a ROUTER socket served by a small pool of worker threads.
+
+Leader/follower style: up to two idle workers wait on the socket; the one that receives
+a request runs the handler and sends the reply itself, and if no idle worker is left it
+wakes a parked one (or starts one, up to ``max_workers``). A plain accept-then-dispatch
+pool would put two thread hand-offs on every call, about 25 us on 2 cores.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import zmq
+
+from clusterwire import errors
+from clusterwire.addressing import join_host_port
+from clusterwire.transport import Frame, Handler, Listener, ListenOptions
+from clusterwire_zmq import wire
+from clusterwire_zmq.auth import TokenGate, refuse_tls
+from clusterwire_zmq.endpoints import bind_endpoint, bound_port
+from clusterwire_zmq.options import Settings
+from clusterwire_zmq.router import SharedRouter
+
+#: Idle workers kept waiting on the socket: one to take the next request, one spare.
+_POLLERS = 2
+#: How long replies already queued (and the CANCELLED answers of a stop) may take to flush.
+_FLUSH_MS = 1000
+
+
+class ZmqListener(Listener):
+    """Serves ``handler`` on a ROUTER socket bound to ``address``."""
+
+    def __init__(self, address: str, handler: Handler, options: ListenOptions,
+                 settings: Settings):
+        refuse_tls(options.security)
+        endpoint, host, ipv6 = bind_endpoint(address)
+        # A context per listener: terminating it closes the listening socket before stop()
+        # returns, so the port is free at once (a socket's close alone is asynchronous).
+        self._context = zmq.Context(io_threads=1)
+        self._gate = TokenGate(self._context, options.security)
+        sock = self._context.socket(zmq.ROUTER)
+        try:
+            settings.configure(sock, ipv6)
+            TokenGate.configure_server(sock)
+            # libzmq drops a peer sending a larger part before allocating it.
+            sock.setsockopt(zmq.MAXMSGSIZE, options.max_message_bytes + wire.PART0_OVERHEAD)
+            sock.bind(endpoint)
+            port = bound_port(sock.getsockopt(zmq.LAST_ENDPOINT))
+        except zmq.ZMQError as err:
+            sock.close(linger=0)
+            self._gate.close()
+            self._context.term()
+            raise errors.UnavailableError(
+                f"Could not bind {address} ({err.strerror}). Choose a free port, or port 0 to "
+                "let the system pick one, and a host name of this machine.") from None
+        self._address = join_host_port(host, port)
+        self._router = SharedRouter(sock)
+        self._handler = handler
+        self._limit = options.max_message_bytes
+        self._max_calls = options.max_concurrent_calls
+        self._max_workers = max(1, options.max_workers)
+        self._inline_max = settings.inline_bytes
+        self._lock = threading.Lock()
+        self._calls_changed = threading.Condition(self._lock)
+        self._wakeup = threading.Condition(self._lock)
+        # In-flight calls: token -> [routing id, request id, cancelled by stop()].
+        self._calls: dict[int, list] = {}
+        self._tokens = itertools.count()
+        self._threads = self._idle = self._parked = self._wakeups = 0
+        self._started = self._stopping = False
+        self._stopped = threading.Event()
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def start(self) -> None:
+        with self._lock:
+            if self._started or self._stopping:
+                return
+            self._started = True
+            for _ in range(min(_POLLERS, self._max_workers)):
+                self._spawn()
+
+    def stop(self, grace: float | None = None) -> None:
+        with self._lock:
+            stopping, self._stopping = self._stopping, True
+            self._wakeup.notify_all()
+        if stopping:
+            self._stopped.wait()
+            return
+        self._router.interrupt()
+        with self._lock:
+            self._calls_changed.wait_for(lambda: not self._calls, timeout=grace or 0)
+            for call in self._calls.values():
+                ident, request_id, call[2] = call[0], call[1], True
+                self._router.send([ident, *wire.encode_error(
+                    request_id, errors.CANCELLED,
+                    f"The zmq listener at {self._address} stopped before the call finished.")])
+        self._router.close(_FLUSH_MS)
+        self._gate.close()
+        self._context.term()
+        self._stopped.set()
+
+    # -- workers (every method below runs under or takes self._lock as noted) ------------
+
+    def _spawn(self) -> None:
+        """Under the lock: one more idle worker, woken from the parked ones or new."""
+        if self._parked > self._wakeups:
+            self._wakeups += 1
+            self._wakeup.notify()
+        elif self._threads < self._max_workers:
+            self._threads += 1
+            threading.Thread(target=self._work, name="clusterwire-zmq", daemon=True).start()
+        else:
+            return  # every worker is busy: requests wait in the socket's queue
+        self._idle += 1
+
+    def _work(self) -> None:
+        poller = self._router.poller()
+        try:
+            while True:
+                parts = self._router.receive(poller)
+                with self._lock:
+                    self._idle -= 1
+                    if parts is None or self._stopping:
+                        return
+                    if self._idle == 0:
+                        self._spawn()
+                self._serve(parts)
+                if not self._rejoin():
+                    return
+        finally:
+            with self._lock:
+                self._threads -= 1
+
+    def _rejoin(self) -> bool:
+        """After a call: wait on the socket again, or park while enough others do."""
+        with self._lock:
+            if self._stopping:
+                return False
+            if self._idle < _POLLERS:
+                self._idle += 1
+                return True
+            self._parked += 1
+            self._wakeup.wait_for(lambda: self._wakeups or self._stopping)
+            self._parked -= 1
+            if self._stopping:
+                return False
+            self._wakeups -= 1
+            return True
+
+    def _serve(self, parts: list[zmq.Frame]) -> None:
+        if len(parts) < 2:
+            return  # a routing id without a body: nothing to answer
+        ident = parts[0].bytes
+        try:
+            message = wire.decode(parts[1:], self._limit)
+        except errors.OpError as err:
+            request_id = wire.peek_request_id(parts[1])
+            self._router.send([ident, *wire.encode_error(request_id, err.error_code,
+                                                         err.message)])
+            return
+        if message.kind == wire.HELLO:
+            self._router.send([ident, *wire.encode_welcome(message.request_id, self._limit)])
+        elif message.kind != wire.REQUEST:
+            self._router.send([ident, *wire.encode_error(
+                message.request_id, errors.INVALID_ARGUMENT,
+                f"Malformed message: kind {message.kind} is not a request.")])
+        else:
+            self._call(ident, message)
+
+    def _call(self, ident: bytes, message: wire.Message) -> None:
+        call = [ident, message.request_id, False]
+        with self._lock:
+            if len(self._calls) >= self._max_calls:
+                self._router.send([ident, *wire.encode_error(
+                    message.request_id, errors.RESOURCE_EXHAUSTED,
+                    f"The zmq listener at {self._address} already runs {self._max_calls} "
+                    "calls (max_concurrent_calls).")])
+                return
+            token = next(self._tokens)
+            self._calls[token] = call
+        try:
+            response = self._handler(Frame(message.header, message.buffers))
+            header = response.header
+            reply = wire.encode(wire.REPLY, message.request_id,
+                                header if isinstance(header, bytes) else bytes(header),
+                                wire.byte_views(response.buffers), self._inline_max)
+        except errors.OpError as err:
+            reply = wire.encode_error(message.request_id, err.error_code, err.message)
+        except Exception as err:  # the handler's failure is the caller's error, not ours
+            reply = wire.encode_error(message.request_id, errors.UNKNOWN,
+                                      f"Exception in the handler: {type(err).__name__}: {err}")
+        with self._lock:
+            # Under the lock, so stop() either sees the call finished or cancels it.
+            del self._calls[token]
+            if not call[2]:
+                self._router.send([ident, *reply])
+            self._calls_changed.notify_all()
