@@ -20,6 +20,7 @@ _DEFAULT_PEER_TIMEOUT = 30.0
 _DEFAULT_MAX_WORKERS = 16
 _DEFAULT_MAX_MESSAGE = 4 << 30
 _DEFAULT_MAX_CONCURRENT = 256
+_DEFAULT_MAX_CONNECTIONS = 1024
 # After the drain, responses already produced (and announced bulk fetches) get this long to flow.
 _FLUSH_GRACE = 1.0
 
@@ -33,7 +34,7 @@ class Server:
     and ``protocol`` override the definition; ``config`` is a ``ConfigProto``
     (merged into ``default_session_config``, as in TF) or clusterwire
     ``ServerOptions`` / a dict of its fields (bind_address,
-    peer_timeout_seconds, max_workers, max_message_bytes, max_concurrent_calls,
+    peer_timeout_seconds, max_workers, max_message_bytes, max_concurrent_calls, max_connections,
     transport_options, and the security options tls_cert_file, tls_key_file,
     tls_ca_file, tls_client_auth, auth_token_file: see clusterwire.security).
 
@@ -85,6 +86,7 @@ class Server:
             max_workers=max_workers,
             max_message_bytes=options.max_message_bytes or _DEFAULT_MAX_MESSAGE,
             max_concurrent_calls=options.max_concurrent_calls or _DEFAULT_MAX_CONCURRENT,
+            max_connections=options.max_connections or _DEFAULT_MAX_CONNECTIONS,
             security=self._security)
         bind = join_host_port(options.bind_address or host, port)
         try:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import cw_test_functions as fns
 import numpy as np
@@ -109,3 +110,35 @@ def test_peer_killed_mid_forwarded_transfer_is_unavailable_and_survivor_serves()
             reader.join(30)
             assert not reader.is_alive() and failures
             assert session.status()["job"] == "a"
+
+
+def accepted_session(target: str) -> Session:
+    """A session once the server has a free connection (earlier clients' closes take effect
+    asynchronously: the server sees the Unix EOF or the client's bye)."""
+    deadline = time.monotonic() + 10
+    while True:
+        session = Session(target, timeout=10)
+        try:
+            session.list()
+            return session
+        except ResourceExhaustedError:
+            session.close()
+            assert time.monotonic() < deadline, "the server never freed the connection"
+
+
+@pytest.mark.parametrize("protocol", ["grpc+local", "grpc+verbs"])
+def test_connections_over_the_limit_are_refused_and_freed_on_close(protocol):
+    if protocol == "grpc+verbs":
+        pytest.importorskip("ucxx")
+    from clusterwire.local_cluster import LocalCluster
+
+    with LocalCluster({"w": 1}, protocol=protocol, config={"max_connections": 1},
+                      env=child_env()) as cluster:
+        first = accepted_session(cluster.target("w"))  # after the launcher's own session
+        with Session(cluster.target("w"), timeout=10) as second:
+            with pytest.raises(ResourceExhaustedError, match="max_connections"):
+                second.put("x", np.ones(1 << 20))
+        first.close()
+        with accepted_session(cluster.target("w")) as third:
+            third.put("y", np.ones(1 << 20))
+            assert third.list() == ["y"]

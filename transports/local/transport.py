@@ -122,9 +122,11 @@ def _close_all(fds: Sequence[int]) -> None:
 class _UnixPeer:
     """One SOCK_SEQPACKET connection: a reader thread filling an inbox, and a locked sender."""
 
-    def __init__(self, sock: socket.socket, on_hello=None, security: Security | None = None):
+    def __init__(self, sock: socket.socket, on_hello=None, security: Security | None = None,
+                 on_close=None):
         self.sock = sock
         self._security = security or Security()
+        self._on_close = on_close
         self.inbox = _Inbox()
         self._on_hello = on_hello
         self._send_lock = threading.Lock()
@@ -176,6 +178,9 @@ class _UnixPeer:
     def close(self) -> None:
         self.inbox.close()
         _shutdown(self.sock)
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close(self)
 
 
 def _plan(buffers: Sequence[Any], threshold: int
@@ -294,7 +299,9 @@ class LocalListener(Listener):
             raise errors.UnavailableError(
                 f"Could not bind the shared-memory socket of {self._address}: {err}") from None
         self._unix.listen(64)
-        self._clients: dict[int, _UnixPeer] = {}
+        self._clients: dict[int, _UnixPeer] = {}  # by client id, after their hello
+        self._connections: set[_UnixPeer] = set()  # every open Unix connection
+        self._max_connections = options.max_connections
         self._clients_lock = threading.Condition()
         self._stopped = threading.Event()
         self._started = False
@@ -318,7 +325,21 @@ class LocalListener(Listener):
                 conn, _ = self._unix.accept()
             except OSError:
                 return
-            _UnixPeer(conn, on_hello=self._register, security=self._security)
+            with self._clients_lock:
+                full = len(self._connections) >= self._max_connections
+            if full:  # over max_connections: refused before reading anything
+                _shutdown(conn)
+                continue
+            peer = _UnixPeer(conn, on_hello=self._register, security=self._security,
+                             on_close=self._forget)
+            with self._clients_lock:
+                self._connections.add(peer)
+
+    def _forget(self, peer: _UnixPeer) -> None:
+        with self._clients_lock:
+            self._connections.discard(peer)
+            if self._clients.get(peer.client_id) is peer:
+                del self._clients[peer.client_id]
 
     def _register(self, client_id: int, peer: _UnixPeer) -> None:
         with self._clients_lock:
@@ -336,7 +357,7 @@ class LocalListener(Listener):
         self._control.stop(grace)
         _shutdown(self._unix)  # also wakes the accept thread, releasing the name
         with self._clients_lock:
-            peers, self._clients = list(self._clients.values()), {}
+            peers, self._clients = list(self._connections), {}
         for peer in peers:
             peer.close()
 
@@ -351,9 +372,10 @@ class LocalListener(Listener):
                 peer = self._clients.get(control.client_id)
             segments = _segments_needed(control)
             if peer is None:
-                raise errors.FailedPreconditionError(
-                    "No shared-memory connection from this client: grpc+local needs client "
-                    "and server on the same host.")
+                raise errors.ResourceExhaustedError(
+                    "No shared-memory connection from this client: the server refused it "
+                    f"(over its max_connections, {self._max_connections}) or the client is "
+                    "not on this host (grpc+local connects only tasks of the same host).")
             fds = peer.inbox.take(control.transfer_id, segments, _SEGMENT_WAIT) if segments else []
             request = Frame(control.header, _received(control, fds))
             response = self._handler(request)
@@ -436,8 +458,16 @@ class LocalChannel(Channel):
                     raise ConnectionFailed(
                         f"cannot reach a grpc+local server at {self._address} on this host "
                         f"({err}); grpc+local connects only tasks of the same host.") from None
-                self._peer = _UnixPeer(sock)
-                self._peer.send(wire.HELLO, self._client_id, payload=self._security.token or b"")
+                peer = _UnixPeer(sock)
+                try:
+                    peer.send(wire.HELLO, self._client_id, payload=self._security.token or b"")
+                except OSError as err:
+                    peer.close()
+                    # Accepted, then closed before our hello: the server refused us.
+                    raise errors.ResourceExhaustedError(
+                        f"The grpc+local server at {self._address} refused the shared-memory "
+                        f"connection ({err.strerror}): it is at its max_connections.") from None
+                self._peer = peer
             return self._peer
 
     def call(self, frame: Frame, timeout: float | None = None) -> Frame:

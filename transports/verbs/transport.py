@@ -103,12 +103,14 @@ class VerbsListener(Listener):
             self._control = ControlServer(address, self._security, _SERVICE, {
                 "Hello": grpc.unary_unary_rpc_method_handler(self._hello),
                 "Ping": grpc.unary_unary_rpc_method_handler(self._ping),
+                "Bye": grpc.unary_unary_rpc_method_handler(self._bye),
             }, 4, "verbs-control")
         except errors.OpError:
             self._pool.shutdown(wait=False)
             raise
         self._address = self._control.address
         self._endpoints: dict[int, tuple[Any, int]] = {}
+        self._max_connections = options.max_connections
         self._active: set[tuple[Any, int]] = set()  # (endpoint, reply tag) being served
         transport.addresses.start()
         self._lock = threading.Lock()
@@ -128,6 +130,20 @@ class VerbsListener(Listener):
         check_token(context, self._security)
         return b""
 
+    def _bye(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        """A client closed its channel: free its slot (it proves it with the slot key)."""
+        check_token(context, self._security)
+        if len(request) == _HELLO.size:
+            slot, key = _HELLO.unpack(request)
+            with self._lock:
+                endpoint, known = self._endpoints.get(slot, (None, 0))
+                if endpoint is not None and hmac.compare_digest(
+                        key.to_bytes(8, "little"), known.to_bytes(8, "little")):
+                    del self._endpoints[slot]
+                    self._transport.slots.remove(slot)
+                    self._engine.close_endpoint(endpoint)
+        return b""
+
     def _hello(self, client_address: bytes, context: grpc.ServicerContext) -> bytes:
         check_token(context, self._security)
         if not self._transport.addresses.usable(client_address):
@@ -138,9 +154,14 @@ class VerbsListener(Listener):
         except errors.OpError as err:
             context.abort(grpc.StatusCode.UNAVAILABLE, err.message)
         with self._lock:
-            if self._stopped:
+            refusal = ("The server is stopping." if self._stopped else
+                       f"The server holds its max_connections ({self._max_connections}) clients."
+                       if len(self._endpoints) >= self._max_connections else None)
+            if refusal:
                 self._engine.close_endpoint(endpoint)
-                context.abort(grpc.StatusCode.UNAVAILABLE, "The server is stopping.")
+                code = grpc.StatusCode.UNAVAILABLE if self._stopped else \
+                    grpc.StatusCode.RESOURCE_EXHAUSTED
+                context.abort(code, refusal)
             slot = self._transport.slots.add(self._on_request)
             key = secrets.randbits(64)
             self._endpoints[slot] = (endpoint, key)
@@ -288,6 +309,7 @@ class VerbsChannel(Channel):
         self._grpc = open_channel(address, security)
         self._hello = self._grpc.unary_unary(f"/{_SERVICE}/Hello")
         self._ping = self._grpc.unary_unary(f"/{_SERVICE}/Ping")
+        self._bye = self._grpc.unary_unary(f"/{_SERVICE}/Bye")
         self._lock = threading.Lock()
         self._connection: tuple[int, int, Any] | None = None
         self._closed = threading.Event()
@@ -384,6 +406,12 @@ class VerbsChannel(Channel):
 
     def close(self) -> None:
         self._closed.set()
+        with self._lock:
+            connection = self._connection
+        if connection is not None:
+            with contextlib.suppress(grpc.RpcError, ValueError):  # best effort: server may be gone
+                self._bye(_HELLO.pack(connection[0], connection[1]), timeout=1.0,
+                          metadata=self._metadata)
         self._drop_connection()
         self._grpc.close()
 
