@@ -6,7 +6,9 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
+import numpy as np
 import pytest
 from conftest import child_env
 
@@ -81,3 +83,24 @@ def test_status_reports_the_ucx_transports(tmp_path):
     assert transport["data"] == "ucx"
     assert "tcp/lo" in transport["ucx_transports"]
     assert transport["rdma"].startswith("none")
+
+
+def test_a_silent_client_loses_its_slot_and_reconnects_transparently(tmp_path):
+    """Slots of clients killed without a bye are reaped; a live but idle client recovers."""
+    from clusterwire import Session
+
+    config = tmp_path / "plugins.toml"
+    config.write_text('[options."grpc+verbs"]\nidle_slot_seconds = 0.2\n')
+    with LocalCluster({"w": 1}, protocol="grpc+verbs",
+                      env={**child_env(), "CLUSTERWIRE_PLUGINS": str(config)}) as cluster:
+        idle = Session(cluster.target("w"), timeout=30)
+        assert idle.list() == []
+        deadline = time.monotonic() + 15
+        while True:  # each new client's hello reaps slots idle for 0.2 s
+            with Session(cluster.target("w"), timeout=30) as probe:
+                if probe.status()["transport"]["clients"] == "1":  # only the probe is left
+                    break
+            assert time.monotonic() < deadline, "the idle client's slot was never reaped"
+        idle.put("x", np.arange(3))  # dropped unrun, found out by a ping, retried
+        assert idle.list() == ["x"]
+        idle.close()

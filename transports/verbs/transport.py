@@ -17,7 +17,8 @@ through the control plane (pings while a call waits) instead.
 Options (plugins.toml ``[options."grpc+verbs"]``): ``tls`` (UCX_TLS, e.g.
 "tcp,self" or "sm,self"; default all), ``net_devices`` (UCX_NET_DEVICES),
 ``bulk_bytes`` (buffers from this size on travel as their own message;
-default 64 KiB).
+default 64 KiB), ``idle_slot_seconds`` (a client silent this long loses its
+connection state; default 600).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from clusterwire.addressing import split_host_port
 from clusterwire.security import Security
 from clusterwire.transport import (
     Channel,
+    ConnectionFailed,
     Frame,
     Handler,
     Listener,
@@ -110,6 +112,7 @@ class VerbsListener(Listener):
             raise
         self._address = self._control.address
         self._endpoints: dict[int, tuple[Any, int]] = {}
+        self._last_seen: dict[int, float] = {}  # slot -> time of its last request or ping
         self._max_connections = options.max_connections
         self._active: set[tuple[Any, int]] = set()  # (endpoint, reply tag) being served
         transport.addresses.start()
@@ -126,23 +129,52 @@ class VerbsListener(Listener):
             self._started = True
             self._control.start()
 
+    def _known_slot(self, request: bytes) -> int | None:
+        """The slot a (slot, key) request names, if the key matches (caller holds the lock)."""
+        if len(request) != _HELLO.size:
+            return None
+        slot, key = _HELLO.unpack(request)
+        endpoint, known = self._endpoints.get(slot, (None, 0))
+        if endpoint is None or not hmac.compare_digest(key.to_bytes(8, "little"),
+                                                       known.to_bytes(8, "little")):
+            return None
+        return slot
+
     def _ping(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        """Liveness, and whether the client's slot still exists (b"\x01") or not (b"\x00")."""
         check_token(context, self._security)
-        return b""
+        with self._lock:
+            slot = self._known_slot(request)
+            if slot is not None:
+                self._last_seen[slot] = time.monotonic()
+        return b"\x00" if slot is None else b"\x01"
 
     def _bye(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         """A client closed its channel: free its slot (it proves it with the slot key)."""
         check_token(context, self._security)
-        if len(request) == _HELLO.size:
-            slot, key = _HELLO.unpack(request)
-            with self._lock:
-                endpoint, known = self._endpoints.get(slot, (None, 0))
-                if endpoint is not None and hmac.compare_digest(
-                        key.to_bytes(8, "little"), known.to_bytes(8, "little")):
-                    del self._endpoints[slot]
-                    self._transport.slots.remove(slot)
-                    self._engine.close_endpoint(endpoint)
+        with self._lock:
+            slot = self._known_slot(request)
+            if slot is not None:
+                self._forget(slot)
         return b""
+
+    def _forget(self, slot: int) -> None:
+        """Drop a client's slot and close its endpoint (caller holds the lock)."""
+        endpoint, _ = self._endpoints.pop(slot)
+        self._last_seen.pop(slot, None)
+        self._transport.slots.remove(slot)
+        self._engine.close_endpoint(endpoint)
+
+    def _reap_idle(self) -> None:
+        """Free the slots of clients silent for ``idle_slot_seconds`` (killed without a bye).
+
+        A live client that was merely silent finds out through a ping on its
+        next call and reconnects; that call never ran, so it is retried.
+        """
+        cutoff = time.monotonic() - self._transport.idle_slot_seconds
+        busy = {wire.split_tag(tag)[1] for _, tag in self._active}
+        for slot in [s for s, seen in self._last_seen.items() if seen < cutoff and s not in busy]:
+            self._forget(slot)
 
     def _hello(self, client_address: bytes, context: grpc.ServicerContext) -> bytes:
         check_token(context, self._security)
@@ -154,6 +186,7 @@ class VerbsListener(Listener):
         except errors.OpError as err:
             context.abort(grpc.StatusCode.UNAVAILABLE, err.message)
         with self._lock:
+            self._reap_idle()
             refusal = ("The server is stopping." if self._stopped else
                        f"The server holds its max_connections ({self._max_connections}) clients."
                        if len(self._endpoints) >= self._max_connections else None)
@@ -165,6 +198,7 @@ class VerbsListener(Listener):
             slot = self._transport.slots.add(self._on_request)
             key = secrets.randbits(64)
             self._endpoints[slot] = (endpoint, key)
+            self._last_seen[slot] = time.monotonic()
         return _HELLO.pack(slot, key) + self._engine.address
 
     def _on_request(self, slot: int, transfer: int, control: np.ndarray) -> None:
@@ -175,6 +209,8 @@ class VerbsListener(Listener):
     def _serve(self, slot: int, transfer: int, message: np.ndarray) -> None:
         with self._lock:
             endpoint, key = self._endpoints.get(slot, (None, 0))
+            if endpoint is not None:
+                self._last_seen[slot] = time.monotonic()
         if endpoint is None:
             return
         engine = self._engine
@@ -285,6 +321,11 @@ class _Slots:
             self._handlers[slot] = handler
             return slot
 
+    def count(self) -> int:
+        """Client connections this process serves."""
+        with self._lock:
+            return len(self._handlers)
+
     def remove(self, slot: int) -> None:
         with self._lock:
             self._handlers.pop(slot, None)
@@ -394,8 +435,11 @@ class VerbsChannel(Channel):
                 next_ping = time.monotonic() + _PING_AFTER
 
     def _check_alive(self) -> None:
+        with self._lock:
+            connection = self._connection
+        request = _HELLO.pack(connection[0], connection[1]) if connection else b""
         try:
-            self._ping(b"", timeout=2.0, metadata=self._metadata)
+            known = self._ping(request, timeout=2.0, metadata=self._metadata)
         except grpc.RpcError as err:
             self._drop_connection()
             error = grpc_error(err, self._address)
@@ -403,6 +447,11 @@ class VerbsChannel(Channel):
                 f"The server at {self._address} stopped answering: {error.message}") from None
         except ValueError:  # the gRPC channel was closed under us
             raise errors.CancelledError(f"Channel to {self._address} was closed.") from None
+        if connection is not None and known == b"\x00":
+            self._drop_connection()
+            raise ConnectionFailed(
+                f"The server at {self._address} no longer knows this connection (idle too long, "
+                "or restarted); the request was not run. Retry to reconnect.")
 
     def close(self) -> None:
         self._closed.set()
@@ -426,10 +475,11 @@ class VerbsTransport(Transport):
         tls = options.pop("tls", None)
         net_devices = options.pop("net_devices", None)
         self.bulk_bytes = int(options.pop("bulk_bytes", 64 << 10))
+        self.idle_slot_seconds = float(options.pop("idle_slot_seconds", 600))
         if options:
             raise errors.InvalidArgumentError(
                 f"Unknown option(s) for grpc+verbs: {sorted(options)}; known: tls, net_devices, "
-                "bulk_bytes.")
+                "bulk_bytes, idle_slot_seconds.")
         self.engine = UcxEngine(tls, net_devices)
         self.slots = _Slots(self.engine)
         self.addresses = AddressChecker()
@@ -441,5 +491,6 @@ class VerbsTransport(Transport):
         return VerbsChannel(self, address, security or Security())
 
     def info(self) -> dict[str, str]:
-        return {"control": "grpc (hello, liveness)", "data": "ucx", **self.engine.info()}
+        return {"control": "grpc (hello, liveness)", "data": "ucx",
+                "clients": str(self.slots.count()), **self.engine.info()}
 
