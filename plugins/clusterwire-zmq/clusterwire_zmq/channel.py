@@ -10,6 +10,7 @@ and the channel's cancel pipe, which ``close`` writes to.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import threading
@@ -33,8 +34,8 @@ _LOST = {
     zmq.EVENT_DISCONNECTED: "connection lost",
 }
 _HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | _HANDSHAKE_FAILED
-           | sum(_LOST))
+_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+           | _HANDSHAKE_FAILED | sum(_LOST))
 _monitor_ids = itertools.count()
 
 
@@ -53,8 +54,7 @@ class _Link:
             # would emit monitor events forever.
             self.sock.setsockopt(zmq.RECONNECT_IVL, -1)
             self.events.setsockopt(zmq.LINGER, 0)
-            # libzmq sends monitor events with a blocking send from the context's I/O
-            # thread: a full monitor pipe would stall every connection of the context.
+            # For the same reason as in close(): a full monitor pipe would block too.
             self.events.setsockopt(zmq.RCVHWM, 0)
             monitor = f"inproc://clusterwire-zmq-monitor-{next(_monitor_ids)}"
             self.sock.monitor(monitor, _EVENTS)
@@ -67,10 +67,16 @@ class _Link:
         for item in (self.sock, self.events, cancel_fd):
             self.poller.register(item, zmq.POLLIN)
         self.cancel_fd = cancel_fd
+        self.reached = False  # the TCP connection is up
         self.connected = False  # the ZMTP handshake succeeded
         self.limit: int | None = None  # the listener's max_message_bytes, from WELCOME
 
     def close(self) -> None:
+        # Detach the monitor first: libzmq sends monitor events with blocking sends from
+        # the I/O thread, and the socket's teardown events, sent to a monitor whose reader
+        # is gone, would block every connection of the context.
+        with contextlib.suppress(zmq.ZMQError):
+            self.sock.disable_monitor()
         self.sock.close(linger=0)
         self.events.close(linger=0)
 
@@ -138,12 +144,15 @@ class _Link:
 
     def _on_event(self, sent: bool) -> None:
         event = parse_monitor_message(self.events.recv_multipart())["event"]
-        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+        if event == zmq.EVENT_CONNECTED:
+            self.reached = True
+        elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.connected = True
         elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             raise errors.UnauthenticatedError(
                 f"The zmq listener at {self.address} refused this client's cluster token.")
-        elif event & _HANDSHAKE_FAILED:
+        elif event & _HANDSHAKE_FAILED or (self.reached and not self.connected):
+            # Reached over TCP, dropped before ZMTP completed: something else listens there.
             raise HandshakeFailed(
                 f"The ZMTP handshake with {self.address} failed: not a clusterwire zmq "
                 "listener, or one with other security settings.")
