@@ -83,7 +83,7 @@ class _Link:
     def stale(self) -> bool:
         """Whether the connection dropped while the link sat idle."""
         try:
-            while self.events.poll(0):
+            while self.events.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 self._on_event(sent=False)
         except errors.UnavailableError:
             return True
@@ -115,7 +115,7 @@ class _Link:
         poller.register(self.sock, zmq.POLLOUT)
         poller.register(self.events, zmq.POLLIN)
         poller.register(self.cancel_fd, zmq.POLLIN)
-        ready = dict(poller.poll(_milliseconds(deadline, self._timed_out(sent=False))))
+        ready = dict(poller.poll(self._milliseconds(deadline, sent=False)))
         if self.cancel_fd in ready:
             raise errors.CancelledError(f"The zmq channel to {self.address} was closed.")
         if self.events in ready:
@@ -124,7 +124,7 @@ class _Link:
     def await_reply(self, request_id: int, deadline: float | None, sent: bool) -> wire.Message:
         """The reply to ``request_id``; the error a failure, timeout or close stands for."""
         while True:
-            ready = dict(self.poller.poll(_milliseconds(deadline, self._timed_out(sent))))
+            ready = dict(self.poller.poll(self._milliseconds(deadline, sent)))
             if self.sock in ready:
                 message = wire.decode(self.sock.recv_multipart(copy=False), _NO_LIMIT)
                 if message.request_id == request_id:
@@ -134,12 +134,18 @@ class _Link:
             elif self.events in ready:
                 self._on_event(sent)
 
-    def _timed_out(self, sent: bool) -> errors.OpError:
+    def _milliseconds(self, deadline: float | None, sent: bool) -> int | None:
+        """A poll timeout until ``deadline``; the timeout's error once it has passed."""
+        if deadline is None:
+            return None
+        remaining = deadline - time.monotonic()
+        if remaining > 0:
+            return max(1, int(remaining * 1000))
         if not self.connected:
-            return ConnectionFailed(
+            raise ConnectionFailed(
                 f"Cannot connect to {self.address}: no zmq connection within the deadline.")
         what = "call" if sent else "handshake"
-        return errors.DeadlineExceededError(
+        raise errors.DeadlineExceededError(
             f"The {what} to {self.address} did not finish within its deadline.")
 
     def _on_event(self, sent: bool) -> None:
@@ -161,16 +167,6 @@ class _Link:
                 f"zmq peer {self.address}: {_LOST.get(event)} while a call was in flight.")
         else:
             raise ConnectionFailed(f"Cannot reach {self.address} over zmq: {_LOST.get(event)}.")
-
-
-def _milliseconds(deadline: float | None, timed_out: errors.OpError) -> int | None:
-    """A poll timeout until ``deadline``; raises ``timed_out`` once it has passed."""
-    if deadline is None:
-        return None
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
-        raise timed_out
-    return max(1, int(remaining * 1000))
 
 
 class ZmqChannel(Channel):
