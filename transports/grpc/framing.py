@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from clusterwire.buffers import receive_buffers
 from clusterwire.errors import InvalidArgumentError, ResourceExhaustedError
 
 MAGIC = b"CWF1"
@@ -118,7 +119,7 @@ def chunks(views: Sequence[memoryview], chunk_bytes: int) -> Iterator[bytes]:
 
 def assemble(messages: Iterator[bytes], lengths: Sequence[int]) -> list[np.ndarray]:
     """Fill fresh buffers of ``lengths`` from chunk messages; InvalidArgumentError on mismatch."""
-    buffers = [np.empty(length, np.uint8) for length in lengths]
+    buffers = [receive_buffers.take(length) for length in lengths]
     for buffer in buffers:
         filled, target = 0, memoryview(buffer)
         while filled < buffer.nbytes:

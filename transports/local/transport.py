@@ -268,10 +268,23 @@ def _received(control: wire.Control, fds: list[int]) -> list[Any]:
     return buffers
 
 
-def _frozen(buffers: Sequence[Any]) -> list[Any]:
-    """Buffers safe to hand to another party in this process: shared if immutable, else copied."""
-    return [memoryview(b).toreadonly() if sealed.is_immutable(b) else sealed.frozen_copy(b)
-            for b in buffers]
+def _frozen(buffers: Sequence[Any], threshold: int) -> list[Any]:
+    """Buffers safe to hand to another party in this process: shared if immutable, else copied.
+
+    Large copies go into a sealed segment rather than private memory: the same one
+    copy, and a later cross-process send of the buffer passes its descriptor.
+    """
+    frozen = []
+    for buffer in buffers:
+        if sealed.is_immutable(buffer):
+            frozen.append(memoryview(buffer).toreadonly())
+        elif memoryview(buffer).nbytes >= threshold:
+            view = memoryview(buffer).cast("B")
+            fd, _ = sealed.create_packed([view])
+            frozen.append(sealed.open_segment(fd)[:view.nbytes])  # the segment is padded
+        else:
+            frozen.append(sealed.frozen_copy(buffer))
+    return frozen
 
 
 class LocalListener(Listener):
@@ -403,7 +416,7 @@ class LocalListener(Listener):
             raise errors.ResourceExhaustedError(
                 f"Frame of {frame.payload_bytes} bytes exceeds the limit of {self._limit} "
                 "bytes (max_message_bytes).")
-        request = Frame(frame.header, _frozen(frame.buffers))
+        request = Frame(frame.header, _frozen(frame.buffers, self._transport.segment_bytes))
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             future = self._pool.submit(self._handler, request)
@@ -423,7 +436,7 @@ class LocalListener(Listener):
             response = future.result()
         except Exception as err:
             raise errors.InternalError(f"Handler failed: {type(err).__name__}: {err}") from None
-        return Frame(response.header, _frozen(response.buffers))
+        return Frame(response.header, _frozen(response.buffers, self._transport.segment_bytes))
 
 
 class LocalChannel(Channel):

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from clusterwire import errors
+from clusterwire.buffers import receive_buffers
 
 ReceiveCallback = Callable[[BaseException | None, int, np.ndarray], None]
 _IDLE_WAIT = 0.5
@@ -261,7 +262,7 @@ class UcxEngine:
             self._pending.append((request, scratch, lambda _: want.callback(error, sender_tag,
                                                                           np.empty(0, np.uint8))))
             return
-        buffer = np.empty(result.length, np.uint8)
+        buffer = receive_buffers.take(result.length)
         request = self._worker.tag_recv_with_handle(self._array(buffer), result)
         self._pending.append(
             (request, buffer, lambda err: want.callback(err, sender_tag, buffer)))
