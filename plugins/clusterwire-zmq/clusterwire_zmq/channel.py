@@ -26,6 +26,7 @@ from clusterwire_zmq import wire
 from clusterwire_zmq.auth import configure_client, refuse_tls
 from clusterwire_zmq.endpoints import connect_endpoint
 from clusterwire_zmq.options import Settings
+from clusterwire_zmq.sockets import recv_parts, send_parts
 
 _NO_LIMIT = 1 << 62
 _LOST = {
@@ -94,7 +95,7 @@ class _Link:
         hello = wire.encode(wire.HELLO, request_id, b"", [], 0)
         while True:
             try:
-                self.sock.send_multipart(hello, zmq.NOBLOCK)
+                send_parts(self.sock, hello, zmq.NOBLOCK)
                 break
             except zmq.Again:  # libzmq dropped the pipe (handshake refused): events say why
                 self._await_writable(deadline)
@@ -106,7 +107,7 @@ class _Link:
 
     def send(self, parts: list) -> None:
         try:
-            self.sock.send_multipart(parts, zmq.NOBLOCK, copy=False)
+            send_parts(self.sock, parts, zmq.NOBLOCK)
         except zmq.Again:
             raise ConnectionFailed(f"Cannot send to {self.address}: not connected.") from None
 
@@ -126,7 +127,7 @@ class _Link:
         while True:
             ready = dict(self.poller.poll(self._milliseconds(deadline, sent)))
             if self.sock in ready:
-                message = wire.decode(self.sock.recv_multipart(copy=False), _NO_LIMIT)
+                message = wire.decode(recv_parts(self.sock), _NO_LIMIT)
                 if message.request_id == request_id:
                     return message
             elif self.cancel_fd in ready:

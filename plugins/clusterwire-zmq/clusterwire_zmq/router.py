@@ -19,6 +19,8 @@ import threading
 
 import zmq
 
+from clusterwire_zmq.sockets import recv_parts, send_parts
+
 _POLLIN = select.POLLIN
 
 
@@ -52,7 +54,7 @@ class SharedRouter:
                 if self._stopping:
                     return None
                 try:
-                    parts = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    parts = recv_parts(self._sock, zmq.NOBLOCK)
                 except zmq.Again:
                     self._waiting += 1
                 else:
@@ -88,7 +90,7 @@ class SharedRouter:
             if self._closed:
                 return
             try:
-                self._sock.send_multipart(parts, zmq.NOBLOCK, copy=False)
+                send_parts(self._sock, parts, zmq.NOBLOCK)
             except zmq.ZMQError:
                 return  # the peer is gone: ROUTER has nowhere to send, as after a disconnect
             poke = self._pending_for_waiters()

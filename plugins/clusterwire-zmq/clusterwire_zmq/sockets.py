@@ -1,0 +1,33 @@
+"""Multipart send and receive without pyzmq's per-message overhead.
+
+pyzmq's ``send_multipart``/``recv_multipart`` cost about 9 us more per round trip than
+single-part calls (type checks per part, a ``RCVMORE`` query per part): a third of a
+small call. These send small parts by copy and large ones without, and read the "more"
+flag from each received frame.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import zmq
+
+_SNDMORE = zmq.SNDMORE
+
+
+def send_parts(sock: zmq.Socket, parts: Sequence, flags: int = 0) -> None:
+    """Send one multipart message; parts of ``zmq.COPY_THRESHOLD`` bytes or more zero-copy."""
+    last = len(parts) - 1
+    for index, part in enumerate(parts):
+        more = _SNDMORE if index < last else 0
+        sock.send(part, flags | more, copy=memoryview(part).nbytes < zmq.COPY_THRESHOLD)
+
+
+def recv_parts(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
+    """Receive one multipart message as frames (no copies)."""
+    frame = sock.recv(flags, copy=False)
+    parts = [frame]
+    while frame.more:
+        frame = sock.recv(flags, copy=False)
+        parts.append(frame)
+    return parts
