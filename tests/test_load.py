@@ -8,6 +8,7 @@ baseline and its threads within the configured pools afterwards.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import time
 
@@ -16,17 +17,14 @@ import pytest
 from clusterwire.local_cluster import LocalCluster
 from clusterwire.testing.load import process_usage, run_load
 
-PROTOCOLS = ["grpc", "grpc+local"]
-try:
-    import ucxx  # noqa: F401
-
-    PROTOCOLS.append("grpc+verbs")
-except ImportError:
-    pass
+PROTOCOLS = ["grpc", "grpc+local"] + [
+    protocol for protocol, module in (("grpc+verbs", "ucxx"), ("zmq", "clusterwire_zmq"))
+    if importlib.util.find_spec(module) is not None]
 REQUESTS = int(os.environ.get("CLUSTERWIRE_LOAD_REQUESTS", "60"))
-# A server's threads: main, the transport pool and the function pool (16 each by
-# default), plus the transport library's own (gRPC event engine, UCX engine): pools
-# grow to their configured size and stay; anything beyond this ceiling is a leak.
+# A server's threads: main, the transport's handler pool (max_workers, 16 by default)
+# and a control pool, plus the transport library's own (gRPC event engine, UCX engine,
+# zmq I/O threads): pools grow to their configured size and stay; anything beyond
+# this ceiling is a leak.
 THREAD_CEILING = 1 + 16 + 16 + 16
 
 
