@@ -5,13 +5,16 @@ and a thread waiting for a request blocks in ``poll`` on the socket's ``ZMQ_FD``
 the lock), never inside libzmq. That lets the thread that receives a request also run the
 handler and send the reply: no hand-off between threads on the path of a call.
 
-``ZMQ_FD`` is edge-triggered: any zmq call on the socket may consume its readiness. So
-after every receive or send that leaves a request pending while other threads wait, the
-caller pokes them through a pipe.
+libzmq signals ``ZMQ_FD`` for a connection's next message only once a read has found
+that connection empty, and any zmq call may consume a pending signal. So a receive that
+got a message reads on until the socket is empty, queueing the extra messages here and
+poking the waiting threads through a pipe; and a thread that served a request reads
+again (``block=False``) before it waits or parks.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import select
@@ -36,6 +39,7 @@ class SharedRouter:
         self._stop_r, self._stop_w = os.pipe()
         for fd in (self._wake_r, self._wake_w):
             os.set_blocking(fd, False)
+        self._queued: collections.deque[list[zmq.Frame]] = collections.deque()
         self._waiting = 0
         self._stopping = False
         self._closed = False
@@ -47,23 +51,38 @@ class SharedRouter:
             poller.register(fd, _POLLIN)
         return poller
 
-    def receive(self, poller: select.poll) -> list[zmq.Frame] | None:
-        """The next message (routing id first), or None once ``interrupt`` was called."""
+    def receive(self, poller: select.poll, block: bool = True) -> list[zmq.Frame] | None:
+        """The next message (routing id first); None once ``interrupt`` was called, or at
+        once when nothing is pending and ``block`` is false."""
         while True:
             with self._lock:
                 if self._stopping:
                     return None
+                if self._queued:
+                    return self._queued.popleft()
                 try:
                     parts = recv_parts(self._sock, zmq.NOBLOCK)
                 except zmq.Again:
+                    if not block:
+                        return None
                     self._waiting += 1
                 else:
-                    poke = self._pending_for_waiters()
+                    self._drain()
+                    poke = bool(self._queued and self._waiting)
                     break
             self._wait(poller)
         if poke:
-            self._poke()
+            with contextlib.suppress(BlockingIOError):  # a full pipe wakes them anyway
+                os.write(self._wake_w, b"\0")
         return parts
+
+    def _drain(self) -> None:
+        """Under the lock: queue every message still readable, leaving libzmq's signal armed."""
+        while True:
+            try:
+                self._queued.append(recv_parts(self._sock, zmq.NOBLOCK))
+            except zmq.Again:
+                return
 
     def _wait(self, poller: select.poll) -> None:
         try:
@@ -76,26 +95,13 @@ class SharedRouter:
             with contextlib.suppress(BlockingIOError):
                 os.read(self._wake_r, 4096)
 
-    def _pending_for_waiters(self) -> bool:
-        """Under the lock: a request is pending that waiting threads may not be told of."""
-        return bool(self._waiting and self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
-
-    def _poke(self) -> None:
-        with contextlib.suppress(BlockingIOError):  # a full pipe wakes them anyway
-            os.write(self._wake_w, b"\0")
-
     def send(self, parts: list) -> None:
         """Send one message (routing id first); dropped once the socket is closed."""
         with self._lock:
             if self._closed:
                 return
-            try:
+            with contextlib.suppress(zmq.ZMQError):  # a ROUTER drops replies to gone peers
                 send_parts(self._sock, parts, zmq.NOBLOCK)
-            except zmq.ZMQError:
-                return  # the peer is gone: ROUTER has nowhere to send, as after a disconnect
-            poke = self._pending_for_waiters()
-        if poke:
-            self._poke()
 
     def interrupt(self) -> None:
         """Make every current and future ``receive`` return None."""

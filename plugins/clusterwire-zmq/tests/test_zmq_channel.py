@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 import tracemalloc
@@ -216,6 +218,62 @@ def test_max_workers_bounds_concurrent_handlers():
         for thread in threads:
             thread.join(30)
     assert 2 <= peak[0] <= 3
+
+
+def test_a_blocked_handler_never_hides_requests_on_other_connections():
+    """Like a barrier: one call's handler waits for another client's call to arrive.
+
+    libzmq re-signals a connection's messages only after a read found it empty, so a
+    listener that stopped reading after a successful read could leave the second call
+    unseen while the first blocks.
+    """
+    arrived = threading.Event()
+
+    def handler(frame: Frame) -> Frame:
+        if frame.header == b"wait":
+            assert arrived.wait(10), "the other client's call never reached a handler"
+        else:
+            arrived.set()
+        return frame
+
+    with serving(handler) as listener, channel_to(listener.address) as first, \
+            channel_to(listener.address) as second:
+        for _ in range(30):
+            arrived.clear()
+            waiter = threading.Thread(target=first.call, args=(Frame(b"wait", []), 20))
+            waiter.start()
+            second.call(Frame(b"go", []), timeout=20)
+            waiter.join(20)
+            assert not waiter.is_alive()
+
+
+_CLIENT = """
+import sys
+from clusterwire.plugins import get_plugin_manager
+from clusterwire.transport import Frame
+channel = get_plugin_manager().transport("zmq").connect(sys.argv[1])
+for index in range(int(sys.argv[2])):
+    body = bytes([index % 256]) * 1024
+    assert bytes(channel.call(Frame(b"c", [body]), timeout=20).buffers[0]) == body
+channel.close()
+print("DONE", flush=True)
+"""
+
+
+def test_many_client_processes_calling_at_once():
+    """8 processes, one connection each, calling back to back: none may stall."""
+    with serving() as listener:
+        clients = [subprocess.Popen([sys.executable, "-c", _CLIENT, listener.address, "300"],
+                                    stdout=subprocess.PIPE, text=True) for _ in range(8)]
+        try:
+            outputs = [client.communicate(timeout=50)[0] for client in clients]
+        finally:
+            for client in clients:
+                if client.poll() is None:
+                    client.kill()
+                client.communicate(timeout=10)
+    assert all(client.returncode == 0 for client in clients)
+    assert outputs == ["DONE\n"] * 8
 
 
 def _open_fds() -> int:
