@@ -66,10 +66,7 @@ def site_without_plugin(tmp_path_factory) -> list[Path]:
     removed = {Path(str(f)).parts[0] for f in dist.files or []}
     assert removed, "the distribution records no files"
     mirrors = []
-    sources = [*site.getsitepackages(), site.getusersitepackages()]
-    for index, source in enumerate(Path(s).resolve() for s in sources):
-        if not source.is_dir():
-            continue
+    for index, source in enumerate(_site_dirs()):
         mirror = tmp_path_factory.mktemp(f"site{index}")
         for entry in source.iterdir():
             if entry.name == "__pycache__" or (source == home and entry.name in removed):
@@ -77,6 +74,14 @@ def site_without_plugin(tmp_path_factory) -> list[Path]:
             (mirror / entry.name).symlink_to(entry)
         mirrors.append(mirror)
     return mirrors
+
+
+def _site_dirs() -> list[Path]:
+    """Every site directory this interpreter imports from (a venv's included)."""
+    found = [*site.getsitepackages(), site.getusersitepackages()]
+    found += [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]
+    unique = dict.fromkeys(Path(p).resolve() for p in found)
+    return [p for p in unique if p.is_dir()]
 
 
 def _run_isolated(site_dirs: list[Path], code: str, cwd: Path) -> str:
@@ -117,8 +122,7 @@ def test_without_the_distribution_zmq_is_not_found_naming_the_package(site_witho
 
 def test_the_isolated_interpreter_finds_the_plugin_when_installed(tmp_path):
     """The control: the same harness over the real site directories finds "zmq"."""
-    sources = [Path(s) for s in (*site.getsitepackages(), site.getusersitepackages())]
-    out = _run_isolated([s for s in sources if s.is_dir()], _PROBE, tmp_path)
+    out = _run_isolated(_site_dirs(), _PROBE, tmp_path)
     assert "FOUND True" in out and "ZMQ OK" in out
     rows = [line.split() for line in out.splitlines() if line.startswith("transport")]
     assert ["transport", "zmq", "clusterwire_zmq", DIST, "0.1.0"] in rows
