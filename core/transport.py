@@ -72,6 +72,23 @@ class Frame:
 
 Handler = Callable[[Frame], Frame]
 
+#: Inline (control-path) bytes a frame may carry in total, by default.
+INLINE_BUDGET = 1 << 20
+
+
+def inline_mask(views: Sequence[memoryview], threshold: int,
+                budget: int = INLINE_BUDGET) -> list[bool]:
+    """Which buffers ride the control path: those under ``threshold``, until ``budget`` is used.
+
+    The rest go by the transport's data path (chunks, shared memory, UCX, ...).
+    """
+    mask, used = [], 0
+    for view in views:
+        small = view.nbytes < threshold and used + view.nbytes <= budget
+        mask.append(small)
+        used += view.nbytes if small else 0
+    return mask
+
 
 @dataclass(frozen=True)
 class ListenOptions:

@@ -42,6 +42,7 @@ from clusterwire.transport import (
     Listener,
     ListenOptions,
     Transport,
+    inline_mask,
 )
 from clusterwire.transports.grpc.plumbing import (
     ControlServer,
@@ -54,7 +55,6 @@ from clusterwire.transports.grpc.plumbing import (
 from clusterwire.transports.local import sealed, wire
 
 _METHOD = "/clusterwire.Local/Call"
-_INLINE_BUDGET = 1 << 20
 _SEGMENT_WAIT = 10.0
 _HELLO_WAIT = 2.0
 _MAX_HELD_FDS = 65536
@@ -197,13 +197,12 @@ def _plan(buffers: Sequence[Any], threshold: int
     fds: list[int] = []
     segments: dict[int, int] = {}  # id(mapping) -> its index in fds
     to_pack: list[int] = []
-    inline = 0
     try:
-        for index, (buffer, view) in enumerate(zip(buffers, views, strict=True)):
-            if view.nbytes < threshold and inline + view.nbytes <= _INLINE_BUDGET:
+        for index, (buffer, small) in enumerate(zip(buffers, inline_mask(views, threshold),
+                                                    strict=True)):
+            if small:
                 kinds.append(wire.INLINE)
                 places.append((0, 0))
-                inline += view.nbytes
                 continue
             kinds.append(wire.SEGMENT)
             found = sealed.locate(buffer)

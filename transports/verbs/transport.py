@@ -48,6 +48,7 @@ from clusterwire.transport import (
     Listener,
     ListenOptions,
     Transport,
+    inline_mask,
 )
 from clusterwire.transports.grpc.plumbing import (
     ControlServer,
@@ -61,7 +62,6 @@ from clusterwire.transports.verbs.address_check import AddressChecker
 from clusterwire.transports.verbs.engine import UcxEngine
 
 _SERVICE = "clusterwire.Verbs"
-_INLINE_BUDGET = 1 << 20
 _CONTROL_LIMIT = wire.MAX_HEADER_BYTES + (16 << 20)
 _PING_AFTER = 1.0
 _BULK_WAIT = 60.0
@@ -278,12 +278,7 @@ class VerbsListener(Listener):
 
 def _outgoing(buffers: Sequence[Any], threshold: int) -> tuple[list[memoryview], list[int]]:
     views = [memoryview(b).cast("B") for b in buffers]
-    kinds, inline = [], 0
-    for view in views:
-        small = view.nbytes < threshold and inline + view.nbytes <= _INLINE_BUDGET
-        kinds.append(wire.INLINE if small else wire.BULK)
-        inline += view.nbytes if small else 0
-    return views, kinds
+    return views, [wire.INLINE if small else wire.BULK for small in inline_mask(views, threshold)]
 
 
 def _assemble(control: wire.Control, bulk: Mapping[int, np.ndarray]) -> list[Any]:
