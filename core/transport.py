@@ -99,7 +99,7 @@ class ListenOptions:
     #: Requests served at once. The core's cluster service enforces it itself; a
     #: transport may also enforce it early (before reading a request's data).
     max_concurrent_calls: int = 256
-    #: Client connections held at once; more are refused (where the transport can tell).
+    #: Client connections held at once; more are refused.
     max_connections: int = 1024
     security: Security = field(default_factory=Security)
 

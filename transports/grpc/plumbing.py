@@ -51,10 +51,13 @@ class ControlServer:
 
     def __init__(self, address: str, security: Security, service: str,
                  handlers: Mapping[str, grpc.RpcMethodHandler], max_workers: int, name: str,
-                 options: Sequence[tuple[str, object]] = ()):
+                 options: Sequence[tuple[str, object]] = (), max_connections: int = 1024):
         self.pool = futures.ThreadPoolExecutor(max_workers,
                                                thread_name_prefix=f"clusterwire-{name}")
-        self.server = grpc.server(self.pool, options=[("grpc.so_reuseport", 0), *options])
+        # gRPC core's connection quota: connections over it are closed at accept.
+        self.server = grpc.server(self.pool, options=[
+            ("grpc.so_reuseport", 0), ("grpc.max_allowed_incoming_connections", max_connections),
+            *options])
         self.server.add_generic_rpc_handlers(
             [grpc.method_handlers_generic_handler(service, dict(handlers))])
         try:
@@ -119,9 +122,9 @@ def grpc_error(err: grpc.RpcError, address: str) -> errors.OpError:
                 f"TLS to {address} failed: the server does not speak TLS ({_reason(details)}).")
         if "socket closed" in lowered:
             return HandshakeFailed(
-                f"{address} closed the connection during the handshake: it probably requires "
-                "TLS, or a client certificate, that this client does not present. Set "
-                "tls_ca_file (and tls_cert_file/tls_key_file for mutual TLS).")
+                f"{address} closed the connection at once: it holds its max_connections, or "
+                "it requires TLS, or a client certificate, that this client does not present "
+                "(then set tls_ca_file, and tls_cert_file/tls_key_file for mutual TLS).")
         return ConnectionFailed(f"cannot connect to {address}: {details}")
     return errors.error_from_code(code.value[0], details)
 

@@ -91,7 +91,8 @@ class GrpcListener(Listener):
                 "Upload": grpc.stream_unary_rpc_method_handler(self._upload),
                 "Fetch": grpc.unary_stream_rpc_method_handler(self._fetch),
             }, options.max_workers, "grpc",
-            [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", -1)])
+            [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", -1)],
+            options.max_connections)
 
     @property
     def address(self) -> str:

@@ -299,7 +299,8 @@ class LocalListener(Listener):
             address, self._security, "clusterwire.Local",
             {"Call": grpc.unary_unary_rpc_method_handler(self._call)}, options.max_workers,
             "local", [("grpc.max_send_message_length", -1),
-                      ("grpc.max_receive_message_length", wire.MAX_HEADER_BYTES + (16 << 20))])
+                      ("grpc.max_receive_message_length", wire.MAX_HEADER_BYTES + (16 << 20))],
+            options.max_connections)
         self._address = self._control.address
         self._pool = self._control.pool
         self._unix = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)

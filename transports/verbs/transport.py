@@ -106,7 +106,7 @@ class VerbsListener(Listener):
                 "Hello": grpc.unary_unary_rpc_method_handler(self._hello),
                 "Ping": grpc.unary_unary_rpc_method_handler(self._ping),
                 "Bye": grpc.unary_unary_rpc_method_handler(self._bye),
-            }, 4, "verbs-control")
+            }, 4, "verbs-control", max_connections=options.max_connections)
         except errors.OpError:
             self._pool.shutdown(wait=False)
             raise
