@@ -78,6 +78,22 @@ class _Peer:
             stream.close()
 
 
+def _call_in_background(channel: Channel, frame: Frame,
+                        timeout: float) -> tuple[threading.Thread, list[object]]:
+    """Start ``channel.call`` on a thread; its result or clusterwire error lands in the list."""
+    outcome: list[object] = []
+
+    def call() -> None:
+        try:
+            outcome.append(channel.call(frame, timeout=timeout))
+        except errors.OpError as err:
+            outcome.append(err)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    return caller, outcome
+
+
 def _payload(nbytes: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
 
@@ -235,16 +251,7 @@ class TransportSuite:
     def test_close_cancels_calls_in_flight(self, transport):
         listener, entered = self._blocking_listener(transport)
         channel = transport.connect(listener.address)
-        outcome: list[BaseException] = []
-
-        def call() -> None:
-            try:
-                channel.call(Frame(b"block", []), timeout=30)
-            except errors.OpError as err:
-                outcome.append(err)
-
-        caller = threading.Thread(target=call)
-        caller.start()
+        caller, outcome = _call_in_background(channel, Frame(b"block", []), 30)
         assert entered.wait(10)
         started = time.monotonic()
         channel.close()
@@ -286,17 +293,8 @@ class TransportSuite:
 
     def test_peer_killed_mid_transfer(self, transport, peer):
         channel = transport.connect(peer.address)
-        outcome: list[object] = []
-
-        def call() -> None:
-            try:
-                outcome.append(channel.call(Frame(ANNOUNCE + str(256 * _MiB).encode(), []),
-                                            timeout=20))
-            except errors.OpError as err:
-                outcome.append(err)
-
-        caller = threading.Thread(target=call)
-        caller.start()
+        caller, outcome = _call_in_background(
+            channel, Frame(ANNOUNCE + str(256 * _MiB).encode(), []), 20)
         peer.wait_for("ENTERED", 30)
         peer.proc.send_signal(signal.SIGKILL)
         caller.join(25)
@@ -309,16 +307,7 @@ class TransportSuite:
     def test_stop_with_calls_in_flight(self, transport):
         listener, entered = self._blocking_listener(transport)
         channel = transport.connect(listener.address)
-        outcome: list[object] = []
-
-        def call() -> None:
-            try:
-                outcome.append(channel.call(Frame(b"block", []), timeout=30))
-            except errors.OpError as err:
-                outcome.append(err)
-
-        caller = threading.Thread(target=call)
-        caller.start()
+        caller, outcome = _call_in_background(channel, Frame(b"block", []), 30)
         assert entered.wait(10)
         started = time.monotonic()
         listener.stop(0.2)
