@@ -24,6 +24,30 @@ from clusterwire.session import Session
 READY_PREFIX = "CLUSTERWIRE_READY "
 
 
+def await_ready(process: subprocess.Popen, timeout: float) -> str | None:
+    """The target a server process prints on its ready line (None if none came in time).
+
+    ``process`` must have been started with ``stdout=PIPE, text=True``; its
+    output keeps being drained afterwards so it never blocks on a full pipe.
+    """
+    found: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        try:
+            for line in process.stdout:  # type: ignore[union-attr]
+                if not found and line.startswith(READY_PREFIX):
+                    found.append(line[len(READY_PREFIX):].strip())
+                    ready.set()
+        except (ValueError, OSError):
+            pass  # the pipe was closed
+        ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    ready.wait(timeout)
+    return found[0] if found else None
+
+
 class LocalCluster:
     """Start ``{job: num_tasks}`` as separate processes on ``host``; a context manager.
 
@@ -88,28 +112,13 @@ class LocalCluster:
 
     @staticmethod
     def _await_ready(key: tuple[str, int], proc: subprocess.Popen, timeout: float) -> str:
-        found: list[str] = []
-        ready = threading.Event()
-
-        def read() -> None:
-            # Keep draining after the ready line so the child never blocks on a full pipe.
-            try:
-                for line in proc.stdout:  # type: ignore[union-attr]
-                    if not found and line.startswith(READY_PREFIX):
-                        found.append(line[len(READY_PREFIX):].strip())
-                        ready.set()
-            except (ValueError, OSError):
-                pass
-            ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        ready.wait(timeout)
-        if not found:
+        target = await_ready(proc, timeout)
+        if target is None:
             code = proc.poll()
             raise errors.UnavailableError(
                 f"Task /job:{key[0]}/task:{key[1]} did not start within {timeout} s "
                 f"({'exited with ' + str(code) if code is not None else 'still starting'}).")
-        return found[0].split("://", 1)[1]
+        return target.split("://", 1)[1]
 
     def target(self, job: str, index: int = 0) -> str:
         """The target of one task."""

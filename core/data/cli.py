@@ -10,36 +10,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import signal
-import subprocess
 import sys
 import threading
 from typing import Any
 
-from clusterwire.local_cluster import READY_PREFIX
+from clusterwire.local_cluster import READY_PREFIX, await_ready
 
-
-def await_ready(process: subprocess.Popen, timeout: float) -> str | None:
-    """The target a server process prints on its ready line (None if none came in time).
-
-    ``process`` must have been started with ``stdout=PIPE, text=True``; its
-    output keeps being drained afterwards so it never blocks on a full pipe.
-    """
-    found: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        try:
-            for line in process.stdout:  # type: ignore[union-attr]
-                if not found and line.startswith(READY_PREFIX):
-                    found.append(line[len(READY_PREFIX):].strip())
-                    ready.set()
-        except (ValueError, OSError):
-            pass  # the pipe was closed
-        ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    ready.wait(timeout)
-    return found[0] if found else None
+__all__ = ["READY_PREFIX", "add_commands", "await_ready"]
 
 
 def _imports(args: argparse.Namespace) -> None:
