@@ -104,6 +104,17 @@ def _serve_grpc(payload: bytes, chunk_bytes: int) -> None:
     threading.Event().wait()
 
 
+def exit_with_parent() -> None:
+    """Exit this server process when its parent closes our stdin (or dies) or on SIGTERM."""
+
+    def watch_stdin() -> None:
+        sys.stdin.read()
+        os._exit(0)
+
+    threading.Thread(target=watch_stdin, daemon=True).start()
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+
+
 def _server_main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--role", choices=["tcp", "grpc"], required=True)
@@ -111,12 +122,7 @@ def _server_main(argv: list[str]) -> None:
     parser.add_argument("--chunk-bytes", type=int, default=1 << 20)
     args = parser.parse_args(argv)
 
-    def watch_stdin() -> None:  # the parent closed our stdin (or died): exit
-        sys.stdin.read()
-        os._exit(0)
-
-    threading.Thread(target=watch_stdin, daemon=True).start()
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    exit_with_parent()
     payload = blob(args.blob_bytes)
     if args.role == "tcp":
         _serve_tcp(payload)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import threading
 
@@ -42,7 +41,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from _baselines import blob  # noqa: E402
+from _baselines import blob, exit_with_parent  # noqa: E402
 
 HOST = "127.0.0.1"
 # UCX tags of the bare ucxx protocol.
@@ -255,12 +254,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--protocol", default="grpc", help="--role channel: the transport")
     args = parser.parse_args(argv)
 
-    def watch_stdin() -> None:  # the parent closed our stdin (or died): exit
-        sys.stdin.read()
-        os._exit(0)
-
-    threading.Thread(target=watch_stdin, daemon=True).start()
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    exit_with_parent()
     if args.role == "channel":
         _serve_channel(args.protocol)
         return
