@@ -234,6 +234,7 @@ class SessionPath(Path):
             self.session.call(remote.STORE, self.target, "made", size)
             self.variants["made"] = (lambda: self.session.get("made"), size)
             self.variants["made+touch"] = (lambda: _touch(self.session.get("made")), size)
+            self.variants["returned"] = (lambda: self.session.call(remote.RETURN, size), size)
             self.variants["64M+touch"] = (lambda: _touch(self.session.get("64M")), size)
 
     def call8(self):

@@ -60,10 +60,20 @@ def test_same_process_put_copies_writable_memory(server):
         session.put("x", array)
         array[:] = 9  # the caller keeps mutating its own array
         assert session.get("x").sum() == 0
-        frozen = np.ones(MiB, np.uint8)
-        frozen.flags.writeable = False
-        session.put("frozen", frozen)  # immutable: shared, not copied
-        assert np.shares_memory(session.get("frozen"), frozen)
+        small = np.ones(1024, np.uint8)
+        small.flags.writeable = False
+        session.put("small", small)  # small and immutable: shared, not copied
+        assert np.shares_memory(session.get("small"), small)
+
+
+def test_same_process_put_seals_large_values_once(server):
+    frozen = np.ones(MiB, np.uint8)
+    frozen.flags.writeable = False
+    with Session(server.target) as session:
+        session.put("frozen", frozen)  # copied once into a sealed segment ...
+        first, again = session.get("frozen"), session.get("frozen")
+    assert not np.shares_memory(first, frozen)
+    assert sealed.locate(first) is not None and np.shares_memory(first, again)  # ... then shared
 
 
 def test_cross_process_values_are_sealed_segments_shared_without_copies(pair):

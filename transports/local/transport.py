@@ -267,17 +267,23 @@ def _received(control: wire.Control, fds: list[int]) -> list[Any]:
     return buffers
 
 
-def _frozen(buffers: Sequence[Any], threshold: int) -> list[Any]:
-    """Buffers safe to hand to another party in this process: shared if immutable, else copied.
+def _frozen(buffers: Sequence[Any], threshold: int, seal_immutable: bool) -> list[Any]:
+    """Buffers safe to hand to another party in this process: sealed, shared or copied.
 
-    Large copies go into a sealed segment rather than private memory: the same one
-    copy, and a later cross-process send of the buffer passes its descriptor.
+    Large mutable buffers are copied into a sealed segment rather than private
+    memory: the same one copy, and a later cross-process send of the buffer
+    passes its descriptor. With ``seal_immutable`` (requests, whose buffers
+    the server may store) large immutable buffers are sealed too, so every
+    later cross-process get of a stored tensor passes a descriptor instead of
+    copying; otherwise immutable buffers are shared.
     """
     frozen = []
     for buffer in buffers:
-        if sealed.is_immutable(buffer):
+        large = memoryview(buffer).nbytes >= threshold
+        shareable = sealed.is_immutable(buffer) and not (large and seal_immutable)
+        if shareable or sealed.locate(buffer) is not None:
             frozen.append(memoryview(buffer).toreadonly())
-        elif memoryview(buffer).nbytes >= threshold:
+        elif large:
             view = memoryview(buffer).cast("B")
             fd, _ = sealed.create_packed([view])
             frozen.append(sealed.open_segment(fd)[:view.nbytes])  # the segment is padded
@@ -416,7 +422,8 @@ class LocalListener(Listener):
             raise errors.ResourceExhaustedError(
                 f"Frame of {frame.payload_bytes} bytes exceeds the limit of {self._limit} "
                 "bytes (max_message_bytes).")
-        request = Frame(frame.header, _frozen(frame.buffers, self._transport.segment_bytes))
+        request = Frame(frame.header,
+                        _frozen(frame.buffers, self._transport.segment_bytes, True))
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             future = self._pool.submit(self._handler, request)
@@ -436,7 +443,8 @@ class LocalListener(Listener):
             response = future.result()
         except Exception as err:
             raise errors.InternalError(f"Handler failed: {type(err).__name__}: {err}") from None
-        return Frame(response.header, _frozen(response.buffers, self._transport.segment_bytes))
+        return Frame(response.header,
+                     _frozen(response.buffers, self._transport.segment_bytes, False))
 
 
 class LocalChannel(Channel):
