@@ -2,7 +2,8 @@
 
 Run from the repository root::
 
-    python bench/bench_data.py [--runs 3] [--quick]
+    python bench/bench_data.py [--runs 3] [--quick] [--workload "1 MiB"] [--mode parallel]
+        [--compression None] [--transfer grpc+local] [--no-ten]
 
 A dispatcher and 2 workers run as separate processes (``python -m clusterwire
 dispatcher|worker``); this process is the client. Workloads are TF's:
@@ -148,12 +149,14 @@ def ten_element_job(job: Callable[..., dict[str, float]], target: str, mode: str
 
 
 def run_matrix(job: Callable[..., dict[str, float]], target: str, runs: int,
-               transfers: list[str | None]) -> list[dict[str, Any]]:
+               transfers: list[str | None], cells: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for workload, (_, size, count) in WORKLOADS.items():
         for transfer in transfers:
             for mode in MODES:
                 for compression in COMPRESSIONS:
+                    if not _selected(cells, workload, mode, compression, transfer):
+                        continue
                     job(target, workload, max(count // 10, 10), mode, compression, transfer)
                     results = [job(target, workload, count, mode, compression, transfer)
                                for _ in range(runs)]
@@ -163,11 +166,19 @@ def run_matrix(job: Callable[..., dict[str, float]], target: str, runs: int,
                                transfer=transfer or "grpc", MB_s=row["el_s"] * size * 8 / 1e6)
                     rows.append(row)
                     print(_row_text(row), file=sys.stderr, flush=True)
-    for mode in MODES:
+    for mode in MODES if cells.ten else ():
         ten = [ten_element_job(job, target, mode) for _ in range(max(runs, 5))]
         rows.append({"ten": True, "mode": mode, "end_s": statistics.median(ten),
                      "max_s": max(ten)})
     return rows
+
+
+def _selected(cells: argparse.Namespace, workload: str, mode: str, compression: Any,
+              transfer: str | None) -> bool:
+    return ((not cells.workload or workload in cells.workload)
+            and (not cells.mode or mode.split("_")[0] in cells.mode)
+            and (not cells.compression or str(compression) in cells.compression)
+            and (not cells.transfer or (transfer or "grpc") in cells.transfer))
 
 
 def _row_text(row: dict[str, Any]) -> str:
@@ -214,6 +225,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="1 run per cell")
+    parser.add_argument("--workload", action="append", choices=list(WORKLOADS),
+                        help="only this element size (repeatable; default: all)")
+    parser.add_argument("--mode", action="append", choices=["parallel", "distributed"],
+                        help="only this processing mode (repeatable)")
+    parser.add_argument("--compression", action="append", choices=["AUTO", "None"],
+                        help="only this compression (repeatable)")
+    parser.add_argument("--transfer", action="append", choices=["grpc", "grpc+local"],
+                        help="only this element transfer (repeatable)")
+    parser.add_argument("--no-ten", dest="ten", action="store_false",
+                        help="skip the 10-element jobs")
     args = parser.parse_args()
     runs = 1 if args.quick else args.runs
     from clusterwire.plugins import get_plugin_manager
@@ -222,7 +243,7 @@ def main() -> int:
     servers = Servers("clusterwire", transfer="grpc+local" if local else None)
     try:
         rows = run_matrix(clusterwire_job, servers.target, runs,
-                          [None, "grpc+local"] if local else [None])
+                          [None, "grpc+local"] if local else [None], args)
     finally:
         servers.close()
     tf_rows = None
@@ -232,7 +253,7 @@ def main() -> int:
     else:
         servers = Servers("tensorflow")
         try:
-            tf_rows = run_matrix(tf_job, servers.target, runs, [None])
+            tf_rows = run_matrix(tf_job, servers.target, runs, [None], args)
         finally:
             servers.close()
     text = report(rows, tf_rows, runs)

@@ -136,6 +136,69 @@ def test_distributed_epoch_each_element_exactly_once(service, tmp_path):
     assert sorted(lines) == sorted(f"{i}-{j}".encode() for i in range(5) for j in range(4))
 
 
+def free_ports(count):
+    """``count`` ports free right now (for configs that must name workers up front)."""
+    probes = [socket.socket() for _ in range(count)]
+    try:
+        for probe in probes:
+            probe.bind(("127.0.0.1", 0))
+        return [probe.getsockname()[1] for probe in probes]
+    finally:
+        for probe in probes:
+            probe.close()
+
+
+@pytest.fixture
+def static_service():
+    """A dispatcher configured with the addresses of its two workers (static sharding)."""
+    ports = free_ports(2)
+    dispatcher = data.DispatchServer(data.DispatcherConfig(
+        port=0, worker_addresses=[f"localhost:{port}" for port in ports]))
+    address = dispatcher.target.split("://")[1]
+    workers = [data.WorkerServer(port=port, dispatcher_address=address) for port in ports]
+    wait_for(lambda: dispatcher.num_workers() == 2, what="2 workers")
+    yield dispatcher
+    for worker in workers:
+        worker.stop()
+    dispatcher.stop()
+
+
+def text_files(directory, count=6, lines=5):
+    paths = []
+    for index in range(count):
+        paths.append(str(directory / f"{index}.txt"))
+        with open(paths[-1], "w") as handle:
+            handle.write("".join(f"{index}-{line}\n" for line in range(lines)))
+    return paths
+
+
+@pytest.mark.parametrize("policy", [data.ShardingPolicy.FILE, data.ShardingPolicy.FILE_OR_DATA])
+def test_file_sharding_reads_each_file_on_exactly_one_worker(static_service, tmp_path, policy):
+    paths = text_files(tmp_path)
+    lines = list(distributed(data.Dataset.from_files(paths), policy, static_service.target))
+    assert Counter(lines) == Counter(f"{i}-{j}".encode() for i in range(6) for j in range(5))
+
+
+@pytest.mark.parametrize("policy", [data.ShardingPolicy.DATA, data.ShardingPolicy.FILE_OR_DATA])
+def test_data_sharding_produces_each_element_on_exactly_one_worker(static_service, policy):
+    ds = distributed(data.Dataset.range(200).map(fns.square), policy, static_service.target)
+    assert Counter(int(x) for x in ds) == Counter(x * x for x in range(200))
+
+
+def test_static_sharding_needs_the_dispatcher_s_worker_addresses(service):
+    with pytest.raises(errors.FailedPreconditionError, match="worker_addresses"):
+        list(distributed(data.Dataset.range(10), data.ShardingPolicy.DATA, service.target))
+
+
+def test_a_worker_built_from_a_config_keeps_the_runtime_default_intervals(service):
+    address = service.target.split("://")[1]
+    with data.WorkerServer(config=data.WorkerConfig(dispatcher_address=address),
+                           port=0) as worker:
+        assert worker.config.heartbeat_interval_ms == 0  # 0: the runtime default (30 s)
+        assert worker._heartbeat_s == 30.0
+        assert worker._dispatcher.timeout == 3600.0
+
+
 def test_distributed_repeat_and_batches_and_reiteration(service):
     ds = distributed(data.Dataset.range(40).repeat(3).batch(8), "distributed_epoch",
                      service.target)

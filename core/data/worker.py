@@ -67,7 +67,12 @@ class WorkerServer:
             overrides = {k: v for k, v in (("dispatcher_address", dispatcher_address),
                                            ("port", port), ("protocol", protocol))
                          if v is not None}
-            config = WorkerConfig(**{**config._asdict(), **overrides})
+            if overrides:
+                # Validate only the overrides: re-building the whole config would turn its
+                # stored 0 ms fields (runtime defaults) into 1 ms (TF's mapping of 0).
+                checked = WorkerConfig(**{"dispatcher_address": config.dispatcher_address,
+                                          **overrides})
+                config = config._replace(**{k: getattr(checked, k) for k in overrides})
         self._config = config
         host = split_host_port(_substitute(config.worker_address, "%port%", 0))[0]
         self._endpoint = Endpoint(config.protocol, host, config.port, self._handle,
