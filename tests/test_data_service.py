@@ -319,6 +319,26 @@ def test_elements_over_a_separate_data_transfer_protocol():
             assert sorted(int(x[0]) for x in ds) == list(range(30))
 
 
+def test_auto_compresses_over_grpc_only_as_tf(monkeypatch):
+    if "grpc+local" not in get_plugin_manager().protocols():
+        pytest.skip("grpc+local transport not installed")
+    from clusterwire.data import compression
+
+    calls = []
+    original = compression.compress
+    monkeypatch.setattr(compression, "compress", lambda *a: calls.append(1) or original(*a))
+    with data.DispatchServer(port=0) as dispatcher:
+        address = dispatcher.target.split("://")[1]
+        with data.WorkerServer(data.WorkerConfig(
+                dispatcher_address=address, data_transfer_protocol="grpc+local")):
+            for transfer, compressed in (("grpc+local", False), (None, True)):
+                calls.clear()
+                ds = distributed(data.Dataset.range(30).map(fns.fill_2k), "parallel_epochs",
+                                 dispatcher.target, data_transfer_protocol=transfer)
+                assert sorted(int(x[0]) for x in ds) == list(range(30))
+                assert bool(calls) is compressed, transfer
+
+
 def test_a_new_worker_joins_a_running_job(monkeypatch):
     monkeypatch.setenv("CW_DATA_SLOW_S", "0.02")  # the first worker needs ~1.6 s
     with data.DispatchServer(port=0) as dispatcher:

@@ -17,6 +17,7 @@ from clusterwire.data import compression as snappy
 from clusterwire.data import graph
 from clusterwire.data.dataset import Dataset
 from clusterwire.data.modes import (
+    COMPRESSION_AUTO,
     COMPRESSION_SNAPPY,
     check_consumers,
     check_job_name,
@@ -111,6 +112,8 @@ def from_dataset_id(processing_mode: Any, service: Any, dataset_id: str,
     finally:
         client.close()
     accepted = response.get_dataset.compression if snappy.available() else ""
+    if accepted == COMPRESSION_AUTO and data_transfer_protocol not in (None, "grpc"):
+        accepted = ""  # as TF's _decide_compression: AUTO compresses only over grpc
     if response.get_dataset.compression == COMPRESSION_SNAPPY:
         snappy.require()
     options = ReadOptions(

@@ -11,8 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
+from clusterwire.buffers import receive_buffers
 from clusterwire.errors import FailedPreconditionError, InvalidArgumentError
 
 try:
@@ -48,13 +47,13 @@ def compress(views: Sequence[memoryview], forced: bool) -> Any | None:
 
 
 def decompress(block: Any, lengths: Sequence[int]) -> list[memoryview]:
-    """The buffers of ``lengths`` bytes that ``block`` holds (writable, one allocation)."""
+    """The buffers of ``lengths`` bytes that ``block`` holds (writable, one pooled buffer)."""
     if cramjam is None:
         raise FailedPreconditionError(
             "Received snappy-compressed elements but cramjam is not installed: "
             "pip install 'clusterwire[data]'.")
     total = sum(lengths)
-    out = np.empty(total, np.uint8)
+    out = receive_buffers.take(total)  # warm pages: a fresh MiB costs as much as decompressing
     try:
         written = cramjam.snappy.decompress_raw_into(memoryview(block).cast("B"), out)
     except Exception as err:  # cramjam raises its own DecompressionError
