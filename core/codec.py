@@ -48,14 +48,15 @@ def _parse_dtype(text: str) -> np.dtype:
 
 def encode(value: Any) -> tuple[Value, list[Buffer]]:
     """Encode ``value`` as a ``Value`` header plus the raw buffers it refers to."""
-    buffers: list[Buffer] = []
-    return _encode(value, buffers, 0), buffers
+    header, buffers = Value(), []
+    _encode_into(header, value, buffers, 0)
+    return header, buffers
 
 
-def _encode(value: Any, buffers: list[Buffer], depth: int) -> Value:
+def _encode_into(out: Value, value: Any, buffers: list[Buffer], depth: int) -> None:
+    # Fills ``out`` in place: nested values are added where they belong, never copied.
     if depth > 64:
         raise InvalidArgumentError("Value nests deeper than 64 levels.")
-    out = Value()
     if value is None:
         out.none.SetInParent()
     elif isinstance(value, bool):
@@ -76,28 +77,30 @@ def _encode(value: Any, buffers: list[Buffer], depth: int) -> Value:
         array = np.asarray(value)
         if not array.flags.c_contiguous:
             array = array.copy(order="C")
-        out.tensor.dtype = _dtype_text(array.dtype)
-        out.tensor.shape.extend(array.shape)
-        out.tensor.buffer = len(buffers)
-        out.tensor.scalar = isinstance(value, np.generic)
+        tensor = out.tensor
+        tensor.dtype = _dtype_text(array.dtype)
+        tensor.shape.extend(array.shape)
+        tensor.buffer = len(buffers)
+        tensor.scalar = isinstance(value, np.generic)
         buffers.append(array.reshape(-1).view(np.uint8) if array.size else b"")
     elif isinstance(value, (list, tuple)):
         items = out.tuple_value if isinstance(value, tuple) else out.list_value
         items.SetInParent()
+        add = items.items.add
         for item in value:
-            items.items.append(_encode(item, buffers, depth + 1))
+            _encode_into(add(), item, buffers, depth + 1)
     elif isinstance(value, dict):
         out.dict_value.SetInParent()
+        add = out.dict_value.entries.add
         for key, item in value.items():
-            entry = out.dict_value.entries.add()
-            entry.key.CopyFrom(_encode(key, buffers, depth + 1))
-            entry.value.CopyFrom(_encode(item, buffers, depth + 1))
+            entry = add()
+            _encode_into(entry.key, key, buffers, depth + 1)
+            _encode_into(entry.value, item, buffers, depth + 1)
     else:
         raise InvalidArgumentError(
             f"Cannot send a value of type {type(value).__name__}: clusterwire sends numpy "
             "arrays, bytes, str, int, float, bool, None and lists/tuples/dicts of these "
             "(no pickle). Convert it to one of those.")
-    return out
 
 
 def decode(header: Value, buffers: list[Buffer]) -> Any:
