@@ -48,9 +48,15 @@ def _parse_dtype(text: str) -> np.dtype:
 
 def encode(value: Any) -> tuple[Value, list[Buffer]]:
     """Encode ``value`` as a ``Value`` header plus the raw buffers it refers to."""
-    header, buffers = Value(), []
+    header = Value()
+    return header, encode_into(header, value)
+
+
+def encode_into(header: Value, value: Any) -> list[Buffer]:
+    """Encode ``value`` into ``header`` (e.g. a field of a request); the raw buffers."""
+    buffers: list[Buffer] = []
     _encode_into(header, value, buffers, 0)
-    return header, buffers
+    return buffers
 
 
 def _encode_into(out: Value, value: Any, buffers: list[Buffer], depth: int) -> None:

@@ -45,8 +45,9 @@ def error_response(err: BaseException) -> Frame:
 
 def value_response(value: Any) -> Frame:
     """An OK response frame carrying ``value``."""
-    header, buffers = codec.encode(value)
-    return Frame(Response(value=header).SerializeToString(), buffers)
+    response = Response()
+    buffers = codec.encode_into(response.value, value)
+    return Frame(response.SerializeToString(), buffers)
 
 
 @dataclass

@@ -76,9 +76,7 @@ class Session:
             timeout: float | None = None) -> None:
         """Store ``value`` under ``name`` on ``task`` (atomic: all or nothing)."""
         request = self._request("put", task, self._check_name(name))
-        header, buffers = codec.encode(value)
-        request.value.CopyFrom(header)
-        self._value(request, buffers, timeout)
+        self._value(request, codec.encode_into(request.value, value), timeout)
 
     def get(self, name: str, task: str | None = None, timeout: float | None = None) -> Any:
         """The value stored under ``name`` on ``task``; NotFoundError if none."""
@@ -101,9 +99,8 @@ class Session:
         was. ``task`` and ``timeout`` are taken by ``call`` itself.
         """
         request = self._request("call", task, functions.name_of(fn_or_name))
-        header, buffers = codec.encode([list(args), kwargs])
-        request.value.CopyFrom(header)
-        return self._value(request, buffers, timeout)
+        return self._value(request, codec.encode_into(request.value, [list(args), kwargs]),
+                           timeout)
 
     def status(self, task: str | None = None, timeout: float | None = None) -> dict[str, Any]:
         """Identity, cluster, devices, protocol and version of ``task``."""
