@@ -24,6 +24,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +56,8 @@ _RETRY_S = 0.05
 _WORKER_GONE_S = 5.0
 _WORKER_FAILURES = (errors.UnavailableError, errors.DeadlineExceededError, errors.CancelledError)
 _END = object()
+# Threads decoding (decompressing) received batches while the readers fetch the next ones.
+_DECODERS = 2
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,22 @@ class _Split:
     attempt: int = 0
 
 
+@dataclass
+class _Batch:
+    """Received elements, decoded (and decompressed) on a decoder thread, so the reader
+    thread asks for the next batch at once."""
+
+    headers: Any  # the response's ElementHeaders
+    buffers: list[Any]
+
+    def __len__(self) -> int:
+        return len(self.headers)
+
+    def decode(self) -> list[Any]:
+        return elements.decode_all(self.headers, self.buffers)
+
+
+
 def _is_local(address: str) -> bool:
     host = split_host_port(address)[0]
     return host in ("localhost", "::1") or host.startswith("127.")
@@ -94,6 +113,7 @@ class JobReader(Iterator[Any]):
         self._options = options
         self._consumer = uuid.uuid4().hex
         self._channels = WorkerChannels()
+        self._decoder = ThreadPoolExecutor(_DECODERS, "clusterwire-data-decode")
         self._queue: queue.Queue = queue.Queue(maxsize=16)
         self._batch: deque = deque()
         self._stop = threading.Event()
@@ -142,7 +162,11 @@ class JobReader(Iterator[Any]):
             if kind == "error":
                 self.close()
                 raise payload
-            self._batch.extend(payload)
+            try:
+                self._batch.extend(payload.result())
+            except errors.OpError:
+                self.close()
+                raise
         return self._batch.popleft()
 
     def _finish(self) -> None:
@@ -161,6 +185,7 @@ class JobReader(Iterator[Any]):
 
     def _release(self, finished: bool) -> None:
         self._stop.set()
+        self._decoder.shutdown(wait=False, cancel_futures=True)
         request = DataRequest(client_heartbeat=ClientHeartbeatRequest(
             job_id=self._job.job_id, consumer_id=self._consumer, finished=finished,
             release=True))
@@ -175,6 +200,11 @@ class JobReader(Iterator[Any]):
             self._channels.close()
 
     def _put(self, kind: Any, payload: Any = None) -> None:
+        if kind == "batch":
+            try:
+                payload = self._decoder.submit(payload.decode)
+            except RuntimeError:  # closed meanwhile
+                return
         while not self._stop.is_set():
             try:
                 self._queue.put((kind, payload), timeout=0.1)
@@ -252,7 +282,7 @@ class JobReader(Iterator[Any]):
         return worker.protocol, worker.address
 
     def _read(self, address: str, spec: StreamSpec, seq: int, offset: int = 0,
-              first: bool = False, position: int = 0) -> tuple[list[Any], bool]:
+              first: bool = False, position: int = 0) -> tuple[_Batch | list[Any], bool]:
         """One batch from a worker (a single element when ``first``, to start fast).
 
         A retry must repeat ``seq``: the worker then answers with the same
@@ -266,8 +296,7 @@ class JobReader(Iterator[Any]):
         if endpoint is None:
             raise errors.UnavailableError(f"Worker {address} left the job.")
         response, buffers = self._channels.call(*endpoint, request, _READ_TIMEOUT_S)
-        batch = elements.decode_all(response.get_elements.elements, buffers)
-        return batch, response.get_elements.end_of_stream
+        return _Batch(response.get_elements.elements, buffers), response.get_elements.end_of_stream
 
     def _spec(self) -> StreamSpec:
         return StreamSpec(job_id=self._job.job_id, dataset_id=self._job.dataset_id,
@@ -295,7 +324,7 @@ class JobReader(Iterator[Any]):
                 return
 
     def _read_retrying(self, address: str, spec: StreamSpec, **read: Any
-                       ) -> tuple[list[Any], bool]:
+                       ) -> tuple[_Batch | list[Any], bool]:
         """``_read`` retried (same sequence number) while the worker is listed and was
         reachable within ``_WORKER_GONE_S``; an empty end when it is given up."""
         seq, failing_since = next(self._seq), None
@@ -323,7 +352,7 @@ class JobReader(Iterator[Any]):
         for round_ in itertools.count():
             address = workers[round_ % len(workers)]
             position = (round_ // len(workers)) * consumers + (self._options.consumer_index or 0)
-            batch: list[Any] = []
+            batch: _Batch | list[Any] = []
             while not batch and not self._stop.is_set():
                 batch, end = self._read_retrying(address, spec, position=position)
                 if end:
