@@ -20,6 +20,12 @@ It measures, in one run (about 40 s on 2 cores):
    (``--chunk-bytes``; each size runs a fresh task with a temporary
    plugins.toml).
 
+With tensorflow importable, rounds 1 and 2 also measure TensorFlow's own runtime
+on the same machine: a TF1 graph Session reading an 8-byte and a 64 MiB
+variable of a ps task, directly (Session on the ps task) and forwarded (Session
+on a worker task), from a 2-process TF cluster (bench/_tf_baseline.py;
+``--no-tensorflow`` skips it).
+
 Paths that are compared run side by side: all servers are up at once and the
 round trips (and transfers) of the paths are interleaved in rounds, so a slow
 phase of the machine hits every path alike. ``--cpus 0`` pins everything to
@@ -54,11 +60,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import _baselines  # noqa: E402
+import _tf_baseline  # noqa: E402
 from _bench_remote import ECHO  # noqa: E402
 
 MIB = 1 << 20
 REMOTE_TASK = "/job:worker/task:1"
 TARGETS = {"get8_vs_grpc": 1.3, "get64_vs_tcp": 0.33, "import_s": 0.3, "cluster_up_s": 1.0}
+TF_READ = "TensorFlow Session.run, ps variable read"
 TF_REFERENCE = [
     ("TensorFlow 2.21 ps->worker 8-byte read", "1.29 ms"),
     ("TensorFlow 2.21 ps->worker 64 MiB read", "0.98 GB/s"),
@@ -203,6 +211,9 @@ def measure_transports(args: argparse.Namespace, payload: np.ndarray):
                 store.put("small", small)
                 store.put("big", payload)
         info = session.status()["transport"]
+        tf = None
+        if args.tensorflow and _tf_baseline.available():
+            tf = stack.enter_context(_tf_baseline.TfCluster(small, payload))
 
         _require(tcp.ping(eight) == eight and bare.echo(eight) == eight, "baseline echo")
         for task in (None, REMOTE_TASK):
@@ -221,6 +232,10 @@ def measure_transports(args: argparse.Namespace, payload: np.ndarray):
             ("clusterwire Session.call (echo)", "forwarded"):
                 lambda: session.call(ECHO, small, task=REMOTE_TASK),
         }
+        if tf is not None:
+            for topology in ("direct", "forwarded"):
+                _require(np.array_equal(tf.read("small", topology), small), f"TF {topology}")
+                round_trips[TF_READ, topology] = lambda t=topology: tf.read("small", t)
         samples = interleaved_round_trips(round_trips, args.iterations, args.warmup,
                                           args.rounds)
         latencies = [Latency(name, topology, samples[name, topology])
@@ -254,6 +269,9 @@ def measure_transports(args: argparse.Namespace, payload: np.ndarray):
             ("clusterwire Session.get", "forwarded"):
                 lambda: session.get("big", task=REMOTE_TASK),
         }
+        if tf is not None:
+            for topology in ("direct", "forwarded"):
+                transfers[TF_READ, topology] = lambda t=topology: tf.read("big", t)
         seconds = interleaved_transfers(transfers, _same_bytes(payload), args.transfers)
         throughputs = [Throughput(name, topology, nbytes, seconds[name, topology])
                        for name, topology in transfers]
@@ -453,6 +471,21 @@ def _find(rows, name: str, topology: str = "direct"):
     return next(r for r in rows if r.name == name and r.topology == topology)
 
 
+def _against_tensorflow(latencies, throughputs) -> list[str]:
+    """One sentence comparing clusterwire with TF's rows of this run, if there are any."""
+    if not any(row.name == TF_READ for row in latencies):
+        return []
+    parts = []
+    for topology in ("direct", "forwarded"):
+        time_ratio = (_find(latencies, "clusterwire Session.get", topology).median_us
+                      / _find(latencies, TF_READ, topology).median_us)
+        speed_ratio = (_find(throughputs, "clusterwire Session.get", topology).median_gbs
+                       / _find(throughputs, TF_READ, topology).median_gbs)
+        parts.append(f"{topology}, the 8-byte get takes {time_ratio:.2f}x the time of TF's "
+                     f"read and the bulk get moves {speed_ratio:.2f}x TF's GB/s")
+    return ["", "Against TensorFlow in this run: " + "; ".join(parts) + "."]
+
+
 def render(args, env, latencies, throughputs, info, sweep, imports, ups, elapsed) -> str:
     grpc_us = _find(latencies, "bare grpcio unary_unary").median_us
     tcp_gbs = _find(throughputs, "raw TCP, recv_into preallocated").median_gbs
@@ -502,6 +535,7 @@ def render(args, env, latencies, throughputs, info, sweep, imports, ups, elapsed
             target = f">= {TARGETS['get64_vs_tcp']}x: {_met(ratio >= TARGETS['get64_vs_tcp'])}"
         lines.append(f"| {row.name} | {row.topology} | {row.median_gbs:.2f} | {low:.2f}-{high:.2f}"
                      f" | {statistics.median(row.seconds) * 1e3:.1f} | {ratio:.2f}x | {target} |")
+    lines += _against_tensorflow(latencies, throughputs)
     if sweep:
         best = max(sweep, key=lambda item: item[1].median_gbs)[0]
         lines += [
@@ -619,6 +653,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpus", type=_parse_cpus,
                         help="run this process and every process it starts on these CPUs only "
                              "(e.g. 0 or 0,1; default: no pinning)")
+    parser.add_argument("--no-tensorflow", dest="tensorflow", action="store_false",
+                        help="skip the TensorFlow rows (measured only where tensorflow is "
+                             "importable)")
     parser.add_argument("--output", help="report path (default bench/results/session-<time>.md)")
     args = parser.parse_args(argv)
     if args.role == "cluster-up":
