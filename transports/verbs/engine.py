@@ -1,11 +1,25 @@
-"""One UCX worker per process, driven by one thread.
+"""One UCX worker per process, driven by the threads that wait for its messages.
 
-Every UCX call (endpoint creation, sends, probes, receives, progress) runs on
-the engine thread, so no UCX object is ever touched by two threads. Other
-threads queue work and wait on events. Receives use tag probing: a message
-is received only once it has arrived, into a buffer of exactly its size, so
-no receive is ever left posted for a peer that died. Idle, the thread sleeps
-in ``select`` on the worker's event descriptor (UCX "blocking" progress).
+Every UCX call (endpoint creation, sends, probes, receives, progress, arm)
+runs under one lock, so no UCX object is ever touched by two threads at once;
+sends are posted directly by the calling thread. A thread waiting for
+messages (``wait``) drives the worker itself when no other thread does
+(leader/follower): it progresses the worker, probes for expected messages,
+delivers them and, when idle, sleeps in ``select`` on the worker's event
+descriptor (UCX "blocking" progress). Other waiters sleep until a delivery or
+until the role is free.
+
+Once a listener asks for it (``serve``), serving threads drive the worker
+whenever no caller waits, so requests are received while nobody waits (a
+caller that starts waiting takes the role over), and run the jobs handed to
+``submit``. A serving thread that receives a request passes the role to an
+idle serving thread and runs the request itself, so a request is served
+without a hand-off, and a job that blocks never stops the worker's progress.
+One serving thread beyond the jobs' limit is always kept free to drive.
+
+Receives use tag probing: a message is received only once it has arrived,
+into a buffer of exactly its size, so no receive is ever left posted for a
+peer that died.
 """
 
 from __future__ import annotations
@@ -17,6 +31,8 @@ import os
 import re
 import select
 import threading
+import time
+import traceback
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -27,7 +43,9 @@ from clusterwire import errors
 from clusterwire.buffers import receive_buffers
 
 ReceiveCallback = Callable[[BaseException | None, int, np.ndarray], None]
+SendCallback = Callable[[BaseException | None], None]
 _IDLE_WAIT = 0.5
+_FULL_MASK = (1 << 64) - 1
 
 
 def _import_ucxx():
@@ -50,7 +68,7 @@ def _import_ucxx():
 class _Expectation:
     __slots__ = ("tag", "mask", "limit", "callback", "standing")
 
-    def __init__(self, tag: int, mask: int, limit: int, callback: ReceiveCallback,
+    def __init__(self, tag: Any, mask: Any, limit: int, callback: ReceiveCallback,
                  standing: bool):
         self.tag, self.mask, self.limit = tag, mask, limit
         self.callback, self.standing = callback, standing
@@ -67,7 +85,7 @@ class Endpoint:
 
 
 class UcxEngine:
-    """A UCX context and worker plus the thread that drives them."""
+    """A UCX context and worker, and the progress role its waiting threads share."""
 
     def __init__(self, tls: str | None = None, net_devices: str | None = None):
         self._u, self._array = _import_ucxx()
@@ -88,110 +106,296 @@ class UcxEngine:
                 f"NET_DEVICES={net_devices or 'all'}): {err}") from None
         self.address = self._worker.address.tobytes()
         self.tls = tls or os.environ.get("UCX_TLS", "all")
-        self._queue: deque[Callable[[], None]] = deque()
-        self._pending: list[tuple[Any, Any, Callable[[BaseException | None], None]]] = []
+        self._epoll_fd = self._worker.epoll_file_descriptor
+        # Guarded by _ucx: every UCX call, the expectations and the unfinished requests.
+        self._ucx = threading.Lock()
+        self._pending: list[tuple[Any, Any, SendCallback]] = []
         self._expected: dict[int, _Expectation] = {}
+        self._asleep = False  # the driver sleeps in select: wake it for work it cannot see
+        self._stopping = False
+        # Guarded by _state: who holds the progress role and who waits for it.
+        self._state = threading.Lock()
+        self._followers = threading.Condition(self._state)
+        self._idle = threading.Condition(self._state)  # serving threads without work wait here
+        self._driver: threading.Thread | None = None
+        self._callers = 0  # threads inside wait()
+        self._kicked = False  # a serving driver was asked to hand the role to a caller
+        self._servers: set[threading.Thread] = set()
+        self._max_jobs = 0  # jobs run at once, at most
+        self._free = 0  # serving threads not running a job
+        self._jobs: deque[Callable[[], None]] = deque()
         self._ids = itertools.count(1)
         self._transfers = itertools.count(1)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._stopping = False
-        self._thread = threading.Thread(target=self._loop, daemon=True, name="clusterwire-ucx")
-        self._thread.start()
         # UCX must not be progressed while the interpreter tears its objects down.
         atexit.register(self.stop)
 
-    # -- called from any thread ----------------------------------------------------
-
-    def call_soon(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the engine thread."""
-        self._queue.append(fn)
-        with contextlib.suppress(BlockingIOError):  # a full pipe: the thread is awake anyway
-            os.write(self._wake_w, b"x")
-
-    def run(self, fn: Callable[[], Any], timeout: float = 30.0) -> Any:
-        """Run ``fn`` on the engine thread and return its result."""
-        done = threading.Event()
-        box: list[Any] = []
-
-        def task() -> None:
-            try:
-                box.append((True, fn()))
-            except BaseException as err:  # handed back to the caller
-                box.append((False, err))
-            done.set()
-
-        self.call_soon(task)
-        if not done.wait(timeout):
-            raise errors.DeadlineExceededError("The UCX engine did not respond.")
-        ok, value = box[0]
-        if not ok:
-            raise value
-        return value
+    # -- posting work (any thread) --------------------------------------------------
 
     def next_transfer(self) -> int:
         """A transfer id, unique among this process's calls in flight."""
         return next(self._transfers) % ((1 << 24) - 1) + 1
 
-    def connect(self, address: bytes):
+    def connect(self, address: bytes) -> Endpoint:
         """An endpoint to the worker at ``address`` (error handling off, so shared memory works)."""
         u = self._u
-
-        def create() -> Endpoint:
-            remote = u.UCXAddress.create_from_buffer(address)
-            return Endpoint(u.UCXEndpoint.create_from_worker_address(self._worker, remote, False))
-
-        try:
-            return self.run(create)
-        except u.UCXError as err:
-            raise errors.UnavailableError(f"UCX cannot reach the peer: {err}") from None
+        with self._ucx:
+            self._check_running()
+            try:
+                remote = u.UCXAddress.create_from_buffer(address)
+                return Endpoint(u.UCXEndpoint.create_from_worker_address(
+                    self._worker, remote, False))
+            except u.UCXError as err:
+                raise errors.UnavailableError(f"UCX cannot reach the peer: {err}") from None
 
     def close_endpoint(self, endpoint: Endpoint) -> None:
         """Close an endpoint; its unfinished sends complete with an error."""
-
-        def close() -> None:
-            if not endpoint.closed:
+        with self._ucx:
+            if not endpoint.closed and not self._stopping:
                 endpoint.closed = True
                 endpoint.ucx.close()
-
-        self.call_soon(close)
+                self._wake_sleeper()
 
     def send(self, endpoint: Endpoint, buffer: Any, tag: int,
-             on_done: Callable[[BaseException | None], None] | None = None) -> None:
-        """Send ``buffer`` (kept alive until sent) as one tagged message."""
+             on_done: SendCallback | None = None) -> None:
+        """Send ``buffer`` (kept alive until sent) as one tagged message.
+
+        ``on_done(error)`` runs once the send finished: at once on this thread
+        when UCX completed it immediately, else on the thread driving the worker.
+        """
         array = self._array(buffer)
-        u = self._u
-
-        def post() -> None:
-            if endpoint.closed:
-                (on_done or _ignore)(errors.UnavailableError("The UCX endpoint is closed."))
-                return
+        on_done = on_done or _ignore
+        with self._ucx:
             try:
-                request = endpoint.ucx.tag_send(array, u.UCXXTag(tag))
+                if endpoint.closed or self._stopping:
+                    raise errors.UnavailableError("The UCX endpoint is closed.")
+                request = endpoint.ucx.tag_send(array, self._u.UCXXTag(tag))
             except Exception as err:  # UCX refused the send
-                (on_done or _ignore)(err)
-                return
-            self._pending.append((request, array, on_done or _ignore))
-
-        self.call_soon(post)
+                error: BaseException | None = err
+            else:
+                if not request.completed:
+                    self._pending.append((request, array, on_done))
+                    self._wake_sleeper()
+                    return
+                error = _error_of(request)
+        on_done(error)
 
     def expect(self, tag: int, mask: int, limit: int, callback: ReceiveCallback,
                standing: bool = False) -> int:
         """Receive messages matching ``tag``/``mask`` (once, or always if ``standing``).
 
-        ``callback(error, sender_tag, buffer)`` runs on the engine thread: keep it short.
+        ``callback(error, sender_tag, buffer)`` runs on whichever thread drives
+        the worker (possibly this one, before ``expect`` returns): keep it short.
         Messages longer than ``limit`` are consumed without being stored and
-        reported as ResourceExhaustedError.
+        reported as ResourceExhaustedError. Only a ``wait`` (or the background
+        thread, see ``serve``) makes messages arrive.
         """
+        u = self._u
         key = next(self._ids)
-        expectation = _Expectation(tag, mask, limit, callback, standing)
-        self.call_soon(lambda: self._expected.__setitem__(key, expectation))
+        want = _Expectation(u.UCXXTag(tag), u.UCXXTagMask(mask), limit, callback, standing)
+        done: list[Callable[[], None]] = []
+        with self._ucx:
+            self._check_running()
+            self._expected[key] = want
+            self._probe_one(key, want, done)  # it may have arrived before it was expected
+        self._deliver(done)
         return key
 
     def cancel(self, key: int) -> None:
         """Stop expecting the messages of ``expect``'s ``key``."""
-        self.call_soon(lambda: self._expected.pop(key, None))
+        with self._ucx:
+            self._expected.pop(key, None)
+
+    # -- driving the worker ---------------------------------------------------------
+
+    def wait(self, ready: Callable[[], bool], timeout: float) -> bool:
+        """Wait until ``ready()`` (False after ``timeout`` seconds), driving the worker meanwhile.
+
+        ``ready`` is evaluated under the engine's state lock after every delivery.
+        """
+        deadline = time.monotonic() + timeout
+        me = threading.current_thread()
+        with self._state:
+            self._callers += 1
+            try:
+                while not ready():
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return False
+                    if self._stopping:
+                        raise errors.CancelledError("The UCX engine stopped (process exit).")
+                    if self._driver is None:
+                        self._drive_once(me, remaining)
+                        continue
+                    if self._driver in self._servers and not self._kicked:
+                        self._kicked = True  # hand the role over to this caller
+                        self._write_wake()
+                    self._followers.wait(remaining)
+                return True
+            finally:
+                self._callers -= 1
+                if self._driver is None:
+                    self._followers.notify()  # the role is free: the next waiter takes it
+                    if not self._callers:
+                        self._idle.notify()
+
+    def serve(self, max_jobs: int) -> None:
+        """Keep the worker driven while no caller waits, and allow ``max_jobs`` more jobs at once.
+
+        A listener calls it before it ``submit``s requests.
+        """
+        with self._state:
+            self._max_jobs += max_jobs
+            if not self._servers and not self._stopping:
+                self._spawn()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Run ``job`` on a serving thread; it may block (another thread keeps driving)."""
+        with self._state:
+            self._jobs.append(job)
+            if self._driver not in self._servers:
+                self._idle.notify()
+            elif self._driver is not threading.current_thread():
+                self._write_wake()  # the serving driver takes it once out of select
+
+    def _spawn(self) -> bool:
+        """Start one more serving thread, if the limit allows (caller holds _state)."""
+        if len(self._servers) > self._max_jobs:
+            return False
+        thread = threading.Thread(target=self._serve_loop, daemon=True,
+                                  name=f"clusterwire-ucx-{len(self._servers)}")
+        self._servers.add(thread)
+        self._free += 1
+        thread.start()
+        return True
+
+    def _serve_loop(self) -> None:
+        me = threading.current_thread()
+        with self._state:
+            while not self._stopping:
+                if self._jobs and (self._free > 1 or self._spawn()):
+                    job = self._jobs.popleft()
+                    self._free -= 1
+                    if self._driver is None and not self._callers:
+                        self._idle.notify()  # a free serving thread drives meanwhile
+                    self._state.release()
+                    try:
+                        job()
+                    except Exception:  # a bug in a job must not end the serving thread
+                        traceback.print_exc()
+                    finally:
+                        self._state.acquire()
+                        self._free += 1
+                elif self._driver is None and not self._callers:
+                    self._drive_once(me, _IDLE_WAIT)
+                    self._kicked = False
+                else:
+                    self._idle.wait()
+
+    def _drive_once(self, me: threading.Thread, timeout: float) -> None:
+        """Take the role for one progress step (called and returning with _state held)."""
+        self._driver = me
+        self._state.release()
+        try:
+            self._step(timeout)
+        finally:
+            self._state.acquire()
+            self._driver = None
+        if self._callers and me in self._servers:
+            self._followers.notify()
+
+    def _step(self, timeout: float) -> None:
+        """Progress and deliver what arrived; if nothing did, sleep until the worker has events."""
+        with self._ucx:
+            if self._stopping:
+                return
+            self._worker.progress()
+            done = self._complete()
+            self._probe(done)
+            sleep = not done and self._worker.arm()
+            self._asleep = sleep
+        if done:
+            self._deliver(done)
+        elif sleep:
+            readable, _, _ = select.select([self._epoll_fd, self._wake_r], [], [], timeout)
+            self._asleep = False
+            if self._wake_r in readable:
+                with contextlib.suppress(BlockingIOError):
+                    while os.read(self._wake_r, 4096):
+                        pass
+
+    def _deliver(self, done: list[Callable[[], None]]) -> None:
+        if done:
+            for callback in done:
+                callback()
+            with self._state:
+                self._followers.notify_all()
+
+    def _wake_sleeper(self) -> None:
+        """Wake a driver asleep in select for work posted after it armed (caller holds _ucx)."""
+        if self._asleep:
+            self._asleep = False
+            self._write_wake()
+
+    def _write_wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):  # a full pipe wakes the sleeper anyway
+            os.write(self._wake_w, b"x")
+
+    # -- with the _ucx lock held -----------------------------------------------------
+
+    def _check_running(self) -> None:
+        if self._stopping:
+            raise errors.CancelledError("The UCX engine stopped (process exit).")
+
+    def _complete(self) -> list[Callable[[], None]]:
+        if not self._pending:
+            return []
+        done, pending = [], []
+        for entry in self._pending:
+            if entry[0].completed:
+                error, callback = _error_of(entry[0]), entry[2]
+                done.append(lambda callback=callback, error=error: callback(error))
+            else:
+                pending.append(entry)
+        self._pending = pending
+        return done
+
+    def _probe(self, done: list[Callable[[], None]]) -> None:
+        for key, want in list(self._expected.items()):
+            self._probe_one(key, want, done)
+
+    def _probe_one(self, key: int, want: _Expectation, done: list[Callable[[], None]]) -> None:
+        result = self._worker.tag_probe(want.tag, want.mask, remove=True)
+        if not result.matched:
+            return
+        if not want.standing:
+            del self._expected[key]
+        sender_tag = result.sender_tag.value
+        if result.length > want.limit:
+            # Consume it without storing it: a 1-byte receive ends truncated.
+            error = errors.ResourceExhaustedError(
+                f"A {result.length}-byte message exceeds the limit of {want.limit} bytes.")
+            scratch = self._array(np.empty(1, np.uint8))
+            request = self._worker.tag_recv_with_handle(scratch, result)
+            self._finish(request, scratch, lambda _: want.callback(
+                error, sender_tag, np.empty(0, np.uint8)), done)
+            return
+        buffer = receive_buffers.take(result.length)
+        request = self._worker.tag_recv_with_handle(self._array(buffer), result)
+        self._finish(request, buffer, lambda err: want.callback(err, sender_tag, buffer), done)
+
+    def _finish(self, request, keep: Any, callback: SendCallback,
+                done: list[Callable[[], None]]) -> None:
+        if request.completed:
+            error = _error_of(request)
+            done.append(lambda: callback(error))
+        else:
+            self._pending.append((request, keep, callback))
+            self._wake_sleeper()
+
+    # -- facts and shutdown ----------------------------------------------------------
 
     def info(self) -> dict[str, str]:
         """UCX version, configured TLS and the transports UCX may use here."""
@@ -205,74 +409,22 @@ class UcxEngine:
                 "ucx_transports": ",".join(resources),
                 "rdma": ",".join(rdma) if rdma else "none (no verbs device or UCX without verbs)"}
 
-    # -- the engine thread ----------------------------------------------------------
-
-    def _loop(self) -> None:
-        worker = self._worker
-        epoll_fd = worker.epoll_file_descriptor
-        while not self._stopping:
-            busy = False
-            while self._queue:
-                self._queue.popleft()()
-                busy = True
-            worker.progress()
-            busy |= self._complete()
-            busy |= self._probe()
-            if not busy and worker.arm():
-                select.select([epoll_fd, self._wake_r], [], [], _IDLE_WAIT)
-                with contextlib.suppress(BlockingIOError):
-                    while os.read(self._wake_r, 4096):
-                        pass
-
-    def _complete(self) -> bool:
-        finished = [p for p in self._pending if p[0].completed]
-        if not finished:
-            return False
-        self._pending = [p for p in self._pending if not p[0].completed]
-        for request, _, callback in finished:
-            try:
-                request.check_error()
-                error = None
-            except Exception as err:
-                error = err
-            callback(error)
-        return True
-
-    def _probe(self) -> bool:
-        u, found = self._u, False
-        for key, want in list(self._expected.items()):
-            result = self._worker.tag_probe(u.UCXXTag(want.tag), u.UCXXTagMask(want.mask),
-                                            remove=True)
-            if not result.matched:
-                continue
-            found = True
-            if not want.standing:
-                del self._expected[key]
-            self._receive(result, want)
-        return found
-
-    def _receive(self, result, want: _Expectation) -> None:
-        sender_tag = result.sender_tag.value
-        if result.length > want.limit:
-            # Consume it without storing it: a 1-byte receive ends truncated.
-            scratch = self._array(np.empty(1, np.uint8))
-            request = self._worker.tag_recv_with_handle(scratch, result)
-            error = errors.ResourceExhaustedError(
-                f"A {result.length}-byte message exceeds the limit of {want.limit} bytes.")
-            self._pending.append((request, scratch, lambda _: want.callback(error, sender_tag,
-                                                                          np.empty(0, np.uint8))))
-            return
-        buffer = receive_buffers.take(result.length)
-        request = self._worker.tag_recv_with_handle(self._array(buffer), result)
-        self._pending.append(
-            (request, buffer, lambda err: want.callback(err, sender_tag, buffer)))
-
     def stop(self) -> None:
-        """Stop and join the engine thread (the process is exiting)."""
-        self._stopping = True
-        self.call_soon(lambda: None)
-        if threading.current_thread() is not self._thread:
-            self._thread.join(5)
+        """Stop driving the worker for good (the process is exiting); waiters get CancelledError."""
+        with self._ucx:  # waits for a UCX call in progress; no thread makes one after this
+            self._stopping = True
+        with self._state:
+            self._followers.notify_all()
+            self._idle.notify_all()
+        self._write_wake()
+
+
+def _error_of(request) -> BaseException | None:
+    try:
+        request.check_error()
+    except Exception as err:
+        return err
+    return None
 
 
 def _ignore(_: BaseException | None) -> None:

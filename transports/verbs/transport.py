@@ -24,6 +24,7 @@ connection state; default 600).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hmac
 import itertools
 import secrets
@@ -31,7 +32,6 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent import futures
 from typing import Any
 
 import grpc
@@ -71,22 +71,31 @@ _HELLO = struct.Struct("<IQ")  # slot, slot key
 class _Waiter:
     """Collects the messages of one call as the engine delivers them."""
 
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
+    def __init__(self, engine: UcxEngine) -> None:
+        self._engine = engine
         self.messages: dict[int, np.ndarray] = {}
         self.error: BaseException | None = None
+        self._keys: dict[int, int] = {}  # tag -> expectation key, until its message arrived
 
-    def deliver(self, error: BaseException | None, sender_tag: int, buffer: np.ndarray) -> None:
-        with self._cond:
-            if error is not None and self.error is None:
-                self.error = error
-            else:
-                self.messages[sender_tag] = buffer
-            self._cond.notify_all()
+    def expect(self, tag: int, limit: int) -> None:
+        """Receive the message tagged ``tag`` (at most ``limit`` bytes) into ``messages``."""
+        self._keys[tag] = self._engine.expect(tag, (1 << 64) - 1, limit, self._deliver)
+
+    def _deliver(self, error: BaseException | None, sender_tag: int, buffer: np.ndarray) -> None:
+        if error is not None and self.error is None:
+            self.error = error
+        else:
+            self.messages[sender_tag] = buffer
 
     def wait_for(self, ready: Callable[[], bool], timeout: float) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: ready() or self.error is not None, timeout)
+        """Drive the engine until ``ready()`` or an error (False after ``timeout`` seconds)."""
+        return self._engine.wait(lambda: ready() or self.error is not None, timeout)
+
+    def cancel(self) -> None:
+        """Stop expecting the messages that did not arrive."""
+        for tag, key in self._keys.items():
+            if tag not in self.messages:
+                self._engine.cancel(key)
 
 
 class VerbsListener(Listener):
@@ -98,24 +107,20 @@ class VerbsListener(Listener):
         self._engine = transport.engine
         self._handler = handler
         self._limit = options.max_message_bytes
-        self._pool = futures.ThreadPoolExecutor(options.max_workers,
-                                                thread_name_prefix="clusterwire-verbs")
         self._security = options.security
-        try:
-            self._control = ControlServer(address, self._security, _SERVICE, {
-                "Hello": grpc.unary_unary_rpc_method_handler(self._hello),
-                "Ping": grpc.unary_unary_rpc_method_handler(self._ping),
-                "Bye": grpc.unary_unary_rpc_method_handler(self._bye),
-            }, 4, "verbs-control", max_connections=options.max_connections)
-        except errors.OpError:
-            self._pool.shutdown(wait=False)
-            raise
+        self._control = ControlServer(address, self._security, _SERVICE, {
+            "Hello": grpc.unary_unary_rpc_method_handler(self._hello),
+            "Ping": grpc.unary_unary_rpc_method_handler(self._ping),
+            "Bye": grpc.unary_unary_rpc_method_handler(self._bye),
+        }, 4, "verbs-control", max_connections=options.max_connections)
         self._address = self._control.address
         self._endpoints: dict[int, tuple[Any, int]] = {}
         self._last_seen: dict[int, float] = {}  # slot -> time of its last request or ping
         self._max_connections = options.max_connections
         self._active: set[tuple[Any, int]] = set()  # (endpoint, reply tag) being served
         transport.addresses.start()
+        self._engine.serve(options.max_workers)
+        transport.slots.open()
         self._lock = threading.Lock()
         self._stopped = False
         self._started = False
@@ -202,9 +207,8 @@ class VerbsListener(Listener):
         return _HELLO.pack(slot, key) + self._engine.address
 
     def _on_request(self, slot: int, transfer: int, control: np.ndarray) -> None:
-        """Engine thread: a request control message arrived; serve it on the pool."""
-        with contextlib.suppress(RuntimeError):  # stopping: the caller's ping will fail
-            self._pool.submit(self._serve, slot, transfer, control)
+        """A request control message arrived: serve it on a serving thread of the engine."""
+        self._engine.submit(functools.partial(self._serve, slot, transfer, control))
 
     def _serve(self, slot: int, transfer: int, message: np.ndarray) -> None:
         with self._lock:
@@ -242,18 +246,17 @@ class VerbsListener(Listener):
     def _receive_bulk(self, endpoint, slot: int, transfer: int,
                       control: wire.Control) -> list[Any]:
         bulk = [i for i, k in enumerate(control.kinds) if k == wire.BULK]
-        waiter = _Waiter()
-        keys = [self._engine.expect(wire.tag(wire.REQUEST_DATA, slot, transfer, i),
-                                    (1 << 64) - 1, control.lengths[i], waiter.deliver)
-                for i in bulk]
-        if bulk:
-            self._engine.send(endpoint, b"go", wire.tag(wire.GO, slot, transfer))
-            if not waiter.wait_for(lambda: len(waiter.messages) == len(bulk), _BULK_WAIT):
-                for key in keys:
-                    self._engine.cancel(key)
-                raise errors.DeadlineExceededError("The request's bulk buffers did not arrive.")
-            if waiter.error is not None:
-                raise errors.InvalidArgumentError(f"Bulk buffer failed: {waiter.error}")
+        if not bulk:
+            return _assemble(control, {})
+        waiter = _Waiter(self._engine)
+        for i in bulk:
+            waiter.expect(wire.tag(wire.REQUEST_DATA, slot, transfer, i), control.lengths[i])
+        self._engine.send(endpoint, b"go", wire.tag(wire.GO, slot, transfer))
+        if not waiter.wait_for(lambda: len(waiter.messages) == len(bulk), _BULK_WAIT):
+            waiter.cancel()
+            raise errors.DeadlineExceededError("The request's bulk buffers did not arrive.")
+        if waiter.error is not None:
+            raise errors.InvalidArgumentError(f"Bulk buffer failed: {waiter.error}")
         return _assemble(control, {wire.split_tag(t)[3]: b for t, b in waiter.messages.items()})
 
     def stop(self, grace: float | None = None) -> None:
@@ -270,7 +273,6 @@ class VerbsListener(Listener):
         for _ in active:
             sent.acquire(timeout=1.0)
         self._control.stop(grace)
-        self._pool.shutdown(wait=False)
         for slot, (endpoint, _) in endpoints.items():
             self._transport.slots.remove(slot)
             self._engine.close_endpoint(endpoint)
@@ -303,8 +305,16 @@ class _Slots:
         self._handlers: dict[int, Callable[[int, int, np.ndarray], None]] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
-        engine.expect(wire.tag(wire.REQUEST, 0, 0), wire.KIND_MASK, _CONTROL_LIMIT,
-                      self._dispatch, standing=True)
+        self._opened = False
+
+    def open(self) -> None:
+        """Start receiving request messages (idempotent; a listener needs it)."""
+        with self._lock:
+            if self._opened:
+                return
+            self._opened = True
+        self._engine.expect(wire.tag(wire.REQUEST, 0, 0), wire.KIND_MASK, _CONTROL_LIMIT,
+                            self._dispatch, standing=True)
 
     def add(self, handler: Callable[[int, int, np.ndarray], None]) -> int:
         with self._lock:
@@ -378,12 +388,12 @@ class VerbsChannel(Channel):
         transfer = engine.next_transfer()
         views, kinds = _outgoing(frame.buffers, self._transport.bulk_bytes)
         bulk = [i for i, k in enumerate(kinds) if k == wire.BULK]
-        waiter = _Waiter()
+        waiter = _Waiter(engine)
         response_tag = wire.tag(wire.RESPONSE, slot, transfer)
         go_tag = wire.tag(wire.GO, slot, transfer)
-        keys = [engine.expect(response_tag, (1 << 64) - 1, _CONTROL_LIMIT, waiter.deliver)]
+        waiter.expect(response_tag, _CONTROL_LIMIT)
         if bulk:
-            keys.append(engine.expect(go_tag, (1 << 64) - 1, 16, waiter.deliver))
+            waiter.expect(go_tag, 16)
         try:
             engine.send(endpoint, wire.encode(frame.header, kinds, views, key),
                         wire.tag(wire.REQUEST, slot, transfer))
@@ -401,14 +411,13 @@ class VerbsChannel(Channel):
                 raise errors.error_from_code(control.status, message)
             wanted = {wire.tag(wire.RESPONSE_DATA, slot, transfer, i): control.lengths[i]
                       for i, k in enumerate(control.kinds) if k == wire.BULK}
-            keys += [engine.expect(t, (1 << 64) - 1, n, waiter.deliver)
-                     for t, n in wanted.items()]
+            for t, n in wanted.items():
+                waiter.expect(t, n)
             self._wait(waiter, lambda: all(t in waiter.messages for t in wanted), deadline)
             return Frame(control.header, _assemble(
                 control, {wire.split_tag(t)[3]: waiter.messages[t] for t in wanted}))
         finally:
-            for key in keys:
-                engine.cancel(key)
+            waiter.cancel()
 
     def _wait(self, waiter: _Waiter, ready: Callable[[], bool], deadline: float | None) -> None:
         """Wait for ``ready``; ping the server while waiting long, so a dead peer fails fast."""
