@@ -11,6 +11,11 @@ bounded queue that ``__next__`` drains:
   pipeline no element is lost or repeated. Finished splits are acknowledged
   to the dispatcher with the next split request.
 
+Batches are decoded (and decompressed) in order on ``_DECODERS`` threads, so a
+reader thread asks for its next batch as soon as one arrives. Only the job's
+first read asks for a single element (a fast first element); later reads,
+also of new splits, ask for whole batches.
+
 A heartbeat thread keeps the job alive at the dispatcher and learns which
 workers are alive (new workers join, dead ones are dropped).
 """
@@ -131,6 +136,7 @@ class JobReader(Iterator[Any]):
         self._end_of_splits = False
         self._round_robin_started = False
         self._finished = False
+        self._delivered = False  # a batch was read (later splits start with a whole batch)
         named = options.job_name is not None
         key = f"{options.job_name}/{iteration}" if named else f"anonymous/{self._consumer}"
         response, _ = dispatcher.call(DataRequest(get_or_create_job=GetOrCreateJobRequest(
@@ -404,13 +410,15 @@ class JobReader(Iterator[Any]):
         spec.unit_start, spec.unit_end = split.unit_start, split.unit_end
         while not self._stop.is_set():
             try:
-                batch, end = self._read(address, spec, next(self._seq), split.received,
-                                        not split.received)
+                # Only the job's first read asks for a single element (to start fast).
+                first = not split.received and not self._delivered
+                batch, end = self._read(address, spec, next(self._seq), split.received, first)
             except _WORKER_FAILURES:
                 self._orphan(address, split)
                 return False
             split.received += len(batch)
             if batch:
+                self._delivered = True
                 self._put("batch", batch)
             if end:
                 with self._lock:
