@@ -273,15 +273,29 @@ def test_compression_round_trips(service, compression):
     assert got == [(i, (256,), "<i8") for i in range(20)]
 
 
-def test_snappy_shrinks_compressible_elements_and_auto_skips_random_ones():
-    compressible = elements.encode(np.zeros(1 << 16), "auto")
-    assert compressible.header.compressed and compressible.nbytes < (8 << 16) // 10
+def test_auto_shrinks_compressible_elements_with_lz4_and_skips_random_ones():
+    values = np.arange(1 << 13) // 7
+    compressible = elements.encode(values, "auto")
+    assert compressible.header.compressed and compressible.header.codec == "lz4"
+    assert compressible.nbytes < values.nbytes // 2
+    assert np.array_equal(elements.decode_all([compressible.header], compressible.buffers)[0],
+                          values)
     noise = elements.encode(np.random.default_rng(0).bytes(1 << 16), "auto")
     assert not noise.header.compressed
     forced = elements.encode(np.random.default_rng(0).bytes(1 << 16), "snappy")
-    assert forced.header.compressed
+    assert forced.header.compressed and forced.header.codec == ""  # snappy
     decoded = elements.decode_all([forced.header], forced.buffers)[0]
     assert decoded == np.random.default_rng(0).bytes(1 << 16)
+
+
+def test_an_unknown_or_corrupt_compressed_element_is_refused():
+    encoded = elements.encode(np.zeros(1 << 12), "auto")
+    encoded.header.codec = "zstd"
+    with pytest.raises(errors.InvalidArgumentError, match="Unknown element compression codec"):
+        elements.decode_all([encoded.header], encoded.buffers)
+    encoded.header.codec = "lz4"
+    with pytest.raises(errors.InvalidArgumentError, match="Corrupt compressed element"):
+        elements.decode_all([encoded.header], [bytes(encoded.buffers[0])[:-9]])
 
 
 def test_pipeline_errors_reach_the_client_with_the_remote_traceback(service):

@@ -13,7 +13,7 @@ import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from clusterwire.data import compression as snappy
+from clusterwire.data import compression as compressor
 from clusterwire.data import graph
 from clusterwire.data.dataset import Dataset
 from clusterwire.data.modes import (
@@ -55,7 +55,7 @@ def register_dataset(service: Any, dataset: Dataset, compression: str | None = "
     """
     wire = compression_name(compression)
     if wire == COMPRESSION_SNAPPY:
-        snappy.require()
+        compressor.require()
     if not isinstance(dataset, Dataset):
         raise TypeError(f"`dataset` must be a clusterwire.data.Dataset, got {dataset!r}")
     if dataset_id is not None and (not isinstance(dataset_id, str) or not dataset_id):
@@ -111,11 +111,11 @@ def from_dataset_id(processing_mode: Any, service: Any, dataset_id: str,
             dataset_id=str(dataset_id))))
     finally:
         client.close()
-    accepted = response.get_dataset.compression if snappy.available() else ""
+    accepted = response.get_dataset.compression if compressor.available() else ""
     if accepted == COMPRESSION_AUTO and data_transfer_protocol not in (None, "grpc"):
         accepted = ""  # as TF's _decide_compression: AUTO compresses only over grpc
     if response.get_dataset.compression == COMPRESSION_SNAPPY:
-        snappy.require()
+        compressor.require()
     options = ReadOptions(
         dataset_id=str(dataset_id), policy=policy, job_name=job_name,
         consumer_index=consumer_index, num_consumers=consumers,

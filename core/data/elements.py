@@ -1,4 +1,4 @@
-"""Elements <-> (ElementHeader, raw buffers), with optional snappy compression.
+"""Elements <-> (ElementHeader, raw buffers), with optional compression.
 
 An element is encoded once by the worker's producer thread with the core
 codec (no pickle); a batch of elements travels as one response frame whose
@@ -17,7 +17,7 @@ from clusterwire.data.modes import COMPRESSION_AUTO, COMPRESSION_SNAPPY
 from clusterwire.errors import InvalidArgumentError
 from clusterwire.protos.data_service_pb2 import ElementHeader
 
-# Elements smaller than this are never worth a snappy call under AUTO.
+# Elements smaller than this are never worth compressing under AUTO.
 _AUTO_MIN_BYTES = 256
 
 
@@ -38,8 +38,9 @@ def encode(element: Any, mode: str) -> Encoded:
     size = sum(v.nbytes for v in views)
     forced = mode == COMPRESSION_SNAPPY
     if views and (forced or (mode == COMPRESSION_AUTO and size >= _AUTO_MIN_BYTES)):
-        block = compression.compress(views, forced)
-        if block is not None:
+        compressed = compression.compress(views, forced)
+        if compressed is not None:
+            block, header.codec = compressed
             header.compressed = True
             header.num_buffers = 1
             header.raw_lengths.extend(v.nbytes for v in views)
@@ -58,6 +59,6 @@ def decode_all(headers: Sequence[ElementHeader], buffers: Sequence[Any]) -> list
         own = list(buffers[position:end])
         position = end
         if header.compressed:
-            own = compression.decompress(own[0], header.raw_lengths)
+            own = compression.decompress(own[0], header.raw_lengths, header.codec)
         elements.append(codec.decode(header.value, own))
     return elements
