@@ -49,7 +49,7 @@ def compress(views: Sequence[memoryview], forced: bool) -> tuple[Any, str] | Non
     raw = views[0] if len(views) == 1 else b"".join(views)
     if forced:
         return cramjam.snappy.compress_raw(raw), SNAPPY
-    block = cramjam.lz4.compress_block(raw, store_size=False)
+    block = cramjam.lz4.compress_block(raw)  # size-prefixed: older cramjams need it
     if len(block) > sum(v.nbytes for v in views) * (1 - _AUTO_MIN_SAVING):
         return None
     return block, LZ4
