@@ -7,12 +7,14 @@ import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 from conftest import child_env
 
 from clusterwire.local_cluster import LocalCluster
+from clusterwire.transport import Frame
 
 pytest.importorskip("ucxx", reason="the verbs extra is not installed: pip install '.[verbs]'")
 
@@ -104,3 +106,84 @@ def test_a_silent_client_loses_its_slot_and_reconnects_transparently(tmp_path):
         idle.put("x", np.arange(3))  # dropped unrun, found out by a ping, retried
         assert idle.list() == ["x"]
         idle.close()
+
+
+BLOCKING_SERVER = textwrap.dedent("""
+    import sys, threading
+    from clusterwire.plugins import get_plugin_manager
+    from clusterwire.transport import Frame, ListenOptions
+
+    release = threading.Event()
+
+    def handler(frame):
+        if frame.header == b"block":
+            release.wait(60)
+        elif frame.header == b"release":
+            release.set()
+        return Frame(frame.header, list(frame.buffers))
+
+    listener = get_plugin_manager().transport("grpc+verbs").listen(
+        "127.0.0.1:0", handler, ListenOptions(max_workers=4))
+    listener.start()
+    print(listener.address, flush=True)
+    sys.stdin.read()
+    listener.stop(0)
+""")
+
+
+@pytest.fixture
+def blocking_server():
+    """A grpc+verbs listener in another process whose b"block" requests wait for b"release"."""
+    proc = subprocess.Popen([sys.executable, "-c", BLOCKING_SERVER], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, **child_env()})
+    try:
+        yield proc.stdout.readline().strip()
+    finally:
+        proc.stdin.close()
+        proc.wait(30)
+
+
+def _echo_frame(tag: str, size: int) -> tuple[Frame, np.ndarray]:
+    payload = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8)
+    return Frame(tag.encode(), [payload]), payload
+
+
+def test_blocked_handlers_do_not_stall_other_calls(blocking_server):
+    """Handlers blocked on every job slot but one: calls (the releasing one too) still run."""
+    from clusterwire.plugins import get_plugin_manager
+
+    channel = get_plugin_manager().transport("grpc+verbs").connect(blocking_server)
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            blocked = [pool.submit(channel.call, Frame(b"block", []), 60) for _ in range(3)]
+            time.sleep(0.5)  # let the three handlers block
+            for size in (8, 200 << 10):  # inline and bulk buffers
+                frame, payload = _echo_frame("echo", size)
+                for _ in range(20):
+                    reply = channel.call(frame, timeout=10)
+                    assert np.array_equal(np.frombuffer(reply.buffers[0], np.uint8), payload)
+            assert not any(f.done() for f in blocked)
+            channel.call(Frame(b"release", []), timeout=10)
+            assert [f.result(30).header for f in blocked] == [b"block"] * 3
+    finally:
+        channel.close()
+
+
+def test_many_threads_share_one_channel(blocking_server):
+    from clusterwire.plugins import get_plugin_manager
+
+    channel = get_plugin_manager().transport("grpc+verbs").connect(blocking_server)
+
+    def calls(thread: int) -> None:
+        for i in range(30):
+            frame, payload = _echo_frame(f"{thread}-{i}", 8 if i % 3 else 100 << 10)
+            reply = channel.call(frame, timeout=30)
+            assert reply.header == frame.header
+            assert np.array_equal(np.frombuffer(reply.buffers[0], np.uint8), payload)
+
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            for future in [pool.submit(calls, t) for t in range(8)]:
+                future.result(60)
+    finally:
+        channel.close()

@@ -9,13 +9,16 @@ delivers them and, when idle, sleeps in ``select`` on the worker's event
 descriptor (UCX "blocking" progress). Other waiters sleep until a delivery or
 until the role is free.
 
-Once a listener asks for it (``serve``), serving threads drive the worker
-whenever no caller waits, so requests are received while nobody waits (a
-caller that starts waiting takes the role over), and run the jobs handed to
-``submit``. A serving thread that receives a request passes the role to an
-idle serving thread and runs the request itself, so a request is served
-without a hand-off, and a job that blocks never stops the worker's progress.
-One serving thread beyond the jobs' limit is always kept free to drive.
+Once a listener asks for it (``serve``), serving threads receive requests
+while no caller waits and run the jobs handed to ``submit``. Idle serving
+threads all sleep in one epoll set holding the worker's descriptor as
+EPOLLONESHOT, so a UCX event wakes exactly one of them; it progresses the
+worker, re-arms it, re-enables the descriptor for the others and then serves
+the request it received itself: no hand-off to another thread, and a job that
+blocks never stops the worker's progress (the next event wakes another idle
+thread). One serving thread beyond the jobs' limit is kept free for that.
+While a caller waits, the descriptor is disabled in that set and the caller
+drives the worker alone.
 
 Receives use tag probing: a message is received only once it has arrived,
 into a buffer of exactly its size, so no receive is ever left posted for a
@@ -44,7 +47,6 @@ from clusterwire.buffers import receive_buffers
 
 ReceiveCallback = Callable[[BaseException | None, int, np.ndarray], None]
 SendCallback = Callable[[BaseException | None], None]
-_IDLE_WAIT = 0.5
 _FULL_MASK = (1 << 64) - 1
 
 
@@ -111,24 +113,29 @@ class UcxEngine:
         self._ucx = threading.Lock()
         self._pending: list[tuple[Any, Any, SendCallback]] = []
         self._expected: dict[int, _Expectation] = {}
-        self._asleep = False  # the driver sleeps in select: wake it for work it cannot see
+        self._asleep = False  # a caller sleeps in select: wake it for work it cannot see
         self._stopping = False
+        self._step_due = False  # a serving thread must progress the worker
         # Guarded by _state: who holds the progress role and who waits for it.
         self._state = threading.Lock()
         self._followers = threading.Condition(self._state)
-        self._idle = threading.Condition(self._state)  # serving threads without work wait here
         self._driver: threading.Thread | None = None
         self._callers = 0  # threads inside wait()
-        self._kicked = False  # a serving driver was asked to hand the role to a caller
+        self._following = 0  # callers waiting for a delivery or for the role
         self._servers: set[threading.Thread] = set()
         self._max_jobs = 0  # jobs run at once, at most
         self._free = 0  # serving threads not running a job
         self._jobs: deque[Callable[[], None]] = deque()
         self._ids = itertools.count(1)
         self._transfers = itertools.count(1)
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._wake_r, self._wake_w = _pipe()  # wakes a caller asleep in select
+        self._serve_r, self._serve_w = _pipe()  # wakes one idle serving thread
+        # Idle serving threads sleep here; the worker's descriptor is enabled
+        # (one-shot) only while nobody drives and no caller waits.
+        self._watch = select.epoll()
+        self._watch.register(self._serve_r, select.EPOLLIN)
+        self._watch.register(self._epoll_fd, 0)
+        self._watching = False
         # UCX must not be progressed while the interpreter tears its objects down.
         atexit.register(self.stop)
 
@@ -156,7 +163,7 @@ class UcxEngine:
             if not endpoint.closed and not self._stopping:
                 endpoint.closed = True
                 endpoint.ucx.close()
-                self._wake_sleeper()
+                self._nudge()
 
     def send(self, endpoint: Endpoint, buffer: Any, tag: int,
              on_done: SendCallback | None = None) -> None:
@@ -177,7 +184,7 @@ class UcxEngine:
             else:
                 if not request.completed:
                     self._pending.append((request, array, on_done))
-                    self._wake_sleeper()
+                    self._nudge()
                     return
                 error = _error_of(request)
         on_done(error)
@@ -219,6 +226,7 @@ class UcxEngine:
         me = threading.current_thread()
         with self._state:
             self._callers += 1
+            self._update_watch()
             try:
                 while not ready():
                     remaining = deadline - time.monotonic()
@@ -229,20 +237,30 @@ class UcxEngine:
                     if self._driver is None:
                         self._drive_once(me, remaining)
                         continue
-                    if self._driver in self._servers and not self._kicked:
-                        self._kicked = True  # hand the role over to this caller
-                        self._write_wake()
-                    self._followers.wait(remaining)
+                    self._following += 1
+                    try:
+                        self._followers.wait(remaining)
+                    finally:
+                        self._following -= 1
                 return True
             finally:
                 self._callers -= 1
                 if self._driver is None:
                     self._followers.notify()  # the role is free: the next waiter takes it
-                    if not self._callers:
-                        self._idle.notify()
+                self._update_watch()
+
+    def _drive_once(self, me: threading.Thread, timeout: float) -> None:
+        """Take the role for one step of a caller (called and returning with _state held)."""
+        self._driver = me
+        self._state.release()
+        try:
+            self._step(timeout)
+        finally:
+            self._state.acquire()
+            self._driver = None
 
     def serve(self, max_jobs: int) -> None:
-        """Keep the worker driven while no caller waits, and allow ``max_jobs`` more jobs at once.
+        """Receive requests while no caller waits, and allow ``max_jobs`` more jobs at once.
 
         A listener calls it before it ``submit``s requests.
         """
@@ -250,15 +268,14 @@ class UcxEngine:
             self._max_jobs += max_jobs
             if not self._servers and not self._stopping:
                 self._spawn()
+                self._update_watch()
 
     def submit(self, job: Callable[[], None]) -> None:
-        """Run ``job`` on a serving thread; it may block (another thread keeps driving)."""
+        """Run ``job`` on a serving thread; it may block (other threads keep the worker going)."""
         with self._state:
             self._jobs.append(job)
-            if self._driver not in self._servers:
-                self._idle.notify()
-            elif self._driver is not threading.current_thread():
-                self._write_wake()  # the serving driver takes it once out of select
+            if threading.current_thread() not in self._servers:
+                _signal(self._serve_w)  # a serving thread picks jobs up itself
 
     def _spawn(self) -> bool:
         """Start one more serving thread, if the limit allows (caller holds _state)."""
@@ -275,73 +292,110 @@ class UcxEngine:
         me = threading.current_thread()
         with self._state:
             while not self._stopping:
-                if self._jobs and (self._free > 1 or self._spawn()):
-                    job = self._jobs.popleft()
-                    self._free -= 1
-                    if self._driver is None and not self._callers:
-                        self._idle.notify()  # a free serving thread drives meanwhile
+                if self._step_due and self._driver is None and not self._callers:
+                    self._serve_step(me)
+                elif self._jobs and (self._free > 1 or self._spawn()):
+                    self._run_job()
+                else:
                     self._state.release()
                     try:
-                        job()
-                    except Exception:  # a bug in a job must not end the serving thread
-                        traceback.print_exc()
+                        events = self._watch.poll()
                     finally:
                         self._state.acquire()
-                        self._free += 1
-                elif self._driver is None and not self._callers:
-                    self._drive_once(me, _IDLE_WAIT)
-                    self._kicked = False
-                else:
-                    self._idle.wait()
+                    for fd, _ in events:
+                        if fd == self._epoll_fd:  # the one-shot fired: it is disabled now
+                            self._watching = False
+                            self._step_due = True
+                        else:
+                            _drain(self._serve_r)
 
-    def _drive_once(self, me: threading.Thread, timeout: float) -> None:
-        """Take the role for one progress step (called and returning with _state held)."""
-        self._driver = me
+    def _run_job(self) -> None:
+        """Run the next job (called and returning with _state held)."""
+        job = self._jobs.popleft()
+        self._free -= 1
+        if self._jobs:
+            _signal(self._serve_w)  # another serving thread takes the next one
         self._state.release()
         try:
-            self._step(timeout)
+            job()
+        except Exception:  # a bug in a job must not end the serving thread
+            traceback.print_exc()
+        finally:
+            self._state.acquire()
+            self._free += 1
+
+    def _serve_step(self, me: threading.Thread) -> None:
+        """Progress the worker without sleeping (called and returning with _state held)."""
+        self._step_due = False
+        self._driver = me
+        self._update_watch()
+        self._state.release()
+        try:
+            self._step(0)
         finally:
             self._state.acquire()
             self._driver = None
-        if self._callers and me in self._servers:
+        if self._callers:
             self._followers.notify()
+        self._update_watch()
 
-    def _step(self, timeout: float) -> None:
-        """Progress and deliver what arrived; if nothing did, sleep until the worker has events."""
-        with self._ucx:
-            if self._stopping:
-                return
-            self._worker.progress()
-            done = self._complete()
-            self._probe(done)
-            sleep = not done and self._worker.arm()
-            self._asleep = sleep
-        if done:
-            self._deliver(done)
-        elif sleep:
-            readable, _, _ = select.select([self._epoll_fd, self._wake_r], [], [], timeout)
+    def _update_watch(self) -> None:
+        """Enable the worker's descriptor for idle serving threads iff nobody drives or waits.
+
+        Every step ends with the worker armed, so whenever nobody drives the
+        worker is armed or its descriptor readable.
+        """
+        want = bool(self._servers) and self._driver is None and not self._callers \
+            and not self._stopping
+        if want != self._watching:
+            self._watch.modify(self._epoll_fd, select.EPOLLIN | select.EPOLLONESHOT if want else 0)
+            self._watching = want
+        if want and self._step_due:
+            _signal(self._serve_w)  # work posted while the role was taken
+
+    def _step(self, sleep: float) -> None:
+        """Progress and deliver until the worker is armed.
+
+        Then, if nothing was delivered, sleep up to ``sleep`` seconds in select
+        until the worker has events.
+        """
+        delivered = False
+        while True:
+            with self._ucx:
+                if self._stopping:
+                    return
+                self._worker.progress()
+                done = self._complete()
+                self._probe(done)
+                armed = not done and self._worker.arm()
+                self._asleep = armed and sleep > 0 and not delivered
+            if done:
+                self._deliver(done)
+                delivered = True
+            elif armed:
+                break
+        if self._asleep:
+            readable, _, _ = select.select([self._epoll_fd, self._wake_r], [], [], sleep)
             self._asleep = False
             if self._wake_r in readable:
-                with contextlib.suppress(BlockingIOError):
-                    while os.read(self._wake_r, 4096):
-                        pass
+                _drain(self._wake_r)
 
     def _deliver(self, done: list[Callable[[], None]]) -> None:
         if done:
             for callback in done:
                 callback()
             with self._state:
-                self._followers.notify_all()
+                if self._following:
+                    self._followers.notify_all()
 
-    def _wake_sleeper(self) -> None:
-        """Wake a driver asleep in select for work posted after it armed (caller holds _ucx)."""
+    def _nudge(self) -> None:
+        """Make a thread progress work posted after the worker was armed (caller holds _ucx)."""
         if self._asleep:
             self._asleep = False
-            self._write_wake()
-
-    def _write_wake(self) -> None:
-        with contextlib.suppress(BlockingIOError):  # a full pipe wakes the sleeper anyway
-            os.write(self._wake_w, b"x")
+            _signal(self._wake_w)
+        elif self._servers:
+            self._step_due = True
+            _signal(self._serve_w)
 
     # -- with the _ucx lock held -----------------------------------------------------
 
@@ -393,7 +447,7 @@ class UcxEngine:
             done.append(lambda: callback(error))
         else:
             self._pending.append((request, keep, callback))
-            self._wake_sleeper()
+            self._nudge()
 
     # -- facts and shutdown ----------------------------------------------------------
 
@@ -415,8 +469,28 @@ class UcxEngine:
             self._stopping = True
         with self._state:
             self._followers.notify_all()
-            self._idle.notify_all()
-        self._write_wake()
+            self._update_watch()
+            for _ in self._servers:
+                _signal(self._serve_w)
+        _signal(self._wake_w)
+
+
+def _pipe() -> tuple[int, int]:
+    read, write = os.pipe()
+    os.set_blocking(read, False)
+    os.set_blocking(write, False)
+    return read, write
+
+
+def _signal(fd: int) -> None:
+    with contextlib.suppress(BlockingIOError):  # a full pipe wakes its reader anyway
+        os.write(fd, b"x")
+
+
+def _drain(fd: int) -> None:
+    with contextlib.suppress(BlockingIOError):
+        while os.read(fd, 4096):
+            pass
 
 
 def _error_of(request) -> BaseException | None:
