@@ -79,11 +79,14 @@ class _Expectation:
 class Endpoint:
     """A UCX endpoint that knows whether it was closed (ucxx crashes on a closed one)."""
 
-    __slots__ = ("ucx", "closed")
+    __slots__ = ("ucx", "closed", "local")
 
-    def __init__(self, ucx) -> None:
+    def __init__(self, ucx, local: bool) -> None:
         self.ucx = ucx
         self.closed = False
+        # To this process's own worker: UCX delivers its messages during the
+        # send, without an event on the worker's descriptor.
+        self.local = local
 
 
 class UcxEngine:
@@ -120,6 +123,7 @@ class UcxEngine:
         self._state = threading.Lock()
         self._followers = threading.Condition(self._state)
         self._driver: threading.Thread | None = None
+        self._stepping: threading.Thread | None = None  # a serving thread in _serve_step
         self._callers = 0  # threads inside wait()
         self._following = 0  # callers waiting for a delivery or for the role
         self._servers: set[threading.Thread] = set()
@@ -153,7 +157,7 @@ class UcxEngine:
             try:
                 remote = u.UCXAddress.create_from_buffer(address)
                 return Endpoint(u.UCXEndpoint.create_from_worker_address(
-                    self._worker, remote, False))
+                    self._worker, remote, False), address == self.address)
             except u.UCXError as err:
                 raise errors.UnavailableError(f"UCX cannot reach the peer: {err}") from None
 
@@ -182,9 +186,12 @@ class UcxEngine:
             except Exception as err:  # UCX refused the send
                 error: BaseException | None = err
             else:
-                if not request.completed:
+                finished = request.completed
+                if not finished:
                     self._pending.append((request, array, on_done))
+                if endpoint.local or not finished:
                     self._nudge()
+                if not finished:
                     return
                 error = _error_of(request)
         on_done(error)
@@ -274,8 +281,8 @@ class UcxEngine:
         """Run ``job`` on a serving thread; it may block (other threads keep the worker going)."""
         with self._state:
             self._jobs.append(job)
-            if threading.current_thread() not in self._servers:
-                _signal(self._serve_w)  # a serving thread picks jobs up itself
+            if threading.current_thread() is not self._stepping:
+                _signal(self._serve_w)  # a stepping serving thread picks its jobs up itself
 
     def _spawn(self) -> bool:
         """Start one more serving thread, if the limit allows (caller holds _state)."""
@@ -327,14 +334,14 @@ class UcxEngine:
     def _serve_step(self, me: threading.Thread) -> None:
         """Progress the worker without sleeping (called and returning with _state held)."""
         self._step_due = False
-        self._driver = me
+        self._driver = self._stepping = me
         self._update_watch()
         self._state.release()
         try:
             self._step(0)
         finally:
             self._state.acquire()
-            self._driver = None
+            self._driver = self._stepping = None
         if self._callers:
             self._followers.notify()
         self._update_watch()
@@ -395,7 +402,8 @@ class UcxEngine:
             _signal(self._wake_w)
         elif self._servers:
             self._step_due = True
-            _signal(self._serve_w)
+            if not self._callers:  # else the last caller to leave signals (_update_watch)
+                _signal(self._serve_w)
 
     # -- with the _ucx lock held -----------------------------------------------------
 
