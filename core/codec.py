@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import ast
 import functools
+import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -52,9 +54,13 @@ def encode(value: Any) -> tuple[Value, list[Buffer]]:
     return header, encode_into(header, value)
 
 
-def encode_into(header: Value, value: Any) -> list[Buffer]:
-    """Encode ``value`` into ``header`` (e.g. a field of a request); the raw buffers."""
-    buffers: list[Buffer] = []
+def encode_into(header: Value, value: Any, buffers: list[Buffer] | None = None) -> list[Buffer]:
+    """Encode ``value`` into ``header`` (e.g. a field of a request); the raw buffers.
+
+    With ``buffers``, the value's buffers are appended there (several values
+    of one frame share its buffer list) and that list is returned.
+    """
+    buffers = [] if buffers is None else buffers
     _encode_into(header, value, buffers, 0)
     return buffers
 
@@ -80,15 +86,18 @@ def _encode_into(out: Value, value: Any, buffers: list[Buffer], depth: int) -> N
         out.bytes_buffer = len(buffers)
         buffers.append(value)
     elif isinstance(value, (np.ndarray, np.generic)):
-        array = np.asarray(value)
+        array = value if type(value) is np.ndarray else np.asarray(value)
         if not array.flags.c_contiguous:
             array = array.copy(order="C")
         tensor = out.tensor
         tensor.dtype = _dtype_text(array.dtype)
-        tensor.shape.extend(array.shape)
-        tensor.buffer = len(buffers)
-        tensor.scalar = isinstance(value, np.generic)
-        buffers.append(array.reshape(-1).view(np.uint8) if array.size else b"")
+        if array.ndim:
+            tensor.shape.extend(array.shape)
+        if buffers:
+            tensor.buffer = len(buffers)
+        if isinstance(value, np.generic):
+            tensor.scalar = True
+        buffers.append(_bytes_view(array) if array.size else b"")
     elif isinstance(value, (list, tuple)):
         items = out.tuple_value if isinstance(value, tuple) else out.list_value
         items.SetInParent()
@@ -109,13 +118,39 @@ def _encode_into(out: Value, value: Any, buffers: list[Buffer], depth: int) -> N
             "(no pickle). Convert it to one of those.")
 
 
+def _bytes_view(array: np.ndarray) -> Buffer:
+    """A flat byte view of a C-contiguous array (no copy)."""
+    try:
+        return memoryview(array).cast("B")
+    except (ValueError, TypeError):  # dtypes the buffer protocol lacks (datetime64, ...)
+        return array.reshape(-1).view(np.uint8)
+
+
 def decode(header: Value, buffers: list[Buffer]) -> Any:
     """Rebuild a value from its header and buffers; InvalidArgumentError if malformed.
 
     Arrays are views of the received buffers (no copy); they are writable
     when the buffer is.
     """
-    return _decode(header, buffers)
+    key = header.SerializeToString()
+    if len(key) > _PLAN_KEY_MAX:
+        return _plan(header)(buffers)
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) >= _PLANS_MAX:
+            _plans.clear()
+        plan = _plans[key] = _plan(header)
+    return plan(buffers)
+
+
+# Decoding compiles a header into a plan (a function of the buffers) once and
+# caches it by the header's bytes: the same structure arrives again and again
+# (a training loop sends the same shapes every step), and running a plan costs
+# a fraction of walking the protobuf tree. Every run still checks the buffers.
+Plan = Callable[[list[Buffer]], Any]
+_PLANS_MAX = 1024
+_PLAN_KEY_MAX = 4096
+_plans: dict[bytes, Plan] = {}
 
 
 def _buffer(buffers: list[Buffer], index: int) -> Buffer:
@@ -125,55 +160,63 @@ def _buffer(buffers: list[Buffer], index: int) -> Buffer:
     return buffers[index]
 
 
-def _decode(value: Value, buffers: list[Buffer]) -> Any:
+def _constant(value: Any) -> Plan:
+    return lambda _buffers: value
+
+
+def _plan(value: Value) -> Plan:
     kind = value.WhichOneof("kind")
     if kind == "none" or kind is None:
-        return None
-    if kind == "bool_value":
-        return value.bool_value
-    if kind == "int_value":
-        return value.int_value
+        return _constant(None)
+    if kind in ("bool_value", "int_value", "float_value", "str_value"):
+        return _constant(getattr(value, kind))
     if kind == "big_int_value":
         try:
-            return int(value.big_int_value)
+            return _constant(int(value.big_int_value))
         except ValueError:
             raise InvalidArgumentError(f"Malformed integer {value.big_int_value[:40]!r}") from None
-    if kind == "float_value":
-        return value.float_value
-    if kind == "str_value":
-        return value.str_value
     if kind == "bytes_buffer":
-        return bytes(_buffer(buffers, value.bytes_buffer))
+        index = value.bytes_buffer
+        return lambda buffers: bytes(_buffer(buffers, index))
     if kind == "tensor":
-        return _decode_tensor(value.tensor, buffers)
-    if kind == "list_value":
-        return [_decode(item, buffers) for item in value.list_value.items]
-    if kind == "tuple_value":
-        return tuple(_decode(item, buffers) for item in value.tuple_value.items)
+        return _tensor_plan(value.tensor)
+    if kind in ("list_value", "tuple_value"):
+        items = [_plan(item) for item in getattr(value, kind).items]
+        if kind == "list_value":
+            return lambda buffers: [item(buffers) for item in items]
+        return lambda buffers: tuple([item(buffers) for item in items])
     if kind == "dict_value":
-        result = {}
-        for entry in value.dict_value.entries:
-            key = _decode(entry.key, buffers)
-            try:
-                result[key] = _decode(entry.value, buffers)
-            except TypeError:
-                raise InvalidArgumentError(f"Unhashable dict key of type {type(key)}") from None
-        return result
+        entries = [(_plan(entry.key), _plan(entry.value)) for entry in value.dict_value.entries]
+        return lambda buffers: _build_dict(entries, buffers)
     raise InvalidArgumentError(f"Unknown value kind {kind!r}")  # pragma: no cover
 
 
-def _decode_tensor(tensor, buffers: list[Buffer]) -> np.ndarray:
+def _build_dict(entries: list[tuple[Plan, Plan]], buffers: list[Buffer]) -> dict:
+    result = {}
+    for key_plan, value_plan in entries:
+        key = key_plan(buffers)
+        try:
+            result[key] = value_plan(buffers)
+        except TypeError:
+            raise InvalidArgumentError(f"Unhashable dict key of type {type(key)}") from None
+    return result
+
+
+def _tensor_plan(tensor) -> Plan:
     dtype = _parse_dtype(tensor.dtype)
     shape = tuple(tensor.shape)
     if any(dim < 0 for dim in shape):
         raise InvalidArgumentError(f"Malformed tensor shape {shape}: negative dimension.")
-    raw = memoryview(_buffer(buffers, tensor.buffer)).cast("B")
-    count = 1
-    for dim in shape:
-        count *= dim
-    if count * dtype.itemsize != raw.nbytes:
-        raise InvalidArgumentError(
-            f"Malformed tensor: shape {shape} of {dtype} needs {count * dtype.itemsize} bytes, "
-            f"buffer has {raw.nbytes}.")
-    array = np.empty(shape, dtype) if count == 0 else np.frombuffer(raw, dtype).reshape(shape)
-    return array[()] if tensor.scalar and not shape else array
+    nbytes = math.prod(shape) * dtype.itemsize
+    index, scalar = tensor.buffer, tensor.scalar and not shape
+
+    def build(buffers: list[Buffer]) -> np.ndarray:
+        raw = memoryview(_buffer(buffers, index)).cast("B")
+        if raw.nbytes != nbytes:
+            raise InvalidArgumentError(
+                f"Malformed tensor: shape {shape} of {dtype} needs {nbytes} bytes, "
+                f"buffer has {raw.nbytes}.")
+        array = np.ndarray(shape, dtype, raw) if nbytes else np.empty(shape, dtype)
+        return array[()] if scalar else array
+
+    return build

@@ -64,6 +64,9 @@ def name_of(fn_or_name: Callable[..., Any] | str) -> str:
 
 def lookup(name: str) -> Callable[..., Any]:
     """The function registered as ``name``; NotFoundError listing what is registered."""
+    fn = _registry.get(name)  # a dict read needs no lock
+    if fn is not None:
+        return fn
     with _lock:
         fn = _registry.get(name)
         if fn is None:

@@ -224,11 +224,13 @@ class ClusterService:
 
     def _call(self, request: Request, buffers: list[Buffer]) -> Frame:
         fn = functions.lookup(request.name)
-        arguments = codec.decode(request.value, buffers)
-        if (not isinstance(arguments, (list, tuple)) or len(arguments) != 2
-                or not isinstance(arguments[1], dict)):
-            raise errors.InvalidArgumentError("A call's value must be [args, kwargs].")
-        args, kwargs = arguments
+        args = codec.decode(request.value, buffers) if request.HasField("value") else []
+        kwargs = codec.decode(request.kwargs, buffers) if request.HasField("kwargs") else {}
+        if not isinstance(args, list) or not isinstance(kwargs, dict) or not all(
+                isinstance(key, str) for key in kwargs):
+            raise errors.InvalidArgumentError(
+                "A call needs its positional arguments as a list (value) and its keyword "
+                "arguments as a dict with str keys (kwargs).")
         try:
             result = fn(*args, **kwargs)
         except errors.OpError:

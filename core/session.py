@@ -99,8 +99,10 @@ class Session:
         was. ``task`` and ``timeout`` are taken by ``call`` itself.
         """
         request = self._request("call", task, functions.name_of(fn_or_name))
-        return self._value(request, codec.encode_into(request.value, [list(args), kwargs]),
-                           timeout)
+        buffers = codec.encode_into(request.value, list(args))
+        if kwargs:
+            codec.encode_into(request.kwargs, kwargs, buffers)
+        return self._value(request, buffers, timeout)
 
     def status(self, task: str | None = None, timeout: float | None = None) -> dict[str, Any]:
         """Identity, cluster, devices, protocol and version of ``task``."""

@@ -84,6 +84,30 @@ def test_garbage_header_gets_an_invalid_argument_response(server):
     still_serving(server)
 
 
+@pytest.mark.parametrize("field, value", [("value", {"not": "a list"}), ("kwargs", [1, 2]),
+                                          ("kwargs", {3: "a non-str key"})])
+def test_malformed_call_arguments_are_invalid_argument(server, field, value):
+    from clusterwire import codec, remote
+    from clusterwire.rpc import parse_response, raise_for_status
+
+    @remote(name="hostile.identity")
+    def identity(*args, **kwargs):
+        return args, kwargs
+
+    request = Request(method="call", name="hostile.identity")
+    buffers = codec.encode_into(getattr(request, field), value)
+    channel = GrpcTransport().connect(server.target.removeprefix("grpc://"))
+    try:
+        response = parse_response(channel.call(Frame(request.SerializeToString(), buffers),
+                                               timeout=5))
+        with pytest.raises(InvalidArgumentError, match="positional arguments as a list"):
+            raise_for_status(response)
+    finally:
+        channel.close()
+    with Session(server.target) as session:
+        assert session.call(identity, 1, key="k") == ((1,), {"key": "k"})
+
+
 def test_upload_claiming_100_gb_is_refused_without_allocating(server, raw):
     upload = raw.stream_unary("/clusterwire.Transport/Upload")
     claim = framing.encode_prefix(Request(method="put", name="x").SerializeToString(),
