@@ -19,7 +19,9 @@ from typing import Any
 from clusterwire import errors
 from clusterwire.data.elements import Encoded
 
-MAX_BUFFERED_BYTES = 64 << 20
+# Two 8 MiB batches ahead keep a reader busy; buffering more lets elements go cold before the
+# transport copies them (64 MiB cost 5-15 % of 1 MiB-element throughput).
+MAX_BUFFERED_BYTES = 16 << 20
 MAX_BUFFERED_ELEMENTS = 8192
 
 
