@@ -75,13 +75,14 @@ class RequestClient:
             return channel
 
     def send(self, address: str, request: Request, buffers: Sequence[Buffer] = (),
-             timeout: float | None = None) -> tuple[Response, list[Any]]:
+             timeout: float | None = None) -> tuple[Response, Sequence[Any]]:
         """Send ``request`` to ``address``; return the OK response and its buffers."""
-        frame = self.send_frame(address, Frame(request.SerializeToString(), list(buffers)),
+        frame = self.send_frame(address, Frame(request.SerializeToString(), buffers),
                                 request.method, timeout)
         response = parse_response(frame)
-        raise_for_status(response)
-        return response, list(frame.buffers)
+        if response.status.code != errors.OK:
+            raise_for_status(response)
+        return response, frame.buffers
 
     def send_frame(self, address: str, frame: Frame, method: str,
                    timeout: float | None = None) -> Frame:

@@ -109,7 +109,9 @@ class ClusterService:
         # Peers are reached with this server's own credentials (its certificate
         # doubles as the client certificate under mutual TLS).
         self._peers = RequestClient(protocol, timeout=peer_timeout, security=security)
-        self._activity = threading.Condition()
+        # handle() takes the plain lock (cheap); drain() waits on a condition of it.
+        self._activity_lock = threading.Lock()
+        self._activity = threading.Condition(self._activity_lock)
         self._in_flight = 0
         self._max_in_flight = max_concurrent_calls
         self._draining = False
@@ -135,7 +137,7 @@ class ClusterService:
 
     def handle(self, frame: Frame) -> Frame:
         """Serve one request frame; every failure becomes an error response."""
-        with self._activity:
+        with self._activity_lock:
             if self._draining:
                 return error_response(errors.UnavailableError(
                     f"/job:{self.job}/task:{self.index} is stopping."))
@@ -147,7 +149,7 @@ class ClusterService:
         try:
             return self._handle(frame)
         finally:
-            with self._activity:
+            with self._activity_lock:
                 self._in_flight -= 1
                 if self._draining:
                     self._activity.notify_all()

@@ -106,20 +106,21 @@ class GrpcListener(Listener):
         self._pending.clear()
 
     def _respond(self, response: Frame) -> bytes:
-        views = framing.buffer_views(response.buffers)
-        if sum(v.nbytes for v in views) <= self._transport.inline_bytes:
+        views = framing.buffer_views(response.buffers) if response.buffers else []
+        if sum(map(len, views)) <= self._transport.inline_bytes:
             return framing.encode_inline(response.header, views)
         fetch_id = self._pending.add(views)
         return framing.encode_prefix(response.header, [v.nbytes for v in views],
                                      framing.CONTINUED, fetch_id)
 
     def _call(self, message: bytes, context: grpc.ServicerContext) -> bytes:
-        check_token(context, self._security)
+        if self._security.token is not None:
+            check_token(context, self._security)
         try:
             prefix = framing.decode_prefix(message, self._limit)
             if prefix.flags != framing.INLINE:
                 raise errors.InvalidArgumentError("Malformed frame: Call needs inline buffers.")
-            request = Frame(prefix.header, framing.split_inline(message, prefix))
+            request = Frame(prefix.header, framing.inline_buffers(message, prefix))
         except errors.OpError as err:
             context.abort(grpc.StatusCode(status_code(err.error_code)), err.message)
         return self._respond(self._handler(request))
@@ -162,10 +163,10 @@ class GrpcChannel(Channel):
         self._fetch = self._channel.unary_stream(_FETCH)
 
     def call(self, frame: Frame, timeout: float | None = None) -> Frame:
-        deadline = None if timeout is None else time.monotonic() + timeout
+        started = time.monotonic()
         views = framing.buffer_views(frame.buffers) if frame.buffers else []
         try:
-            if sum(v.nbytes for v in views) <= self._transport.inline_bytes:
+            if sum(map(len, views)) <= self._transport.inline_bytes:
                 reply = self._unary(framing.encode_inline(frame.header, views), timeout=timeout,
                                     metadata=self._metadata)
             else:
@@ -175,8 +176,9 @@ class GrpcChannel(Channel):
                 reply = self._upload(stream, timeout=timeout, metadata=self._metadata)
             prefix = framing.decode_prefix(reply, _CLIENT_LIMIT)
             if prefix.flags == framing.INLINE:
-                return Frame(prefix.header, framing.split_inline(reply, prefix))
-            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
+                return Frame(prefix.header, framing.inline_buffers(reply, prefix))
+            remaining = (None if timeout is None
+                         else max(started + timeout - time.monotonic(), 0.001))
             stream = self._fetch(prefix.fetch_id.to_bytes(8, "little"), timeout=remaining,
                                  metadata=self._metadata)
             return Frame(prefix.header, framing.assemble(iter(stream), prefix.lengths))
