@@ -211,16 +211,14 @@ class VerbsListener(Listener):
         self._engine.submit(functools.partial(self._serve, slot, transfer, control))
 
     def _serve(self, slot: int, transfer: int, message: np.ndarray) -> None:
-        with self._lock:
-            endpoint, key = self._endpoints.get(slot, (None, 0))
-            if endpoint is not None:
-                self._last_seen[slot] = time.monotonic()
-        if endpoint is None:
-            return
-        engine = self._engine
         reply_tag = wire.tag(wire.RESPONSE, slot, transfer)
         with self._lock:
+            endpoint, key = self._endpoints.get(slot, (None, 0))
+            if endpoint is None:
+                return
+            self._last_seen[slot] = time.monotonic()
             self._active.add((endpoint, reply_tag))
+        engine = self._engine
         try:
             control = wire.decode(message, self._limit)
             if not hmac.compare_digest(control.key.to_bytes(8, "little"),
@@ -411,9 +409,10 @@ class VerbsChannel(Channel):
                 raise errors.error_from_code(control.status, message)
             wanted = {wire.tag(wire.RESPONSE_DATA, slot, transfer, i): control.lengths[i]
                       for i, k in enumerate(control.kinds) if k == wire.BULK}
-            for t, n in wanted.items():
-                waiter.expect(t, n)
-            self._wait(waiter, lambda: all(t in waiter.messages for t in wanted), deadline)
+            if wanted:
+                for t, n in wanted.items():
+                    waiter.expect(t, n)
+                self._wait(waiter, lambda: all(t in waiter.messages for t in wanted), deadline)
             return Frame(control.header, _assemble(
                 control, {wire.split_tag(t)[3]: waiter.messages[t] for t in wanted}))
         finally:
