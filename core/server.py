@@ -15,6 +15,7 @@ from clusterwire.security import load_security, security_fields
 from clusterwire.server_def import make_server_def
 from clusterwire.service import ClusterService
 from clusterwire.transport import ListenOptions
+from clusterwire.waiting import wait_event
 
 _DEFAULT_PEER_TIMEOUT = 30.0
 _DEFAULT_MAX_WORKERS = 16
@@ -166,8 +167,12 @@ class Server:
                 self._started = True
 
     def join(self, timeout: float | None = None) -> bool:
-        """Block until the server is stopped (or ``timeout`` passes); True once stopped."""
-        return self._stopped.wait(timeout)
+        """Block until the server is stopped (or ``timeout`` passes); True once stopped.
+
+        Ctrl-C and other signal handlers still run promptly while the main
+        thread waits here.
+        """
+        return wait_event(self._stopped, timeout)
 
     def stop(self, grace: float | None = None) -> None:
         """Stop serving: in-flight requests get ``grace`` seconds, then CancelledError.

@@ -195,3 +195,21 @@ def test_repr_and_exports():
         assert "/job:w/task:0" in repr(server) and "serving" in repr(server)
     assert "stopped" in repr(server)
     assert clusterwire.ServerDef is ServerDef
+
+
+def test_join_runs_signal_handlers_delivered_to_another_thread(local_server):
+    """A signal the kernel hands to a non-main thread must not leave join() asleep for good."""
+    import signal
+
+    parked = threading.Event()
+    other = threading.Thread(target=parked.wait, daemon=True)
+    other.start()
+    previous = signal.signal(
+        signal.SIGUSR1, lambda *_: threading.Thread(target=local_server.stop).start())
+    try:
+        signal.pthread_kill(other.ident, signal.SIGUSR1)
+        assert local_server.join(timeout=10)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        parked.set()
+        other.join(5)

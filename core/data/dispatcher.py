@@ -39,6 +39,7 @@ from clusterwire.protos.data_service_pb2 import (
     JournalSplit,
     JournalSplitsDone,
 )
+from clusterwire.waiting import wait_event
 
 _SPLITS_PER_WORKER = 8
 _MAX_SPLIT_UNITS = 4096
@@ -129,8 +130,11 @@ class DispatchServer:
                 self._started = True
 
     def join(self, timeout: float | None = None) -> bool:
-        """Block until the server is stopped (or ``timeout`` passes); True once stopped."""
-        return self._stopped.wait(timeout)
+        """Block until the server is stopped (or ``timeout`` passes); True once stopped.
+
+        Signal handlers (Ctrl-C) still run promptly while the main thread waits here.
+        """
+        return wait_event(self._stopped, timeout)
 
     def stop(self, grace: float | None = None) -> None:
         """Stop serving and free the port (idempotent)."""

@@ -35,6 +35,7 @@ from clusterwire.protos.data_service_pb2 import (
     WorkerHeartbeatRequest,
     WorkerInfo,
 )
+from clusterwire.waiting import wait_event
 
 _IDLE_STREAM_S = 600.0
 _FINISHED_STREAM_S = 30.0
@@ -143,8 +144,11 @@ class WorkerServer:
         self._registered.wait(_FIRST_REGISTRATION_S)
 
     def join(self, timeout: float | None = None) -> bool:
-        """Block until the server is stopped (or ``timeout`` passes); True once stopped."""
-        return self._stopped.wait(timeout)
+        """Block until the server is stopped (or ``timeout`` passes); True once stopped.
+
+        Signal handlers (Ctrl-C) still run promptly while the main thread waits here.
+        """
+        return wait_event(self._stopped, timeout)
 
     def stop(self, grace: float | None = None) -> None:
         """Stop serving, stop every pipeline and free the port (idempotent)."""
