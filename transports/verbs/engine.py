@@ -47,7 +47,6 @@ from clusterwire.buffers import receive_buffers
 
 ReceiveCallback = Callable[[BaseException | None, int, np.ndarray], None]
 SendCallback = Callable[[BaseException | None], None]
-_FULL_MASK = (1 << 64) - 1
 
 
 def _import_ucxx():
@@ -203,8 +202,8 @@ class UcxEngine:
         ``callback(error, sender_tag, buffer)`` runs on whichever thread drives
         the worker (possibly this one, before ``expect`` returns): keep it short.
         Messages longer than ``limit`` are consumed without being stored and
-        reported as ResourceExhaustedError. Only a ``wait`` (or the background
-        thread, see ``serve``) makes messages arrive.
+        reported as ResourceExhaustedError. Messages arrive only while a thread
+        ``wait``s or serving threads run (see ``serve``).
         """
         u = self._u
         key = next(self._ids)
