@@ -238,6 +238,10 @@ def test_register_dataset_and_from_dataset_id(service):
     ds = data.Dataset.range(10).map(fns.square)
     dataset_id = data.register_dataset(service.target, ds)
     assert data.register_dataset(service.target, ds) == dataset_id
+    # the same dataset with another compression is another registration (it is read differently)
+    uncompressed = data.register_dataset(service.target, ds, compression=None)
+    assert uncompressed != dataset_id
+    assert data.register_dataset(service.target, ds, compression=None) == uncompressed
     assert data.register_dataset(service.target, ds, dataset_id="mine") == "mine"
     with pytest.raises(errors.InvalidArgumentError, match="same ID should have the same"):
         data.register_dataset(service.target, data.Dataset.range(3), dataset_id="mine")

@@ -194,7 +194,7 @@ class DispatchServer:
                             "different dataset.")
                     return self._registered(dataset_id), []
             else:
-                known_id = self._state.by_fingerprint.get(fingerprint)
+                known_id = self._state.by_fingerprint.get((fingerprint, request.compression))
                 if known_id is not None:
                     return self._registered(known_id), []
                 dataset_id = str(self._state.next_dataset_id)

@@ -78,7 +78,9 @@ class DispatcherState:
 
     def __init__(self) -> None:
         self.datasets: dict[str, DatasetRecord] = {}
-        self.by_fingerprint: dict[str, str] = {}
+        # (fingerprint, compression) -> dataset id: registering the same dataset again
+        # with the same compression returns the same id, with another one a new id.
+        self.by_fingerprint: dict[tuple[str, str], str] = {}
         self.jobs: dict[int, Job] = {}
         self.job_keys: dict[str, int] = {}
         self.workers: dict[str, WorkerInfo] = {}
@@ -94,7 +96,7 @@ class DispatcherState:
             d = entry.dataset
             self.datasets[d.dataset_id] = DatasetRecord(
                 d.dataset_id, d.fingerprint, d.compression, d.dataset, list(buffers or []))
-            self.by_fingerprint.setdefault(d.fingerprint, d.dataset_id)
+            self.by_fingerprint.setdefault((d.fingerprint, d.compression), d.dataset_id)
             if d.dataset_id.isdigit():
                 self.next_dataset_id = max(self.next_dataset_id, int(d.dataset_id) + 1)
         elif kind == "job":
