@@ -21,6 +21,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import grpc
+import grpc.experimental
 
 from clusterwire import errors
 from clusterwire.addressing import split_host_port
@@ -156,8 +157,11 @@ class GrpcChannel(Channel):
         self._address = address
         self._metadata = token_metadata(security)
         limit = _message_limit(transport.inline_bytes, transport.chunk_bytes)
+        # Single-threaded unary streams: a fetch is read by the calling thread itself,
+        # not through the channel's spin thread (which cost ~1 ms of CPU per MiB fetched).
         self._channel = open_channel(address, security, [
-            ("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", -1)])
+            ("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", -1),
+            (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)])
         self._unary = self._channel.unary_unary(_CALL)
         self._upload = self._channel.stream_unary(_UPLOAD)
         self._fetch = self._channel.unary_stream(_FETCH)
