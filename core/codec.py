@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -132,9 +132,9 @@ def decode(header: Value, buffers: list[Buffer]) -> Any:
     Arrays are views of the received buffers (no copy); they are writable
     when the buffer is.
     """
+    if header.ByteSize() > _PLAN_KEY_MAX:
+        return _decode_large(header, buffers)
     key = header.SerializeToString()
-    if len(key) > _PLAN_KEY_MAX:
-        return _plan(header)(buffers)
     plan = _plans.get(key)
     if plan is None:
         if len(_plans) >= _PLANS_MAX:
@@ -151,6 +151,7 @@ Plan = Callable[[list[Buffer]], Any]
 _PLANS_MAX = 1024
 _PLAN_KEY_MAX = 4096
 _plans: dict[bytes, Plan] = {}
+_SCALAR_KINDS = frozenset({"bool_value", "int_value", "float_value", "str_value"})
 
 
 def _buffer(buffers: list[Buffer], index: int) -> Buffer:
@@ -168,7 +169,7 @@ def _plan(value: Value) -> Plan:
     kind = value.WhichOneof("kind")
     if kind == "none" or kind is None:
         return _constant(None)
-    if kind in ("bool_value", "int_value", "float_value", "str_value"):
+    if kind in _SCALAR_KINDS:
         return _constant(getattr(value, kind))
     if kind == "big_int_value":
         try:
@@ -187,16 +188,31 @@ def _plan(value: Value) -> Plan:
         return lambda buffers: tuple([item(buffers) for item in items])
     if kind == "dict_value":
         entries = [(_plan(entry.key), _plan(entry.value)) for entry in value.dict_value.entries]
-        return lambda buffers: _build_dict(entries, buffers)
+        return lambda buffers: _build_dict(entries, lambda plan: plan(buffers))
     raise InvalidArgumentError(f"Unknown value kind {kind!r}")  # pragma: no cover
 
 
-def _build_dict(entries: list[tuple[Plan, Plan]], buffers: list[Buffer]) -> dict:
+def _decode_large(value: Value, buffers: list[Buffer]) -> Any:
+    # Headers too large to cache (long lists, big dicts) are walked once, without
+    # building a plan whose closures would cost more than the walk itself.
+    kind = value.WhichOneof("kind")
+    if kind in _SCALAR_KINDS:
+        return getattr(value, kind)
+    if kind in ("list_value", "tuple_value"):
+        items = [_decode_large(item, buffers) for item in getattr(value, kind).items]
+        return items if kind == "list_value" else tuple(items)
+    if kind == "dict_value":
+        return _build_dict(((entry.key, entry.value) for entry in value.dict_value.entries),
+                           lambda part: _decode_large(part, buffers))
+    return _plan(value)(buffers)
+
+
+def _build_dict(entries: Iterable[tuple[Any, Any]], decode_part: Callable[[Any], Any]) -> dict:
     result = {}
-    for key_plan, value_plan in entries:
-        key = key_plan(buffers)
+    for key_part, value_part in entries:
+        key = decode_part(key_part)
         try:
-            result[key] = value_plan(buffers)
+            result[key] = decode_part(value_part)
         except TypeError:
             raise InvalidArgumentError(f"Unhashable dict key of type {type(key)}") from None
     return result
