@@ -80,8 +80,7 @@ class RequestClient:
         frame = self.send_frame(address, Frame(request.SerializeToString(), buffers),
                                 request.method, timeout)
         response = parse_response(frame)
-        if response.status.code != errors.OK:
-            raise_for_status(response)
+        raise_for_status(response)
         return response, frame.buffers
 
     def send_frame(self, address: str, frame: Frame, method: str,

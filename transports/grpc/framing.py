@@ -84,20 +84,13 @@ def decode_prefix(message: bytes, limit: int) -> Prefix:
     offset = _PREFIX.size + 8 * count
     if len(message) < offset + header_len:
         raise InvalidArgumentError("Malformed frame: truncated prefix.")
-    lengths = list(_lengths(count).unpack_from(message, _PREFIX.size)) if count else []
-    if count and sum(lengths) > limit:
+    lengths = list(_lengths(count).unpack_from(message, _PREFIX.size))
+    total = sum(lengths)
+    if total > limit:
         raise ResourceExhaustedError(
-            f"Frame of {sum(lengths)} bytes exceeds the limit of {limit} bytes "
-            "(max_message_bytes).")
+            f"Frame of {total} bytes exceeds the limit of {limit} bytes (max_message_bytes).")
     header = bytes(message[offset:offset + header_len])
     return Prefix(flags, header, lengths, fetch_id, offset + header_len)
-
-
-def inline_buffers(message: bytes, prefix: Prefix) -> list[memoryview]:
-    """The inline buffers of ``message`` (``split_inline``), checked to fill it exactly."""
-    if prefix.lengths or len(message) != prefix.body_offset:
-        return split_inline(message, prefix)
-    return []
 
 
 def split_inline(message: bytes, prefix: Prefix) -> list[memoryview]:

@@ -115,13 +115,12 @@ class GrpcListener(Listener):
                                      framing.CONTINUED, fetch_id)
 
     def _call(self, message: bytes, context: grpc.ServicerContext) -> bytes:
-        if self._security.token is not None:
-            check_token(context, self._security)
+        check_token(context, self._security)
         try:
             prefix = framing.decode_prefix(message, self._limit)
             if prefix.flags != framing.INLINE:
                 raise errors.InvalidArgumentError("Malformed frame: Call needs inline buffers.")
-            request = Frame(prefix.header, framing.inline_buffers(message, prefix))
+            request = Frame(prefix.header, framing.split_inline(message, prefix))
         except errors.OpError as err:
             context.abort(grpc.StatusCode(status_code(err.error_code)), err.message)
         return self._respond(self._handler(request))
@@ -180,7 +179,7 @@ class GrpcChannel(Channel):
                 reply = self._upload(stream, timeout=timeout, metadata=self._metadata)
             prefix = framing.decode_prefix(reply, _CLIENT_LIMIT)
             if prefix.flags == framing.INLINE:
-                return Frame(prefix.header, framing.inline_buffers(reply, prefix))
+                return Frame(prefix.header, framing.split_inline(reply, prefix))
             remaining = (None if timeout is None
                          else max(started + timeout - time.monotonic(), 0.001))
             stream = self._fetch(prefix.fetch_id.to_bytes(8, "little"), timeout=remaining,

@@ -35,7 +35,6 @@ from clusterwire import errors
 from clusterwire.addressing import split_host_port
 from clusterwire.security import Security
 from clusterwire.transport import (
-    INLINE_BUDGET,
     Channel,
     ConnectionFailed,
     Frame,
@@ -198,9 +197,6 @@ def _plan(buffers: Sequence[Any], threshold: int
     into one new sealed segment. The caller owns (and closes) the descriptors.
     """
     views = [memoryview(b).cast("B") for b in buffers]
-    total = sum(map(len, views))
-    if total < threshold and total <= INLINE_BUDGET:  # every buffer inline: the small-call case
-        return views, [wire.INLINE] * len(views), [(0, 0)] * len(views), []
     kinds: list[int] = []
     places: list[tuple[int, int]] = []
     fds: list[int] = []
@@ -390,8 +386,7 @@ class LocalListener(Listener):
             peer.close()
 
     def _call(self, message: bytes, context: grpc.ServicerContext) -> bytes:
-        if self._security.token is not None:
-            check_token(context, self._security)
+        check_token(context, self._security)
         try:
             control = wire.decode_control(message, self._limit)
             peer = self._clients.get(control.client_id)  # a dict read needs no lock
