@@ -2,14 +2,16 @@
 
 One gRPC message starts with a fixed prefix::
 
-    magic "CWF1" | flags u8 | 3 pad | header_len u32 | buffer count u32 |
-    fetch id u64 | buffer lengths u64 * count | header bytes | [inline data]
+    magic "CWF1" | flags u8 | pad u8 | bulk port u16 | header_len u32 |
+    buffer count u32 | fetch id u64 | buffer lengths u64 * count | header bytes |
+    [inline data]
 
 ``INLINE``: the buffers follow, concatenated, in the same message (small
 frames, one unary call). Otherwise the buffers travel as separate chunk
 messages of raw bytes: after the prefix message in an upload stream, or in
 a fetch stream the receiver opens with the ``fetch id`` of a ``CONTINUED``
-response. Lengths are checked against the receiver's limit before any
+response (or, when the response names a ``bulk port``, over that TCP port:
+see ``bulk``). Lengths are checked against the receiver's limit before any
 allocation.
 """
 
@@ -28,7 +30,7 @@ from clusterwire.errors import InvalidArgumentError, ResourceExhaustedError
 MAGIC = b"CWF1"
 INLINE = 1
 CONTINUED = 2
-_PREFIX = struct.Struct("<4sB3xIIQ")
+_PREFIX = struct.Struct("<4sBxHIIQ")
 MAX_BUFFERS = 1 << 20
 MAX_HEADER_BYTES = 64 << 20
 
@@ -41,6 +43,7 @@ class Prefix(NamedTuple):
     lengths: list[int]
     fetch_id: int
     body_offset: int
+    bulk_port: int
 
 
 def buffer_views(buffers: Sequence) -> list[memoryview]:
@@ -53,18 +56,19 @@ def _lengths(count: int) -> struct.Struct:
     return struct.Struct(f"<{count}Q")
 
 
-def encode_prefix(header: bytes, lengths: Sequence[int], flags: int, fetch_id: int = 0) -> bytes:
+def encode_prefix(header: bytes, lengths: Sequence[int], flags: int, fetch_id: int = 0,
+                  bulk_port: int = 0) -> bytes:
     """The prefix of a framed message (without inline data)."""
-    return b"".join((_PREFIX.pack(MAGIC, flags, len(header), len(lengths), fetch_id),
+    return b"".join((_PREFIX.pack(MAGIC, flags, bulk_port, len(header), len(lengths), fetch_id),
                      _lengths(len(lengths)).pack(*lengths), header))
 
 
 def encode_inline(header: bytes, views: Sequence[memoryview]) -> bytes:
     """One message holding the header and every buffer (byte views, as ``buffer_views``)."""
     if not views:
-        return _PREFIX.pack(MAGIC, INLINE, len(header), 0, 0) + header
+        return _PREFIX.pack(MAGIC, INLINE, 0, len(header), 0, 0) + header
     count = len(views)
-    return b"".join([_PREFIX.pack(MAGIC, INLINE, len(header), count, 0),
+    return b"".join([_PREFIX.pack(MAGIC, INLINE, 0, len(header), count, 0),
                      _lengths(count).pack(*map(len, views)), header, *views])
 
 
@@ -73,7 +77,7 @@ def decode_prefix(message: bytes, limit: int) -> Prefix:
     if len(message) < _PREFIX.size:
         raise InvalidArgumentError(
             f"Malformed frame: {len(message)} bytes is shorter than a prefix.")
-    magic, flags, header_len, count, fetch_id = _PREFIX.unpack_from(message)
+    magic, flags, bulk_port, header_len, count, fetch_id = _PREFIX.unpack_from(message)
     if magic != MAGIC:
         raise InvalidArgumentError(
             f"Malformed frame: bad magic {magic!r} (not a clusterwire peer?).")
@@ -90,7 +94,7 @@ def decode_prefix(message: bytes, limit: int) -> Prefix:
         raise ResourceExhaustedError(
             f"Frame of {total} bytes exceeds the limit of {limit} bytes (max_message_bytes).")
     header = bytes(message[offset:offset + header_len])
-    return Prefix(flags, header, lengths, fetch_id, offset + header_len)
+    return Prefix(flags, header, lengths, fetch_id, offset + header_len, bulk_port)
 
 
 def split_inline(message: bytes, prefix: Prefix) -> list[memoryview]:

@@ -2,18 +2,23 @@
 
 Small frames (up to ``inline_bytes``) take one unary call each way, the
 cheapest path gRPC has. Larger request frames are uploaded as a stream of
-raw chunks; a larger response is announced in the unary reply and fetched as
-a stream of chunks, so no message exceeds ``chunk_bytes`` (gRPC's 4 MiB cap
-never applies) and no buffer passes through a protobuf field.
+raw chunks; a larger response is announced in the unary reply and fetched,
+so no message exceeds ``chunk_bytes`` (gRPC's 4 MiB cap never applies) and
+no buffer passes through a protobuf field. The fetch reads the listener's
+TCP bulk port (``bulk``: one kernel copy instead of grpcio's three) unless
+the listener uses TLS or ``bulk_plane = "grpc"``, or the client cannot reach
+that port; then it is a gRPC stream of chunks.
 
 Options (plugins.toml ``[options.grpc]``): ``inline_bytes`` (default 1 MiB),
 ``chunk_bytes`` (default 1 MiB), ``fetch_ttl_seconds`` (default 60: how long
-an announced response waits for its fetch).
+an announced response waits for its fetch), ``bulk_plane`` ("tcp", the
+default, or "grpc": everything on the gRPC port).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import secrets
 import threading
 import time
@@ -28,6 +33,7 @@ from clusterwire.addressing import split_host_port
 from clusterwire.security import Security
 from clusterwire.transport import Channel, Frame, Handler, Listener, ListenOptions, Transport
 from clusterwire.transports.grpc import framing
+from clusterwire.transports.grpc.bulk import BulkClient, BulkServer, Unreachable
 from clusterwire.transports.grpc.plumbing import (
     ControlServer,
     check_token,
@@ -40,6 +46,8 @@ from clusterwire.transports.grpc.plumbing import (
 SERVICE = "clusterwire.Transport"
 _CALL, _UPLOAD, _FETCH = (f"/{SERVICE}/{m}" for m in ("Call", "Upload", "Fetch"))
 _CLIENT_LIMIT = 1 << 42
+_BULK_PLANES = ("tcp", "grpc")
+_LOG = logging.getLogger(__name__)
 
 
 def _message_limit(inline_bytes: int, chunk_bytes: int) -> int:
@@ -94,16 +102,36 @@ class GrpcListener(Listener):
             }, options.max_workers, "grpc",
             [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", -1)],
             options.max_connections)
+        self._bulk = None
+        if transport.bulk_plane == "tcp" and self._security.tls is None:
+            try:
+                self._bulk = BulkServer(split_host_port(self.address)[0], self._pending.take,
+                                        options.max_connections)
+            except OSError as err:
+                self._control.stop(None)
+                raise errors.UnavailableError(
+                    f"Could not open the bulk port beside {self.address}: {err}. Set "
+                    "bulk_plane = \"grpc\" in [options.grpc] to serve everything on the gRPC "
+                    "port.") from None
 
     @property
     def address(self) -> str:
         return self._control.address
 
+    @property
+    def bulk_port(self) -> int | None:
+        """The TCP port large responses are fetched from, None when they stay on gRPC."""
+        return self._bulk.port if self._bulk else None
+
     def start(self) -> None:
         self._control.start()
+        if self._bulk:
+            self._bulk.start()
 
     def stop(self, grace: float | None = None) -> None:
         self._control.stop(grace)
+        if self._bulk:
+            self._bulk.stop(grace)
         self._pending.clear()
 
     def _respond(self, response: Frame) -> bytes:
@@ -112,7 +140,8 @@ class GrpcListener(Listener):
             return framing.encode_inline(response.header, views)
         fetch_id = self._pending.add(views)
         return framing.encode_prefix(response.header, [v.nbytes for v in views],
-                                     framing.CONTINUED, fetch_id)
+                                     framing.CONTINUED, fetch_id,
+                                     self._bulk.port if self._bulk else 0)
 
     def _call(self, message: bytes, context: grpc.ServicerContext) -> bytes:
         check_token(context, self._security)
@@ -155,6 +184,7 @@ class GrpcChannel(Channel):
         self._transport = transport
         self._address = address
         self._metadata = token_metadata(security)
+        self._bulk: BulkClient | None = BulkClient(address)
         limit = _message_limit(transport.inline_bytes, transport.chunk_bytes)
         # Single-threaded unary streams: a fetch is read by the calling thread itself,
         # not through the channel's spin thread (which cost ~1 ms of CPU per MiB fetched).
@@ -180,6 +210,14 @@ class GrpcChannel(Channel):
             prefix = framing.decode_prefix(reply, _CLIENT_LIMIT)
             if prefix.flags == framing.INLINE:
                 return Frame(prefix.header, framing.split_inline(reply, prefix))
+            if prefix.bulk_port and self._bulk:
+                deadline = None if timeout is None else started + timeout
+                try:
+                    return Frame(prefix.header, self._bulk.fetch(
+                        prefix.bulk_port, prefix.fetch_id, prefix.lengths, deadline))
+                except Unreachable as err:
+                    _LOG.warning("Fetching over gRPC from now on: %s", err)
+                    self._bulk = None
             remaining = (None if timeout is None
                          else max(started + timeout - time.monotonic(), 0.001))
             stream = self._fetch(prefix.fetch_id.to_bytes(8, "little"), timeout=remaining,
@@ -191,6 +229,8 @@ class GrpcChannel(Channel):
             raise errors.CancelledError(f"Channel to {self._address} is closed: {err}") from None
 
     def close(self) -> None:
+        if self._bulk:
+            self._bulk.close()
         self._channel.close()
 
 
@@ -204,10 +244,14 @@ class GrpcTransport(Transport):
         self.inline_bytes = _positive(options.pop("inline_bytes", 1 << 20), "inline_bytes")
         self.chunk_bytes = _positive(options.pop("chunk_bytes", 1 << 20), "chunk_bytes")
         self.fetch_ttl = float(_positive(options.pop("fetch_ttl_seconds", 60), "fetch_ttl_seconds"))
+        self.bulk_plane = options.pop("bulk_plane", "tcp")
+        if self.bulk_plane not in _BULK_PLANES:
+            raise errors.InvalidArgumentError(
+                f"grpc option bulk_plane must be one of {_BULK_PLANES}, got {self.bulk_plane!r}")
         if options:
             raise errors.InvalidArgumentError(
                 f"Unknown option(s) for the grpc transport: {sorted(options)}; known: "
-                "inline_bytes, chunk_bytes, fetch_ttl_seconds.")
+                "inline_bytes, chunk_bytes, fetch_ttl_seconds, bulk_plane.")
 
     def listen(self, address: str, handler: Handler, options: ListenOptions) -> Listener:
         return GrpcListener(self, address, handler, options)
@@ -216,7 +260,11 @@ class GrpcTransport(Transport):
         return GrpcChannel(self, address, security or Security())
 
     def info(self) -> dict[str, str]:
-        return {"control": "grpc", "data": f"grpc chunk stream ({self.chunk_bytes} B chunks)"}
+        stream = f"grpc chunk stream ({self.chunk_bytes} B chunks)"
+        if self.bulk_plane == "grpc":
+            return {"control": "grpc", "data": stream}
+        return {"control": "grpc", "data": f"tcp bulk port for responses; {stream} for uploads "
+                                           "and under TLS"}
 
 
 def _positive(value: Any, name: str) -> int:

@@ -1,0 +1,136 @@
+"""The grpc transport's TCP bulk plane: large responses leave gRPC, safely."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from clusterwire import errors
+from clusterwire.security import Security, TlsConfig
+from clusterwire.testing.peer import echo_handler
+from clusterwire.transport import Frame, ListenOptions
+from clusterwire.transports.grpc import bulk, framing
+from clusterwire.transports.grpc.transport import GrpcTransport
+
+_MiB = 1 << 20
+_STATUS = struct.Struct("<BQ")
+
+
+@pytest.fixture
+def listener():
+    listener = GrpcTransport().listen("127.0.0.1:0", echo_handler, ListenOptions())
+    listener.start()
+    yield listener
+    listener.stop(0)
+
+
+@pytest.fixture
+def channel(listener):
+    channel = GrpcTransport().connect(listener.address)
+    yield channel
+    channel.close()
+
+
+def announce(listener, payload: np.ndarray) -> framing.Prefix:
+    """A raw gRPC call whose reply announces ``payload`` (fetch id and bulk port)."""
+    with grpc.insecure_channel(listener.address) as raw:
+        call = raw.unary_unary("/clusterwire.Transport/Call")
+        reply = call(framing.encode_inline(b"raw", framing.buffer_views([payload])), timeout=10)
+    prefix = framing.decode_prefix(reply, 1 << 40)
+    assert prefix.flags == framing.CONTINUED
+    return prefix
+
+
+def fetch_raw(port: int, fetch_id: int) -> tuple[int, bytes]:
+    """Status and bytes of one fetch on a fresh bulk connection."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(struct.pack("<Q", fetch_id))
+        with sock.makefile("rb") as reader:
+            code, total = _STATUS.unpack(reader.read(_STATUS.size))
+            return code, reader.read(total)
+
+
+def test_large_responses_use_the_bulk_port(listener, channel):
+    payload = np.random.default_rng(1).integers(0, 255, 3 * _MiB, np.uint8)
+    small = np.arange(1000, dtype=np.uint8)
+    reply = channel.call(Frame(b"big", [payload, small, payload[:10]]), timeout=30)
+    assert listener.bulk_port
+    assert [bytes(b) for b in reply.buffers] == [payload.tobytes(), small.tobytes(),
+                                                 payload[:10].tobytes()]
+    assert all(not memoryview(b).readonly for b in reply.buffers)
+    prefix = announce(listener, payload)
+    assert prefix.bulk_port == listener.bulk_port
+
+
+def test_fetch_id_is_single_use(listener):
+    payload = np.full(2 * _MiB, 9, np.uint8)
+    prefix = announce(listener, payload)
+    code, data = fetch_raw(prefix.bulk_port, prefix.fetch_id)
+    assert code == 0 and data == payload.tobytes()
+    assert fetch_raw(prefix.bulk_port, prefix.fetch_id) == (1, b"")
+
+
+def test_garbage_on_the_bulk_port_does_not_take_the_listener_down(listener, channel):
+    port = listener.bulk_port
+    assert fetch_raw(port, int.from_bytes(os.urandom(8), "little")) == (1, b"")
+    for garbage in (b"", b"\x01\x02\x03", b"GET / HTTP/1.1\r\n\r\n" * 100):
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(garbage)
+    payload = np.full(2 * _MiB, 3, np.uint8)
+    reply = channel.call(Frame(b"after", [payload]), timeout=30)
+    assert bytes(reply.buffers[0]) == payload.tobytes()
+
+
+def test_unreachable_bulk_port_falls_back_to_grpc(listener, channel):
+    listener._bulk.stop(0)  # the gRPC port still serves; the bulk port is gone
+    payload = np.full(2 * _MiB, 5, np.uint8)
+    for _ in range(2):
+        reply = channel.call(Frame(b"fallback", [payload]), timeout=30)
+        assert bytes(reply.buffers[0]) == payload.tobytes()
+
+
+def test_idle_connection_closed_by_the_server_is_replaced(monkeypatch, listener, channel):
+    monkeypatch.setattr(bulk, "IDLE_SECONDS", 0.2)
+    payload = np.full(2 * _MiB, 1, np.uint8)
+    channel.call(Frame(b"first", [payload]), timeout=30)
+    deadline = time.monotonic() + 10
+    while listener._bulk._connections and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling the server's state: its idle timeout closes the connection
+    assert not listener._bulk._connections
+    reply = channel.call(Frame(b"second", [payload]), timeout=30)
+    assert bytes(reply.buffers[0]) == payload.tobytes()
+
+
+def test_stop_closes_the_bulk_port(listener):
+    port = listener.bulk_port
+    listener.stop(0)
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+
+def test_no_bulk_port_with_tls_or_when_disabled(tmp_path):
+    pytest.importorskip("cryptography")
+    from clusterwire.testing.certs import Authority
+
+    authority = Authority(tmp_path)
+    pair = authority.issue("server")
+    tls = Security(tls=TlsConfig(certificate_chain=pair.cert.read_bytes(),
+                                 private_key=pair.key.read_bytes()))
+    for transport, options in ((GrpcTransport(), ListenOptions(security=tls)),
+                               (GrpcTransport({"bulk_plane": "grpc"}), ListenOptions())):
+        listener = transport.listen("127.0.0.1:0", echo_handler, options)
+        try:
+            assert listener.bulk_port is None
+        finally:
+            listener.stop(0)
+
+
+def test_bad_bulk_plane_option():
+    with pytest.raises(errors.InvalidArgumentError, match="bulk_plane"):
+        GrpcTransport({"bulk_plane": "udp"})

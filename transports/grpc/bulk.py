@@ -1,0 +1,313 @@
+"""The grpc transport's bulk plane: announced response buffers over plain TCP.
+
+grpcio's Python binding copies every message it receives twice (gRPC slices
+into bytes objects, then their join), which held a receiver to about
+0.6-0.8 ms of CPU per MiB on the machines we measure. On this plane the
+receiver reads straight into its own buffers (``recv_into``: the kernel's
+copy only) and the sender writes the caller's buffers with ``sendmsg``.
+
+Only the bytes of a response too large to go inline take this path; the
+request, the response header and every status stay on gRPC. The listener
+opens one extra TCP port on its own host and announces it in each large
+reply, together with the reply's fetch id. The exchange on a connection,
+repeated any number of times::
+
+    client -> server   fetch id u64
+    server -> client   status u8 (0: ok, 1: unknown id) | total length u64 | the bytes
+
+The fetch id is an unguessable single-use ticket that the client received
+over the (token-checked) gRPC reply, so it is the only credential the plane
+needs. The plane carries no TLS: a listener with TLS never opens it, and its
+large replies are fetched over gRPC as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from clusterwire import errors
+from clusterwire.addressing import split_host_port
+from clusterwire.buffers import MIN_POOLED_BYTES, receive_buffers
+
+_TICKET = struct.Struct("<Q")
+_STATUS = struct.Struct("<BQ")
+_OK, _UNKNOWN = 0, 1
+#: A connection that sends no fetch id for this long is closed (its client reconnects).
+IDLE_SECONDS = 300.0
+_SEND_BATCH = 256  # buffers per sendmsg (well under IOV_MAX)
+
+
+class Unreachable(Exception):
+    """The bulk port could not be reached before the fetch id was sent (fetch over gRPC)."""
+
+
+class BulkServer:
+    """Serves announced responses on a TCP port of the listener's host."""
+
+    def __init__(self, host: str, take: Callable[[int], Sequence[memoryview] | None],
+                 max_connections: int):
+        self._take = take
+        self._max_connections = max_connections
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._socket = socket.create_server((host, 0), family=family, backlog=128)
+        self.port: int = self._socket.getsockname()[1]
+        self._connections: set[socket.socket] = set()
+        self._threads: set[threading.Thread] = set()
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._acceptor = threading.Thread(target=self._accept, name="clusterwire-grpc-bulk",
+                                          daemon=True)
+
+    def start(self) -> None:
+        """Accept connections."""
+        self._acceptor.start()
+
+    def stop(self, grace: float | None) -> None:
+        """Refuse new fetches; transfers running get ``grace`` seconds, then are cut."""
+        with self._lock:
+            self._stopping = True
+            connections = list(self._connections)
+        _shutdown(self._socket, socket.SHUT_RDWR)
+        self._socket.close()
+        for connection in connections:  # idle ones end at once, busy ones after sending
+            _shutdown(connection, socket.SHUT_RD)
+        deadline = time.monotonic() + (grace or 0.0)
+        for thread in list(self._threads):
+            thread.join(max(deadline - time.monotonic(), 0.0))
+        with self._lock:
+            connections = list(self._connections)
+        for connection in connections:
+            _shutdown(connection, socket.SHUT_RDWR)
+        if self._acceptor.is_alive():
+            self._acceptor.join(5)
+        for thread in list(self._threads):
+            thread.join(5)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self._socket.accept()
+            except OSError:
+                return  # the socket was closed by stop()
+            with self._lock:
+                refused = self._stopping or len(self._connections) >= self._max_connections
+                if not refused:
+                    self._connections.add(connection)
+                    thread = threading.Thread(target=self._serve, args=(connection,),
+                                              name="clusterwire-grpc-bulk", daemon=True)
+                    self._threads.add(thread)
+            if refused:
+                connection.close()
+            else:
+                thread.start()
+
+    def _serve(self, connection: socket.socket) -> None:
+        try:
+            connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            connection.settimeout(IDLE_SECONDS)
+            ticket = bytearray(_TICKET.size)
+            while _receive_into(connection, memoryview(ticket)):
+                views = self._take(_TICKET.unpack(ticket)[0])
+                if views is None:  # expired, fetched already, or a stranger's guess
+                    connection.sendall(_STATUS.pack(_UNKNOWN, 0))
+                    return
+                connection.sendall(_STATUS.pack(_OK, sum(v.nbytes for v in views)))
+                _send_views(connection, list(views))
+        except OSError:
+            pass  # the client went away or stop() cut the connection
+        finally:
+            with self._lock:
+                self._connections.discard(connection)
+                self._threads.discard(threading.current_thread())
+            connection.close()
+
+
+class BulkClient:
+    """Fetches announced responses from one server's bulk port; keeps idle connections."""
+
+    def __init__(self, address: str):
+        self._host = split_host_port(address)[0]
+        self._address = address
+        self._idle: dict[int, list[socket.socket]] = {}
+        self._open: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def fetch(self, port: int, fetch_id: int, lengths: Sequence[int],
+              deadline: float | None) -> list:
+        """The announced buffers of ``lengths``; ``Unreachable`` if the port cannot be reached."""
+        connection, reused = self._connection(port, deadline)
+        try:
+            try:
+                connection.sendall(_TICKET.pack(fetch_id))
+                status = self._status(connection, deadline)
+            except ConnectionError:
+                if not reused:
+                    raise
+                # The server closed this idle connection before it read the id: retry fresh.
+                self._discard(connection)
+                connection, _ = self._connection(port, deadline, reuse=False)
+                connection.sendall(_TICKET.pack(fetch_id))
+                status = self._status(connection, deadline)
+            code, total = status
+            if code != _OK:
+                raise errors.NotFoundError(
+                    f"No pending response {fetch_id} at {self._address}: it expired or was "
+                    "fetched already.")
+            if total != sum(lengths):
+                raise errors.DataLossError(
+                    f"{self._address} sent {total} bytes for a response announced as "
+                    f"{sum(lengths)}.")
+            buffers = _receive_buffers(connection, lengths, deadline)
+        except BaseException as err:
+            self._discard(connection)
+            raise self._error(err) from None
+        with self._lock:
+            if self._closed:
+                connection.close()
+            else:
+                self._idle.setdefault(port, []).append(connection)
+        return buffers
+
+    def close(self) -> None:
+        """Close every connection, cutting fetches in flight (they raise CancelledError)."""
+        with self._lock:
+            self._closed = True
+            connections, self._open, self._idle = list(self._open), set(), {}
+        for connection in connections:
+            _shutdown(connection, socket.SHUT_RDWR)
+            connection.close()
+
+    def _connection(self, port: int, deadline: float | None,
+                    reuse: bool = True) -> tuple[socket.socket, bool]:
+        with self._lock:
+            if self._closed:
+                raise errors.CancelledError(f"Channel to {self._address} is closed.")
+            for stale in [p for p in self._idle if p != port]:  # the server restarted
+                for connection in self._idle.pop(stale):
+                    self._open.discard(connection)
+                    connection.close()
+            idle = self._idle.get(port)
+            if reuse and idle:
+                return idle.pop(), True
+        try:
+            connection = socket.create_connection((self._host, port),
+                                                  timeout=min(_remaining(deadline), 5.0))
+        except OSError as err:
+            raise Unreachable(f"bulk port {self._host}:{port}: {err}") from None
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._open.add(connection)
+        if closed:
+            connection.close()
+            raise errors.CancelledError(f"Channel to {self._address} is closed.")
+        return connection, False
+
+    def _status(self, connection: socket.socket, deadline: float | None) -> tuple[int, int]:
+        status = bytearray(_STATUS.size)
+        connection.settimeout(_remaining(deadline))
+        if not _receive_into(connection, memoryview(status), deadline):
+            raise ConnectionResetError("the bulk connection closed")
+        return _STATUS.unpack(status)
+
+    def _discard(self, connection: socket.socket) -> None:
+        with self._lock:
+            self._open.discard(connection)
+        connection.close()
+
+    def _error(self, err: BaseException) -> BaseException:
+        if isinstance(err, (errors.OpError, Unreachable)):
+            return err
+        if isinstance(err, TimeoutError):
+            return errors.DeadlineExceededError(
+                f"Deadline exceeded while receiving a response from {self._address}.")
+        if isinstance(err, OSError):
+            if self._closed:
+                return errors.CancelledError(f"Channel to {self._address} was closed.")
+            return errors.UnavailableError(
+                f"The connection to {self._address} broke during a transfer: {err}")
+        return err
+
+
+def _remaining(deadline: float | None) -> float | None:
+    if deadline is None:
+        return None
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError
+    return remaining
+
+
+def _receive_into(connection: socket.socket, view: memoryview,
+                  deadline: float | None = None) -> bool:
+    """Fill ``view``; False on a clean end of stream before the first byte."""
+    filled = 0
+    while filled < view.nbytes:
+        if deadline is not None:
+            connection.settimeout(_remaining(deadline))
+        count = connection.recv_into(view[filled:])
+        if count == 0:
+            if filled == 0:
+                return False
+            raise ConnectionResetError(f"the bulk connection closed after {filled} bytes")
+        filled += count
+    return True
+
+
+def _receive_buffers(connection: socket.socket, lengths: Sequence[int],
+                     deadline: float | None) -> list:
+    """Writable buffers of ``lengths`` read from ``connection``: large ones from the pool,
+    each run of small ones in one read (one system call, not one per buffer)."""
+    buffers: list = []
+    index = 0
+    while index < len(lengths):
+        if lengths[index] >= MIN_POOLED_BYTES:
+            buffer = receive_buffers.take(lengths[index])
+            _receive_exactly(connection, memoryview(buffer), deadline)
+            buffers.append(buffer)
+            index += 1
+            continue
+        end = index
+        while end < len(lengths) and lengths[end] < MIN_POOLED_BYTES:
+            end += 1
+        whole = memoryview(np.empty(sum(lengths[index:end]), np.uint8))
+        _receive_exactly(connection, whole, deadline)
+        offset = 0
+        for length in lengths[index:end]:
+            buffers.append(whole[offset:offset + length])
+            offset += length
+        index = end
+    return buffers
+
+
+def _receive_exactly(connection: socket.socket, view: memoryview,
+                     deadline: float | None) -> None:
+    if view.nbytes and not _receive_into(connection, view, deadline):
+        raise ConnectionResetError("the bulk connection closed before the data")
+
+
+def _send_views(connection: socket.socket, views: list[memoryview]) -> None:
+    """Write every byte of ``views`` (partial sendmsg results resumed)."""
+    views = [v for v in views if v.nbytes]
+    first = 0
+    while first < len(views):
+        sent = connection.sendmsg(views[first:first + _SEND_BATCH])
+        while sent and sent >= views[first].nbytes:
+            sent -= views[first].nbytes
+            first += 1
+        if sent:
+            views[first] = views[first][sent:]
+
+
+def _shutdown(connection: socket.socket, how: int) -> None:
+    with contextlib.suppress(OSError):  # not connected, or closed already
+        connection.shutdown(how)
