@@ -17,6 +17,7 @@ It measures, in one run (about 40 s on 2 cores):
 4. Local cluster start-up (ps:1, worker:2) until a status call through worker 0
    reaches the ps task.
 5. A sweep of the grpc transport's ``chunk_bytes`` for the 64 MiB direct get
+   fetched as a gRPC chunk stream (``bulk_plane = "grpc"``: the path under TLS)
    (``--chunk-bytes``; each size runs a fresh task with a temporary
    plugins.toml).
 
@@ -282,8 +283,9 @@ def measure_chunk_sweep(args: argparse.Namespace, payload: np.ndarray):
     """64 MiB direct Session.get per grpc chunk_bytes: [(chunk, Throughput, task's data path)].
 
     Each size gets its own 1-task cluster started with a temporary plugins.toml
-    (``[options.grpc] chunk_bytes``) and a Session whose client transport was
-    created from the same file; transfers are interleaved across the sizes.
+    (``[options.grpc] chunk_bytes``, ``bulk_plane = "grpc"``) and a Session whose
+    client transport was created from the same file; transfers are interleaved
+    across the sizes.
     """
     from clusterwire import Session
     from clusterwire.local_cluster import LocalCluster
@@ -295,7 +297,7 @@ def measure_chunk_sweep(args: argparse.Namespace, payload: np.ndarray):
         for chunk in args.chunk_bytes:
             path = os.path.join(tmp, f"plugins-{chunk}.toml")
             with open(path, "w", encoding="utf-8") as handle:
-                handle.write(f"[options.grpc]\nchunk_bytes = {chunk}\n")
+                handle.write(f"[options.grpc]\nchunk_bytes = {chunk}\nbulk_plane = \"grpc\"\n")
             cluster = stack.enter_context(LocalCluster(
                 {"worker": 1}, env=child_env({"CLUSTERWIRE_PLUGINS": path})))
             old = set_plugin_manager(PluginManager(path))
@@ -540,10 +542,12 @@ def render(args, env, latencies, throughputs, info, sweep, imports, ups, elapsed
         best = max(sweep, key=lambda item: item[1].median_gbs)[0]
         lines += [
             "",
-            f"## grpc `chunk_bytes` sweep: {args.size_mib} MiB direct Session.get",
+            f"## grpc `chunk_bytes` sweep: {args.size_mib} MiB direct Session.get over a "
+            "gRPC chunk stream",
             "",
             "One 1-task cluster per size, started with a temporary plugins.toml "
-            "(`[options.grpc] chunk_bytes = N`, client transport from the same file); "
+            "(`[options.grpc] chunk_bytes = N`, `bulk_plane = \"grpc\"`: the path a TLS "
+            "listener uses; client transport from the same file); "
             f"transfers interleaved across sizes, median of {args.transfers}. Compare sizes "
             "with each other: x raw TCP is against the raw TCP row above, measured earlier.",
             "",
