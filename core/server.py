@@ -8,6 +8,7 @@ from typing import Any
 
 from clusterwire import errors
 from clusterwire.addressing import join_host_port, split_host_port
+from clusterwire.at_exit import stop_at_exit
 from clusterwire.cluster_spec import ClusterSpec
 from clusterwire.plugins import get_plugin_manager
 from clusterwire.protos.tensorflow_server_pb2 import ServerDef
@@ -99,6 +100,7 @@ class Server:
         self._port = split_host_port(self._listener.address)[1]
         self._publish_bound_port(cluster)
         self._finalizer = weakref.finalize(self, _shutdown, self._listener, self._service)
+        stop_at_exit(self._finalizer)
         if start:
             self.start()
 

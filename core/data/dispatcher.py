@@ -14,6 +14,7 @@ import weakref
 from typing import Any
 
 from clusterwire import errors
+from clusterwire.at_exit import stop_at_exit
 from clusterwire.data import graph
 from clusterwire.data.config import (
     CLIENT_TIMEOUT_MS,
@@ -94,6 +95,7 @@ class DispatchServer:
                                            name="clusterwire-data-gc")
         self._finalizer = weakref.finalize(self, _shutdown, self._endpoint, self._stopping,
                                            self._journal, None)
+        stop_at_exit(self._finalizer)
         if start:
             self.start()
 

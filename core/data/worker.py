@@ -15,6 +15,7 @@ from typing import Any
 
 from clusterwire import errors
 from clusterwire.addressing import split_host_port, split_target
+from clusterwire.at_exit import stop_at_exit
 from clusterwire.data import compression, elements, graph
 from clusterwire.data.config import (
     DISPATCHER_TIMEOUT_MS,
@@ -112,6 +113,7 @@ class WorkerServer:
                                             name="clusterwire-data-heartbeat")
         self._finalizer = weakref.finalize(self, _shutdown, self._endpoints(), self._stopping,
                                            self._dispatcher, self._streams, None)
+        stop_at_exit(self._finalizer)
         if start:
             self.start()
 
