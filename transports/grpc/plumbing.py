@@ -7,6 +7,7 @@ clusterwire errors.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from concurrent import futures
 
@@ -19,6 +20,8 @@ from clusterwire.transport import ConnectionFailed, HandshakeFailed
 
 #: gRPC metadata key of the cluster token ("-bin": any bytes allowed).
 TOKEN_METADATA = f"{TOKEN_KEY}-bin"
+_STOP_SLACK_S = 10.0
+_LOG = logging.getLogger(__name__)
 
 
 def bind(server: grpc.Server, address: str, security: Security) -> str:
@@ -60,6 +63,7 @@ class ControlServer:
             *options])
         self.server.add_generic_rpc_handlers(
             [grpc.method_handlers_generic_handler(service, dict(handlers))])
+        self.address = address  # the contact address (bound port) once bound
         try:
             self.address = bind(self.server, address, security)
         except errors.OpError:
@@ -72,7 +76,10 @@ class ControlServer:
 
     def stop(self, grace: float | None) -> None:
         """Stop (in-flight calls get ``grace`` seconds), then release the pool."""
-        self.server.stop(grace).wait()
+        # Bounded: gRPC never reports the stop done if its polling thread died.
+        if not self.server.stop(grace).wait((grace or 0.0) + _STOP_SLACK_S):
+            _LOG.warning("The gRPC server at %s did not confirm its stop within %.0f s.",
+                         self.address, (grace or 0.0) + _STOP_SLACK_S)
         self.pool.shutdown(wait=False)
 
 
