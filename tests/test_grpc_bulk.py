@@ -134,3 +134,10 @@ def test_no_bulk_port_with_tls_or_when_disabled(tmp_path):
 def test_bad_bulk_plane_option():
     with pytest.raises(errors.InvalidArgumentError, match="bulk_plane"):
         GrpcTransport({"bulk_plane": "udp"})
+
+
+def test_call_without_timeout_and_expired_deadline(listener, channel):
+    payload = np.full(2 * _MiB, 4, np.uint8)
+    assert bytes(channel.call(Frame(b"no timeout", [payload])).buffers[0]) == payload.tobytes()
+    with pytest.raises(errors.DeadlineExceededError):
+        bulk.BulkClient(listener.address).fetch(listener.bulk_port, 1, [8], time.monotonic() - 1)

@@ -128,14 +128,16 @@ class TransportSuite:
         yield listener
         listener.stop(0)
 
-    def _peer(self) -> _Peer:
-        if not self.capabilities.cross_process:
-            pytest.skip(f"{self.protocol} does not run across processes")
-        return _Peer(self.protocol)
+    @classmethod
+    def _peer(cls) -> _Peer:
+        if not cls.capabilities.cross_process:
+            pytest.skip(f"{cls.protocol} does not run across processes")
+        return _Peer(cls.protocol)
 
     @pytest.fixture(scope="class")
-    def peer_process(self) -> Iterator[_Peer]:
-        peer = self._peer()
+    @classmethod
+    def peer_process(cls) -> Iterator[_Peer]:
+        peer = cls._peer()
         yield peer
         peer.close()
 
@@ -372,7 +374,8 @@ class TransportSuite:
             listener.stop(0)
 
     @pytest.fixture(scope="class")
-    def authority(self, tmp_path_factory):
+    @classmethod
+    def authority(cls, tmp_path_factory):
         pytest.importorskip("cryptography")
         from clusterwire.testing.certs import Authority
 

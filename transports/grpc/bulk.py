@@ -42,6 +42,7 @@ _OK, _UNKNOWN = 0, 1
 #: A connection that sends no fetch id for this long is closed (its client reconnects).
 IDLE_SECONDS = 300.0
 _SEND_BATCH = 256  # buffers per sendmsg (well under IOV_MAX)
+_CONNECT_S = 5.0  # longer, and the port is taken for unreachable (firewalled)
 
 
 class Unreachable(Exception):
@@ -79,7 +80,7 @@ class BulkServer:
         for connection in connections:  # idle ones end at once, busy ones after sending
             _shutdown(connection, socket.SHUT_RD)
         deadline = time.monotonic() + (grace or 0.0)
-        for thread in list(self._threads):
+        for thread in self._serving():
             thread.join(max(deadline - time.monotonic(), 0.0))
         with self._lock:
             connections = list(self._connections)
@@ -87,8 +88,12 @@ class BulkServer:
             _shutdown(connection, socket.SHUT_RDWR)
         if self._acceptor.is_alive():
             self._acceptor.join(5)
-        for thread in list(self._threads):
+        for thread in self._serving():
             thread.join(5)
+
+    def _serving(self) -> list[threading.Thread]:
+        with self._lock:
+            return list(self._threads)
 
     def _accept(self) -> None:
         while True:
@@ -143,20 +148,19 @@ class BulkClient:
     def fetch(self, port: int, fetch_id: int, lengths: Sequence[int],
               deadline: float | None) -> list:
         """The announced buffers of ``lengths``; ``Unreachable`` if the port cannot be reached."""
-        connection, reused = self._connection(port, deadline)
+        connection = None
         try:
+            connection, reused = self._connection(port, deadline)
             try:
-                connection.sendall(_TICKET.pack(fetch_id))
-                status = self._status(connection, deadline)
+                code, total = self._ask(connection, fetch_id, deadline)
             except ConnectionError:
                 if not reused:
                     raise
                 # The server closed this idle connection before it read the id: retry fresh.
                 self._discard(connection)
+                connection = None
                 connection, _ = self._connection(port, deadline, reuse=False)
-                connection.sendall(_TICKET.pack(fetch_id))
-                status = self._status(connection, deadline)
-            code, total = status
+                code, total = self._ask(connection, fetch_id, deadline)
             if code != _OK:
                 raise errors.NotFoundError(
                     f"No pending response {fetch_id} at {self._address}: it expired or was "
@@ -167,7 +171,8 @@ class BulkClient:
                     f"{sum(lengths)}.")
             buffers = _receive_buffers(connection, lengths, deadline)
         except BaseException as err:
-            self._discard(connection)
+            if connection is not None:
+                self._discard(connection)
             raise self._error(err) from None
         with self._lock:
             if self._closed:
@@ -197,9 +202,9 @@ class BulkClient:
             idle = self._idle.get(port)
             if reuse and idle:
                 return idle.pop(), True
+        timeout = _CONNECT_S if deadline is None else min(_remaining(deadline), _CONNECT_S)
         try:
-            connection = socket.create_connection((self._host, port),
-                                                  timeout=min(_remaining(deadline), 5.0))
+            connection = socket.create_connection((self._host, port), timeout=timeout)
         except OSError as err:
             raise Unreachable(f"bulk port {self._host}:{port}: {err}") from None
         connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -212,9 +217,12 @@ class BulkClient:
             raise errors.CancelledError(f"Channel to {self._address} is closed.")
         return connection, False
 
-    def _status(self, connection: socket.socket, deadline: float | None) -> tuple[int, int]:
-        status = bytearray(_STATUS.size)
+    def _ask(self, connection: socket.socket, fetch_id: int,
+             deadline: float | None) -> tuple[int, int]:
+        """Send the fetch id; the server's (status, total length)."""
         connection.settimeout(_remaining(deadline))
+        connection.sendall(_TICKET.pack(fetch_id))
+        status = bytearray(_STATUS.size)
         if not _receive_into(connection, memoryview(status), deadline):
             raise ConnectionResetError("the bulk connection closed")
         return _STATUS.unpack(status)

@@ -184,7 +184,8 @@ class GrpcChannel(Channel):
         self._transport = transport
         self._address = address
         self._metadata = token_metadata(security)
-        self._bulk: BulkClient | None = BulkClient(address)
+        self._bulk = BulkClient(address)
+        self._use_bulk = True  # until the bulk port turns out unreachable from here
         limit = _message_limit(transport.inline_bytes, transport.chunk_bytes)
         # Single-threaded unary streams: a fetch is read by the calling thread itself,
         # not through the channel's spin thread (which cost ~1 ms of CPU per MiB fetched).
@@ -210,14 +211,14 @@ class GrpcChannel(Channel):
             prefix = framing.decode_prefix(reply, _CLIENT_LIMIT)
             if prefix.flags == framing.INLINE:
                 return Frame(prefix.header, framing.split_inline(reply, prefix))
-            if prefix.bulk_port and self._bulk:
+            if prefix.bulk_port and self._use_bulk:
                 deadline = None if timeout is None else started + timeout
                 try:
                     return Frame(prefix.header, self._bulk.fetch(
                         prefix.bulk_port, prefix.fetch_id, prefix.lengths, deadline))
                 except Unreachable as err:
                     _LOG.warning("Fetching over gRPC from now on: %s", err)
-                    self._bulk = None
+                    self._use_bulk = False
             remaining = (None if timeout is None
                          else max(started + timeout - time.monotonic(), 0.001))
             stream = self._fetch(prefix.fetch_id.to_bytes(8, "little"), timeout=remaining,
@@ -229,8 +230,7 @@ class GrpcChannel(Channel):
             raise errors.CancelledError(f"Channel to {self._address} is closed: {err}") from None
 
     def close(self) -> None:
-        if self._bulk:
-            self._bulk.close()
+        self._bulk.close()
         self._channel.close()
 
 
