@@ -141,3 +141,12 @@ def test_call_without_timeout_and_expired_deadline(listener, channel):
     assert bytes(channel.call(Frame(b"no timeout", [payload])).buffers[0]) == payload.tobytes()
     with pytest.raises(errors.DeadlineExceededError):
         bulk.BulkClient(listener.address).fetch(listener.bulk_port, 1, [8], time.monotonic() - 1)
+
+
+def test_responses_over_bulk_bytes_take_the_bulk_port(listener):
+    with grpc.insecure_channel(listener.address) as raw:
+        call = raw.unary_unary("/clusterwire.Transport/Call")
+        for size, flags in ((200 << 10, framing.INLINE), (300 << 10, framing.CONTINUED)):
+            payload = framing.buffer_views([np.zeros(size, np.uint8)])
+            reply = call(framing.encode_inline(b"raw", payload), timeout=10)
+            assert framing.decode_prefix(reply, 1 << 40).flags == flags, size

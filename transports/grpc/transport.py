@@ -12,7 +12,9 @@ that port; then it is a gRPC stream of chunks.
 Options (plugins.toml ``[options.grpc]``): ``inline_bytes`` (default 1 MiB),
 ``chunk_bytes`` (default 1 MiB), ``fetch_ttl_seconds`` (default 60: how long
 an announced response waits for its fetch), ``bulk_plane`` ("tcp", the
-default, or "grpc": everything on the gRPC port).
+default, or "grpc": everything on the gRPC port), ``bulk_bytes`` (default
+256 KiB: responses larger than this use the bulk port when there is one;
+from about there on it beats a unary reply, whose bytes grpcio copies).
 """
 
 from __future__ import annotations
@@ -103,7 +105,9 @@ class GrpcListener(Listener):
             [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", -1)],
             options.max_connections)
         self._bulk = None
+        self._inline_response_bytes = transport.inline_bytes
         if transport.bulk_plane == "tcp" and self._security.tls is None:
+            self._inline_response_bytes = min(transport.inline_bytes, transport.bulk_bytes)
             try:
                 self._bulk = BulkServer(split_host_port(self.address)[0], self._pending.take,
                                         options.max_connections)
@@ -136,7 +140,7 @@ class GrpcListener(Listener):
 
     def _respond(self, response: Frame) -> bytes:
         views = framing.buffer_views(response.buffers) if response.buffers else []
-        if sum(map(len, views)) <= self._transport.inline_bytes:
+        if sum(map(len, views)) <= self._inline_response_bytes:
             return framing.encode_inline(response.header, views)
         fetch_id = self._pending.add(views)
         return framing.encode_prefix(response.header, [v.nbytes for v in views],
@@ -245,13 +249,14 @@ class GrpcTransport(Transport):
         self.chunk_bytes = _positive(options.pop("chunk_bytes", 1 << 20), "chunk_bytes")
         self.fetch_ttl = float(_positive(options.pop("fetch_ttl_seconds", 60), "fetch_ttl_seconds"))
         self.bulk_plane = options.pop("bulk_plane", "tcp")
+        self.bulk_bytes = _positive(options.pop("bulk_bytes", 256 << 10), "bulk_bytes")
         if self.bulk_plane not in _BULK_PLANES:
             raise errors.InvalidArgumentError(
                 f"grpc option bulk_plane must be one of {_BULK_PLANES}, got {self.bulk_plane!r}")
         if options:
             raise errors.InvalidArgumentError(
                 f"Unknown option(s) for the grpc transport: {sorted(options)}; known: "
-                "inline_bytes, chunk_bytes, fetch_ttl_seconds, bulk_plane.")
+                "inline_bytes, chunk_bytes, fetch_ttl_seconds, bulk_plane, bulk_bytes.")
 
     def listen(self, address: str, handler: Handler, options: ListenOptions) -> Listener:
         return GrpcListener(self, address, handler, options)
