@@ -150,3 +150,19 @@ def test_responses_over_bulk_bytes_take_the_bulk_port(listener):
             payload = framing.buffer_views([np.zeros(size, np.uint8)])
             reply = call(framing.encode_inline(b"raw", payload), timeout=10)
             assert framing.decode_prefix(reply, 1 << 40).flags == flags, size
+
+
+def test_a_wildcard_ipv6_listener_serves_ipv4_clients_over_the_bulk_port():
+    if not socket.has_dualstack_ipv6():
+        pytest.skip("no dual-stack IPv6 here")
+    listener = GrpcTransport().listen("[::]:0", echo_handler, ListenOptions())
+    listener.start()
+    channel = GrpcTransport().connect(f"127.0.0.1:{listener.address.rsplit(':', 1)[1]}")
+    try:
+        payload = np.full(2 * _MiB, 6, np.uint8)
+        assert bytes(channel.call(Frame(b"v4", [payload]), timeout=30).buffers[0]) == \
+            payload.tobytes()
+        assert channel._use_bulk  # reached the bulk port, no fallback to gRPC
+    finally:
+        channel.close()
+        listener.stop(0)

@@ -57,7 +57,10 @@ class BulkServer:
         self._take = take
         self._max_connections = max_connections
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._socket = socket.create_server((host, 0), family=family, backlog=128)
+        # "::" serves IPv4 clients too, as gRPC's own wildcard listener does.
+        self._socket = socket.create_server(
+            (host, 0), family=family, backlog=128,
+            dualstack_ipv6=host == "::" and socket.has_dualstack_ipv6())
         self.port: int = self._socket.getsockname()[1]
         self._connections: set[socket.socket] = set()
         self._threads: set[threading.Thread] = set()
