@@ -27,6 +27,13 @@ IDEMPOTENT = frozenset({"status", "put", "get", "delete", "list", "barrier"})
 
 DEFAULT_TIMEOUT = 30.0
 _BACKOFF_START, _BACKOFF_MAX = 0.02, 1.0
+# Our own generator: retries must not consume (or race on) the user's seeded global one.
+_JITTER = random.Random()
+
+
+def jittered(delay: float) -> float:
+    """``delay`` scaled by a random factor in [0.5, 1.5) (spreads retries out)."""
+    return delay * _JITTER.uniform(0.5, 1.5)
 
 
 def raise_for_status(response: Response) -> None:
@@ -105,7 +112,7 @@ class RequestClient:
                     raise errors.UnavailableError(
                         f"Task at {address} ({self.protocol}) is unavailable after "
                         f"{budget:.3g} s: {err.message}") from None
-                time.sleep(min(delay * random.uniform(0.5, 1.5), remaining))
+                time.sleep(min(jittered(delay), remaining))
                 delay = min(delay * 2, _BACKOFF_MAX)
             except errors.DeadlineExceededError as err:
                 raise errors.DeadlineExceededError(

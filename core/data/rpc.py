@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -27,7 +26,7 @@ from clusterwire import errors
 from clusterwire.addressing import join_host_port, split_host_port
 from clusterwire.plugins import get_plugin_manager
 from clusterwire.protos.data_service_pb2 import DataRequest, DataResponse
-from clusterwire.rpc import RequestClient, raise_for_status
+from clusterwire.rpc import RequestClient, jittered, raise_for_status
 from clusterwire.service import error_response
 from clusterwire.transport import Channel, Frame, ListenOptions
 
@@ -122,7 +121,7 @@ class DispatcherClient:
                     raise errors.UnavailableError(
                         f"tf.data service dispatcher at {self.address} is unavailable: "
                         f"{err.message}") from None
-            if self._closed.wait(delay * random.uniform(0.5, 1.5)):
+            if self._closed.wait(jittered(delay)):
                 raise errors.CancelledError("The data service client was closed.")
             delay = min(delay * 2, _RETRY_MAX)
 
