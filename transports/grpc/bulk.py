@@ -6,8 +6,9 @@ into bytes objects, then their join), which held a receiver to about
 receiver reads straight into its own buffers (``recv_into``: the kernel's
 copy only) and the sender writes the caller's buffers with ``sendmsg``.
 
-Only the bytes of a response too large to go inline take this path; the
-request, the response header and every status stay on gRPC. The listener
+Only the bytes of a large response (over the transport's ``bulk_bytes``)
+take this path; the request, the response header and every status stay on
+gRPC. The listener
 opens one extra TCP port on its own host and announces it in each large
 reply, together with the reply's fetch id. The exchange on a connection,
 repeated any number of times::
