@@ -3,13 +3,14 @@
 A fresh 64 MiB ``np.empty`` costs as much again as the copy into it (the
 kernel faults in and zeroes every page), which was the whole gap between
 clusterwire's bulk receives and a bare library reusing one buffer. Transports
-take receive buffers from this pool: the caller gets a view, and the buffer
-comes back to the pool when that view (and everything built on it) is
+take receive buffers from this pool: the caller gets an array, and the buffer
+comes back to the pool when that array (and everything built on it) is
 garbage, so reuse can never alias data still in use.
 """
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import weakref
 
@@ -41,9 +42,13 @@ class BufferPool:
                 self._held -= nbytes
         if buffer is None:
             buffer = np.empty(nbytes, np.uint8)
-        view = buffer[:]
-        weakref.finalize(view, self._give_back, buffer)
-        return view
+        # Lent through a ctypes array: numpy points arrays derived from an ndarray view (or
+        # from a memoryview of one) straight at ``buffer``, so a finalizer on such a view
+        # fired while arrays built on it were alive and the next receive overwrote them.
+        # Arrays cannot see past the loan; it dies only with the last of them.
+        loan = (ctypes.c_uint8 * nbytes).from_buffer(buffer)
+        weakref.finalize(loan, self._give_back, buffer)
+        return np.frombuffer(loan, np.uint8)
 
     def _give_back(self, buffer: np.ndarray) -> None:
         with self._lock:

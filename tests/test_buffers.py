@@ -41,3 +41,22 @@ def test_the_pool_holds_at_most_max_bytes():
     del views
     gc.collect()
     assert pool.held_bytes == 8192
+
+
+def test_slices_of_received_arrays_keep_their_buffer():
+    # numpy points a slice at the memory owner, past the view it was cut from: the buffer must
+    # not be recycled (and overwritten by the next receive) while such slices are alive.
+    pool = BufferPool(min_bytes=1024)
+    received = pool.take(4096)
+    received[:] = 1
+    part = received[8:16]
+    tensor_part = np.ndarray((512,), np.int64, memoryview(received).cast("B"))[2:4]
+    del received
+    gc.collect()
+    assert pool.held_bytes == 0
+    pool.take(4096)[:] = 2  # the next receive of the same size
+    assert part.tolist() == [1] * 8
+    assert tensor_part.tolist() == [0x0101010101010101] * 2
+    del part, tensor_part
+    gc.collect()
+    assert pool.held_bytes == 8192
