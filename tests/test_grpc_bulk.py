@@ -19,7 +19,7 @@ from clusterwire.transports.grpc import bulk, framing
 from clusterwire.transports.grpc.transport import GrpcTransport
 
 _MiB = 1 << 20
-_STATUS = struct.Struct("<BQ")
+_STATUS = struct.Struct("<4sBQ")
 
 
 @pytest.fixture
@@ -52,7 +52,8 @@ def fetch_raw(port: int, fetch_id: int) -> tuple[int, bytes]:
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         sock.sendall(struct.pack("<Q", fetch_id))
         with sock.makefile("rb") as reader:
-            code, total = _STATUS.unpack(reader.read(_STATUS.size))
+            magic, code, total = _STATUS.unpack(reader.read(_STATUS.size))
+            assert magic == b"CWB1"
             return code, reader.read(total)
 
 
@@ -162,7 +163,34 @@ def test_a_wildcard_ipv6_listener_serves_ipv4_clients_over_the_bulk_port():
         payload = np.full(2 * _MiB, 6, np.uint8)
         assert bytes(channel.call(Frame(b"v4", [payload]), timeout=30).buffers[0]) == \
             payload.tobytes()
-        assert channel._use_bulk  # reached the bulk port, no fallback to gRPC
+        assert channel._bulk_after == 0  # reached the bulk port, no fallback to gRPC
     finally:
+        channel.close()
+        listener.stop(0)
+
+
+def test_a_bulk_port_at_its_connection_limit_sends_the_response_over_grpc():
+    listener = GrpcTransport().listen("127.0.0.1:0", echo_handler,
+                                      ListenOptions(max_connections=2))
+    listener.start()
+    hogs = [socket.create_connection(("127.0.0.1", listener.bulk_port), timeout=5)
+            for _ in range(2)]  # idle connections holding the limit (no token needed)
+    channel = GrpcTransport().connect(listener.address)
+    try:
+        payload = np.full(2 * _MiB, 8, np.uint8)
+        reply = channel.call(Frame(b"busy", [payload]), timeout=30)
+        assert bytes(reply.buffers[0]) == payload.tobytes()
+        assert channel._bulk_after == 0  # busy, not unreachable: tried again next time
+        for hog in hogs:
+            hog.close()
+        deadline = time.monotonic() + 10
+        while listener._bulk._connections and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling the server's state until it has seen the hogs leave
+        reply = channel.call(Frame(b"free", [payload]), timeout=30)
+        assert bytes(reply.buffers[0]) == payload.tobytes()
+        assert listener._bulk._connections  # this time over the bulk port
+    finally:
+        for hog in hogs:
+            hog.close()
         channel.close()
         listener.stop(0)

@@ -14,7 +14,8 @@ reply, together with the reply's fetch id. The exchange on a connection,
 repeated any number of times::
 
     client -> server   fetch id u64
-    server -> client   status u8 (0: ok, 1: unknown id) | total length u64 | the bytes
+    server -> client   "CWB1" | status u8 (0: ok, 1: unknown id) | total length u64 |
+                       the bytes
 
 The fetch id is an unguessable single-use ticket that the client received
 over the (token-checked) gRPC reply, so it is the only credential the plane
@@ -38,16 +39,27 @@ from clusterwire.addressing import split_host_port
 from clusterwire.buffers import MIN_POOLED_BYTES, receive_buffers
 
 _TICKET = struct.Struct("<Q")
-_STATUS = struct.Struct("<BQ")
+_STATUS = struct.Struct("<4sBQ")
+_MAGIC = b"CWB1"
 _OK, _UNKNOWN = 0, 1
 #: A connection that sends no fetch id for this long is closed (its client reconnects).
 IDLE_SECONDS = 300.0
 _SEND_BATCH = 256  # buffers per sendmsg (well under IOV_MAX)
 _CONNECT_S = 5.0  # longer, and the port is taken for unreachable (firewalled)
+_MAX_IDLE = 4  # idle connections kept per server
 
 
 class Unreachable(Exception):
-    """The bulk port could not be reached before the fetch id was sent (fetch over gRPC)."""
+    """The fetch id never reached a bulk server: fetch this response over gRPC.
+
+    ``lasting``: the port could not be connected to (or is not a bulk port), so
+    the channel should not try it again for a while; otherwise the server was
+    only busy (it closed a new connection at its connection limit).
+    """
+
+    def __init__(self, message: str, lasting: bool):
+        super().__init__(message)
+        self.lasting = lasting
 
 
 class BulkServer:
@@ -104,7 +116,10 @@ class BulkServer:
             try:
                 connection, _ = self._socket.accept()
             except OSError:
-                return  # the socket was closed by stop()
+                if self._stopping:
+                    return  # stop() closed the socket
+                time.sleep(0.1)  # out of descriptors or a connection aborted: keep serving
+                continue
             with self._lock:
                 refused = self._stopping or len(self._connections) >= self._max_connections
                 if not refused:
@@ -112,10 +127,9 @@ class BulkServer:
                     thread = threading.Thread(target=self._serve, args=(connection,),
                                               name="clusterwire-grpc-bulk", daemon=True)
                     self._threads.add(thread)
+                    thread.start()  # under the lock: stop() never joins an unstarted thread
             if refused:
                 connection.close()
-            else:
-                thread.start()
 
     def _serve(self, connection: socket.socket) -> None:
         try:
@@ -125,9 +139,9 @@ class BulkServer:
             while _receive_into(connection, memoryview(ticket)):
                 views = self._take(_TICKET.unpack(ticket)[0])
                 if views is None:  # expired, fetched already, or a stranger's guess
-                    connection.sendall(_STATUS.pack(_UNKNOWN, 0))
+                    connection.sendall(_STATUS.pack(_MAGIC, _UNKNOWN, 0))
                     return
-                connection.sendall(_STATUS.pack(_OK, sum(v.nbytes for v in views)))
+                connection.sendall(_STATUS.pack(_MAGIC, _OK, sum(v.nbytes for v in views)))
                 _send_views(connection, list(views))
         except OSError:
             pass  # the client went away or stop() cut the connection
@@ -154,17 +168,18 @@ class BulkClient:
         """The announced buffers of ``lengths``; ``Unreachable`` if the port cannot be reached."""
         connection = None
         try:
-            connection, reused = self._connection(port, deadline)
-            try:
-                code, total = self._ask(connection, fetch_id, deadline)
-            except ConnectionError:
-                if not reused:
-                    raise
-                # The server closed this idle connection before it read the id: retry fresh.
-                self._discard(connection)
-                connection = None
-                connection, _ = self._connection(port, deadline, reuse=False)
-                code, total = self._ask(connection, fetch_id, deadline)
+            for reuse in (True, False):
+                connection, reused = self._connection(port, deadline, reuse)
+                try:
+                    code, total = self._ask(connection, fetch_id, deadline)
+                    break
+                except ConnectionError:
+                    self._discard(connection)
+                    connection = None
+                    if not reused:  # a new connection closed unanswered: the id is unread
+                        raise Unreachable(f"{self._host}:{port} is at its connection limit",
+                                          lasting=False) from None
+                    # else the server had closed this idle connection: retry on a new one
             if code != _OK:
                 raise errors.NotFoundError(
                     f"No pending response {fetch_id} at {self._address}: it expired or was "
@@ -179,10 +194,14 @@ class BulkClient:
                 self._discard(connection)
             raise self._error(err) from None
         with self._lock:
-            if self._closed:
-                connection.close()
+            idle = self._idle.setdefault(port, [])
+            kept = not self._closed and len(idle) < _MAX_IDLE
+            if kept:
+                idle.append(connection)
             else:
-                self._idle.setdefault(port, []).append(connection)
+                self._open.discard(connection)
+        if not kept:
+            connection.close()
         return buffers
 
     def close(self) -> None:
@@ -209,8 +228,13 @@ class BulkClient:
         timeout = _CONNECT_S if deadline is None else min(_remaining(deadline), _CONNECT_S)
         try:
             connection = socket.create_connection((self._host, port), timeout=timeout)
+        except TimeoutError:
+            if timeout < _CONNECT_S:
+                raise  # the call's deadline, not the port, ran out
+            raise Unreachable(f"bulk port {self._host}:{port}: connect timed out",
+                              lasting=True) from None
         except OSError as err:
-            raise Unreachable(f"bulk port {self._host}:{port}: {err}") from None
+            raise Unreachable(f"bulk port {self._host}:{port}: {err}", lasting=True) from None
         connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with self._lock:
             closed = self._closed
@@ -229,7 +253,11 @@ class BulkClient:
         status = bytearray(_STATUS.size)
         if not _receive_into(connection, memoryview(status), deadline):
             raise ConnectionResetError("the bulk connection closed")
-        return _STATUS.unpack(status)
+        magic, code, total = _STATUS.unpack(status)
+        if magic != _MAGIC:
+            raise Unreachable(f"{self._host}:{connection.getpeername()[1]} is not a clusterwire "
+                              "bulk port", lasting=True)
+        return code, total
 
     def _discard(self, connection: socket.socket) -> None:
         with self._lock:

@@ -49,6 +49,7 @@ SERVICE = "clusterwire.Transport"
 _CALL, _UPLOAD, _FETCH = (f"/{SERVICE}/{m}" for m in ("Call", "Upload", "Fetch"))
 _CLIENT_LIMIT = 1 << 42
 _BULK_PLANES = ("tcp", "grpc")
+_BULK_RETRY_S = 30.0  # after the bulk port could not be reached, before it is tried again
 _LOG = logging.getLogger(__name__)
 
 
@@ -189,7 +190,7 @@ class GrpcChannel(Channel):
         self._address = address
         self._metadata = token_metadata(security)
         self._bulk = BulkClient(address)
-        self._use_bulk = True  # until the bulk port turns out unreachable from here
+        self._bulk_after = 0.0  # monotonic time from which the bulk port is tried again
         limit = _message_limit(transport.inline_bytes, transport.chunk_bytes)
         # Single-threaded unary streams: a fetch is read by the calling thread itself,
         # not through the channel's spin thread (which cost ~1 ms of CPU per MiB fetched).
@@ -215,14 +216,15 @@ class GrpcChannel(Channel):
             prefix = framing.decode_prefix(reply, _CLIENT_LIMIT)
             if prefix.flags == framing.INLINE:
                 return Frame(prefix.header, framing.split_inline(reply, prefix))
-            if prefix.bulk_port and self._use_bulk:
+            if prefix.bulk_port and time.monotonic() >= self._bulk_after:
                 deadline = None if timeout is None else started + timeout
                 try:
                     return Frame(prefix.header, self._bulk.fetch(
                         prefix.bulk_port, prefix.fetch_id, prefix.lengths, deadline))
                 except Unreachable as err:
-                    _LOG.warning("Fetching over gRPC from now on: %s", err)
-                    self._use_bulk = False
+                    if err.lasting:
+                        _LOG.warning("Fetching over gRPC for %.0f s: %s", _BULK_RETRY_S, err)
+                        self._bulk_after = time.monotonic() + _BULK_RETRY_S
             remaining = (None if timeout is None
                          else max(started + timeout - time.monotonic(), 0.001))
             stream = self._fetch(prefix.fetch_id.to_bytes(8, "little"), timeout=remaining,
