@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import threading
 import time
 
 import grpc
@@ -194,3 +195,22 @@ def test_a_bulk_port_at_its_connection_limit_sends_the_response_over_grpc():
             hog.close()
         channel.close()
         listener.stop(0)
+
+
+def test_a_port_answering_as_another_service_is_unreachable():
+    with socket.create_server(("127.0.0.1", 0)) as impostor:
+        def answer():
+            connection, _ = impostor.accept()
+            with connection:
+                connection.recv(8)
+                connection.sendall(b"HTTP/1.1 400\r\n\r\n")
+        thread = threading.Thread(target=answer, daemon=True)
+        thread.start()
+        client = bulk.BulkClient(f"127.0.0.1:{impostor.getsockname()[1]}")
+        try:
+            with pytest.raises(bulk.Unreachable) as info:
+                client.fetch(impostor.getsockname()[1], 1, [8], time.monotonic() + 10)
+            assert info.value.lasting
+        finally:
+            client.close()
+        thread.join(10)

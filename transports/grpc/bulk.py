@@ -255,8 +255,8 @@ class BulkClient:
             raise ConnectionResetError("the bulk connection closed")
         magic, code, total = _STATUS.unpack(status)
         if magic != _MAGIC:
-            raise Unreachable(f"{self._host}:{connection.getpeername()[1]} is not a clusterwire "
-                              "bulk port", lasting=True)
+            raise Unreachable(f"the bulk port announced by {self._address} answers as another "
+                              "service", lasting=True)
         return code, total
 
     def _discard(self, connection: socket.socket) -> None:
