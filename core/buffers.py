@@ -13,6 +13,8 @@ from __future__ import annotations
 import ctypes
 import threading
 import weakref
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -61,6 +63,15 @@ class BufferPool:
         """Idle bytes kept for reuse."""
         with self._lock:
             return self._held
+
+
+def split(whole: Any, lengths: Sequence[int]) -> list[Any]:
+    """``whole`` cut into consecutive slices of ``lengths`` (views when ``whole`` is a view)."""
+    parts, offset = [], 0
+    for length in lengths:
+        parts.append(whole[offset:offset + length])
+        offset += length
+    return parts
 
 
 #: The process-wide pool the built-in transports receive into.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import Any
 
 from clusterwire import errors
@@ -99,8 +98,7 @@ class Server:
         self._host = host
         self._port = split_host_port(self._listener.address)[1]
         self._publish_bound_port(cluster)
-        self._finalizer = weakref.finalize(self, _shutdown, self._listener, self._service)
-        stop_at_exit(self._finalizer)
+        self._finalizer = stop_at_exit(self, _shutdown, self._listener, self._service)
         if start:
             self.start()
 

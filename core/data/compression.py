@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from clusterwire.buffers import receive_buffers
+from clusterwire.buffers import receive_buffers, split
 from clusterwire.errors import FailedPreconditionError, InvalidArgumentError
 
 try:
@@ -76,9 +76,4 @@ def decompress(block: Any, lengths: Sequence[int], codec: str = SNAPPY) -> list[
     if written != total:
         raise InvalidArgumentError(
             f"Corrupt compressed element: {written} bytes, expected {total}.")
-    whole = memoryview(out)
-    views, offset = [], 0
-    for length in lengths:
-        views.append(whole[offset:offset + length])
-        offset += length
-    return views
+    return split(memoryview(out), lengths)

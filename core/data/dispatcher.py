@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from typing import Any
 
 from clusterwire import errors
@@ -93,9 +92,8 @@ class DispatchServer:
         self._lock = threading.Lock()
         self._gc_thread = threading.Thread(target=self._gc_loop, daemon=True,
                                            name="clusterwire-data-gc")
-        self._finalizer = weakref.finalize(self, _shutdown, self._endpoint, self._stopping,
-                                           self._journal, None)
-        stop_at_exit(self._finalizer)
+        self._finalizer = stop_at_exit(self, _shutdown, self._endpoint, self._stopping,
+                                       self._journal, None)
         if start:
             self.start()
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
+from clusterwire.buffers import split
 from clusterwire.errors import DataLossError
 from clusterwire.protos.data_service_pb2 import JournalEntry
 
@@ -172,8 +173,4 @@ def read_payload(work_dir: str, dataset_id: str, lengths: list[int]) -> list[byt
     if len(data) != sum(lengths):
         raise DataLossError(f"Dataset payload {path} has {len(data)} bytes; the journal says "
                             f"{sum(lengths)}.")
-    out, offset = [], 0
-    for length in lengths:
-        out.append(data[offset:offset + length])
-        offset += length
-    return out
+    return split(data, lengths)

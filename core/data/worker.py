@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-import weakref
 from typing import Any
 
 from clusterwire import errors
@@ -111,9 +110,8 @@ class WorkerServer:
         self._registered = threading.Event()
         self._heartbeats = threading.Thread(target=self._heartbeat_loop, daemon=True,
                                             name="clusterwire-data-heartbeat")
-        self._finalizer = weakref.finalize(self, _shutdown, self._endpoints(), self._stopping,
-                                           self._dispatcher, self._streams, None)
-        stop_at_exit(self._finalizer)
+        self._finalizer = stop_at_exit(self, _shutdown, self._endpoints(), self._stopping,
+                                       self._dispatcher, self._streams, None)
         if start:
             self.start()
 

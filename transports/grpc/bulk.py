@@ -36,7 +36,7 @@ import numpy as np
 
 from clusterwire import errors
 from clusterwire.addressing import split_host_port
-from clusterwire.buffers import MIN_POOLED_BYTES, receive_buffers
+from clusterwire.buffers import MIN_POOLED_BYTES, receive_buffers, split
 
 _TICKET = struct.Struct("<Q")
 _STATUS = struct.Struct("<4sBQ")
@@ -321,10 +321,7 @@ def _receive_buffers(connection: socket.socket, lengths: Sequence[int],
             end += 1
         whole = memoryview(np.empty(sum(lengths[index:end]), np.uint8))
         _receive_exactly(connection, whole, deadline)
-        offset = 0
-        for length in lengths[index:end]:
-            buffers.append(whole[offset:offset + length])
-            offset += length
+        buffers.extend(split(whole, lengths[index:end]))
         index = end
     return buffers
 

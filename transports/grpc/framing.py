@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from clusterwire.buffers import receive_buffers
+from clusterwire.buffers import receive_buffers, split
 from clusterwire.errors import InvalidArgumentError, ResourceExhaustedError
 
 MAGIC = b"CWF1"
@@ -107,13 +107,7 @@ def split_inline(message: bytes, prefix: Prefix) -> list[memoryview]:
     if not lengths:
         return []
     whole = memoryview(bytearray(memoryview(message)[prefix.body_offset:]))
-    if len(lengths) == 1:
-        return [whole]
-    views, offset = [], 0
-    for length in lengths:
-        views.append(whole[offset:offset + length])
-        offset += length
-    return views
+    return [whole] if len(lengths) == 1 else split(whole, lengths)
 
 
 def chunks(views: Sequence[memoryview], chunk_bytes: int) -> Iterator[bytes]:

@@ -145,8 +145,7 @@ class GrpcListener(Listener):
             return framing.encode_inline(response.header, views)
         fetch_id = self._pending.add(views)
         return framing.encode_prefix(response.header, [v.nbytes for v in views],
-                                     framing.CONTINUED, fetch_id,
-                                     self._bulk.port if self._bulk else 0)
+                                     framing.CONTINUED, fetch_id, self.bulk_port or 0)
 
     def _call(self, message: bytes, context: grpc.ServicerContext) -> bytes:
         check_token(context, self._security)
@@ -202,7 +201,7 @@ class GrpcChannel(Channel):
         self._fetch = self._channel.unary_stream(_FETCH)
 
     def call(self, frame: Frame, timeout: float | None = None) -> Frame:
-        started = time.monotonic()
+        deadline = None if timeout is None else time.monotonic() + timeout
         views = framing.buffer_views(frame.buffers) if frame.buffers else []
         try:
             if sum(map(len, views)) <= self._transport.inline_bytes:
@@ -217,7 +216,6 @@ class GrpcChannel(Channel):
             if prefix.flags == framing.INLINE:
                 return Frame(prefix.header, framing.split_inline(reply, prefix))
             if prefix.bulk_port and time.monotonic() >= self._bulk_after:
-                deadline = None if timeout is None else started + timeout
                 try:
                     return Frame(prefix.header, self._bulk.fetch(
                         prefix.bulk_port, prefix.fetch_id, prefix.lengths, deadline))
@@ -225,8 +223,7 @@ class GrpcChannel(Channel):
                     if err.lasting:
                         _LOG.warning("Fetching over gRPC for %.0f s: %s", _BULK_RETRY_S, err)
                         self._bulk_after = time.monotonic() + _BULK_RETRY_S
-            remaining = (None if timeout is None
-                         else max(started + timeout - time.monotonic(), 0.001))
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
             stream = self._fetch(prefix.fetch_id.to_bytes(8, "little"), timeout=remaining,
                                  metadata=self._metadata)
             return Frame(prefix.header, framing.assemble(iter(stream), prefix.lengths))
