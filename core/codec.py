@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import functools
 import math
+import struct
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -23,6 +24,7 @@ from clusterwire.protos.service_pb2 import Value
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 Buffer = Any  # any object supporting the buffer protocol
+Plan = Callable[[list[Buffer]], Any]
 
 
 @functools.lru_cache(maxsize=512)
@@ -118,6 +120,101 @@ def _encode_into(out: Value, value: Any, buffers: list[Buffer], depth: int) -> N
             "(no pickle). Convert it to one of those.")
 
 
+# Building a header costs several microseconds of protobuf calls per value, paid on
+# both sides of every call, and between processes on 2 cores about four times that.
+# Most headers repeat (a loop calls the same function with arrays of the same shapes),
+# and a header is a function of its value's structure alone: types, dtypes, shapes
+# and scalar values. So ``HeaderCache`` builds each header once per structure; a
+# call then only walks its value to find that structure and the buffers.
+_STRUCTURE_MAX_ITEMS = 64
+_STRUCTURE_MAX_STR = 64
+_STRUCTURE_MAX_DEPTH = 8
+_DOUBLE = struct.Struct("<d")
+
+
+def structure(value: Any, buffers: list[Buffer]) -> Any:
+    """A hashable key for everything ``value``'s header holds, appending its buffers
+    (as ``encode_into`` would); None, with ``buffers`` as it was, for a value whose
+    header is not worth caching (long lists or strings, dicts with non-str keys, ...)."""
+    start = len(buffers)
+    key = _structure(value, buffers, 0)
+    if key is None:
+        del buffers[start:]
+    return key
+
+
+def _structure(value: Any, buffers: list[Buffer], depth: int) -> Any:
+    kind = type(value)
+    if kind is np.ndarray:
+        dtype = value.dtype
+        if dtype.hasobject:
+            return None
+        try:
+            view = memoryview(value)
+            if not view.c_contiguous:
+                view = memoryview(value.copy(order="C"))
+            buffers.append(view.cast("B") if view.nbytes else b"")
+        except (ValueError, TypeError):  # not a plain buffer (datetime64, big-endian, ...)
+            return None
+        return np.ndarray, dtype, value.shape
+    if value is None or kind is bool:
+        return kind, value
+    if kind is int:
+        return (int, value) if _INT64_MIN <= value <= _INT64_MAX else None
+    if kind is float:
+        return float, _DOUBLE.pack(value)  # the bits: 0.0 == -0.0, nan != nan
+    if kind is str:
+        return (str, value) if len(value) <= _STRUCTURE_MAX_STR else None
+    if kind is bytes:
+        buffers.append(value)
+        return bytes
+    if kind is list or kind is tuple:
+        if depth >= _STRUCTURE_MAX_DEPTH or len(value) > _STRUCTURE_MAX_ITEMS:
+            return None
+        keys = [kind]
+        for item in value:
+            key = _structure(item, buffers, depth + 1)
+            if key is None:
+                return None
+            keys.append(key)
+        return tuple(keys)
+    if kind is dict:
+        if depth >= _STRUCTURE_MAX_DEPTH or len(value) > _STRUCTURE_MAX_ITEMS:
+            return None
+        keys = [_structure(item, buffers, depth + 1) for item in value.values()]
+        names = tuple(value)
+        if None in keys or not all(type(name) is str and len(name) <= _STRUCTURE_MAX_STR
+                                   for name in names):
+            return None
+        return (dict, names, *keys)
+    return None
+
+
+class HeaderCache:
+    """Serialized headers by (a prefix naming their kind, the structure of their value)."""
+
+    def __init__(self, max_entries: int = 1024):
+        self._headers: dict[Any, bytes] = {}
+        self._max_entries = max_entries
+
+    def encode(self, prefix: Any, value: Any, build: Callable[[list[Buffer]], bytes]
+               ) -> tuple[bytes, list[Buffer]]:
+        """(header, buffers) of ``value``; ``build(buffers)`` makes the header (encoding the
+        value, its buffers appended to ``buffers``) when no header of this structure is kept."""
+        buffers: list[Buffer] = []
+        shape = structure(value, buffers)
+        key = None if shape is None else (prefix, shape)
+        header = None if key is None else self._headers.get(key)
+        if header is None:
+            buffers = []
+            header = build(buffers)
+            if key is not None:
+                if len(self._headers) >= self._max_entries:
+                    self._headers.clear()
+                self._headers[key] = header
+        return header, buffers
+
+
 def _bytes_view(array: np.ndarray) -> Buffer:
     """A flat byte view of a C-contiguous array (no copy)."""
     try:
@@ -132,24 +229,28 @@ def decode(header: Value, buffers: list[Buffer]) -> Any:
     Arrays are views of the received buffers (no copy); they are writable
     when the buffer is.
     """
-    if header.ByteSize() > _PLAN_KEY_MAX:
-        return _decode_large(header, buffers)
+    return decoder(header)(buffers)
+
+
+def decoder(header: Value) -> Plan:
+    """The function of the buffers that rebuilds ``header``'s value (cached, see below)."""
+    if header.ByteSize() > PLAN_KEY_MAX:
+        return functools.partial(_decode_large, header)
     key = header.SerializeToString()
     plan = _plans.get(key)
     if plan is None:
         if len(_plans) >= _PLANS_MAX:
             _plans.clear()
         plan = _plans[key] = _plan(header)
-    return plan(buffers)
+    return plan
 
 
 # Decoding compiles a header into a plan (a function of the buffers) once and
 # caches it by the header's bytes: the same structure arrives again and again
 # (a training loop sends the same shapes every step), and running a plan costs
 # a fraction of walking the protobuf tree. Every run still checks the buffers.
-Plan = Callable[[list[Buffer]], Any]
 _PLANS_MAX = 1024
-_PLAN_KEY_MAX = 4096
+PLAN_KEY_MAX = 4096
 _plans: dict[bytes, Plan] = {}
 _SCALAR_KINDS = frozenset({"bool_value", "int_value", "float_value", "str_value"})
 

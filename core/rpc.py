@@ -16,7 +16,7 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from clusterwire import errors
+from clusterwire import codec, errors
 from clusterwire.plugins import get_plugin_manager
 from clusterwire.protos.service_pb2 import Request, Response
 from clusterwire.security import Security
@@ -53,6 +53,27 @@ def parse_response(frame: Frame) -> Response:
         return Response.FromString(frame.header)
     except DecodeError as err:
         raise errors.InternalError(f"Peer sent a malformed response header: {err}") from None
+
+
+# OK responses repeat too (a get of the same tensor, a call returning the same shapes):
+# each distinct header is parsed once into the plan that rebuilds its value.
+_VALUE_PLANS_MAX = 1024
+_value_plans: dict[bytes, codec.Plan] = {}
+
+
+def response_value(frame: Frame) -> Any:
+    """The value an OK response frame carries; the error a failed one stands for."""
+    header = frame.header if type(frame.header) is bytes else bytes(frame.header)
+    plan = _value_plans.get(header)
+    if plan is None:
+        response = parse_response(frame)
+        raise_for_status(response)
+        plan = codec.decoder(response.value)
+        if len(header) <= codec.PLAN_KEY_MAX:
+            if len(_value_plans) >= _VALUE_PLANS_MAX:
+                _value_plans.clear()
+            _value_plans[header] = plan
+    return plan(frame.buffers)
 
 
 class RequestClient:

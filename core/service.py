@@ -45,9 +45,17 @@ def error_response(err: BaseException) -> Frame:
 
 def value_response(value: Any) -> Frame:
     """An OK response frame carrying ``value``."""
-    response = Response()
-    buffers = codec.encode_into(response.value, value)
-    return Frame(response.SerializeToString(), buffers)
+    def build(buffers: list[Buffer]) -> bytes:
+        response = Response()
+        codec.encode_into(response.value, value, buffers)
+        return response.SerializeToString()
+
+    return Frame(*_responses.encode(None, value, build))
+
+
+_responses = codec.HeaderCache()
+_PREPARED_MAX = 1024
+Serve = Callable[[list[Buffer]], Frame]
 
 
 @dataclass
@@ -92,6 +100,14 @@ class _Barrier:
                 f"{missing}.")
 
 
+def _no_args(_buffers: list[Buffer]) -> list:
+    return []
+
+
+def _no_kwargs(_buffers: list[Buffer]) -> dict:
+    return {}
+
+
 class ClusterService:
     """Serves one task's requests; forwards requests for other tasks to their servers."""
 
@@ -115,6 +131,8 @@ class ClusterService:
         self._in_flight = 0
         self._max_in_flight = max_concurrent_calls
         self._draining = False
+        # Request header -> what serves it (see _prepare).
+        self._prepared: dict[bytes, Serve] = {}
 
     def drain(self, grace: float | None) -> None:
         """Refuse new requests and let in-flight ones finish for ``grace`` seconds.
@@ -156,14 +174,25 @@ class ClusterService:
 
     def _handle(self, frame: Frame) -> Frame:
         try:
-            try:
-                request = Request.FromString(frame.header)
-            except DecodeError as err:
-                raise errors.InvalidArgumentError(f"Malformed request header: {err}") from None
-            if request.has_task and (request.task.job, request.task.index) != (
-                    self.job, self.index):
-                return self._forward(request, frame)
-            return self._serve(request, list(frame.buffers))
+            header = frame.header if type(frame.header) is bytes else bytes(frame.header)
+            serve = self._prepared.get(header)
+            if serve is None:
+                try:
+                    request = Request.FromString(header)
+                except DecodeError as err:
+                    raise errors.InvalidArgumentError(
+                        f"Malformed request header: {err}") from None
+                if request.has_task and (request.task.job, request.task.index) != (
+                        self.job, self.index):
+                    return self._forward(request, frame)
+                serve = self._prepare(request)
+                if serve is None:
+                    return self._serve(request, list(frame.buffers))
+                if len(header) <= codec.PLAN_KEY_MAX:
+                    if len(self._prepared) >= _PREPARED_MAX:
+                        self._prepared.clear()
+                    self._prepared[header] = serve
+            return serve(list(frame.buffers))
         except errors.OpError as err:
             return error_response(err)
         except Exception as err:  # a bug must not take the server down
@@ -189,15 +218,28 @@ class ClusterService:
         return self._peers.send_frame(
             address, Frame(request.SerializeToString(), frame.buffers), request.method, timeout)
 
+    def _prepare(self, request: Request) -> Serve | None:
+        """What serves a request with this header, given its buffers, for the methods whose
+        answer depends on nothing else (get, call): kept and reused for the same header."""
+        name = request.name
+        if request.method == "get":
+            return lambda _buffers: self._get(name)
+        if request.method == "call":
+            args = codec.decoder(request.value) if request.HasField("value") else _no_args
+            kwargs = codec.decoder(request.kwargs) if request.HasField("kwargs") else _no_kwargs
+            return lambda buffers: self._call(name, args(buffers), kwargs(buffers))
+        return None
+
+    def _get(self, name: str) -> Frame:
+        with self._store_lock:
+            stored = self._store.get(name)
+        if stored is None:
+            raise errors.NotFoundError(
+                f"No tensor named {name!r} on /job:{self.job}/task:{self.index}.")
+        return Frame(stored.header, stored.buffers)
+
     def _serve(self, request: Request, buffers: list[Buffer]) -> Frame:
         method = request.method
-        if method == "get":
-            with self._store_lock:
-                stored = self._store.get(request.name)
-            if stored is None:
-                raise errors.NotFoundError(
-                    f"No tensor named {request.name!r} on /job:{self.job}/task:{self.index}.")
-            return Frame(stored.header, stored.buffers)
         if method == "put":
             codec.decode(request.value, buffers)  # validate before storing
             with self._store_lock:
@@ -211,8 +253,6 @@ class ClusterService:
         if method == "list":
             with self._store_lock:
                 return value_response(sorted(self._store))
-        if method == "call":
-            return self._call(request, buffers)
         if method == "barrier":
             return self._barrier_arrive(request)
         if method == "complete_cluster":
@@ -224,10 +264,9 @@ class ClusterService:
             f"Unknown method {method!r}; this server serves: status, put, get, delete, list, "
             "call, barrier, complete_cluster.")
 
-    def _call(self, request: Request, buffers: list[Buffer]) -> Frame:
-        fn = functions.lookup(request.name)
-        args = codec.decode(request.value, buffers) if request.HasField("value") else []
-        kwargs = codec.decode(request.kwargs, buffers) if request.HasField("kwargs") else {}
+    @staticmethod
+    def _call(name: str, args: Any, kwargs: Any) -> Frame:
+        fn = functions.lookup(name)
         if not isinstance(args, list) or not isinstance(kwargs, dict) or not all(
                 isinstance(key, str) for key in kwargs):
             raise errors.InvalidArgumentError(

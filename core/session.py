@@ -9,8 +9,11 @@ from clusterwire import codec, errors, functions
 from clusterwire.addressing import parse_device, split_host_port, split_target
 from clusterwire.cluster_spec import ClusterSpec
 from clusterwire.protos.service_pb2 import Request, TaskRef
-from clusterwire.rpc import DEFAULT_TIMEOUT, RequestClient
+from clusterwire.rpc import DEFAULT_TIMEOUT, RequestClient, response_value
 from clusterwire.security import load_security
+from clusterwire.transport import Frame
+
+_requests = codec.HeaderCache()
 
 
 class Session:
@@ -57,13 +60,37 @@ class Session:
         return request
 
     def _send(self, request: Request, buffers=(), timeout: float | None = None):
+        return self._client.send(self._address, request, buffers, self._timeout(timeout))
+
+    @staticmethod
+    def _timeout(timeout: float | None) -> float | None:
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
             raise errors.InvalidArgumentError(f"timeout must be > 0 seconds, got {timeout!r}")
-        return self._client.send(self._address, request, buffers, timeout)
+        return timeout
 
     def _value(self, request: Request, buffers=(), timeout: float | None = None) -> Any:
-        response, received = self._send(request, buffers, timeout)
-        return codec.decode(response.value, received)
+        frame = Frame(request.SerializeToString(), buffers)
+        return self._value_of(frame, request.method, timeout)
+
+    def _value_of(self, frame: Frame, method: str, timeout: float | None) -> Any:
+        frame = self._client.send_frame(self._address, frame, method, self._timeout(timeout))
+        return response_value(frame)
+
+    def _cached(self, method: str, task: str | None, name: str, value: Any = None,
+                kwargs: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
+        """Send a request whose header is kept by the structure of ``value`` (and
+        ``kwargs``): a get, put or call repeated with same-shaped values builds it once."""
+        def build(buffers: list) -> bytes:
+            request = self._request(method, task, name)
+            if method != "get":
+                codec.encode_into(request.value, value, buffers)
+            if kwargs:
+                codec.encode_into(request.kwargs, kwargs, buffers)
+            return request.SerializeToString()
+
+        header, buffers = _requests.encode((method, task, name),
+                                           (value, kwargs) if kwargs else value, build)
+        return self._value_of(Frame(header, buffers), method, timeout)
 
     @staticmethod
     def _check_name(name: Any) -> str:
@@ -75,12 +102,11 @@ class Session:
     def put(self, name: str, value: Any, task: str | None = None,
             timeout: float | None = None) -> None:
         """Store ``value`` under ``name`` on ``task`` (atomic: all or nothing)."""
-        request = self._request("put", task, self._check_name(name))
-        self._value(request, codec.encode_into(request.value, value), timeout)
+        self._cached("put", task, self._check_name(name), value, timeout=timeout)
 
     def get(self, name: str, task: str | None = None, timeout: float | None = None) -> Any:
         """The value stored under ``name`` on ``task``; NotFoundError if none."""
-        return self._value(self._request("get", task, self._check_name(name)), (), timeout)
+        return self._cached("get", task, self._check_name(name), timeout=timeout)
 
     def delete(self, name: str, task: str | None = None, timeout: float | None = None) -> bool:
         """Remove ``name`` from ``task``'s store; True if it was there."""
@@ -98,11 +124,8 @@ class Session:
         (with the remote type and traceback), or as the clusterwire error it
         was. ``task`` and ``timeout`` are taken by ``call`` itself.
         """
-        request = self._request("call", task, functions.name_of(fn_or_name))
-        buffers = codec.encode_into(request.value, list(args))
-        if kwargs:
-            codec.encode_into(request.kwargs, kwargs, buffers)
-        return self._value(request, buffers, timeout)
+        return self._cached("call", task, functions.name_of(fn_or_name), list(args), kwargs,
+                            timeout)
 
     def status(self, task: str | None = None, timeout: float | None = None) -> dict[str, Any]:
         """Identity, cluster, devices, protocol and version of ``task``."""

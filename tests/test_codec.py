@@ -126,3 +126,70 @@ def test_malformed_big_int_and_bytes_index():
         codec.decode(Value(big_int_value="12x"), [])
     with pytest.raises(InvalidArgumentError):
         codec.decode(Value(bytes_buffer=1), [b""])
+
+
+# -- headers kept by structure (codec.HeaderCache) -------------------------------------------
+
+def _uncached(value):
+    header, buffers = codec.encode(value)
+    return header.SerializeToString(), [bytes(memoryview(b).cast("B")) for b in buffers]
+
+
+def _cached(cache, value):
+    def build(buffers):
+        header = Value()
+        codec.encode_into(header, value, buffers)
+        return header.SerializeToString()
+
+    header, buffers = cache.encode("prefix", value, build)
+    return header, [bytes(memoryview(b).cast("B")) for b in buffers]
+
+
+_SAME_STRUCTURE_VALUES = [
+    None, True, False, 0, 1, -1, 1 << 62, 1 << 70, 0.0, -0.0, float("nan"), -float("nan"),
+    1.5, "", "a", "x" * 65, b"", b"ab", bytearray(b"cd"),
+    np.arange(6, dtype=np.int32).reshape(2, 3), np.arange(6, dtype=np.int32).reshape(3, 2),
+    np.arange(6, dtype=">i4"), np.arange(12, dtype=np.int64).reshape(3, 4)[:, ::2],
+    np.zeros((2, 0)), np.float32(2.5), np.array(3.0), np.zeros(3, "datetime64[s]"),
+    np.zeros(2, np.complex64), np.zeros(2, [("x", "<f4"), ("n", "S3")]),
+    [np.arange(3), 1, "s"], (np.arange(3), 1, "s"), [[1, [2, (3,)]]], list(range(70)),
+    {"a": np.arange(2), "b": [1.0, None]}, {1: "int key"}, {"b": 1, "a": 2}, {"a": 2, "b": 1},
+]
+
+
+def test_cached_headers_equal_freshly_encoded_ones():
+    cache = codec.HeaderCache()
+    for value in _SAME_STRUCTURE_VALUES:
+        expected = _uncached(value)
+        assert _cached(cache, value) == expected, value  # built
+        assert _cached(cache, value) == expected, value  # reused
+
+
+def test_values_with_different_headers_never_share_one():
+    cache = codec.HeaderCache()
+    seen: dict[bytes, object] = {}
+    for value in _SAME_STRUCTURE_VALUES:
+        header, _ = _cached(cache, value)
+        assert header == _uncached(value)[0], value
+        seen.setdefault(header, value)
+    # Equal in Python, different on the wire: each gets its own header.
+    pairs = [(1, True), (0.0, -0.0), ([1], (1,)), ("a", b"a"), ({"a": 1, "b": 2}, {"b": 2, "a": 1})]
+    for left, right in pairs:
+        assert _cached(cache, left)[0] != _cached(cache, right)[0], (left, right)
+
+
+def test_a_cached_header_carries_the_new_buffers():
+    cache = codec.HeaderCache()
+    first = np.arange(4, dtype=np.float64)
+    _cached(cache, [first])
+    second = first * 10
+    header, buffers = _cached(cache, [second])
+    result = codec.decode(Value.FromString(header), [bytearray(b) for b in buffers])
+    np.testing.assert_array_equal(result[0], second)
+
+
+def test_the_cache_is_bounded():
+    cache = codec.HeaderCache(max_entries=4)
+    for i in range(10):
+        _cached(cache, i)
+    assert len(cache._headers) <= 4

@@ -98,6 +98,23 @@ def test_call_registered_function_by_object_and_by_name(session):
     np.testing.assert_array_equal(session.call(fns.scaled, np.arange(3.0), 2.0), [0, 2, 4])
 
 
+def test_repeated_requests_of_one_shape_carry_their_own_data(session):
+    # Headers of same-shaped requests and responses are built and parsed once (HeaderCache,
+    # the server's prepared requests, the client's response plans): the data must not be.
+    for step in range(5):
+        array = np.full((2, 3), step, np.float32)
+        np.testing.assert_array_equal(session.call(fns.scaled, array, 2.0), array * 2)
+        assert session.call(fns.add, step, 1) == step + 1
+        session.put("w", array)
+        np.testing.assert_array_equal(session.get("w"), array)
+    with pytest.raises(NotFoundError):
+        session.get("later")
+    session.put("later", np.arange(3))
+    np.testing.assert_array_equal(session.get("later"), [0, 1, 2])
+    session.put("later", "now a str")
+    assert session.get("later") == "now a str"
+
+
 def test_call_unknown_function_is_not_found(session):
     with pytest.raises(NotFoundError, match="No remote function registered as 'nope.f'"):
         session.call("nope.f")
