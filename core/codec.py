@@ -204,7 +204,10 @@ class HeaderCache:
         buffers: list[Buffer] = []
         shape = structure(value, buffers)
         key = None if shape is None else (prefix, shape)
-        header = None if key is None else self._headers.get(key)
+        try:
+            header = None if key is None else self._headers.get(key)
+        except TypeError:  # an unhashable prefix: ``build`` says what is wrong with it
+            header = key = None
         if header is None:
             buffers = []
             header = build(buffers)
