@@ -201,4 +201,5 @@ class ZmqListener(Listener):
             del self._calls[token]
             if not call[2]:
                 self._router.send([ident, *reply])
-            self._calls_changed.notify_all()
+            if self._stopping:  # stop() waits for the calls in flight
+                self._calls_changed.notify_all()

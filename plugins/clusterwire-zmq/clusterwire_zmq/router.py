@@ -5,11 +5,11 @@ and a thread waiting for a request blocks in ``poll`` on the socket's ``ZMQ_FD``
 the lock), never inside libzmq. That lets the thread that receives a request also run the
 handler and send the reply: no hand-off between threads on the path of a call.
 
-libzmq signals ``ZMQ_FD`` for a connection's next message only once a read has found
-that connection empty, and any zmq call may consume a pending signal. So a receive that
-got a message reads on until the socket is empty, queueing the extra messages here and
-poking the waiting threads through a pipe; and a thread that served a request reads
-again (``block=False``) before it waits or parks.
+libzmq signals ``ZMQ_FD`` for a connection's next message only once a read (or a
+``ZMQ_EVENTS`` query) has found the socket empty, and any zmq call may consume a pending
+signal. So a receive that got a message reads on until the socket is empty, queueing
+the extra messages here and poking the waiting threads through a pipe; and a thread
+that served a request reads again (``block=False``) before it waits or parks.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import threading
 
 import zmq
 
-from clusterwire_zmq.sockets import recv_parts, send_parts
+from clusterwire_zmq.sockets import NOBLOCK, readable, recv_parts, send_parts
 
 _POLLIN = select.POLLIN
 
@@ -60,16 +60,14 @@ class SharedRouter:
                     return None
                 if self._queued:
                     return self._queued.popleft()
-                try:
-                    parts = recv_parts(self._sock, zmq.NOBLOCK)
-                except zmq.Again:
-                    if not block:
-                        return None
-                    self._waiting += 1
-                else:
+                if readable(self._sock):
+                    parts = recv_parts(self._sock, NOBLOCK)
                     self._drain()
                     poke = bool(self._queued and self._waiting)
                     break
+                if not block:
+                    return None
+                self._waiting += 1
             self._wait(poller)
         if poke:
             with contextlib.suppress(BlockingIOError):  # a full pipe wakes them anyway
@@ -78,11 +76,8 @@ class SharedRouter:
 
     def _drain(self) -> None:
         """Under the lock: queue every message still readable, leaving libzmq's signal armed."""
-        while True:
-            try:
-                self._queued.append(recv_parts(self._sock, zmq.NOBLOCK))
-            except zmq.Again:
-                return
+        while readable(self._sock):
+            self._queued.append(recv_parts(self._sock, NOBLOCK))
 
     def _wait(self, poller: select.poll) -> None:
         try:
@@ -90,18 +85,22 @@ class SharedRouter:
         finally:
             with self._lock:
                 self._waiting -= 1
-                self._idle.notify_all()
-        if any(fd == self._wake_r for fd, _ in ready):
-            with contextlib.suppress(BlockingIOError):
-                os.read(self._wake_r, 4096)
+                if self._stopping:  # close() waits for the last waiter
+                    self._idle.notify_all()
+        for fd, _ in ready:
+            if fd == self._wake_r:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake_r, 4096)
 
     def send(self, parts: list) -> None:
         """Send one message (routing id first); dropped once the socket is closed."""
         with self._lock:
             if self._closed:
                 return
-            with contextlib.suppress(zmq.ZMQError):  # a ROUTER drops replies to gone peers
-                send_parts(self._sock, parts, zmq.NOBLOCK)
+            try:  # noqa: SIM105  (contextlib.suppress: three more Python calls per reply)
+                send_parts(self._sock, parts, NOBLOCK)
+            except zmq.ZMQError:  # a ROUTER drops replies to gone peers
+                pass
 
     def interrupt(self) -> None:
         """Make every current and future ``receive`` return None."""
