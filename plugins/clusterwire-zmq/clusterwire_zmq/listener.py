@@ -135,6 +135,7 @@ class ZmqListener(Listener):
                 if not self._rejoin():
                     return
         finally:
+            poller.close()
             with self._lock:
                 self._threads -= 1
 

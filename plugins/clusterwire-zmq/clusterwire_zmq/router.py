@@ -24,8 +24,6 @@ import zmq
 
 from clusterwire_zmq.sockets import NOBLOCK, readable, recv_parts, send_parts
 
-_POLLIN = select.POLLIN
-
 
 class SharedRouter:
     """A bound ROUTER socket: ``receive`` from any thread, ``send`` from any thread."""
@@ -44,14 +42,18 @@ class SharedRouter:
         self._stopping = False
         self._closed = False
 
-    def poller(self) -> select.poll:
-        """A poll object for one thread's ``receive`` calls (poll objects are not shared)."""
-        poller = select.poll()
-        for fd in (self._fd, self._wake_r, self._stop_r):
-            poller.register(fd, _POLLIN)
+    def poller(self) -> select.epoll:
+        """A waiting set for one thread's ``receive`` calls (one per thread, closed with it).
+
+        The socket's descriptor is EPOLLEXCLUSIVE: a request wakes one waiting thread, not
+        every one (the others would only find the socket empty again)."""
+        poller = select.epoll()
+        poller.register(self._fd, select.EPOLLIN | select.EPOLLEXCLUSIVE)
+        for fd in (self._wake_r, self._stop_r):
+            poller.register(fd, select.EPOLLIN)
         return poller
 
-    def receive(self, poller: select.poll, block: bool = True) -> list[zmq.Frame] | None:
+    def receive(self, poller: select.epoll, block: bool = True) -> list[zmq.Frame] | None:
         """The next message (routing id first); None once ``interrupt`` was called, or at
         once when nothing is pending and ``block`` is false."""
         while True:
@@ -79,7 +81,7 @@ class SharedRouter:
         while readable(self._sock):
             self._queued.append(recv_parts(self._sock, NOBLOCK))
 
-    def _wait(self, poller: select.poll) -> None:
+    def _wait(self, poller: select.epoll) -> None:
         try:
             ready = poller.poll()
         finally:
