@@ -32,6 +32,7 @@ import numpy as np
 
 HOST = "127.0.0.1"
 SERVICE = "bench.Baseline"
+REGISTERED_SERVICE = "bench.RegisteredBaseline"
 _SEED = 20240601
 
 
@@ -98,6 +99,9 @@ def _serve_grpc(payload: bytes, chunk_bytes: int) -> None:
         "Blob": grpc.unary_unary_rpc_method_handler(whole),
         "BlobStream": grpc.unary_stream_rpc_method_handler(stream),
     })])
+    # What grpc_tools generates since grpcio 1.63 (and clusterwire's transports use).
+    server.add_registered_method_handlers(REGISTERED_SERVICE, {
+        "Echo": grpc.unary_unary_rpc_method_handler(echo)})
     port = server.add_insecure_port(f"{HOST}:0")
     server.start()
     print(f"PORT {port}", flush=True)
@@ -216,6 +220,8 @@ class GrpcClient:
             ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)])
         grpc.channel_ready_future(self.channel).result(timeout=30)
         self.echo = self.channel.unary_unary(f"/{SERVICE}/Echo")
+        self.echo_registered = self.channel.unary_unary(f"/{REGISTERED_SERVICE}/Echo",
+                                                        _registered_method=True)
         self.blob = self.channel.unary_unary(f"/{SERVICE}/Blob")
         self._stream = self.channel.unary_stream(f"/{SERVICE}/BlobStream")
 

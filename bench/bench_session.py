@@ -226,6 +226,8 @@ def measure_transports(args: argparse.Namespace, payload: np.ndarray):
             ("bare grpcio unary_unary", "direct"): lambda: bare.echo(eight),
             ("bare grpcio unary_unary, timeout=30 s", "direct"):
                 lambda: bare.echo(eight, timeout=30.0),
+            ("bare grpcio unary_unary, registered method", "direct"):
+                lambda: bare.echo_registered(eight),
             ("clusterwire Session.get", "direct"): lambda: session.get("small"),
             ("clusterwire Session.call (echo)", "direct"): lambda: session.call(ECHO, small),
             ("clusterwire Session.get", "forwarded"):

@@ -166,7 +166,8 @@ def test_unknown_task_is_not_found(session):
         session.get("x", task="/job:ps/task:0")
 
 
-@pytest.mark.parametrize("task", ["ps:0", "/job:/task:0", "/job:ps/task:x", "/jab:ps", 3, ["/job:ps/task:0"]])
+@pytest.mark.parametrize("task", ["ps:0", "/job:/task:0", "/job:ps/task:x", "/jab:ps", 3,
+                                  ["/job:ps/task:0"]])
 def test_malformed_task_strings(session, task):
     with pytest.raises(InvalidArgumentError, match="device string"):
         session.get("x", task=task)

@@ -61,8 +61,9 @@ class ControlServer:
         self.server = grpc.server(self.pool, options=[
             ("grpc.so_reuseport", 0), ("grpc.max_allowed_incoming_connections", max_connections),
             *options])
-        self.server.add_generic_rpc_handlers(
-            [grpc.method_handlers_generic_handler(service, dict(handlers))])
+        # Registered methods (what grpc_tools generates): gRPC core matches them itself, with
+        # no per-call Python lookup of the method; clients mark theirs _registered_method.
+        self.server.add_registered_method_handlers(service, dict(handlers))
         self.address = address  # the contact address (bound port) once bound
         try:
             self.address = bind(self.server, address, security)

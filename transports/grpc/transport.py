@@ -196,9 +196,9 @@ class GrpcChannel(Channel):
         self._channel = open_channel(address, security, [
             ("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", -1),
             (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)])
-        self._unary = self._channel.unary_unary(_CALL)
-        self._upload = self._channel.stream_unary(_UPLOAD)
-        self._fetch = self._channel.unary_stream(_FETCH)
+        self._unary = self._channel.unary_unary(_CALL, _registered_method=True)
+        self._upload = self._channel.stream_unary(_UPLOAD, _registered_method=True)
+        self._fetch = self._channel.unary_stream(_FETCH, _registered_method=True)
 
     def call(self, frame: Frame, timeout: float | None = None) -> Frame:
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -468,7 +468,7 @@ class LocalChannel(Channel):
         self._channel = open_channel(address, security, [
             ("grpc.max_receive_message_length", wire.MAX_HEADER_BYTES + (16 << 20)),
             ("grpc.max_send_message_length", -1)])
-        self._unary = self._channel.unary_unary(_METHOD)
+        self._unary = self._channel.unary_unary(_METHOD, _registered_method=True)
         self._peer: _UnixPeer | None = None
         self._lock = threading.Lock()
         self._closed = threading.Event()
