@@ -162,7 +162,8 @@ def _structure(value: Any, buffers: list[Buffer], depth: int) -> Any:
     if kind is int:
         return (int, value) if _INT64_MIN <= value <= _INT64_MAX else None
     if kind is float:
-        return float, _DOUBLE.pack(value)  # the bits: 0.0 == -0.0, nan != nan
+        # By its bits: as floats, 0.0 == -0.0 would share a header and nan != nan never hit.
+        return float, _DOUBLE.pack(value)
     if kind is str:
         return (str, value) if len(value) <= _STRUCTURE_MAX_STR else None
     if kind is bytes:

@@ -82,7 +82,7 @@ class Session:
         ``kwargs``): a get, put or call repeated with same-shaped values builds it once."""
         def build(buffers: list) -> bytes:
             request = self._request(method, task, name)
-            if method != "get":
+            if method != "get":  # a get has no value; a put of None has one
                 codec.encode_into(request.value, value, buffers)
             if kwargs:
                 codec.encode_into(request.kwargs, kwargs, buffers)

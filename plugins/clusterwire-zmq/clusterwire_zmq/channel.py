@@ -5,7 +5,8 @@ connection in its own thread, so concurrent calls never hand messages between th
 zmq connects lazily and never reports a dead peer to a DEALER, so each connection starts
 with a HELLO/WELCOME handshake (which also brings the listener's size limit), and every
 wait also watches the socket's monitor events (refused, handshake failed, disconnected)
-and the channel's cancel pipe, which ``close`` writes to.
+and the channel's cancel pipe, which ``close`` writes to: the handshake polls all three,
+a call looks at the other two between slices of a blocking receive (``await_call_reply``).
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ class _Link:
                 break
             except zmq.Again:  # libzmq dropped the pipe (handshake refused): events say why
                 self._await_writable(deadline)
-        welcome = self.await_reply(request_id, deadline, sent=False)
+        welcome = self._await_welcome(request_id, deadline)
         if welcome.kind != wire.WELCOME:
             raise errors.InvalidArgumentError(
                 f"{self.address} answered HELLO with a kind {welcome.kind} message.")
@@ -129,10 +130,10 @@ class _Link:
         if self.events in ready:
             self._on_event(sent=False)
 
-    def await_reply(self, request_id: int, deadline: float | None, sent: bool) -> wire.Message:
-        """The reply to ``request_id``; the error a failure, timeout or close stands for."""
+    def _await_welcome(self, request_id: int, deadline: float | None) -> wire.Message:
+        """The answer to HELLO ``request_id``; the error a failure, timeout or close stands for."""
         while True:
-            ready = dict(self.poller.poll(self._milliseconds(deadline, sent)))
+            ready = dict(self.poller.poll(self._milliseconds(deadline, sent=False)))
             if self.sock in ready:
                 message = wire.decode(recv_parts(self.sock), _NO_LIMIT)
                 if message.request_id == request_id:
@@ -140,10 +141,10 @@ class _Link:
             elif self.cancel_fd in ready:
                 raise errors.CancelledError(f"The zmq channel to {self.address} was closed.")
             elif self.events in ready:
-                self._on_event(sent)
+                self._on_event(sent=False)
 
     def await_call_reply(self, request_id: int, deadline: float | None) -> wire.Message:
-        """``await_reply`` for a call on a connected link, waiting inside libzmq.
+        """The reply to call ``request_id`` on a connected link, waiting inside libzmq.
 
         A blocking receive is the bare library's own wait: polling the socket, the
         monitor and the cancel pipe together cost a third of a small call. So the
