@@ -73,7 +73,9 @@ def test_target_start_false_stop_frees_the_port_and_join_returns():
     assert worker.join(0)
     threading.Timer(0.05, dispatcher.stop).start()
     assert dispatcher.join(timeout=10)
-    with socket.socket() as probe:
+    with socket.socket() as probe:  # free for a new server (SO_REUSEADDR: connections the
+        # stopped dispatcher closed may leave TIME_WAIT entries on the port)
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         probe.bind(("127.0.0.1", port))
     with pytest.raises(errors.FailedPreconditionError):
         dispatcher.start()

@@ -80,7 +80,9 @@ def test_stop_is_idempotent_frees_the_port_and_join_returns():
     waiter.join(10)
     assert joined.is_set()
     assert server.join() is True
-    with socket.socket() as sock:  # free right after stop
+    with socket.socket() as sock:  # free right after stop, for a server (SO_REUSEADDR:
+        # connections the stopped server closed may leave TIME_WAIT entries on the port)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", port))
     with pytest.raises(FailedPreconditionError, match="create a new Server"):
         server.start()
