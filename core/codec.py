@@ -289,6 +289,9 @@ def _plan(value: Value) -> Plan:
     if kind in ("list_value", "tuple_value"):
         items = [_plan(item) for item in getattr(value, kind).items]
         if kind == "list_value":
+            if len(items) == 1:  # one argument, one result: the common call
+                only = items[0]
+                return lambda buffers: [only(buffers)]
             return lambda buffers: [item(buffers) for item in items]
         return lambda buffers: tuple([item(buffers) for item in items])
     if kind == "dict_value":

@@ -108,6 +108,19 @@ def _no_kwargs(_buffers: list[Buffer]) -> dict:
     return {}
 
 
+def _check_call_arguments(request: Request) -> None:
+    """A call's arguments must decode to a list and a dict with str keys; their header
+    alone says whether they will."""
+    kwargs = request.kwargs
+    if (request.HasField("value") and request.value.WhichOneof("kind") != "list_value") or (
+            request.HasField("kwargs") and (kwargs.WhichOneof("kind") != "dict_value" or any(
+                entry.key.WhichOneof("kind") != "str_value"
+                for entry in kwargs.dict_value.entries))):
+        raise errors.InvalidArgumentError(
+            "A call needs its positional arguments as a list (value) and its keyword "
+            "arguments as a dict with str keys (kwargs).")
+
+
 class ClusterService:
     """Serves one task's requests; forwards requests for other tasks to their servers."""
 
@@ -225,6 +238,7 @@ class ClusterService:
         if request.method == "get":
             return lambda _buffers: self._get(name)
         if request.method == "call":
+            _check_call_arguments(request)
             args = codec.decoder(request.value) if request.HasField("value") else _no_args
             kwargs = codec.decoder(request.kwargs) if request.HasField("kwargs") else _no_kwargs
             return lambda buffers: self._call(name, args(buffers), kwargs(buffers))
@@ -265,13 +279,8 @@ class ClusterService:
             "call, barrier, complete_cluster.")
 
     @staticmethod
-    def _call(name: str, args: Any, kwargs: Any) -> Frame:
+    def _call(name: str, args: list, kwargs: dict[str, Any]) -> Frame:
         fn = functions.lookup(name)
-        if not isinstance(args, list) or not isinstance(kwargs, dict) or not all(
-                isinstance(key, str) for key in kwargs):
-            raise errors.InvalidArgumentError(
-                "A call needs its positional arguments as a list (value) and its keyword "
-                "arguments as a dict with str keys (kwargs).")
         try:
             result = fn(*args, **kwargs)
         except errors.OpError:
