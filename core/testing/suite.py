@@ -103,6 +103,28 @@ def _same_bytes(received, sent) -> bool:
     return np.array_equal(*as_bytes)
 
 
+# A client process whose channel gets descriptors over 1023 (it holds 1,100 others first).
+_HIGH_DESCRIPTORS_CLIENT = """
+import os, resource, sys
+from clusterwire.plugins import get_plugin_manager
+from clusterwire.testing.peer import SLEEP
+from clusterwire.transport import Frame
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+wanted = 4096 if hard == resource.RLIM_INFINITY else min(4096, hard)
+if wanted < 1200:
+    sys.exit(print("SKIP: the hard limit is", hard))
+resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, wanted), hard))
+held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+channel = get_plugin_manager().transport(sys.argv[1]).connect(sys.argv[2])
+for i in range(20):
+    reply = channel.call(Frame(b"high-%d" % i, [b"8 bytes!"]), timeout=30)
+    assert bytes(reply.header) == b"high-%d" % i and bytes(reply.buffers[0]) == b"8 bytes!"
+channel.call(Frame(SLEEP + b"0.2", []), timeout=30)  # a wait long enough to sleep in
+channel.close()
+print("OK, descriptors up to", max(held))
+"""
+
+
 class TransportSuite:
     """Subclass as ``TestXxx`` with ``protocol`` (and ``capabilities``) set."""
 
@@ -305,6 +327,18 @@ class TransportSuite:
         assert outcome and isinstance(outcome[0], (errors.UnavailableError,
                                                    errors.AbortedError,
                                                    errors.CancelledError)), outcome
+
+    def test_client_with_descriptors_over_1023(self, listener):
+        # select() cannot wait on a descriptor over 1023; a busy process has such ones.
+        if not self.capabilities.cross_process:
+            pytest.skip(f"{self.protocol} has no channels in other processes")
+        done = subprocess.run(
+            [sys.executable, "-c", _HIGH_DESCRIPTORS_CLIENT, self.protocol, listener.address],
+            capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+        if done.stdout.startswith("SKIP"):
+            pytest.skip(f"cannot raise the descriptor limit: {done.stdout.strip()}")
+        assert done.stdout.startswith("OK"), done.stdout
 
     def test_stop_with_calls_in_flight(self, transport):
         listener, entered = self._blocking_listener(transport)

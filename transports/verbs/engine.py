@@ -5,7 +5,7 @@ runs under one lock, so no UCX object is ever touched by two threads at once;
 sends are posted directly by the calling thread. A thread waiting for
 messages (``wait``) drives the worker itself when no other thread does
 (leader/follower): it progresses the worker, probes for expected messages,
-delivers them and, when idle, sleeps in ``select`` on the worker's event
+delivers them and, when idle, sleeps in ``poll`` on the worker's event
 descriptor (UCX "blocking" progress). Other waiters sleep until a delivery or
 until the role is free.
 
@@ -115,7 +115,7 @@ class UcxEngine:
         self._ucx = threading.Lock()
         self._pending: list[tuple[Any, Any, SendCallback]] = []
         self._expected: dict[int, _Expectation] = {}
-        self._asleep = False  # a caller sleeps in select: wake it for work it cannot see
+        self._asleep = False  # a caller sleeps in poll: wake it for work it cannot see
         self._stopping = False
         self._step_due = False  # a serving thread must progress the worker
         # Guarded by _state: who holds the progress role and who waits for it.
@@ -131,7 +131,8 @@ class UcxEngine:
         self._jobs: deque[Callable[[], None]] = deque()
         self._ids = itertools.count(1)
         self._transfers = itertools.count(1)
-        self._wake_r, self._wake_w = _pipe()  # wakes a caller asleep in select
+        self._wake_r, self._wake_w = _pipe()  # wakes a caller asleep in poll
+        self._threads = threading.local()
         self._serve_r, self._serve_w = _pipe()  # wakes one idle serving thread
         # Idle serving threads sleep here; the worker's descriptor is enabled
         # (one-shot) only while nobody drives and no caller waits.
@@ -362,7 +363,7 @@ class UcxEngine:
     def _step(self, sleep: float) -> None:
         """Progress and deliver until the worker is armed.
 
-        Then, if nothing was delivered, sleep up to ``sleep`` seconds in select
+        Then, if nothing was delivered, sleep up to ``sleep`` seconds in poll
         until the worker has events.
         """
         delivered = False
@@ -381,10 +382,21 @@ class UcxEngine:
             elif armed:
                 break
         if self._asleep:
-            readable, _, _ = select.select([self._epoll_fd, self._wake_r], [], [], sleep)
+            ready = self._sleeper().poll(sleep * 1000)
             self._asleep = False
-            if self._wake_r in readable:
+            if any(fd == self._wake_r for fd, _ in ready):
                 _drain(self._wake_r)
+
+    def _sleeper(self) -> select.poll:
+        """This thread's poll set of the worker's and the wake pipe's descriptors (poll,
+        not select: descriptors may be over 1023; one per thread: a poll object must not
+        be polled by two threads at once)."""
+        sleeper = getattr(self._threads, "sleeper", None)
+        if sleeper is None:
+            sleeper = self._threads.sleeper = select.poll()
+            sleeper.register(self._epoll_fd, select.POLLIN)
+            sleeper.register(self._wake_r, select.POLLIN)
+        return sleeper
 
     def _deliver(self, done: list[Callable[[], None]]) -> None:
         if done:

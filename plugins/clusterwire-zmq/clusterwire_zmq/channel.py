@@ -73,6 +73,8 @@ class _Link:
         for item in (self.sock, self.events, cancel_fd):
             self.poller.register(item, zmq.POLLIN)
         self.cancel_fd = cancel_fd
+        self._cancelled = select.poll()  # poll, not select: descriptors may be over 1023
+        self._cancelled.register(cancel_fd, select.POLLIN)
         self.reached = False  # the TCP connection is up
         self.connected = False  # the ZMTP handshake succeeded
         self.limit: int | None = None  # the listener's max_message_bytes, from WELCOME
@@ -161,7 +163,7 @@ class _Link:
             try:
                 parts = recv_parts(self.sock)
             except zmq.Again:
-                if select.select([self.cancel_fd], [], [], 0)[0]:
+                if self._cancelled.poll(0):
                     raise errors.CancelledError(
                         f"The zmq channel to {self.address} was closed.") from None
                 while readable(self.events):
