@@ -47,6 +47,34 @@ def test_bulk_bytes_travel_on_the_chosen_ucx_transport(tls, carrier):
     assert rendezvous and all(carrier in line for line in rendezvous), rendezvous
 
 
+SESSIONS_CLIENT = textwrap.dedent("""
+    import os, sys, numpy as np, clusterwire
+
+    def once():
+        with clusterwire.Session(sys.argv[1], timeout=30) as session:
+            session.put("x", np.arange(4))
+            assert session.get("x").tolist() == [0, 1, 2, 3]
+
+    once()
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(40):
+        once()
+    print("DESCRIPTORS", before, len(os.listdir("/proc/self/fd")))
+""")
+
+
+def test_sessions_opened_and_closed_leave_no_descriptors_behind():
+    # Each hello's address check used to leave a UCX TCP connection open in the client.
+    from clusterwire import Server
+
+    env = {**child_env(), "UCX_TLS": "tcp,self"}
+    with Server({"w": ["127.0.0.1:0"]}, protocol="grpc+verbs") as server:
+        result = run_python(SESSIONS_CLIENT, server.target, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    before, after = map(int, result.stdout.split("DESCRIPTORS")[1].split())
+    assert after - before < 5, (before, after)
+
+
 def test_missing_ucxx_names_the_extra():
     code = textwrap.dedent("""
         import sys
