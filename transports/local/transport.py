@@ -197,14 +197,16 @@ def _plan(buffers: Sequence[Any], threshold: int
     into one new sealed segment. The caller owns (and closes) the descriptors.
     """
     views = [memoryview(b).cast("B") for b in buffers]
+    mask = inline_mask(views, threshold)
+    if all(mask):  # the common small frame: no segment to look for
+        return views, [wire.INLINE] * len(views), [(0, 0)] * len(views), []
     kinds: list[int] = []
     places: list[tuple[int, int]] = []
     fds: list[int] = []
     segments: dict[int, int] = {}  # id(mapping) -> its index in fds
     to_pack: list[int] = []
     try:
-        for index, (buffer, small) in enumerate(zip(buffers, inline_mask(views, threshold),
-                                                    strict=True)):
+        for index, (buffer, small) in enumerate(zip(buffers, mask, strict=True)):
             if small:
                 kinds.append(wire.INLINE)
                 places.append((0, 0))
@@ -229,13 +231,6 @@ def _plan(buffers: Sequence[Any], threshold: int
         _close_all(fds)
         raise
     return views, kinds, places, fds
-
-
-def _segments_needed(control: wire.Control) -> int:
-    """How many descriptors the frame's SEGMENT buffers refer to."""
-    indices = [segment for kind, (segment, _) in zip(control.kinds, control.places, strict=True)
-               if kind == wire.SEGMENT]
-    return max(indices) + 1 if indices else 0
 
 
 def _send_segments(peer: _UnixPeer, ident: int, fds: list[int]) -> None:
@@ -396,7 +391,7 @@ class LocalListener(Listener):
                     self._clients_lock.wait_for(lambda: control.client_id in self._clients,
                                                 _HELLO_WAIT)
                     peer = self._clients.get(control.client_id)
-            segments = _segments_needed(control)
+            segments = control.segments
             if peer is None:
                 raise errors.ResourceExhaustedError(
                     "No shared-memory connection from this client: the server refused it "
@@ -528,7 +523,7 @@ class LocalChannel(Channel):
             raise errors.UnavailableError(
                 f"shared-memory connection to {self._address} failed: {err}") from None
         control = wire.decode_control(reply, 1 << 42)
-        segments = _segments_needed(control)
+        segments = control.segments
         remaining = _SEGMENT_WAIT if deadline is None else max(deadline - time.monotonic(), 0.01)
         fds = peer.inbox.take(transfer_id, segments, remaining) if segments else []
         return Frame(control.header, _received(control, fds))

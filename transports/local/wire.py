@@ -46,16 +46,21 @@ class Control:
     client_id: int
     transfer_id: int
     inline: memoryview
+    segments: int  # descriptors the SEGMENT buffers refer to (highest index + 1)
 
 
 def encode_control(header: bytes, kinds: Sequence[int], views: Sequence[memoryview],
                    places: Sequence[tuple[int, int]], client_id: int, transfer_id: int) -> bytes:
     """A control message; only INLINE buffers' bytes are included."""
-    entries = b"".join(_ENTRY.pack(k, v.nbytes, *place)
-                       for k, v, place in zip(kinds, views, places, strict=True))
-    inline = [v for k, v in zip(kinds, views, strict=True) if k == INLINE]
-    return b"".join([_CONTROL.pack(b"CWL1", len(header), len(views), client_id, transfer_id),
-                     entries, header, *inline])
+    parts = [_CONTROL.pack(b"CWL1", len(header), len(views), client_id, transfer_id)]
+    inline = []
+    for kind, view, (segment, offset) in zip(kinds, views, places, strict=True):
+        parts.append(_ENTRY.pack(kind, view.nbytes, segment, offset))
+        if kind == INLINE:
+            inline.append(view)
+    parts.append(header)
+    parts += inline
+    return b"".join(parts)
 
 
 def decode_control(message: bytes, limit: int) -> Control:
@@ -71,24 +76,28 @@ def decode_control(message: bytes, limit: int) -> Control:
     if len(message) < offset + header_len:
         raise InvalidArgumentError("Malformed frame: truncated.")
     kinds, lengths, places = [], [], []
-    for i in range(count):
-        kind, length, segment, start = _ENTRY.unpack_from(message, _CONTROL.size + _ENTRY.size * i)
-        if kind not in (INLINE, SEGMENT):
+    total = expected = segments = 0
+    view = memoryview(message)
+    for kind, length, segment, start in _ENTRY.iter_unpack(view[_CONTROL.size:offset]):
+        if kind == INLINE:
+            expected += length
+        elif kind == SEGMENT:
+            segments = max(segments, segment + 1)
+        else:
             raise InvalidArgumentError(f"Malformed frame: buffer kind {kind}.")
+        total += length
         kinds.append(kind)
         lengths.append(length)
         places.append((segment, start))
-    if sum(lengths) > limit:
+    if total > limit:
         raise ResourceExhaustedError(
-            f"Frame of {sum(lengths)} bytes exceeds the limit of {limit} bytes "
-            "(max_message_bytes).")
-    inline = memoryview(message)[offset + header_len:]
-    expected = sum(n for k, n in zip(kinds, lengths, strict=True) if k == INLINE)
+            f"Frame of {total} bytes exceeds the limit of {limit} bytes (max_message_bytes).")
+    inline = view[offset + header_len:]
     if inline.nbytes != expected:
         raise InvalidArgumentError(
             f"Malformed frame: {inline.nbytes} inline bytes, declared {expected}.")
-    header = bytes(message[offset:offset + header_len])
-    return Control(header, kinds, lengths, places, client_id, transfer_id, inline)
+    header = bytes(view[offset:offset + header_len])
+    return Control(header, kinds, lengths, places, client_id, transfer_id, inline, segments)
 
 
 def encode_unix(op: int, ident: int, count: int, payload: bytes = b"") -> bytes:
