@@ -15,6 +15,7 @@ size limit (``WELCOME``'s header is the limit as u64).
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,15 +49,22 @@ def byte_views(buffers: Sequence) -> list[memoryview]:
     return [memoryview(b).cast("B") for b in buffers]
 
 
+@functools.lru_cache(maxsize=64)
+def _lengths(count: int) -> struct.Struct:
+    return struct.Struct(f"<{count}Q")
+
+
 def encode(kind: int, request_id: int, header: bytes, views: Sequence[memoryview],
            inline_max: int, status: int = 0) -> list:
     """The parts of one message: part 0 (bytes), then each large buffer's view."""
-    lengths = [v.nbytes for v in views]
-    inline = [v for v in views if v.nbytes < inline_max]
+    lengths, inline, separate = [], [], []
+    for view in views:
+        lengths.append(view.nbytes)
+        (inline if view.nbytes < inline_max else separate).append(view)
     part0 = b"".join([
         _PREFIX.pack(MAGIC, kind, request_id, status, len(header), len(views), inline_max),
-        struct.pack(f"<{len(lengths)}Q", *lengths), header, *inline])
-    return [part0, *(v for v in views if v.nbytes >= inline_max)]
+        _lengths(len(lengths)).pack(*lengths), header, *inline])
+    return [part0, *separate]
 
 
 def encode_error(request_id: int, code: int, message: str) -> list:
@@ -109,7 +117,7 @@ def decode(parts: Sequence, limit: int) -> Message:
     offset = _PREFIX.size + 8 * count
     if first.nbytes < offset + header_len:
         raise InvalidArgumentError("Malformed message: truncated prefix.")
-    lengths = struct.unpack_from(f"<{count}Q", first, _PREFIX.size)
+    lengths = _lengths(count).unpack_from(first, _PREFIX.size)
     if sum(lengths) > limit:
         raise ResourceExhaustedError(
             f"Frame of {sum(lengths)} bytes exceeds the limit of {limit} bytes "
@@ -121,24 +129,26 @@ def decode(parts: Sequence, limit: int) -> Message:
 
 def _split(first: memoryview, offset: int, lengths: Sequence[int], inline_max: int,
            rest: Sequence) -> list[memoryview]:
-    separate = sum(1 for n in lengths if n >= inline_max)
-    if separate != len(rest):
-        raise InvalidArgumentError(
-            f"Malformed message: {len(rest)} buffer parts, declared {separate}.")
-    inline_total = sum(n for n in lengths if n < inline_max)
-    if first.nbytes - offset != inline_total:
-        raise InvalidArgumentError(
-            f"Malformed message: {first.nbytes - offset} inline bytes, declared "
-            f"{inline_total}.")
     views, parts = [], iter(rest)
     for length in lengths:
         if length < inline_max:
             views.append(first[offset:offset + length])
             offset += length
             continue
-        view = memoryview(next(parts)).cast("B")
+        part = next(parts, None)
+        if part is None:
+            raise InvalidArgumentError(
+                f"Malformed message: {len(rest)} buffer parts, declared more.")
+        view = memoryview(part).cast("B")
         if view.nbytes != length:
             raise InvalidArgumentError(
                 f"Malformed message: a {view.nbytes}-byte buffer part, declared {length}.")
         views.append(view)
+    if offset != first.nbytes:
+        raise InvalidArgumentError(
+            f"Malformed message: {first.nbytes} bytes in the first part, the prefix declares "
+            f"{offset}.")
+    if next(parts, None) is not None:
+        raise InvalidArgumentError(
+            f"Malformed message: {len(rest)} buffer parts, declared fewer.")
     return views
