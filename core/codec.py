@@ -89,8 +89,6 @@ def _encode_into(out: Value, value: Any, buffers: list[Buffer], depth: int) -> N
         buffers.append(value)
     elif isinstance(value, (np.ndarray, np.generic)):
         array = value if type(value) is np.ndarray else np.asarray(value)
-        if not array.flags.c_contiguous:
-            array = array.copy(order="C")
         tensor = out.tensor
         tensor.dtype = _dtype_text(array.dtype)
         if array.ndim:
@@ -99,7 +97,7 @@ def _encode_into(out: Value, value: Any, buffers: list[Buffer], depth: int) -> N
             tensor.buffer = len(buffers)
         if isinstance(value, np.generic):
             tensor.scalar = True
-        buffers.append(_bytes_view(array) if array.size else b"")
+        buffers.append(_tensor_buffer(array))
     elif isinstance(value, (list, tuple)):
         items = out.tuple_value if isinstance(value, tuple) else out.list_value
         items.SetInParent()
@@ -146,17 +144,10 @@ def structure(value: Any, buffers: list[Buffer]) -> Any:
 def _structure(value: Any, buffers: list[Buffer], depth: int) -> Any:
     kind = type(value)
     if kind is np.ndarray:
-        dtype = value.dtype
-        if dtype.hasobject:
+        if value.dtype.hasobject:
             return None
-        try:
-            view = memoryview(value)
-            if not view.c_contiguous:
-                view = memoryview(value.copy(order="C"))
-            buffers.append(view.cast("B") if view.nbytes else b"")
-        except (ValueError, TypeError):  # not a plain buffer (datetime64, big-endian, ...)
-            return None
-        return np.ndarray, dtype, value.shape
+        buffers.append(_tensor_buffer(value))
+        return np.ndarray, value.dtype, value.shape
     if value is None or kind is bool:
         return kind, value
     if kind is int:
@@ -217,6 +208,13 @@ class HeaderCache:
                     self._headers.clear()
                 self._headers[key] = header
         return header, buffers
+
+
+def _tensor_buffer(array: np.ndarray) -> Buffer:
+    """The raw buffer ``array`` travels as (a C-contiguous copy's, if it is not one)."""
+    if not array.flags.c_contiguous:
+        array = array.copy(order="C")
+    return _bytes_view(array) if array.size else b""
 
 
 def _bytes_view(array: np.ndarray) -> Buffer:
