@@ -204,10 +204,17 @@ class HeaderCache:
             buffers = []
             header = build(buffers)
             if key is not None:
-                if len(self._headers) >= self._max_entries:
-                    self._headers.clear()
-                self._headers[key] = header
+                remember(self._headers, key, header, self._max_entries)
         return header, buffers
+
+
+def remember(cache: dict, key: Any, value: Any, max_entries: int = 1024) -> Any:
+    """``cache[key] = value``, emptying ``cache`` first when it holds ``max_entries``: its
+    entries are cheap to rebuild, and a stream of distinct keys must not grow it forever."""
+    if len(cache) >= max_entries:
+        cache.clear()
+    cache[key] = value
+    return value
 
 
 def _tensor_buffer(array: np.ndarray) -> Buffer:
@@ -241,9 +248,7 @@ def decoder(header: Value) -> Plan:
     key = header.SerializeToString()
     plan = _plans.get(key)
     if plan is None:
-        if len(_plans) >= _PLANS_MAX:
-            _plans.clear()
-        plan = _plans[key] = _plan(header)
+        plan = remember(_plans, key, _plan(header), _PLANS_MAX)
     return plan
 
 

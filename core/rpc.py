@@ -57,7 +57,6 @@ def parse_response(frame: Frame) -> Response:
 
 # OK responses repeat too (a get of the same tensor, a call returning the same shapes):
 # each distinct header is parsed once into the plan that rebuilds its value.
-_VALUE_PLANS_MAX = 1024
 _value_plans: dict[bytes, codec.Plan] = {}
 
 
@@ -70,9 +69,7 @@ def response_value(frame: Frame) -> Any:
         raise_for_status(response)
         plan = codec.decoder(response.value)
         if len(header) <= codec.PLAN_KEY_MAX:
-            if len(_value_plans) >= _VALUE_PLANS_MAX:
-                _value_plans.clear()
-            _value_plans[header] = plan
+            codec.remember(_value_plans, header, plan)
     return plan(frame.buffers)
 
 

@@ -54,7 +54,6 @@ def value_response(value: Any) -> Frame:
 
 
 _responses = codec.HeaderCache()
-_PREPARED_MAX = 1024
 Serve = Callable[[list[Buffer]], Frame]
 
 
@@ -202,9 +201,7 @@ class ClusterService:
                 if serve is None:
                     return self._serve(request, list(frame.buffers))
                 if len(header) <= codec.PLAN_KEY_MAX:
-                    if len(self._prepared) >= _PREPARED_MAX:
-                        self._prepared.clear()
-                    self._prepared[header] = serve
+                    codec.remember(self._prepared, header, serve)
             return serve(list(frame.buffers))
         except errors.OpError as err:
             return error_response(err)
