@@ -9,3 +9,24 @@ pytest.importorskip("ucxx", reason="the verbs extra is not installed: pip instal
 
 class TestVerbsConformance(TransportSuite):
     protocol = "grpc+verbs"
+
+    def test_small_calls_run_in_c(self, transport):
+        assert transport.info()["small_calls"] == "in C (_ucp)"
+
+
+class TestVerbsPythonRoundTripConformance(TransportSuite):
+    """The same with the C helper off (``compiled = false``), as where it was not built.
+
+    Its peer process still uses the C helper: the two interoperate.
+    """
+
+    protocol = "grpc+verbs"
+
+    @pytest.fixture(scope="class")
+    def transport(self):
+        from clusterwire.transports.verbs.transport import VerbsTransport
+
+        transport = VerbsTransport({"compiled": False})
+        assert transport.info()["small_calls"].startswith("in Python")
+        yield transport
+        transport.engine.stop()

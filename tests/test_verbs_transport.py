@@ -104,6 +104,14 @@ def test_ucx_that_cannot_initialise_is_a_clear_error(tmp_path):
         result.stdout + result.stderr
 
 
+def test_the_compiled_option_must_be_a_boolean():
+    from clusterwire.errors import InvalidArgumentError
+    from clusterwire.transports.verbs.transport import VerbsTransport
+
+    with pytest.raises(InvalidArgumentError, match="compiled must be true or false, not 'no'"):
+        VerbsTransport({"compiled": "no"})
+
+
 def test_status_reports_the_ucx_transports(tmp_path):
     from clusterwire import Server, Session
 
@@ -113,6 +121,7 @@ def test_status_reports_the_ucx_transports(tmp_path):
     assert transport["data"] == "ucx"
     assert "tcp/lo" in transport["ucx_transports"]
     assert transport["rdma"].startswith("none")
+    assert transport["small_calls"] == "in C (_ucp)"
 
 
 def test_a_silent_client_loses_its_slot_and_reconnects_transparently(tmp_path):

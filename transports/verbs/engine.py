@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import itertools
 import os
 import re
@@ -44,6 +45,9 @@ import numpy as np
 
 from clusterwire import errors
 from clusterwire.buffers import receive_buffers
+
+#: What ``exchange`` did.
+NOT_SENT, REPLIED, NO_REPLY_YET, RECEIVING = range(4)
 
 ReceiveCallback = Callable[[BaseException | None, int, np.ndarray], None]
 SendCallback = Callable[[BaseException | None], None]
@@ -66,22 +70,52 @@ def _import_ucxx():
     return libucxx, Array
 
 
-class _Expectation:
-    __slots__ = ("tag", "mask", "limit", "callback", "standing")
+def _import_compiled():
+    """The C round trip of small calls (``_ucp.c``), bound to the loaded UCX; None without it."""
+    try:
+        from clusterwire.transports.verbs import _ucp
+        _ucp.bind()
+    except ImportError:  # built without a C compiler, or a UCX without these functions
+        return None
+    return _ucp
 
-    def __init__(self, tag: Any, mask: Any, limit: int, callback: ReceiveCallback,
-                 standing: bool):
-        self.tag, self.mask, self.limit = tag, mask, limit
-        self.callback, self.standing = callback, standing
+
+class _Expectation:
+    __slots__ = ("tag", "mask", "bits", "limit", "callback", "standing")
+
+    def __init__(self, tag: int, mask: int, limit: int, callback: ReceiveCallback,
+                 standing: bool, u) -> None:
+        self.tag, self.mask, self.bits = u.UCXXTag(tag), u.UCXXTagMask(mask), (tag, mask)
+        self.limit, self.callback, self.standing = limit, callback, standing
+
+
+class _CompiledRequest:
+    """A send or receive the C helpers left unfinished, seen as the engine sees a ucxx request."""
+
+    __slots__ = ("_compiled", "_handle", "_outcome")
+
+    def __init__(self, compiled, handle: int) -> None:
+        self._compiled, self._handle, self._outcome = compiled, handle, None
+
+    @property
+    def completed(self) -> bool:
+        if self._outcome is None:
+            self._outcome = self._compiled.test(self._handle)
+        return self._outcome is not None
+
+    def check_error(self) -> None:
+        if self._outcome:
+            raise errors.UnavailableError(f"UCX transfer failed: {self._outcome}")
 
 
 class Endpoint:
     """A UCX endpoint that knows whether it was closed (ucxx crashes on a closed one)."""
 
-    __slots__ = ("ucx", "closed", "local")
+    __slots__ = ("ucx", "handle", "closed", "local")
 
     def __init__(self, ucx, local: bool) -> None:
         self.ucx = ucx
+        self.handle = ucx.handle  # the ucp_ep_h, for the C round trip
         self.closed = False
         # To this process's own worker: UCX delivers its messages during the
         # send, without an event on the worker's descriptor.
@@ -91,7 +125,8 @@ class Endpoint:
 class UcxEngine:
     """A UCX context and worker, and the progress role its waiting threads share."""
 
-    def __init__(self, tls: str | None = None, net_devices: str | None = None):
+    def __init__(self, tls: str | None = None, net_devices: str | None = None,
+                 compiled: bool = True):
         self._u, self._array = _import_ucxx()
         config = {}
         if tls:
@@ -111,6 +146,9 @@ class UcxEngine:
         self.address = self._worker.address.tobytes()
         self.tls = tls or os.environ.get("UCX_TLS", "all")
         self._epoll_fd = self._worker.epoll_file_descriptor
+        self._compiled = _import_compiled() if compiled else None
+        self._worker_handle = self._worker.handle
+        self._all_bits = u.UCXXTagMask((1 << 64) - 1)
         # Guarded by _ucx: every UCX call, the expectations and the unfinished requests.
         self._ucx = threading.Lock()
         self._pending: list[tuple[Any, Any, SendCallback]] = []
@@ -176,24 +214,29 @@ class UcxEngine:
         ``on_done(error)`` runs once the send finished: at once on this thread
         when UCX completed it immediately, else on the thread driving the worker.
         """
-        array = self._array(buffer)
         on_done = on_done or _ignore
+        compiled = self._compiled
         with self._ucx:
             try:
                 if endpoint.closed or self._stopping:
                     raise errors.UnavailableError("The UCX endpoint is closed.")
-                request = endpoint.ucx.tag_send(array, self._u.UCXXTag(tag))
+                if compiled is not None:
+                    handle = compiled.send(endpoint, buffer, tag)
+                    request = _CompiledRequest(compiled, handle) if handle else None
+                else:
+                    buffer = self._array(buffer)
+                    request = endpoint.ucx.tag_send(buffer, self._u.UCXXTag(tag))
             except Exception as err:  # UCX refused the send
                 error: BaseException | None = err
             else:
-                finished = request.completed
+                finished = request is None or request.completed
                 if not finished:
-                    self._pending.append((request, array, on_done))
+                    self._pending.append((request, buffer, on_done))
                 if endpoint.local or not finished:
                     self._nudge()
                 if not finished:
                     return
-                error = _error_of(request)
+                error = None if request is None else _error_of(request)
         on_done(error)
 
     def expect(self, tag: int, mask: int, limit: int, callback: ReceiveCallback,
@@ -206,14 +249,15 @@ class UcxEngine:
         reported as ResourceExhaustedError. Messages arrive only while a thread
         ``wait``s or serving threads run (see ``serve``).
         """
-        u = self._u
         key = next(self._ids)
-        want = _Expectation(u.UCXXTag(tag), u.UCXXTagMask(mask), limit, callback, standing)
+        want = _Expectation(tag, mask, limit, callback, standing, self._u)
         done: list[Callable[[], None]] = []
         with self._ucx:
             self._check_running()
             self._expected[key] = want
             self._probe_one(key, want, done)  # it may have arrived before it was expected
+            if self._asleep:
+                self._nudge()  # a C round trip asleep does not probe for it: wake it
         self._deliver(done)
         return key
 
@@ -221,6 +265,145 @@ class UcxEngine:
         """Stop expecting the messages of ``expect``'s ``key``."""
         with self._ucx:
             self._expected.pop(key, None)
+
+    def exchange(self, endpoint: Endpoint, message: bytes, tag: int, reply_tag: int,
+                 limit: int, on_reply: ReceiveCallback, patience: float) -> int:
+        """Send ``message`` and receive the reply tagged ``reply_tag``, driving the worker here.
+
+        The round trip of a small call, with no hand-off between threads: this
+        thread progresses the worker and probes for the reply itself, and
+        sleeps in ``poll`` between events. It needs the progress role; when
+        another thread has it, nothing is sent and NOT_SENT returned (use
+        ``expect``, ``send`` and ``wait``). Otherwise ``on_reply`` runs as for
+        ``expect`` and REPLIED is returned; or, after ``patience`` seconds
+        without the reply, NO_REPLY_YET (``expect`` it then) or, if its receive
+        has begun, RECEIVING (``on_reply`` runs once it is done: ``wait`` for it).
+        """
+        me = threading.current_thread()
+        with self._state:
+            if self._driver is not None or self._stopping:
+                return NOT_SENT
+            self._driver = me
+            self._callers += 1
+            if self._servers:
+                self._update_watch()
+        try:
+            if self._compiled is not None and self._watched() is not None:
+                return self._exchange_compiled(endpoint, message, tag, reply_tag, limit, on_reply,
+                                               patience)
+            return self._exchange(endpoint, message, tag, reply_tag, limit, on_reply, patience)
+        finally:
+            with self._state:
+                self._driver = None
+                self._callers -= 1
+                self._followers.notify()  # the role is free: the next waiter takes it
+                if self._servers:
+                    self._update_watch()
+
+    def _exchange(self, endpoint: Endpoint, message: bytes, tag: int, reply_tag: int,
+                  limit: int, on_reply: ReceiveCallback, patience: float) -> int:
+        u, worker = self._u, self._worker
+        array = self._array(message)
+        with self._ucx:
+            if endpoint.closed or self._stopping:
+                raise errors.UnavailableError("The UCX endpoint is closed.")
+            request = endpoint.ucx.tag_send(array, u.UCXXTag(tag))
+            if not request.completed:
+                self._pending.append((request, array, _ignore))
+            elif (error := _error_of(request)) is not None:
+                raise errors.UnavailableError(f"UCX send failed: {error}")
+        want, deadline = u.UCXXTag(reply_tag), time.monotonic() + patience
+        receiving: tuple[Any, np.ndarray, BaseException | None] | None = None
+        while True:
+            with self._ucx:
+                if self._stopping:
+                    raise errors.CancelledError("The UCX engine stopped (process exit).")
+                worker.progress()
+                done = self._complete() if self._pending else []
+                if receiving is None:
+                    result = worker.tag_probe(want, self._all_bits, remove=True)
+                    if result.matched:
+                        receiving = self._receive(result, limit)
+                if self._expected:
+                    self._probe(done)
+                replied = receiving is not None and receiving[0].completed
+                armed = not replied and not done and worker.arm()
+                self._asleep = armed
+            if done:
+                self._deliver(done)
+            if replied:
+                request, buffer, error = receiving
+                on_reply(error or _error_of(request), reply_tag, buffer)
+                return REPLIED
+            if armed:
+                remaining = deadline - time.monotonic()
+                if remaining > 0:
+                    self._sleep(remaining)
+                elif receiving is None:
+                    return NO_REPLY_YET
+                else:
+                    self._hand_over(receiving, reply_tag, on_reply)
+                    return RECEIVING
+
+    def _watched(self) -> tuple[int, int] | None:
+        """The (tag, mask) the C round trip must watch besides its reply ((0, 0): nothing).
+
+        None when it cannot serve: sends are unfinished, or a thread waits for
+        a message of its own (the C loop finishes and probes neither).
+        """
+        if self._pending or len(self._expected) > 1:
+            return None
+        for want in self._expected.values():
+            return want.bits if want.standing else None
+        return 0, 0
+
+    def _exchange_compiled(self, endpoint: Endpoint, message: bytes, tag: int, reply_tag: int,
+                           limit: int, on_reply: ReceiveCallback, patience: float) -> int:
+        """``_exchange`` in C (``_ucp.exchange``); returns to Python only for others' work."""
+        compiled = self._compiled
+        deadline = time.monotonic() + patience
+        send: bytes | None = message
+        while (watch := self._watched()) is not None:
+            self._asleep = True  # a thread posting work wakes the C loop through the pipe
+            try:
+                outcome, value, pending = compiled.exchange(
+                    self._worker_handle, endpoint, send, tag, reply_tag, watch[0], watch[1],
+                    limit, self._epoll_fd, self._wake_r, max(deadline - time.monotonic(), 0),
+                    self._ucx, self)
+            except compiled.UcxError as err:
+                raise errors.UnavailableError(f"UCX: {err}.") from None
+            finally:
+                self._asleep = False
+            if pending:
+                with self._ucx:
+                    self._pending.append((_CompiledRequest(compiled, pending), send, _ignore))
+            send = None
+            if outcome == compiled.REPLIED:
+                on_reply(None, reply_tag, value)
+                return REPLIED
+            if outcome == compiled.TOO_LONG:
+                on_reply(errors.ResourceExhaustedError(
+                    f"A {value}-byte message exceeds the limit of {limit} bytes."), reply_tag,
+                    np.empty(0, np.uint8))
+                return REPLIED
+            if outcome == compiled.TIMED_OUT:
+                return NO_REPLY_YET
+            if outcome == compiled.STOPPED:
+                raise errors.CancelledError("The UCX engine stopped (process exit).")
+            self._step(0)  # WATCHED or WOKEN: what came for others, others' sends
+        if send is not None:
+            return self._exchange(endpoint, send, tag, reply_tag, limit, on_reply, patience)
+        return NO_REPLY_YET
+
+    def _hand_over(self, receiving: tuple[Any, np.ndarray, BaseException | None],
+                   reply_tag: int, on_reply: ReceiveCallback) -> None:
+        """Leave a receive begun by ``exchange`` to whichever thread drives the worker."""
+        request, buffer, error = receiving
+        done: list[Callable[[], None]] = []
+        with self._ucx:
+            self._finish(request, buffer,
+                         lambda late: on_reply(error or late, reply_tag, buffer), done)
+        self._deliver(done)
 
     # -- driving the worker ---------------------------------------------------------
 
@@ -335,7 +518,8 @@ class UcxEngine:
         """Progress the worker without sleeping (called and returning with _state held)."""
         self._step_due = False
         self._driver = self._stepping = me
-        self._update_watch()
+        if self._watching:
+            self._update_watch()
         self._state.release()
         try:
             self._step(0)
@@ -367,25 +551,32 @@ class UcxEngine:
         until the worker has events.
         """
         delivered = False
+        # In C (take), a standing expectation's arrived messages are all taken:
+        # the worker can be armed at once, before they are delivered.
+        drains = self._compiled is not None
         while True:
             with self._ucx:
                 if self._stopping:
                     return
                 self._worker.progress()
-                done = self._complete()
+                done = self._complete() if self._pending else []
                 self._probe(done)
-                armed = not done and self._worker.arm()
-                self._asleep = armed and sleep > 0 and not delivered
+                armed = (drains or not done) and self._worker.arm()
+                self._asleep = armed and sleep > 0 and not done and not delivered
             if done:
                 self._deliver(done)
                 delivered = True
-            elif armed:
+            if armed:
                 break
         if self._asleep:
-            ready = self._sleeper().poll(sleep * 1000)
-            self._asleep = False
-            if any(fd == self._wake_r for fd, _ in ready):
-                _drain(self._wake_r)
+            self._sleep(sleep)
+
+    def _sleep(self, seconds: float) -> None:
+        """Sleep in poll until the (armed) worker has events, a nudge, or ``seconds`` passed."""
+        for fd, _ in self._sleeper().poll(seconds * 1000):
+            if fd == self._wake_r:
+                _drain(fd)
+        self._asleep = False
 
     def _sleeper(self) -> select.poll:
         """This thread's poll set of the worker's and the wake pipe's descriptors (poll,
@@ -437,7 +628,27 @@ class UcxEngine:
 
     def _probe(self, done: list[Callable[[], None]]) -> None:
         for key, want in list(self._expected.items()):
-            self._probe_one(key, want, done)
+            if want.standing and self._compiled is not None:
+                self._take(want, done)
+            else:
+                self._probe_one(key, want, done)
+
+    def _take(self, want: _Expectation, done: list[Callable[[], None]]) -> None:
+        """Receive, in C, every arrived message of a standing expectation."""
+        compiled = self._compiled
+        for sender_tag, buffer, length, pending in compiled.take(
+                self._worker_handle, *want.bits, want.limit):
+            error = None
+            if buffer is None:
+                error = errors.ResourceExhaustedError(
+                    f"A {length}-byte message exceeds the limit of {want.limit} bytes."
+                    if length > want.limit else f"No memory to receive a {length}-byte message.")
+                buffer = _NOTHING
+            if pending:
+                late = functools.partial(_deliver_late, want.callback, error, sender_tag, buffer)
+                self._pending.append((_CompiledRequest(compiled, pending), buffer, late))
+            else:
+                done.append(functools.partial(want.callback, error, sender_tag, buffer))
 
     def _probe_one(self, key: int, want: _Expectation, done: list[Callable[[], None]]) -> None:
         result = self._worker.tag_probe(want.tag, want.mask, remove=True)
@@ -446,18 +657,25 @@ class UcxEngine:
         if not want.standing:
             del self._expected[key]
         sender_tag = result.sender_tag.value
-        if result.length > want.limit:
-            # Consume it without storing it: a 1-byte receive ends truncated.
+        request, buffer, error = self._receive(result, want.limit)
+        self._finish(request, buffer, lambda late: want.callback(error or late, sender_tag, buffer),
+                     done)
+
+    def _receive(self, result, limit: int) -> tuple[Any, np.ndarray, BaseException | None]:
+        """Start receiving a probed message: (request, buffer, error).
+
+        A message longer than ``limit`` is consumed without being stored (a
+        1-byte receive ends truncated): its buffer is empty and its error
+        ResourceExhaustedError.
+        """
+        if result.length > limit:
             error = errors.ResourceExhaustedError(
-                f"A {result.length}-byte message exceeds the limit of {want.limit} bytes.")
-            scratch = self._array(np.empty(1, np.uint8))
-            request = self._worker.tag_recv_with_handle(scratch, result)
-            self._finish(request, scratch, lambda _: want.callback(
-                error, sender_tag, np.empty(0, np.uint8)), done)
-            return
+                f"A {result.length}-byte message exceeds the limit of {limit} bytes.")
+            scratch = np.empty(1, np.uint8)
+            request = self._worker.tag_recv_with_handle(self._array(scratch), result)
+            return request, scratch[:0], error
         buffer = receive_buffers.take(result.length)
-        request = self._worker.tag_recv_with_handle(self._array(buffer), result)
-        self._finish(request, buffer, lambda err: want.callback(err, sender_tag, buffer), done)
+        return self._worker.tag_recv_with_handle(self._array(buffer), result), buffer, None
 
     def _finish(self, request, keep: Any, callback: SendCallback,
                 done: list[Callable[[], None]]) -> None:
@@ -480,6 +698,8 @@ class UcxEngine:
         version = ".".join(str(v) for v in self._u.get_ucx_version())
         return {"ucx_version": version, "ucx_tls": self.tls,
                 "ucx_transports": ",".join(resources),
+                "small_calls": "in C (_ucp)" if self._compiled is not None else
+                "in Python (the C helper is off or was not built)",
                 "rdma": ",".join(rdma) if rdma else "none (no verbs device or UCX without verbs)"}
 
     def stop(self) -> None:
@@ -522,3 +742,11 @@ def _error_of(request) -> BaseException | None:
 
 def _ignore(_: BaseException | None) -> None:
     return None
+
+
+def _deliver_late(callback: ReceiveCallback, error: BaseException | None, sender_tag: int,
+                  buffer: Any, late: BaseException | None) -> None:
+    callback(error or late, sender_tag, buffer)
+
+
+_NOTHING = np.empty(0, np.uint8)

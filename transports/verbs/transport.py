@@ -18,7 +18,8 @@ Options (plugins.toml ``[options."grpc+verbs"]``): ``tls`` (UCX_TLS, e.g.
 "tcp,self" or "sm,self"; default all), ``net_devices`` (UCX_NET_DEVICES),
 ``bulk_bytes`` (buffers from this size on travel as their own message;
 default 64 KiB), ``idle_slot_seconds`` (a client silent this long loses its
-connection state; default 600).
+connection state; default 600), ``compiled`` (false: drive small calls in
+Python instead of the C helper ``_ucp``; default true, used when it was built).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import contextlib
 import functools
 import hmac
 import itertools
+import operator
 import secrets
 import struct
 import threading
@@ -59,13 +61,13 @@ from clusterwire.transports.grpc.plumbing import (
 )
 from clusterwire.transports.verbs import wire
 from clusterwire.transports.verbs.address_check import AddressChecker
-from clusterwire.transports.verbs.engine import UcxEngine
+from clusterwire.transports.verbs.engine import NO_REPLY_YET, NOT_SENT, UcxEngine
 
 _SERVICE = "clusterwire.Verbs"
 _CONTROL_LIMIT = wire.MAX_HEADER_BYTES + (16 << 20)
 _PING_AFTER = 1.0
 _BULK_WAIT = 60.0
-_HELLO = struct.Struct("<IQ")  # slot, slot key
+_HELLO = struct.Struct(f"<I{wire.KEY_BYTES}s")  # slot, slot key
 
 
 class _Waiter:
@@ -79,9 +81,10 @@ class _Waiter:
 
     def expect(self, tag: int, limit: int) -> None:
         """Receive the message tagged ``tag`` (at most ``limit`` bytes) into ``messages``."""
-        self._keys[tag] = self._engine.expect(tag, (1 << 64) - 1, limit, self._deliver)
+        self._keys[tag] = self._engine.expect(tag, (1 << 64) - 1, limit, self.deliver)
 
-    def _deliver(self, error: BaseException | None, sender_tag: int, buffer: np.ndarray) -> None:
+    def deliver(self, error: BaseException | None, sender_tag: int, buffer: np.ndarray) -> None:
+        """Keep a delivered message (or the first error)."""
         if error is not None and self.error is None:
             self.error = error
         else:
@@ -114,7 +117,7 @@ class VerbsListener(Listener):
             "Bye": grpc.unary_unary_rpc_method_handler(self._bye),
         }, 4, "verbs-control", max_connections=options.max_connections)
         self._address = self._control.address
-        self._endpoints: dict[int, tuple[Any, int]] = {}
+        self._endpoints: dict[int, tuple[Any, bytes]] = {}
         self._last_seen: dict[int, float] = {}  # slot -> time of its last request or ping
         self._max_connections = options.max_connections
         self._active: set[tuple[Any, int]] = set()  # (endpoint, reply tag) being served
@@ -139,9 +142,8 @@ class VerbsListener(Listener):
         if len(request) != _HELLO.size:
             return None
         slot, key = _HELLO.unpack(request)
-        endpoint, known = self._endpoints.get(slot, (None, 0))
-        if endpoint is None or not hmac.compare_digest(key.to_bytes(8, "little"),
-                                                       known.to_bytes(8, "little")):
+        endpoint, known = self._endpoints.get(slot, (None, b""))
+        if endpoint is None or not hmac.compare_digest(key, known):
             return None
         return slot
 
@@ -201,7 +203,7 @@ class VerbsListener(Listener):
                     grpc.StatusCode.RESOURCE_EXHAUSTED
                 context.abort(code, refusal)
             slot = self._transport.slots.add(self._on_request)
-            key = secrets.randbits(64)
+            key = secrets.token_bytes(wire.KEY_BYTES)
             self._endpoints[slot] = (endpoint, key)
             self._last_seen[slot] = time.monotonic()
         return _HELLO.pack(slot, key) + self._engine.address
@@ -213,7 +215,7 @@ class VerbsListener(Listener):
     def _serve(self, slot: int, transfer: int, message: np.ndarray) -> None:
         reply_tag = wire.tag(wire.RESPONSE, slot, transfer)
         with self._lock:
-            endpoint, key = self._endpoints.get(slot, (None, 0))
+            endpoint, key = self._endpoints.get(slot, (None, b""))
             if endpoint is None:
                 return
             self._last_seen[slot] = time.monotonic()
@@ -221,8 +223,7 @@ class VerbsListener(Listener):
         engine = self._engine
         try:
             control = wire.decode(message, self._limit)
-            if not hmac.compare_digest(control.key.to_bytes(8, "little"),
-                                       key.to_bytes(8, "little")):
+            if not hmac.compare_digest(control.key, key):
                 return  # not from the client that authenticated this slot: drop it
             buffers = self._receive_bulk(endpoint, slot, transfer, control)
             request = Frame(control.header, buffers)
@@ -232,9 +233,11 @@ class VerbsListener(Listener):
                 raise errors.InternalError(f"Handler failed: {type(err).__name__}: {err}") from None
             views, kinds = _outgoing(response.buffers, self._transport.bulk_bytes)
             engine.send(endpoint, wire.encode(response.header, kinds, views), reply_tag)
-            for index, (view, kind) in enumerate(zip(views, kinds, strict=True)):
-                if kind == wire.BULK:
-                    engine.send(endpoint, view, wire.tag(wire.RESPONSE_DATA, slot, transfer, index))
+            if wire.BULK in kinds:
+                for index, (view, kind) in enumerate(zip(views, kinds, strict=True)):
+                    if kind == wire.BULK:
+                        engine.send(endpoint, view,
+                                    wire.tag(wire.RESPONSE_DATA, slot, transfer, index))
         except errors.OpError as err:
             engine.send(endpoint, wire.encode_error(err.error_code, err.message), reply_tag)
         finally:
@@ -243,9 +246,9 @@ class VerbsListener(Listener):
 
     def _receive_bulk(self, endpoint, slot: int, transfer: int,
                       control: wire.Control) -> list[Any]:
-        bulk = [i for i, k in enumerate(control.kinds) if k == wire.BULK]
-        if not bulk:
+        if wire.BULK not in control.kinds:
             return _assemble(control, {})
+        bulk = [i for i, k in enumerate(control.kinds) if k == wire.BULK]
         waiter = _Waiter(self._engine)
         for i in bulk:
             waiter.expect(wire.tag(wire.REQUEST_DATA, slot, transfer, i), control.lengths[i])
@@ -355,10 +358,10 @@ class VerbsChannel(Channel):
         self._ping = self._grpc.unary_unary(f"/{_SERVICE}/Ping")
         self._bye = self._grpc.unary_unary(f"/{_SERVICE}/Bye")
         self._lock = threading.Lock()
-        self._connection: tuple[int, int, Any] | None = None
+        self._connection: tuple[int, bytes, Any] | None = None
         self._closed = threading.Event()
 
-    def _connect(self, timeout: float | None) -> tuple[int, int, Any]:
+    def _connect(self, timeout: float | None) -> tuple[int, bytes, Any]:
         with self._lock:
             if self._closed.is_set():
                 raise errors.CancelledError(f"Channel to {self._address} is closed.")
@@ -385,42 +388,71 @@ class VerbsChannel(Channel):
         engine = self._engine
         transfer = engine.next_transfer()
         views, kinds = _outgoing(frame.buffers, self._transport.bulk_bytes)
-        bulk = [i for i, k in enumerate(kinds) if k == wire.BULK]
+        message = wire.encode(frame.header, kinds, views, key)
         waiter = _Waiter(engine)
+        request_tag = wire.tag(wire.REQUEST, slot, transfer)
         response_tag = wire.tag(wire.RESPONSE, slot, transfer)
-        go_tag = wire.tag(wire.GO, slot, transfer)
-        waiter.expect(response_tag, _CONTROL_LIMIT)
-        if bulk:
-            waiter.expect(go_tag, 16)
+        got_response = functools.partial(operator.contains, waiter.messages, response_tag)
         try:
-            engine.send(endpoint, wire.encode(frame.header, kinds, views, key),
-                        wire.tag(wire.REQUEST, slot, transfer))
-            if bulk:
-                self._wait(waiter, lambda: go_tag in waiter.messages
-                           or response_tag in waiter.messages, deadline)
-                if go_tag in waiter.messages:
-                    for index in bulk:
-                        engine.send(endpoint, views[index],
-                                    wire.tag(wire.REQUEST_DATA, slot, transfer, index))
-            self._wait(waiter, lambda: response_tag in waiter.messages, deadline)
+            if wire.BULK in kinds:
+                self._send_with_bulk(waiter, endpoint, message, slot, transfer, views, kinds,
+                                     deadline)
+                self._wait(waiter, got_response, deadline)
+            else:
+                patience = _PING_AFTER if deadline is None else \
+                    min(_PING_AFTER, deadline - time.monotonic())
+                sent = engine.exchange(endpoint, message, request_tag, response_tag,
+                                       _CONTROL_LIMIT, waiter.deliver, max(patience, 0))
+                if sent == NOT_SENT:
+                    waiter.expect(response_tag, _CONTROL_LIMIT)
+                    engine.send(endpoint, message, request_tag)
+                elif sent == NO_REPLY_YET:
+                    waiter.expect(response_tag, _CONTROL_LIMIT)
+                self._wait(waiter, got_response, deadline, ping_first=sent != NOT_SENT)
             control = wire.decode(waiter.messages[response_tag], 1 << 42)
             if control.status:
                 message = control.header.decode(errors="replace")
                 raise errors.error_from_code(control.status, message)
+            if wire.BULK not in control.kinds:
+                return Frame(control.header, _assemble(control, {}))
             wanted = {wire.tag(wire.RESPONSE_DATA, slot, transfer, i): control.lengths[i]
                       for i, k in enumerate(control.kinds) if k == wire.BULK}
-            if wanted:
-                for t, n in wanted.items():
-                    waiter.expect(t, n)
-                self._wait(waiter, lambda: all(t in waiter.messages for t in wanted), deadline)
+            for t, n in wanted.items():
+                waiter.expect(t, n)
+            self._wait(waiter, lambda: all(t in waiter.messages for t in wanted), deadline)
             return Frame(control.header, _assemble(
                 control, {wire.split_tag(t)[3]: waiter.messages[t] for t in wanted}))
         finally:
             waiter.cancel()
 
-    def _wait(self, waiter: _Waiter, ready: Callable[[], bool], deadline: float | None) -> None:
-        """Wait for ``ready``; ping the server while waiting long, so a dead peer fails fast."""
-        next_ping = time.monotonic() + _PING_AFTER
+    def _send_with_bulk(self, waiter: _Waiter, endpoint, message: bytes, slot: int,
+                        transfer: int, views: list[memoryview], kinds: list[int],
+                        deadline: float | None) -> None:
+        """Send a request with bulk buffers: its control message, then (once the server
+        accepted the frame's size) each bulk buffer."""
+        engine = self._engine
+        response_tag = wire.tag(wire.RESPONSE, slot, transfer)
+        go_tag = wire.tag(wire.GO, slot, transfer)
+        waiter.expect(response_tag, _CONTROL_LIMIT)
+        waiter.expect(go_tag, 16)
+        engine.send(endpoint, message, wire.tag(wire.REQUEST, slot, transfer))
+        self._wait(waiter, lambda: go_tag in waiter.messages or response_tag in waiter.messages,
+                   deadline)
+        if go_tag in waiter.messages:
+            for index, kind in enumerate(kinds):
+                if kind == wire.BULK:
+                    engine.send(endpoint, views[index],
+                                wire.tag(wire.REQUEST_DATA, slot, transfer, index))
+
+    def _wait(self, waiter: _Waiter, ready: Callable[[], bool], deadline: float | None,
+              ping_first: bool = False) -> None:
+        """Wait for ``ready``; ping the server while waiting long, so a dead peer fails fast.
+
+        ``ping_first``: the caller already waited a ping's interval.
+        """
+        if waiter.error is None and ready():
+            return
+        next_ping = time.monotonic() + (0 if ping_first else _PING_AFTER)
         while True:
             now = time.monotonic()
             step = next_ping - now if deadline is None else min(next_ping, deadline) - now
@@ -479,11 +511,15 @@ class VerbsTransport(Transport):
         net_devices = options.pop("net_devices", None)
         self.bulk_bytes = int(options.pop("bulk_bytes", 64 << 10))
         self.idle_slot_seconds = float(options.pop("idle_slot_seconds", 600))
+        compiled = options.pop("compiled", True)
         if options:
             raise errors.InvalidArgumentError(
                 f"Unknown option(s) for grpc+verbs: {sorted(options)}; known: tls, net_devices, "
-                "bulk_bytes, idle_slot_seconds.")
-        self.engine = UcxEngine(tls, net_devices)
+                "bulk_bytes, idle_slot_seconds, compiled.")
+        if not isinstance(compiled, bool):
+            raise errors.InvalidArgumentError(
+                f"grpc+verbs option compiled must be true or false, not {compiled!r}.")
+        self.engine = UcxEngine(tls, net_devices, compiled)
         self.slots = _Slots(self.engine)
         self.addresses = AddressChecker()
 

@@ -11,7 +11,7 @@ request's bulk buffers), REQUEST_DATA / RESPONSE_DATA bulk buffers.
 
 Control message::
 
-    "CWV1" | status u32 | header_len u32 | count u32 | key u64 |
+    "CWV1" | status u32 | header_len u32 | count u32 | key 8 bytes |
     (kind u8, length u64) * count | header | inline bytes
 
 ``key`` is the secret of the client's slot (handed out by the authenticated
@@ -37,8 +37,9 @@ MAX_SLOTS = 1 << 20
 MAX_TRANSFERS = 1 << 24
 MAX_BULK = 1 << 16
 MAX_HEADER_BYTES = 64 << 20
-_PREFIX = struct.Struct("<4sIIIQ")
-_ENTRY = struct.Struct("<BQ")
+_PREFIX = struct.Struct("<4sIII8s")
+_LAYOUTS: dict[int, struct.Struct] = {}  # buffer count -> Struct of prefix and entries
+KEY_BYTES = 8
 
 
 def tag(kind: int, slot: int, transfer: int, index: int = 0) -> int:
@@ -51,30 +52,44 @@ def split_tag(value: int) -> tuple[int, int, int, int]:
     return value >> 60, (value >> 40) & 0xFFFFF, (value >> 16) & 0xFFFFFF, value & 0xFFFF
 
 
-@dataclass
+@dataclass(slots=True)
 class Control:
     """A decoded control message."""
 
     status: int
-    key: int
+    key: bytes
     header: bytes
-    kinds: list[int]
-    lengths: list[int]
+    kinds: tuple[int, ...]
+    lengths: tuple[int, ...]
     inline: memoryview
 
 
-def encode(header: bytes, kinds: Sequence[int], views: Sequence[memoryview], key: int = 0,
-           status: int = 0) -> bytes:
+def _layout(count: int) -> struct.Struct:
+    """The Struct of a control message's prefix and ``count`` entries (one pass each way)."""
+    layout = _LAYOUTS.get(count)
+    if layout is None:
+        layout = struct.Struct(_PREFIX.format + "BQ" * count)
+        if count <= 64:
+            _LAYOUTS[count] = layout
+    return layout
+
+
+def encode(header: bytes, kinds: Sequence[int], views: Sequence[memoryview],
+           key: bytes = bytes(KEY_BYTES), status: int = 0) -> bytes:
     """A control message carrying the INLINE buffers' bytes."""
-    entries = b"".join(_ENTRY.pack(k, v.nbytes) for k, v in zip(kinds, views, strict=True))
-    inline = [v for k, v in zip(kinds, views, strict=True) if k == INLINE]
-    return b"".join([_PREFIX.pack(b"CWV1", status, len(header), len(views), key), entries,
-                     header, *inline])
+    entries: list[int] = []
+    parts: list[bytes | memoryview] = [b"", header]  # the prefix goes first, once packed
+    for kind, view in zip(kinds, views, strict=True):
+        entries += (kind, view.nbytes)
+        if kind == INLINE:
+            parts.append(view)
+    parts[0] = _layout(len(views)).pack(b"CWV1", status, len(header), len(views), key, *entries)
+    return b"".join(parts)
 
 
 def encode_error(code: int, message: str) -> bytes:
     """A control message reporting a transport-level failure."""
-    return encode(message.encode(), [], [], status=code)
+    return encode(message.encode(), (), (), status=code)
 
 
 def decode(message: memoryview | bytes, limit: int) -> Control:
@@ -87,24 +102,23 @@ def decode(message: memoryview | bytes, limit: int) -> Control:
         raise InvalidArgumentError(f"Malformed frame: bad magic {bytes(magic)!r}.")
     if count > MAX_BULK or header_len > MAX_HEADER_BYTES:
         raise ResourceExhaustedError(f"Frame declares {count} buffers, {header_len} header bytes.")
-    offset = _PREFIX.size + _ENTRY.size * count
-    if message.nbytes < offset + header_len:
+    layout = _layout(count)
+    if message.nbytes < layout.size + header_len:
         raise InvalidArgumentError("Malformed frame: truncated.")
-    kinds, lengths = [], []
-    for i in range(count):
-        kind, length = _ENTRY.unpack_from(message, _PREFIX.size + _ENTRY.size * i)
-        if kind not in (INLINE, BULK):
-            raise InvalidArgumentError(f"Malformed frame: buffer kind {kind}.")
-        kinds.append(kind)
-        lengths.append(length)
-    if sum(lengths) > limit:
+    fields = layout.unpack_from(message)
+    kinds, lengths = fields[5::2], fields[6::2]
+    if kinds and max(kinds) > BULK:
+        raise InvalidArgumentError(f"Malformed frame: buffer kind {max(kinds)}.")
+    total = sum(lengths)
+    if total > limit:
         raise ResourceExhaustedError(
-            f"Frame of {sum(lengths)} bytes exceeds the limit of {limit} bytes "
-            "(max_message_bytes).")
-    inline = message[offset + header_len:]
-    expected = sum(n for k, n in zip(kinds, lengths, strict=True) if k == INLINE)
+            f"Frame of {total} bytes exceeds the limit of {limit} bytes (max_message_bytes).")
+    start = layout.size + header_len
+    inline = message[start:]
+    expected = total
+    if BULK in kinds:
+        expected = sum(n for k, n in zip(kinds, lengths, strict=True) if k == INLINE)
     if inline.nbytes != expected:
         raise InvalidArgumentError(
             f"Malformed frame: {inline.nbytes} inline bytes, declared {expected}.")
-    return Control(status, key, bytes(message[offset:offset + header_len]), kinds, lengths,
-                   inline)
+    return Control(status, key, bytes(message[layout.size:start]), kinds, lengths, inline)

@@ -1,0 +1,482 @@
+/* The grpc+verbs round trip of a small call, driven in C.
+ *
+ * A call's request and reply are one UCX tagged message each. Doing the
+ * send, progress, probe, receive, arm and poll of that round trip from Python
+ * cost several times what UCX itself does (about 40 Python-level steps per
+ * side), so this module does them in one C call and releases the GIL while it
+ * sleeps. Everything else of the transport stays in Python (engine.py).
+ *
+ * The UCP functions are taken at run time from the libucp that ucxx has
+ * already loaded, so building this module needs no UCX headers: the few
+ * declarations below follow UCX 1.x's stable ABI (ucp/api/ucp.h). Every UCX
+ * call is made holding the engine's UCX lock (a Python lock passed in), as
+ * the rest of the engine does.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <dlfcn.h>
+#include <errno.h>
+#include <poll.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+typedef int8_t ucs_status_t; /* a packed enum in UCX */
+typedef uint64_t ucp_tag_t;
+typedef struct {
+    ucp_tag_t sender_tag;
+    size_t length;
+} ucp_tag_recv_info_t;
+typedef struct {
+    uint32_t op_attr_mask; /* 0: no callback, default datatype, UCX allocates the request */
+    uint32_t flags;
+    void *fields[8];       /* read only when op_attr_mask names them */
+} ucp_request_param_t;
+
+#define UCS_OK 0
+#define UCS_INPROGRESS 1
+#define UCS_ERR_MESSAGE_TRUNCATED (-9)
+#define UCS_ERR_BUSY (-15)
+#define UCS_ERR_LAST (-100)
+#define PTR_IS_ERR(p) ((uintptr_t)(p) >= (uintptr_t)(intptr_t)UCS_ERR_LAST)
+#define PTR_STATUS(p) ((ucs_status_t)(intptr_t)(p))
+
+static struct {
+    unsigned (*worker_progress)(void *worker);
+    ucs_status_t (*worker_arm)(void *worker);
+    void *(*tag_send_nbx)(void *ep, const void *buffer, size_t count, ucp_tag_t tag,
+                          const ucp_request_param_t *param);
+    void *(*tag_probe_nb)(void *worker, ucp_tag_t tag, ucp_tag_t mask, int remove,
+                          ucp_tag_recv_info_t *info);
+    void *(*tag_msg_recv_nbx)(void *worker, void *buffer, size_t count, void *message,
+                              const ucp_request_param_t *param);
+    ucs_status_t (*request_check_status)(void *request);
+    void (*request_cancel)(void *worker, void *request);
+    void (*request_free)(void *request);
+    const char *(*status_string)(ucs_status_t status);
+} ucp;
+
+static PyObject *UcxError;
+/* Where a message is received unstored: a 1-byte receive of a longer message ends
+ * truncated. UCX writes it only while progressed, under the UCX lock. */
+static char scratch[1];
+static PyObject *acquire_name, *release_name, *closed_name, *handle_name, *stopping_name;
+
+/* What exchange() returns first. */
+enum { REPLIED = 1, TIMED_OUT, WATCHED, WOKEN, TOO_LONG, STOPPED };
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static int call_method(PyObject *object, PyObject *name) {
+    PyObject *result = PyObject_CallMethodNoArgs(object, name);
+    if (result == NULL)
+        return -1;
+    Py_DECREF(result);
+    return 0;
+}
+
+/* 1 if ``object.name`` is true, 0 if not, -1 on error. */
+static int flag(PyObject *object, PyObject *name) {
+    PyObject *value = PyObject_GetAttr(object, name);
+    if (value == NULL)
+        return -1;
+    int set = PyObject_IsTrue(value);
+    Py_DECREF(value);
+    return set;
+}
+
+static PyObject *ucx_error(const char *what, ucs_status_t status) {
+    PyErr_Format(UcxError, "%s: %s", what, ucp.status_string(status));
+    return NULL;
+}
+
+static void drain(int fd) {
+    char sink[64];
+    while (read(fd, sink, sizeof sink) > 0) {
+    }
+}
+
+/* Give up an unfinished request. UCX may still use its buffer, the bytes of
+ * ``owner``, until the request finishes: if cancelling does not finish it at
+ * once, ``owner`` is kept alive for good (a failure path, and a small leak
+ * rather than UCX writing into or reading from freed memory). */
+static void abandon(void *worker, void *request, PyObject *owner) {
+    ucp.request_cancel(worker, request);
+    for (int i = 0; i < 100 && ucp.request_check_status(request) == UCS_INPROGRESS; i++)
+        ucp.worker_progress(worker);
+    if (ucp.request_check_status(request) == UCS_INPROGRESS)
+        Py_XINCREF(owner);
+    ucp.request_free(request);
+}
+
+static PyObject *bind(PyObject *module, PyObject *unused) {
+    void *ucp_lib = dlopen("libucp.so.0", RTLD_NOW | RTLD_NOLOAD);
+    void *ucs_lib = dlopen("libucs.so.0", RTLD_NOW | RTLD_NOLOAD);
+    if (ucp_lib == NULL || ucs_lib == NULL)
+        return PyErr_Format(PyExc_ImportError, "libucp/libucs are not loaded (import ucxx first)");
+#define RESOLVE(lib, field, symbol)                                                        \
+    if ((*(void **)&ucp.field = dlsym(lib, symbol)) == NULL)                               \
+        return PyErr_Format(PyExc_ImportError, "UCX has no %s", symbol);
+    RESOLVE(ucp_lib, worker_progress, "ucp_worker_progress")
+    RESOLVE(ucp_lib, worker_arm, "ucp_worker_arm")
+    RESOLVE(ucp_lib, tag_send_nbx, "ucp_tag_send_nbx")
+    RESOLVE(ucp_lib, tag_probe_nb, "ucp_tag_probe_nb")
+    RESOLVE(ucp_lib, tag_msg_recv_nbx, "ucp_tag_msg_recv_nbx")
+    RESOLVE(ucp_lib, request_check_status, "ucp_request_check_status")
+    RESOLVE(ucp_lib, request_cancel, "ucp_request_cancel")
+    RESOLVE(ucp_lib, request_free, "ucp_request_free")
+    RESOLVE(ucs_lib, status_string, "ucs_status_string")
+#undef RESOLVE
+    Py_RETURN_NONE;
+}
+
+/* exchange(worker, endpoint, message, tag, reply_tag, watch_tag, watch_mask, limit,
+ *          poll_fd, wake_fd, timeout, lock, engine) -> (outcome, value, pending_send)
+ *
+ * Sends ``message`` (unless None) tagged ``tag`` on ``endpoint`` (an object
+ * with the UCP endpoint's ``handle`` and a ``closed`` flag), then drives
+ * ``worker`` until the message tagged exactly ``reply_tag`` has been received
+ * (REPLIED, value: its bytes), one over ``limit`` bytes was consumed unstored
+ * (TOO_LONG, value: its length), a message matching ``watch_tag``/``watch_mask``
+ * waits (WATCHED; ``watch_mask`` 0 watches nothing), ``wake_fd`` was written
+ * (WOKEN), ``timeout`` seconds passed (TIMED_OUT) or ``engine._stopping`` was
+ * set (STOPPED; checked whenever ``lock`` is taken). Between events it sleeps
+ * in poll on ``poll_fd`` (the worker's) and ``wake_fd``, without the GIL and
+ * without ``lock``. ``pending_send`` is the handle of a send UCX has not
+ * finished (0 if none): the caller keeps ``message`` alive and checks it with
+ * ``test`` until it has. A receive that has begun is finished before
+ * returning (the timeout then cancels it: UcxError).
+ */
+static PyObject *exchange(PyObject *module, PyObject *args) {
+    unsigned long long worker_h, tag, reply_tag, watch_tag, watch_mask;
+    PyObject *endpoint, *message, *lock, *engine;
+    Py_ssize_t limit;
+    int poll_fd, wake_fd;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "KOOKKKKniidOO", &worker_h, &endpoint, &message, &tag,
+                          &reply_tag, &watch_tag, &watch_mask, &limit, &poll_fd, &wake_fd,
+                          &timeout, &lock, &engine))
+        return NULL;
+    void *worker = (void *)(uintptr_t)worker_h;
+    double deadline = now() + timeout;
+    ucp_request_param_t param;
+    memset(&param, 0, sizeof param);
+    void *send_request = NULL, *recv_request = NULL;
+    PyObject *reply = NULL;
+    size_t too_long = 0;
+    int outcome = 0, out_of_memory = 0;
+    const char *failed = NULL;
+    ucs_status_t status = UCS_OK;
+
+    if (call_method(lock, acquire_name) < 0)
+        return NULL;
+    if (message != Py_None) {
+        /* Checked under the lock: UCX frees a closed endpoint. */
+        int closed = flag(endpoint, closed_name);
+        if (closed != 0) {
+            if (closed > 0)
+                PyErr_SetString(UcxError, "the UCX endpoint is closed");
+            goto fail_locked;
+        }
+        PyObject *handle = PyObject_GetAttr(endpoint, handle_name);
+        void *ep = handle == NULL ? NULL : PyLong_AsVoidPtr(handle);
+        Py_XDECREF(handle);
+        Py_buffer view;
+        if (PyErr_Occurred() || PyObject_GetBuffer(message, &view, PyBUF_SIMPLE) < 0)
+            goto fail_locked;
+        void *sent = ucp.tag_send_nbx(ep, view.buf, view.len, tag, &param);
+        PyBuffer_Release(&view);
+        if (PTR_IS_ERR(sent)) {
+            failed = "UCX send failed", status = PTR_STATUS(sent);
+            goto fail_locked;
+        }
+        send_request = sent;
+    }
+    for (;;) {
+        int stopping = flag(engine, stopping_name);
+        if (stopping != 0) {
+            if (stopping < 0)
+                goto fail_locked;
+            outcome = STOPPED; /* UCX must not be driven any more: leave requests as they are */
+            send_request = recv_request = NULL;
+            break;
+        }
+        ucp.worker_progress(worker);
+        if (recv_request == NULL && reply == NULL && !too_long) {
+            ucp_tag_recv_info_t info;
+            void *found = ucp.tag_probe_nb(worker, reply_tag, ~(ucp_tag_t)0, 1, &info);
+            if (found != NULL) {
+                void *into = scratch;
+                size_t size = 1;
+                if (info.length > (size_t)limit) {
+                    too_long = info.length;
+                } else {
+                    reply = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)info.length);
+                    if (reply == NULL) { /* consume the message all the same */
+                        PyErr_Clear();
+                        too_long = info.length, out_of_memory = 1;
+                    } else {
+                        into = PyBytes_AS_STRING(reply), size = info.length;
+                    }
+                }
+                void *received = ucp.tag_msg_recv_nbx(worker, into, size, found, &param);
+                if (PTR_IS_ERR(received) &&
+                    !(too_long && PTR_STATUS(received) == UCS_ERR_MESSAGE_TRUNCATED)) {
+                    failed = "UCX receive failed", status = PTR_STATUS(received);
+                    goto fail_locked;
+                }
+                recv_request = PTR_IS_ERR(received) ? NULL : received;
+            }
+        }
+        if (recv_request != NULL) {
+            status = ucp.request_check_status(recv_request);
+            if (status != UCS_INPROGRESS) {
+                ucp.request_free(recv_request);
+                recv_request = NULL;
+                if (status != UCS_OK && !(too_long && status == UCS_ERR_MESSAGE_TRUNCATED)) {
+                    failed = "UCX receive failed";
+                    goto fail_locked;
+                }
+            }
+        }
+        if ((reply != NULL || too_long) && recv_request == NULL) {
+            outcome = too_long ? TOO_LONG : REPLIED;
+            break;
+        }
+        if (recv_request == NULL && watch_mask != 0) {
+            ucp_tag_recv_info_t info;
+            if (ucp.tag_probe_nb(worker, watch_tag, watch_mask, 0, &info) != NULL) {
+                outcome = WATCHED;
+                break;
+            }
+        }
+        status = ucp.worker_arm(worker);
+        if (status == UCS_ERR_BUSY)
+            continue;
+        if (status != UCS_OK) {
+            failed = "UCX could not arm the worker";
+            goto fail_locked;
+        }
+        double remaining = deadline - now();
+        if (remaining <= 0) {
+            if (recv_request == NULL) {
+                outcome = TIMED_OUT;
+                break;
+            }
+            PyErr_SetString(UcxError, "the reply's transfer did not finish in time");
+            goto fail_locked;
+        }
+        if (call_method(lock, release_name) < 0)
+            goto fail_unlocked;
+        struct pollfd fds[2] = {{poll_fd, POLLIN, 0}, {wake_fd, POLLIN, 0}};
+        int ready;
+        Py_BEGIN_ALLOW_THREADS
+        ready = poll(fds, 2, (int)(remaining * 1000) + 1);
+        Py_END_ALLOW_THREADS
+        if (ready < 0 && errno != EINTR) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            goto fail_unlocked;
+        }
+        if (call_method(lock, acquire_name) < 0)
+            goto fail_unlocked;
+        if (fds[1].revents & POLLIN) {
+            drain(wake_fd);
+            if (recv_request == NULL) {
+                outcome = WOKEN;
+                break;
+            }
+        }
+    }
+    if (out_of_memory) { /* the reply was consumed unstored */
+        PyErr_NoMemory();
+        goto fail_locked;
+    }
+    if (send_request != NULL &&
+        (status = ucp.request_check_status(send_request)) != UCS_INPROGRESS) {
+        ucp.request_free(send_request);
+        send_request = NULL;
+        if (status != UCS_OK) {
+            failed = "UCX send failed";
+            goto fail_locked;
+        }
+    }
+    if (call_method(lock, release_name) < 0)
+        goto fail_unlocked;
+    if (outcome == TOO_LONG)
+        return Py_BuildValue("(iKK)", outcome, (unsigned long long)too_long,
+                             (unsigned long long)(uintptr_t)send_request);
+    return Py_BuildValue("(iNK)", outcome, reply != NULL ? reply : Py_NewRef(Py_None),
+                         (unsigned long long)(uintptr_t)send_request);
+
+fail_locked:
+    if (recv_request != NULL)
+        abandon(worker, recv_request, reply);
+    if (send_request != NULL)
+        abandon(worker, send_request, message);
+    {
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        call_method(lock, release_name);
+        if (type != NULL)
+            PyErr_Restore(type, value, traceback);
+        else
+            PyErr_Clear();
+    }
+    Py_XDECREF(reply);
+    return failed != NULL ? ucx_error(failed, status) : NULL;
+fail_unlocked:
+    if (recv_request != NULL || send_request != NULL) {
+        /* Cancelling needs the UCX lock again; an error here leaves nothing else to do. */
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        if (call_method(lock, acquire_name) == 0) {
+            if (recv_request != NULL)
+                abandon(worker, recv_request, reply);
+            if (send_request != NULL)
+                abandon(worker, send_request, message);
+            call_method(lock, release_name);
+        }
+        PyErr_Restore(type, value, traceback);
+    }
+    Py_XDECREF(reply);
+    return NULL;
+}
+
+/* send(endpoint, buffer, tag) -> pending handle (0: UCX finished it at once).
+ *
+ * The caller holds the UCX lock and has checked that ``endpoint`` is open; it
+ * keeps ``buffer`` alive until ``test`` says the send finished.
+ */
+static PyObject *send(PyObject *module, PyObject *args) {
+    PyObject *endpoint;
+    Py_buffer view;
+    unsigned long long tag;
+    if (!PyArg_ParseTuple(args, "Oy*K", &endpoint, &view, &tag))
+        return NULL;
+    PyObject *handle = PyObject_GetAttr(endpoint, handle_name);
+    void *ep = handle == NULL ? NULL : PyLong_AsVoidPtr(handle);
+    Py_XDECREF(handle);
+    if (PyErr_Occurred()) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    ucp_request_param_t param;
+    memset(&param, 0, sizeof param);
+    void *sent = ucp.tag_send_nbx(ep, view.buf, view.len, tag, &param);
+    PyBuffer_Release(&view);
+    if (PTR_IS_ERR(sent))
+        return ucx_error("UCX send failed", PTR_STATUS(sent));
+    return PyLong_FromVoidPtr(sent);
+}
+
+/* take(worker, tag, mask, limit) -> [(sender_tag, buffer, length, pending), ...]
+ *
+ * Receives every message matching ``tag``/``mask`` that has arrived, each
+ * into new bytes (``buffer``). One over ``limit`` bytes, or one whose bytes
+ * could not be allocated, is consumed unstored: ``buffer`` None, ``length``
+ * its size. ``pending`` is the handle of a receive UCX has not finished (0 if
+ * none; ``test`` it, and leave ``buffer`` alone until then). The caller holds
+ * the UCX lock.
+ */
+static PyObject *take(PyObject *module, PyObject *args) {
+    unsigned long long worker_h, tag, mask;
+    Py_ssize_t limit;
+    if (!PyArg_ParseTuple(args, "KKKn", &worker_h, &tag, &mask, &limit))
+        return NULL;
+    void *worker = (void *)(uintptr_t)worker_h;
+    ucp_request_param_t param;
+    memset(&param, 0, sizeof param);
+    PyObject *taken = PyList_New(0);
+    if (taken == NULL)
+        return NULL;
+    for (;;) {
+        ucp_tag_recv_info_t info;
+        void *found = ucp.tag_probe_nb(worker, tag, mask, 1, &info);
+        if (found == NULL)
+            return taken;
+        PyObject *buffer = NULL;
+        void *into = scratch;
+        size_t size = 1;
+        if (info.length <= (size_t)limit) {
+            buffer = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)info.length);
+            if (buffer == NULL) /* consume the message all the same, then report */
+                PyErr_Clear();
+            else
+                into = PyBytes_AS_STRING(buffer), size = info.length;
+        }
+        void *received = ucp.tag_msg_recv_nbx(worker, into, size, found, &param);
+        if (PTR_IS_ERR(received) && PTR_STATUS(received) != UCS_ERR_MESSAGE_TRUNCATED) {
+            Py_XDECREF(buffer);
+            Py_DECREF(taken);
+            return ucx_error("UCX receive failed", PTR_STATUS(received));
+        }
+        void *pending = PTR_IS_ERR(received) ? NULL : received;
+        PyObject *entry = Py_BuildValue("(KNnK)", (unsigned long long)info.sender_tag,
+                                        buffer != NULL ? buffer : Py_NewRef(Py_None),
+                                        (Py_ssize_t)info.length,
+                                        (unsigned long long)(uintptr_t)pending);
+        if (entry == NULL || PyList_Append(taken, entry) < 0) {
+            Py_XDECREF(entry);
+            Py_DECREF(taken);
+            return NULL;
+        }
+        Py_DECREF(entry);
+    }
+}
+
+/* test(request) -> None while unfinished, else "" (success) or the UCX error.
+ * Frees a finished request: test it no more then. */
+static PyObject *test(PyObject *module, PyObject *arg) {
+    void *request = PyLong_AsVoidPtr(arg);
+    if (request == NULL && PyErr_Occurred())
+        return NULL;
+    ucs_status_t status = ucp.request_check_status(request);
+    if (status == UCS_INPROGRESS)
+        Py_RETURN_NONE;
+    ucp.request_free(request);
+    return PyUnicode_FromString(status == UCS_OK ? "" : ucp.status_string(status));
+}
+
+static PyMethodDef methods[] = {
+    {"bind", bind, METH_NOARGS, "Resolve the UCP functions from the loaded libucp."},
+    {"exchange", exchange, METH_VARARGS, "Send a small message and receive its reply."},
+    {"send", send, METH_VARARGS, "Send a buffer as one tagged message."},
+    {"take", take, METH_VARARGS, "Receive every arrived message matching a tag."},
+    {"test", test, METH_O, "Whether an unfinished send or receive has finished."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "_ucp", "The small-call round trip of grpc+verbs, in C.", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__ucp(void) {
+    PyObject *module = PyModule_Create(&module_def);
+    if (module == NULL)
+        return NULL;
+    UcxError = PyErr_NewException("clusterwire.transports.verbs._ucp.UcxError", NULL, NULL);
+    acquire_name = PyUnicode_InternFromString("acquire");
+    release_name = PyUnicode_InternFromString("release");
+    closed_name = PyUnicode_InternFromString("closed");
+    handle_name = PyUnicode_InternFromString("handle");
+    stopping_name = PyUnicode_InternFromString("_stopping");
+    if (UcxError == NULL || acquire_name == NULL || release_name == NULL || closed_name == NULL ||
+        handle_name == NULL || stopping_name == NULL ||
+        PyModule_AddObjectRef(module, "UcxError", UcxError) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    PyModule_AddIntConstant(module, "REPLIED", REPLIED);
+    PyModule_AddIntConstant(module, "TIMED_OUT", TIMED_OUT);
+    PyModule_AddIntConstant(module, "WATCHED", WATCHED);
+    PyModule_AddIntConstant(module, "WOKEN", WOKEN);
+    PyModule_AddIntConstant(module, "TOO_LONG", TOO_LONG);
+    PyModule_AddIntConstant(module, "STOPPED", STOPPED);
+    return module;
+}
