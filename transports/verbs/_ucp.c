@@ -348,6 +348,232 @@ fail_unlocked:
     return NULL;
 }
 
+/* The control message, as wire.py defines it (the same bytes; tests compare the two):
+ * "CWV1" | status u32 | header_len u32 | count u32 | key 8 bytes | (kind u8, length u64)
+ * * count | header | inline bytes, all little-endian and unpadded. */
+#define PREFIX_BYTES 24
+#define ENTRY_BYTES 9
+#define KEY_BYTES 8
+#define MAX_BUFFERS (1 << 16)
+#define MAX_HEADER_BYTES (64 << 20)
+enum { INLINE = 0, BULK = 1 };
+static PyObject *InvalidArgumentError, *ResourceExhaustedError;
+
+static void put_u32(char *at, uint32_t value) {
+    for (int i = 0; i < 4; i++)
+        at[i] = (char)(value >> (8 * i));
+}
+
+static void put_u64(char *at, uint64_t value) {
+    for (int i = 0; i < 8; i++)
+        at[i] = (char)(value >> (8 * i));
+}
+
+static uint64_t get_u64(const unsigned char *at) {
+    uint64_t value = 0;
+    for (int i = 7; i >= 0; i--)
+        value = value << 8 | at[i];
+    return value;
+}
+
+static uint32_t get_u32(const unsigned char *at) {
+    return (uint32_t)at[0] | (uint32_t)at[1] << 8 | (uint32_t)at[2] << 16 | (uint32_t)at[3] << 24;
+}
+
+/* encode(header, buffers, threshold, budget, key, status) -> (message, bulk)
+ *
+ * wire.encode in C: the buffers under ``threshold`` bytes ride inline until
+ * ``budget`` bytes are used (core.transport.inline_mask's rule); ``bulk`` lists
+ * the indices of the others, which travel as their own messages.
+ */
+static PyObject *encode(PyObject *module, PyObject *args) {
+    Py_buffer header, key;
+    PyObject *buffers;
+    Py_ssize_t threshold, budget;
+    unsigned int status;
+    if (!PyArg_ParseTuple(args, "y*Onny*I", &header, &buffers, &threshold, &budget, &key,
+                          &status))
+        return NULL;
+    PyObject *result = NULL, *message = NULL, *bulk = NULL;
+    PyObject *sequence = PySequence_Fast(buffers, "buffers must be a sequence");
+    Py_ssize_t count = sequence == NULL ? 0 : PySequence_Fast_GET_SIZE(sequence);
+    Py_buffer *views = PyMem_Calloc(count > 0 ? count : 1, sizeof(Py_buffer));
+    char *kinds = PyMem_Malloc(count > 0 ? count : 1);
+    Py_ssize_t got = 0;
+    if (sequence == NULL || views == NULL || kinds == NULL) {
+        if (sequence != NULL)
+            PyErr_NoMemory();
+        goto done;
+    }
+    if (key.len != KEY_BYTES) {
+        PyErr_Format(PyExc_ValueError, "the key must be %d bytes, not %zd", KEY_BYTES, key.len);
+        goto done;
+    }
+    Py_ssize_t used = 0, size = PREFIX_BYTES + ENTRY_BYTES * count + header.len;
+    for (; got < count; got++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(sequence, got), &views[got],
+                               PyBUF_SIMPLE) < 0)
+            goto done;
+        Py_ssize_t nbytes = views[got].len;
+        int small = nbytes < threshold && used + nbytes <= budget;
+        kinds[got] = small ? INLINE : BULK;
+        if (small)
+            used += nbytes, size += nbytes;
+    }
+    if ((message = PyBytes_FromStringAndSize(NULL, size)) == NULL ||
+        (bulk = PyList_New(0)) == NULL)
+        goto done;
+    char *at = PyBytes_AS_STRING(message);
+    memcpy(at, "CWV1", 4);
+    put_u32(at + 4, status);
+    put_u32(at + 8, (uint32_t)header.len);
+    put_u32(at + 12, (uint32_t)count);
+    memcpy(at + 16, key.buf, KEY_BYTES);
+    at += PREFIX_BYTES;
+    for (Py_ssize_t i = 0; i < count; i++, at += ENTRY_BYTES) {
+        at[0] = kinds[i];
+        put_u64(at + 1, (uint64_t)views[i].len);
+    }
+    memcpy(at, header.buf, header.len);
+    at += header.len;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (kinds[i] == INLINE) {
+            memcpy(at, views[i].buf, views[i].len);
+            at += views[i].len;
+        } else {
+            PyObject *index = PyLong_FromSsize_t(i);
+            if (index == NULL || PyList_Append(bulk, index) < 0) {
+                Py_XDECREF(index);
+                goto done;
+            }
+            Py_DECREF(index);
+        }
+    }
+    result = PyTuple_Pack(2, message, bulk);
+done:
+    for (Py_ssize_t i = 0; i < got; i++)
+        PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    PyMem_Free(kinds);
+    Py_XDECREF(sequence);
+    Py_XDECREF(message);
+    Py_XDECREF(bulk);
+    PyBuffer_Release(&header);
+    PyBuffer_Release(&key);
+    return result;
+}
+
+/* decode(message, limit) -> (status, key, header, kinds, lengths, inline)
+ *
+ * wire.decode in C, with the same checks and errors: ``inline`` holds a
+ * writable copy of each INLINE buffer (memoryviews of one bytearray).
+ */
+static PyObject *decode(PyObject *module, PyObject *args) {
+    Py_buffer view;
+    unsigned long long limit;
+    if (!PyArg_ParseTuple(args, "y*K", &view, &limit))
+        return NULL;
+    const unsigned char *at = view.buf;
+    Py_ssize_t size = view.len;
+    PyObject *result = NULL, *kinds = NULL, *lengths = NULL, *inline_buffers = NULL;
+    PyObject *header = NULL, *key = NULL, *copy = NULL, *whole = NULL;
+    if (size < PREFIX_BYTES) {
+        PyErr_Format(InvalidArgumentError, "Malformed frame: %zd bytes is too short.", size);
+        goto done;
+    }
+    if (memcmp(at, "CWV1", 4) != 0) {
+        PyObject *magic = PyBytes_FromStringAndSize((const char *)at, 4);
+        if (magic != NULL)
+            PyErr_Format(InvalidArgumentError, "Malformed frame: bad magic %R.", magic);
+        Py_XDECREF(magic);
+        goto done;
+    }
+    uint32_t status = get_u32(at + 4), header_len = get_u32(at + 8), count = get_u32(at + 12);
+    if (count > MAX_BUFFERS || header_len > MAX_HEADER_BYTES) {
+        PyErr_Format(ResourceExhaustedError, "Frame declares %u buffers, %u header bytes.", count,
+                     header_len);
+        goto done;
+    }
+    Py_ssize_t start = PREFIX_BYTES + (Py_ssize_t)ENTRY_BYTES * count;
+    if (size < start + (Py_ssize_t)header_len) {
+        PyErr_SetString(InvalidArgumentError, "Malformed frame: truncated.");
+        goto done;
+    }
+    if ((kinds = PyTuple_New(count)) == NULL || (lengths = PyTuple_New(count)) == NULL)
+        goto done;
+    unsigned max_kind = 0;
+    uint64_t total = 0, inline_total = 0;
+    int overflow = 0;
+    for (uint32_t i = 0; i < count; i++) {
+        const unsigned char *entry = at + PREFIX_BYTES + (Py_ssize_t)ENTRY_BYTES * i;
+        uint64_t length = get_u64(entry + 1);
+        max_kind = entry[0] > max_kind ? entry[0] : max_kind;
+        overflow |= __builtin_add_overflow(total, length, &total);
+        if (entry[0] == INLINE)
+            overflow |= __builtin_add_overflow(inline_total, length, &inline_total);
+        PyObject *kind = PyLong_FromLong(entry[0]), *nbytes = PyLong_FromUnsignedLongLong(length);
+        if (kind == NULL || nbytes == NULL) {
+            Py_XDECREF(kind);
+            Py_XDECREF(nbytes);
+            goto done;
+        }
+        PyTuple_SET_ITEM(kinds, i, kind);
+        PyTuple_SET_ITEM(lengths, i, nbytes);
+    }
+    if (max_kind > BULK) {
+        PyErr_Format(InvalidArgumentError, "Malformed frame: buffer kind %u.", max_kind);
+        goto done;
+    }
+    if (overflow || total > limit) {
+        /* The exact sum, as Python reports it, even past 64 bits. */
+        PyObject *sum = PyLong_FromLong(0);
+        for (uint32_t i = 0; sum != NULL && i < count; i++)
+            Py_SETREF(sum, PyNumber_Add(sum, PyTuple_GET_ITEM(lengths, i)));
+        if (sum != NULL)
+            PyErr_Format(ResourceExhaustedError,
+                         "Frame of %S bytes exceeds the limit of %llu bytes (max_message_bytes).",
+                         sum, limit);
+        Py_XDECREF(sum);
+        goto done;
+    }
+    Py_ssize_t inline_start = start + header_len, inline_size = size - inline_start;
+    if ((uint64_t)inline_size != inline_total) {
+        PyErr_Format(InvalidArgumentError, "Malformed frame: %zd inline bytes, declared %llu.",
+                     inline_size, (unsigned long long)inline_total);
+        goto done;
+    }
+    if ((header = PyBytes_FromStringAndSize((const char *)at + start, header_len)) == NULL ||
+        (key = PyBytes_FromStringAndSize((const char *)at + 16, KEY_BYTES)) == NULL ||
+        (copy = PyByteArray_FromStringAndSize((const char *)at + inline_start, inline_size)) ==
+            NULL ||
+        (whole = PyMemoryView_FromObject(copy)) == NULL || (inline_buffers = PyList_New(0)) == NULL)
+        goto done;
+    Py_ssize_t offset = 0;
+    for (uint32_t i = 0; i < count; i++) {
+        if (PyLong_AsLong(PyTuple_GET_ITEM(kinds, i)) != INLINE)
+            continue;
+        Py_ssize_t length = (Py_ssize_t)PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(lengths, i));
+        PyObject *slice = PySequence_GetSlice(whole, offset, offset + length);
+        if (slice == NULL || PyList_Append(inline_buffers, slice) < 0) {
+            Py_XDECREF(slice);
+            goto done;
+        }
+        Py_DECREF(slice);
+        offset += length;
+    }
+    result = Py_BuildValue("(IOOOOO)", status, key, header, kinds, lengths, inline_buffers);
+done:
+    Py_XDECREF(kinds);
+    Py_XDECREF(lengths);
+    Py_XDECREF(inline_buffers);
+    Py_XDECREF(header);
+    Py_XDECREF(key);
+    Py_XDECREF(copy);
+    Py_XDECREF(whole);
+    PyBuffer_Release(&view);
+    return result;
+}
+
 /* send(endpoint, buffer, tag) -> pending handle (0: UCX finished it at once).
  *
  * The caller holds the UCX lock and has checked that ``endpoint`` is open; it
@@ -446,6 +672,8 @@ static PyObject *test(PyObject *module, PyObject *arg) {
 static PyMethodDef methods[] = {
     {"bind", bind, METH_NOARGS, "Resolve the UCP functions from the loaded libucp."},
     {"exchange", exchange, METH_VARARGS, "Send a small message and receive its reply."},
+    {"encode", encode, METH_VARARGS, "A control message (wire.encode in C)."},
+    {"decode", decode, METH_VARARGS, "Parse and check a control message (wire.decode in C)."},
     {"send", send, METH_VARARGS, "Send a buffer as one tagged message."},
     {"take", take, METH_VARARGS, "Receive every arrived message matching a tag."},
     {"test", test, METH_O, "Whether an unfinished send or receive has finished."},
@@ -466,7 +694,14 @@ PyMODINIT_FUNC PyInit__ucp(void) {
     closed_name = PyUnicode_InternFromString("closed");
     handle_name = PyUnicode_InternFromString("handle");
     stopping_name = PyUnicode_InternFromString("_stopping");
-    if (UcxError == NULL || acquire_name == NULL || release_name == NULL || closed_name == NULL ||
+    PyObject *errors = PyImport_ImportModule("clusterwire.errors");
+    if (errors != NULL) {
+        InvalidArgumentError = PyObject_GetAttrString(errors, "InvalidArgumentError");
+        ResourceExhaustedError = PyObject_GetAttrString(errors, "ResourceExhaustedError");
+        Py_DECREF(errors);
+    }
+    if (InvalidArgumentError == NULL || ResourceExhaustedError == NULL || UcxError == NULL ||
+        acquire_name == NULL || release_name == NULL || closed_name == NULL ||
         handle_name == NULL || stopping_name == NULL ||
         PyModule_AddObjectRef(module, "UcxError", UcxError) < 0) {
         Py_DECREF(module);

@@ -181,6 +181,11 @@ class UcxEngine:
         # UCX must not be progressed while the interpreter tears its objects down.
         atexit.register(self.stop)
 
+    @property
+    def compiled(self):
+        """The C helper module (``_ucp``) this engine uses, or None."""
+        return self._compiled
+
     # -- posting work (any thread) --------------------------------------------------
 
     def next_transfer(self) -> int:

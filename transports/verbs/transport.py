@@ -43,6 +43,7 @@ from clusterwire import errors
 from clusterwire.addressing import split_host_port
 from clusterwire.security import Security
 from clusterwire.transport import (
+    INLINE_BUDGET,
     Channel,
     ConnectionFailed,
     Frame,
@@ -50,7 +51,6 @@ from clusterwire.transport import (
     Listener,
     ListenOptions,
     Transport,
-    inline_mask,
 )
 from clusterwire.transports.grpc.plumbing import (
     ControlServer,
@@ -220,45 +220,44 @@ class VerbsListener(Listener):
                 return
             self._last_seen[slot] = time.monotonic()
             self._active.add((endpoint, reply_tag))
-        engine = self._engine
+        engine, codec = self._engine, self._transport.codec
         try:
-            control = wire.decode(message, self._limit)
-            if not hmac.compare_digest(control.key, key):
+            _, sender_key, header, kinds, lengths, inline = codec.decode(message, self._limit)
+            if not hmac.compare_digest(sender_key, key):
                 return  # not from the client that authenticated this slot: drop it
-            buffers = self._receive_bulk(endpoint, slot, transfer, control)
-            request = Frame(control.header, buffers)
+            if wire.BULK in kinds:
+                inline = self._receive_bulk(endpoint, slot, transfer, kinds, lengths, inline)
             try:
-                response = self._handler(request)
+                response = self._handler(Frame(header, inline))
             except Exception as err:
                 raise errors.InternalError(f"Handler failed: {type(err).__name__}: {err}") from None
-            views, kinds = _outgoing(response.buffers, self._transport.bulk_bytes)
-            engine.send(endpoint, wire.encode(response.header, kinds, views), reply_tag)
-            if wire.BULK in kinds:
-                for index, (view, kind) in enumerate(zip(views, kinds, strict=True)):
-                    if kind == wire.BULK:
-                        engine.send(endpoint, view,
-                                    wire.tag(wire.RESPONSE_DATA, slot, transfer, index))
+            reply, bulk = codec.encode(response.header, response.buffers,
+                                       self._transport.bulk_bytes, INLINE_BUDGET, wire.NO_KEY, 0)
+            engine.send(endpoint, reply, reply_tag)
+            for index in bulk:
+                engine.send(endpoint, memoryview(response.buffers[index]).cast("B"),
+                            wire.tag(wire.RESPONSE_DATA, slot, transfer, index))
         except errors.OpError as err:
             engine.send(endpoint, wire.encode_error(err.error_code, err.message), reply_tag)
         finally:
             with self._lock:
                 self._active.discard((endpoint, reply_tag))
 
-    def _receive_bulk(self, endpoint, slot: int, transfer: int,
-                      control: wire.Control) -> list[Any]:
-        if wire.BULK not in control.kinds:
-            return _assemble(control, {})
-        bulk = [i for i, k in enumerate(control.kinds) if k == wire.BULK]
+    def _receive_bulk(self, endpoint, slot: int, transfer: int, kinds: Sequence[int],
+                      lengths: Sequence[int], inline: list[memoryview]) -> list[Any]:
+        """The request's buffers: its inline ones and its bulk ones, received now."""
+        bulk = [i for i, k in enumerate(kinds) if k == wire.BULK]
         waiter = _Waiter(self._engine)
         for i in bulk:
-            waiter.expect(wire.tag(wire.REQUEST_DATA, slot, transfer, i), control.lengths[i])
+            waiter.expect(wire.tag(wire.REQUEST_DATA, slot, transfer, i), lengths[i])
         self._engine.send(endpoint, b"go", wire.tag(wire.GO, slot, transfer))
         if not waiter.wait_for(lambda: len(waiter.messages) == len(bulk), _BULK_WAIT):
             waiter.cancel()
             raise errors.DeadlineExceededError("The request's bulk buffers did not arrive.")
         if waiter.error is not None:
             raise errors.InvalidArgumentError(f"Bulk buffer failed: {waiter.error}")
-        return _assemble(control, {wire.split_tag(t)[3]: b for t, b in waiter.messages.items()})
+        return _assemble(kinds, inline,
+                         {wire.split_tag(t)[3]: b for t, b in waiter.messages.items()})
 
     def stop(self, grace: float | None = None) -> None:
         with self._lock:
@@ -279,23 +278,12 @@ class VerbsListener(Listener):
             self._engine.close_endpoint(endpoint)
 
 
-def _outgoing(buffers: Sequence[Any], threshold: int) -> tuple[list[memoryview], list[int]]:
-    views = [memoryview(b).cast("B") for b in buffers]
-    return views, [wire.INLINE if small else wire.BULK for small in inline_mask(views, threshold)]
-
-
-def _assemble(control: wire.Control, bulk: Mapping[int, np.ndarray]) -> list[Any]:
-    """The frame's buffers: writable copies of inline ones, received bulk arrays as they are."""
-    buffers, offset = [], 0
-    inline = bytearray(control.inline)
-    view = memoryview(inline)
-    for index, (kind, length) in enumerate(zip(control.kinds, control.lengths, strict=True)):
-        if kind == wire.INLINE:
-            buffers.append(view[offset:offset + length])
-            offset += length
-        else:
-            buffers.append(bulk[index])
-    return buffers
+def _assemble(kinds: Sequence[int], inline: list[memoryview],
+              bulk: Mapping[int, np.ndarray]) -> list[Any]:
+    """A frame's buffers in order: its inline ones (decoded) and its received bulk arrays."""
+    copies = iter(inline)
+    return [next(copies) if kind == wire.INLINE else bulk[index]
+            for index, kind in enumerate(kinds)]
 
 
 class _Slots:
@@ -387,16 +375,17 @@ class VerbsChannel(Channel):
         slot, key, endpoint = self._connect(timeout)
         engine = self._engine
         transfer = engine.next_transfer()
-        views, kinds = _outgoing(frame.buffers, self._transport.bulk_bytes)
-        message = wire.encode(frame.header, kinds, views, key)
+        codec = self._transport.codec
+        message, bulk = codec.encode(frame.header, frame.buffers, self._transport.bulk_bytes,
+                                     INLINE_BUDGET, key, 0)
         waiter = _Waiter(engine)
         request_tag = wire.tag(wire.REQUEST, slot, transfer)
         response_tag = wire.tag(wire.RESPONSE, slot, transfer)
         got_response = functools.partial(operator.contains, waiter.messages, response_tag)
         try:
-            if wire.BULK in kinds:
-                self._send_with_bulk(waiter, endpoint, message, slot, transfer, views, kinds,
-                                     deadline)
+            if bulk:
+                self._send_with_bulk(waiter, endpoint, message, slot, transfer, frame.buffers,
+                                     bulk, deadline)
                 self._wait(waiter, got_response, deadline)
             else:
                 patience = _PING_AFTER if deadline is None else \
@@ -409,24 +398,24 @@ class VerbsChannel(Channel):
                 elif sent == NO_REPLY_YET:
                     waiter.expect(response_tag, _CONTROL_LIMIT)
                 self._wait(waiter, got_response, deadline, ping_first=sent != NOT_SENT)
-            control = wire.decode(waiter.messages[response_tag], 1 << 42)
-            if control.status:
-                message = control.header.decode(errors="replace")
-                raise errors.error_from_code(control.status, message)
-            if wire.BULK not in control.kinds:
-                return Frame(control.header, _assemble(control, {}))
-            wanted = {wire.tag(wire.RESPONSE_DATA, slot, transfer, i): control.lengths[i]
-                      for i, k in enumerate(control.kinds) if k == wire.BULK}
+            status, _, header, kinds, lengths, inline = codec.decode(
+                waiter.messages[response_tag], 1 << 42)
+            if status:
+                raise errors.error_from_code(status, header.decode(errors="replace"))
+            if wire.BULK not in kinds:
+                return Frame(header, inline)
+            wanted = {wire.tag(wire.RESPONSE_DATA, slot, transfer, i): lengths[i]
+                      for i, k in enumerate(kinds) if k == wire.BULK}
             for t, n in wanted.items():
                 waiter.expect(t, n)
             self._wait(waiter, lambda: all(t in waiter.messages for t in wanted), deadline)
-            return Frame(control.header, _assemble(
-                control, {wire.split_tag(t)[3]: waiter.messages[t] for t in wanted}))
+            return Frame(header, _assemble(
+                kinds, inline, {wire.split_tag(t)[3]: waiter.messages[t] for t in wanted}))
         finally:
             waiter.cancel()
 
     def _send_with_bulk(self, waiter: _Waiter, endpoint, message: bytes, slot: int,
-                        transfer: int, views: list[memoryview], kinds: list[int],
+                        transfer: int, buffers: Sequence[Any], bulk: list[int],
                         deadline: float | None) -> None:
         """Send a request with bulk buffers: its control message, then (once the server
         accepted the frame's size) each bulk buffer."""
@@ -439,10 +428,9 @@ class VerbsChannel(Channel):
         self._wait(waiter, lambda: go_tag in waiter.messages or response_tag in waiter.messages,
                    deadline)
         if go_tag in waiter.messages:
-            for index, kind in enumerate(kinds):
-                if kind == wire.BULK:
-                    engine.send(endpoint, views[index],
-                                wire.tag(wire.REQUEST_DATA, slot, transfer, index))
+            for index in bulk:
+                engine.send(endpoint, memoryview(buffers[index]).cast("B"),
+                            wire.tag(wire.REQUEST_DATA, slot, transfer, index))
 
     def _wait(self, waiter: _Waiter, ready: Callable[[], bool], deadline: float | None,
               ping_first: bool = False) -> None:
@@ -520,6 +508,8 @@ class VerbsTransport(Transport):
             raise errors.InvalidArgumentError(
                 f"grpc+verbs option compiled must be true or false, not {compiled!r}.")
         self.engine = UcxEngine(tls, net_devices, compiled)
+        #: Encodes and decodes control messages: the C helper's functions, or wire's.
+        self.codec = self.engine.compiled or wire
         self.slots = _Slots(self.engine)
         self.addresses = AddressChecker()
 

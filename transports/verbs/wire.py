@@ -15,7 +15,8 @@ Control message::
     (kind u8, length u64) * count | header | inline bytes
 
 ``key`` is the secret of the client's slot (handed out by the authenticated
-gRPC hello): a request with a wrong key is dropped. ``status`` 0 is a normal
+gRPC hello): a request with a wrong key is dropped. The C helper (``_ucp.c``)
+has the same ``encode`` and ``decode``, byte for byte. ``status`` 0 is a normal
 frame; otherwise the frame failed in the transport and ``header`` is the UTF-8
 error message. ``kind`` 0 is an inline buffer,
 1 a bulk buffer sent as its own UCX message.
@@ -25,9 +26,10 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from clusterwire.errors import InvalidArgumentError, ResourceExhaustedError
+from clusterwire.transport import inline_mask
 
 REQUEST, RESPONSE, GO, REQUEST_DATA, RESPONSE_DATA = 1, 2, 3, 4, 5
 INLINE, BULK = 0, 1
@@ -40,6 +42,7 @@ MAX_HEADER_BYTES = 64 << 20
 _PREFIX = struct.Struct("<4sIII8s")
 _LAYOUTS: dict[int, struct.Struct] = {}  # buffer count -> Struct of prefix and entries
 KEY_BYTES = 8
+NO_KEY = bytes(KEY_BYTES)
 
 
 def tag(kind: int, slot: int, transfer: int, index: int = 0) -> int:
@@ -52,16 +55,16 @@ def split_tag(value: int) -> tuple[int, int, int, int]:
     return value >> 60, (value >> 40) & 0xFFFFF, (value >> 16) & 0xFFFFFF, value & 0xFFFF
 
 
-@dataclass(slots=True)
-class Control:
-    """A decoded control message."""
+class Control(NamedTuple):
+    """A decoded control message (``decode``; the C helper's is a plain tuple of the same)."""
 
     status: int
     key: bytes
     header: bytes
     kinds: tuple[int, ...]
     lengths: tuple[int, ...]
-    inline: memoryview
+    #: A writable copy of each INLINE buffer, in order.
+    inline: list[memoryview]
 
 
 def _layout(count: int) -> struct.Struct:
@@ -74,22 +77,30 @@ def _layout(count: int) -> struct.Struct:
     return layout
 
 
-def encode(header: bytes, kinds: Sequence[int], views: Sequence[memoryview],
-           key: bytes = bytes(KEY_BYTES), status: int = 0) -> bytes:
-    """A control message carrying the INLINE buffers' bytes."""
+def encode(header: bytes, buffers: Sequence[Any], threshold: int, budget: int,
+           key: bytes = NO_KEY, status: int = 0) -> tuple[bytes, list[int]]:
+    """A control message and the indices of its BULK buffers (each sent as its own message).
+
+    Which buffers ride inline: ``clusterwire.transport.inline_mask``.
+    """
+    views = [memoryview(buffer).cast("B") for buffer in buffers]
     entries: list[int] = []
     parts: list[bytes | memoryview] = [b"", header]  # the prefix goes first, once packed
-    for kind, view in zip(kinds, views, strict=True):
-        entries += (kind, view.nbytes)
-        if kind == INLINE:
+    bulk: list[int] = []
+    for index, (view, small) in enumerate(zip(views, inline_mask(views, threshold, budget),
+                                              strict=True)):
+        entries += (INLINE if small else BULK, view.nbytes)
+        if small:
             parts.append(view)
+        else:
+            bulk.append(index)
     parts[0] = _layout(len(views)).pack(b"CWV1", status, len(header), len(views), key, *entries)
-    return b"".join(parts)
+    return b"".join(parts), bulk
 
 
 def encode_error(code: int, message: str) -> bytes:
     """A control message reporting a transport-level failure."""
-    return encode(message.encode(), (), (), status=code)
+    return encode(message.encode(), (), 0, 0, status=code)[0]
 
 
 def decode(message: memoryview | bytes, limit: int) -> Control:
@@ -121,4 +132,10 @@ def decode(message: memoryview | bytes, limit: int) -> Control:
     if inline.nbytes != expected:
         raise InvalidArgumentError(
             f"Malformed frame: {inline.nbytes} inline bytes, declared {expected}.")
-    return Control(status, key, bytes(message[layout.size:start]), kinds, lengths, inline)
+    copies, offset = [], 0
+    whole = memoryview(bytearray(inline))
+    for kind, length in zip(kinds, lengths, strict=True):
+        if kind == INLINE:
+            copies.append(whole[offset:offset + length])
+            offset += length
+    return Control(status, key, bytes(message[layout.size:start]), kinds, lengths, copies)
