@@ -232,6 +232,8 @@ static PyObject *exchange(PyObject *module, PyObject *args) {
                     goto fail_locked;
                 }
                 recv_request = PTR_IS_ERR(received) ? NULL : received;
+                if (recv_request != NULL)
+                    continue; /* it may need progress that no event announces */
             }
         }
         if (recv_request != NULL) {
@@ -601,6 +603,48 @@ static PyObject *send(PyObject *module, PyObject *args) {
     return PyLong_FromVoidPtr(sent);
 }
 
+/* Receive into ``taken`` every arrived message matching ``tag``/``mask`` (see take);
+ * returns how many of those receives UCX has not finished, or -1 on error. */
+static int take_into(void *worker, ucp_tag_t tag, ucp_tag_t mask, Py_ssize_t limit,
+                     PyObject *taken) {
+    ucp_request_param_t param;
+    memset(&param, 0, sizeof param);
+    int unfinished = 0;
+    for (;;) {
+        ucp_tag_recv_info_t info;
+        void *found = ucp.tag_probe_nb(worker, tag, mask, 1, &info);
+        if (found == NULL)
+            return unfinished;
+        PyObject *buffer = NULL;
+        void *into = scratch;
+        size_t size = 1;
+        if (info.length <= (size_t)limit) {
+            buffer = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)info.length);
+            if (buffer == NULL) /* consume the message all the same, then report */
+                PyErr_Clear();
+            else
+                into = PyBytes_AS_STRING(buffer), size = info.length;
+        }
+        void *received = ucp.tag_msg_recv_nbx(worker, into, size, found, &param);
+        if (PTR_IS_ERR(received) && PTR_STATUS(received) != UCS_ERR_MESSAGE_TRUNCATED) {
+            Py_XDECREF(buffer);
+            ucx_error("UCX receive failed", PTR_STATUS(received));
+            return -1;
+        }
+        void *pending = PTR_IS_ERR(received) ? NULL : received;
+        unfinished += pending != NULL;
+        PyObject *entry = Py_BuildValue("(KNnK)", (unsigned long long)info.sender_tag,
+                                        buffer != NULL ? buffer : Py_NewRef(Py_None),
+                                        (Py_ssize_t)info.length,
+                                        (unsigned long long)(uintptr_t)pending);
+        if (entry == NULL || PyList_Append(taken, entry) < 0) {
+            Py_XDECREF(entry);
+            return -1;
+        }
+        Py_DECREF(entry);
+    }
+}
+
 /* take(worker, tag, mask, limit) -> [(sender_tag, buffer, length, pending), ...]
  *
  * Receives every message matching ``tag``/``mask`` that has arrived, each
@@ -615,45 +659,47 @@ static PyObject *take(PyObject *module, PyObject *args) {
     Py_ssize_t limit;
     if (!PyArg_ParseTuple(args, "KKKn", &worker_h, &tag, &mask, &limit))
         return NULL;
+    PyObject *taken = PyList_New(0);
+    if (taken != NULL && take_into((void *)(uintptr_t)worker_h, tag, mask, limit, taken) < 0)
+        Py_CLEAR(taken);
+    return taken;
+}
+
+/* step(worker, tag, mask, limit, probe) -> [(sender_tag, buffer, length, pending), ...]
+ *
+ * Progresses ``worker`` until it is armed, taking (if ``probe``) every
+ * arrived message matching ``tag``/``mask`` as ``take`` does. The caller
+ * holds the UCX lock, and has no other message to look for or request to
+ * finish.
+ */
+static PyObject *step(PyObject *module, PyObject *args) {
+    unsigned long long worker_h, tag, mask;
+    Py_ssize_t limit;
+    int probe;
+    if (!PyArg_ParseTuple(args, "KKKnp", &worker_h, &tag, &mask, &limit, &probe))
+        return NULL;
     void *worker = (void *)(uintptr_t)worker_h;
-    ucp_request_param_t param;
-    memset(&param, 0, sizeof param);
     PyObject *taken = PyList_New(0);
     if (taken == NULL)
         return NULL;
     for (;;) {
-        ucp_tag_recv_info_t info;
-        void *found = ucp.tag_probe_nb(worker, tag, mask, 1, &info);
-        if (found == NULL)
+        while (ucp.worker_progress(worker) != 0) {
+        }
+        int unfinished = probe ? take_into(worker, tag, mask, limit, taken) : 0;
+        if (unfinished < 0)
+            break;
+        if (unfinished > 0)
+            continue; /* a receive just begun may need progress that no event announces */
+        ucs_status_t status = ucp.worker_arm(worker);
+        if (status == UCS_OK)
             return taken;
-        PyObject *buffer = NULL;
-        void *into = scratch;
-        size_t size = 1;
-        if (info.length <= (size_t)limit) {
-            buffer = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)info.length);
-            if (buffer == NULL) /* consume the message all the same, then report */
-                PyErr_Clear();
-            else
-                into = PyBytes_AS_STRING(buffer), size = info.length;
+        if (status != UCS_ERR_BUSY) {
+            ucx_error("UCX could not arm the worker", status);
+            break;
         }
-        void *received = ucp.tag_msg_recv_nbx(worker, into, size, found, &param);
-        if (PTR_IS_ERR(received) && PTR_STATUS(received) != UCS_ERR_MESSAGE_TRUNCATED) {
-            Py_XDECREF(buffer);
-            Py_DECREF(taken);
-            return ucx_error("UCX receive failed", PTR_STATUS(received));
-        }
-        void *pending = PTR_IS_ERR(received) ? NULL : received;
-        PyObject *entry = Py_BuildValue("(KNnK)", (unsigned long long)info.sender_tag,
-                                        buffer != NULL ? buffer : Py_NewRef(Py_None),
-                                        (Py_ssize_t)info.length,
-                                        (unsigned long long)(uintptr_t)pending);
-        if (entry == NULL || PyList_Append(taken, entry) < 0) {
-            Py_XDECREF(entry);
-            Py_DECREF(taken);
-            return NULL;
-        }
-        Py_DECREF(entry);
     }
+    Py_DECREF(taken);
+    return NULL;
 }
 
 /* test(request) -> None while unfinished, else "" (success) or the UCX error.
@@ -676,6 +722,7 @@ static PyMethodDef methods[] = {
     {"decode", decode, METH_VARARGS, "Parse and check a control message (wire.decode in C)."},
     {"send", send, METH_VARARGS, "Send a buffer as one tagged message."},
     {"take", take, METH_VARARGS, "Receive every arrived message matching a tag."},
+    {"step", step, METH_VARARGS, "Progress until armed, taking the matching messages."},
     {"test", test, METH_O, "Whether an unfinished send or receive has finished."},
     {NULL, NULL, 0, NULL},
 };

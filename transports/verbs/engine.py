@@ -293,7 +293,7 @@ class UcxEngine:
             if self._servers:
                 self._update_watch()
         try:
-            if self._compiled is not None and self._watched() is not None:
+            if self._watched() is not None:
                 return self._exchange_compiled(endpoint, message, tag, reply_tag, limit, on_reply,
                                                patience)
             return self._exchange(endpoint, message, tag, reply_tag, limit, on_reply, patience)
@@ -301,7 +301,8 @@ class UcxEngine:
             with self._state:
                 self._driver = None
                 self._callers -= 1
-                self._followers.notify()  # the role is free: the next waiter takes it
+                if self._following:
+                    self._followers.notify()  # the role is free: the next waiter takes it
                 if self._servers:
                     self._update_watch()
 
@@ -350,17 +351,16 @@ class UcxEngine:
                     self._hand_over(receiving, reply_tag, on_reply)
                     return RECEIVING
 
-    def _watched(self) -> tuple[int, int] | None:
-        """The (tag, mask) the C round trip must watch besides its reply ((0, 0): nothing).
+    def _watched(self) -> list[_Expectation] | None:
+        """What the C helpers drive the worker for: [] (nothing) or [the standing expectation].
 
-        None when it cannot serve: sends are unfinished, or a thread waits for
-        a message of its own (the C loop finishes and probes neither).
+        None when they cannot (no C helper; unfinished ucxx requests, or a
+        thread waiting for a message of its own: C finishes and probes neither).
         """
-        if self._pending or len(self._expected) > 1:
+        if self._compiled is None or self._pending or len(self._expected) > 1:
             return None
-        for want in self._expected.values():
-            return want.bits if want.standing else None
-        return 0, 0
+        watched = list(self._expected.values())
+        return watched if not watched or watched[0].standing else None
 
     def _exchange_compiled(self, endpoint: Endpoint, message: bytes, tag: int, reply_tag: int,
                            limit: int, on_reply: ReceiveCallback, patience: float) -> int:
@@ -368,11 +368,12 @@ class UcxEngine:
         compiled = self._compiled
         deadline = time.monotonic() + patience
         send: bytes | None = message
-        while (watch := self._watched()) is not None:
+        while (watched := self._watched()) is not None:
+            watch_tag, watch_mask = watched[0].bits if watched else (0, 0)
             self._asleep = True  # a thread posting work wakes the C loop through the pipe
             try:
                 outcome, value, pending = compiled.exchange(
-                    self._worker_handle, endpoint, send, tag, reply_tag, watch[0], watch[1],
+                    self._worker_handle, endpoint, send, tag, reply_tag, watch_tag, watch_mask,
                     limit, self._epoll_fd, self._wake_r, max(deadline - time.monotonic(), 0),
                     self._ucx, self)
             except compiled.UcxError as err:
@@ -563,10 +564,21 @@ class UcxEngine:
             with self._ucx:
                 if self._stopping:
                     return
-                self._worker.progress()
-                done = self._complete() if self._pending else []
-                self._probe(done)
-                armed = (drains or not done) and self._worker.arm()
+                watched = self._watched()
+                if watched is not None:  # all in C: progress until armed, taking requests
+                    done: list[Callable[[], None]] = []
+                    if watched:
+                        want = watched[0]
+                        self._taken(want, self._compiled.step(
+                            self._worker_handle, *want.bits, want.limit, True), done)
+                    else:
+                        self._compiled.step(self._worker_handle, 0, 0, 0, False)
+                    armed = True
+                else:
+                    self._worker.progress()
+                    done = self._complete() if self._pending else []
+                    self._probe(done)
+                    armed = (drains or not done) and self._worker.arm()
                 self._asleep = armed and sleep > 0 and not done and not delivered
             if done:
                 self._deliver(done)
@@ -640,9 +652,13 @@ class UcxEngine:
 
     def _take(self, want: _Expectation, done: list[Callable[[], None]]) -> None:
         """Receive, in C, every arrived message of a standing expectation."""
+        self._taken(want, self._compiled.take(self._worker_handle, *want.bits, want.limit), done)
+
+    def _taken(self, want: _Expectation, entries: list[tuple],
+               done: list[Callable[[], None]]) -> None:
+        """Deliver what ``take`` or ``step`` received for ``want`` (at once or when finished)."""
         compiled = self._compiled
-        for sender_tag, buffer, length, pending in compiled.take(
-                self._worker_handle, *want.bits, want.limit):
+        for sender_tag, buffer, length, pending in entries:
             error = None
             if buffer is None:
                 error = errors.ResourceExhaustedError(
@@ -652,6 +668,7 @@ class UcxEngine:
             if pending:
                 late = functools.partial(_deliver_late, want.callback, error, sender_tag, buffer)
                 self._pending.append((_CompiledRequest(compiled, pending), buffer, late))
+                self._nudge()
             else:
                 done.append(functools.partial(want.callback, error, sender_tag, buffer))
 
