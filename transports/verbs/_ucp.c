@@ -46,6 +46,7 @@ typedef struct {
 static struct {
     unsigned (*worker_progress)(void *worker);
     ucs_status_t (*worker_arm)(void *worker);
+    ucs_status_t (*worker_get_efd)(void *worker, int *fd);
     void *(*tag_send_nbx)(void *ep, const void *buffer, size_t count, ucp_tag_t tag,
                           const ucp_request_param_t *param);
     void *(*tag_probe_nb)(void *worker, ucp_tag_t tag, ucp_tag_t mask, int remove,
@@ -125,6 +126,7 @@ static PyObject *bind(PyObject *module, PyObject *unused) {
         return PyErr_Format(PyExc_ImportError, "UCX has no %s", symbol);
     RESOLVE(ucp_lib, worker_progress, "ucp_worker_progress")
     RESOLVE(ucp_lib, worker_arm, "ucp_worker_arm")
+    RESOLVE(ucp_lib, worker_get_efd, "ucp_worker_get_efd")
     RESOLVE(ucp_lib, tag_send_nbx, "ucp_tag_send_nbx")
     RESOLVE(ucp_lib, tag_probe_nb, "ucp_tag_probe_nb")
     RESOLVE(ucp_lib, tag_msg_recv_nbx, "ucp_tag_msg_recv_nbx")
@@ -702,6 +704,18 @@ static PyObject *step(PyObject *module, PyObject *args) {
     return NULL;
 }
 
+/* event_fd(worker) -> the descriptor UCX signals the armed worker's events on. */
+static PyObject *event_fd(PyObject *module, PyObject *arg) {
+    void *worker = PyLong_AsVoidPtr(arg);
+    if (worker == NULL && PyErr_Occurred())
+        return NULL;
+    int fd;
+    ucs_status_t status = ucp.worker_get_efd(worker, &fd);
+    if (status != UCS_OK)
+        return ucx_error("UCX has no event descriptor for the worker", status);
+    return PyLong_FromLong(fd);
+}
+
 /* test(request) -> None while unfinished, else "" (success) or the UCX error.
  * Frees a finished request: test it no more then. */
 static PyObject *test(PyObject *module, PyObject *arg) {
@@ -723,6 +737,7 @@ static PyMethodDef methods[] = {
     {"send", send, METH_VARARGS, "Send a buffer as one tagged message."},
     {"take", take, METH_VARARGS, "Receive every arrived message matching a tag."},
     {"step", step, METH_VARARGS, "Progress until armed, taking the matching messages."},
+    {"event_fd", event_fd, METH_O, "The worker's event descriptor (ucp_worker_get_efd)."},
     {"test", test, METH_O, "Whether an unfinished send or receive has finished."},
     {NULL, NULL, 0, NULL},
 };

@@ -145,9 +145,12 @@ class UcxEngine:
                 f"NET_DEVICES={net_devices or 'all'}): {err}") from None
         self.address = self._worker.address.tobytes()
         self.tls = tls or os.environ.get("UCX_TLS", "all")
-        self._epoll_fd = self._worker.epoll_file_descriptor
         self._compiled = _import_compiled() if compiled else None
         self._worker_handle = self._worker.handle
+        # The descriptor to sleep on: UCX's own with the C helper (ucxx wraps it in one
+        # more epoll set, and each level of nesting costs every wake-up).
+        self._epoll_fd = self._worker.epoll_file_descriptor if self._compiled is None else \
+            self._compiled.event_fd(self._worker_handle)
         self._all_bits = u.UCXXTagMask((1 << 64) - 1)
         # Guarded by _ucx: every UCX call, the expectations and the unfinished requests.
         self._ucx = threading.Lock()
