@@ -508,7 +508,9 @@ class Results:
                  "ucxx/sm": "bare ucxx sm", "pyzmq": "bare pyzmq"}
         for key in self.protocols():
             ratio = self.lat_ratio(key)
-            if ratio is not None:
+            # Issue 3 sets grpc+verbs its own 8 B target (3x bare ucxx, above) in place of
+            # the general 1.5x its bare library.
+            if ratio is not None and not key.startswith("verbs"):
                 found.append(Target(
                     f"{self.paths[key].label} 8 B round trip <= 1.5x "
                     f"{names[self.LAT_BASE[key]]}", ratio, "x", "<=", 1.5,
@@ -783,10 +785,10 @@ def chart(res: Results, path: str) -> None:
     lat, bulk, rate = [], [], []
     for key in keys:
         base = res.LAT_BASE[key]
-        mark = targets.get(f"{key.replace('/', '_')}_8b_1.5x")
-        extra = targets.get(f"{key.replace('/', '_')}_8b_3x")
-        limits = [t.limit for t in (mark, extra) if t]
-        lat.append((res.lat_ratio(key), names[base], limits, mark.met if mark else None))
+        mark = targets.get(f"{key.replace('/', '_')}_8b_1.5x") or \
+            targets.get(f"{key.replace('/', '_')}_8b_3x")
+        lat.append((res.lat_ratio(key), names[base], [mark.limit] if mark else [],
+                    mark.met if mark else None))
         base, variant = res.BULK_BASE[key]
         if key == "local/cross":
             t = targets.get("local_cross_made+touch")
