@@ -605,10 +605,13 @@ static PyObject *send(PyObject *module, PyObject *args) {
     return PyLong_FromVoidPtr(sent);
 }
 
-/* Receive into ``taken`` every arrived message matching ``tag``/``mask`` (see take);
- * returns how many of those receives UCX has not finished, or -1 on error. */
-static int take_into(void *worker, ucp_tag_t tag, ucp_tag_t mask, Py_ssize_t limit,
-                     PyObject *taken) {
+/* Receive into ``taken`` the arrived messages matching ``tag``/``mask`` (all of them, or
+ * ``once``: the first), as entries (watch, sender_tag, buffer, length, pending); see take.
+ * Returns how many of those receives UCX has not finished; -1 on a Python error; -2 when
+ * UCX refused a receive (``*failure`` says why; what was taken before stays in ``taken``). */
+static int take_into(void *worker, Py_ssize_t watch, ucp_tag_t tag, ucp_tag_t mask,
+                     Py_ssize_t limit, int once, PyObject *allocate, Py_ssize_t big,
+                     PyObject *taken, const char **failure) {
     ucp_request_param_t param;
     memset(&param, 0, sizeof param);
     int unfinished = 0;
@@ -620,22 +623,31 @@ static int take_into(void *worker, ucp_tag_t tag, ucp_tag_t mask, Py_ssize_t lim
         PyObject *buffer = NULL;
         void *into = scratch;
         size_t size = 1;
-        if (info.length <= (size_t)limit) {
+        if (info.length <= (size_t)limit && !once && (Py_ssize_t)info.length < big) {
             buffer = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)info.length);
-            if (buffer == NULL) /* consume the message all the same, then report */
-                PyErr_Clear();
-            else
+            if (buffer != NULL)
                 into = PyBytes_AS_STRING(buffer), size = info.length;
+        } else if (info.length <= (size_t)limit) { /* a writable buffer from the caller */
+            Py_buffer view;
+            buffer = PyObject_CallFunction(allocate, "n", (Py_ssize_t)info.length);
+            if (buffer != NULL && PyObject_GetBuffer(buffer, &view, PyBUF_WRITABLE) < 0)
+                Py_CLEAR(buffer);
+            if (buffer != NULL) {
+                into = view.buf, size = info.length;
+                PyBuffer_Release(&view); /* ``buffer`` keeps the memory */
+            }
         }
+        if (buffer == NULL)
+            PyErr_Clear(); /* consume the message all the same, then report it */
         void *received = ucp.tag_msg_recv_nbx(worker, into, size, found, &param);
         if (PTR_IS_ERR(received) && PTR_STATUS(received) != UCS_ERR_MESSAGE_TRUNCATED) {
             Py_XDECREF(buffer);
-            ucx_error("UCX receive failed", PTR_STATUS(received));
-            return -1;
+            *failure = ucp.status_string(PTR_STATUS(received));
+            return -2;
         }
         void *pending = PTR_IS_ERR(received) ? NULL : received;
         unfinished += pending != NULL;
-        PyObject *entry = Py_BuildValue("(KNnK)", (unsigned long long)info.sender_tag,
+        PyObject *entry = Py_BuildValue("(nKNnK)", watch, (unsigned long long)info.sender_tag,
                                         buffer != NULL ? buffer : Py_NewRef(Py_None),
                                         (Py_ssize_t)info.length,
                                         (unsigned long long)(uintptr_t)pending);
@@ -644,64 +656,147 @@ static int take_into(void *worker, ucp_tag_t tag, ucp_tag_t mask, Py_ssize_t lim
             return -1;
         }
         Py_DECREF(entry);
+        if (once)
+            return unfinished;
     }
 }
 
-/* take(worker, tag, mask, limit) -> [(sender_tag, buffer, length, pending), ...]
- *
- * Receives every message matching ``tag``/``mask`` that has arrived, each
- * into new bytes (``buffer``). One over ``limit`` bytes, or one whose bytes
- * could not be allocated, is consumed unstored: ``buffer`` None, ``length``
- * its size. ``pending`` is the handle of a receive UCX has not finished (0 if
- * none; ``test`` it, and leave ``buffer`` alone until then). The caller holds
- * the UCX lock.
- */
-static PyObject *take(PyObject *module, PyObject *args) {
-    unsigned long long worker_h, tag, mask;
-    Py_ssize_t limit;
-    if (!PyArg_ParseTuple(args, "KKKn", &worker_h, &tag, &mask, &limit))
-        return NULL;
-    PyObject *taken = PyList_New(0);
-    if (taken != NULL && take_into((void *)(uintptr_t)worker_h, tag, mask, limit, taken) < 0)
-        Py_CLEAR(taken);
-    return taken;
+/* A watch: (tag, mask, limit, once). */
+static int parse_watch(PyObject *watch, ucp_tag_t *tag, ucp_tag_t *mask, Py_ssize_t *limit,
+                       int *once) {
+    unsigned long long t, m;
+    if (!PyArg_ParseTuple(watch, "KKnp", &t, &m, limit, once))
+        return -1;
+    *tag = t, *mask = m;
+    return 0;
 }
 
-/* step(worker, tag, mask, limit, probe) -> [(sender_tag, buffer, length, pending), ...]
+/* take(worker, watch, allocate, big) -> (taken, failure): taken = [(0, sender_tag, buffer,
+ * length, pending), ...]
  *
- * Progresses ``worker`` until it is armed, taking (if ``probe``) every
- * arrived message matching ``tag``/``mask`` as ``take`` does. The caller
- * holds the UCX lock, and has no other message to look for or request to
- * finish.
+ * Receives the arrived messages matching ``watch`` = (tag, mask, limit, once):
+ * all of them, or only the first if ``once``. Each is received into the
+ * writable buffer ``allocate(length)`` returns (``buffer``), except that a
+ * message under ``big`` bytes of a watch not ``once`` goes into new bytes. One over ``limit`` bytes, or one whose bytes could not be
+ * allocated, is consumed unstored: ``buffer`` None, ``length`` its size.
+ * ``pending`` is the handle of a receive UCX has not finished (0 if none;
+ * ``test`` it, and leave ``buffer`` alone until then). ``failure`` is None, or
+ * why UCX refused a receive (after the messages ``taken``). The caller holds the
+ * UCX lock.
+ */
+static PyObject *take(PyObject *module, PyObject *args) {
+    unsigned long long worker_h;
+    PyObject *watch, *allocate;
+    ucp_tag_t tag, mask;
+    Py_ssize_t limit, big;
+    int once;
+    if (!PyArg_ParseTuple(args, "KOOn", &worker_h, &watch, &allocate, &big) ||
+        parse_watch(watch, &tag, &mask, &limit, &once) < 0)
+        return NULL;
+    PyObject *taken = PyList_New(0);
+    const char *failure = NULL;
+    if (taken == NULL || take_into((void *)(uintptr_t)worker_h, 0, tag, mask, limit, once,
+                                   allocate, big, taken, &failure) == -1) {
+        Py_XDECREF(taken);
+        return NULL;
+    }
+    return Py_BuildValue("(Nz)", taken, failure);
+}
+
+/* step(worker, watches, requests, allocate, big) -> (taken, finished, failure)
+ *
+ * Progresses ``worker`` until it is armed. Meanwhile it takes the messages of
+ * each of ``watches`` (as ``take``; an entry's first item is the watch's
+ * index) and tests the unfinished sends and receives whose handles are
+ * ``requests``: ``finished`` lists (index, "" or the UCX error) of those that
+ * finished (freed: test them no more). ``failure`` is None, or why UCX
+ * refused a receive or to arm the worker: the step stopped there, and what it
+ * took and finished is returned all the same. The caller holds the UCX lock.
  */
 static PyObject *step(PyObject *module, PyObject *args) {
-    unsigned long long worker_h, tag, mask;
-    Py_ssize_t limit;
-    int probe;
-    if (!PyArg_ParseTuple(args, "KKKnp", &worker_h, &tag, &mask, &limit, &probe))
+    unsigned long long worker_h;
+    PyObject *watches, *requests, *allocate;
+    Py_ssize_t big;
+    if (!PyArg_ParseTuple(args, "KOOOn", &worker_h, &watches, &requests, &allocate, &big))
         return NULL;
     void *worker = (void *)(uintptr_t)worker_h;
-    PyObject *taken = PyList_New(0);
-    if (taken == NULL)
-        return NULL;
+    PyObject *watch_list = PySequence_Fast(watches, "watches must be a sequence");
+    PyObject *request_list = PySequence_Fast(requests, "requests must be a sequence");
+    PyObject *taken = PyList_New(0), *finished = PyList_New(0), *result = NULL;
+    const char *failure = NULL;
+    Py_ssize_t watch_count = watch_list == NULL ? 0 : PySequence_Fast_GET_SIZE(watch_list);
+    Py_ssize_t request_count = request_list == NULL ? 0 : PySequence_Fast_GET_SIZE(request_list);
+    char *done_watch = PyMem_Calloc(watch_count + 1, 1);
+    char *done_request = PyMem_Calloc(request_count + 1, 1);
+    if (watch_list == NULL || request_list == NULL || taken == NULL || finished == NULL ||
+        done_watch == NULL || done_request == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_NoMemory();
+        goto out;
+    }
     for (;;) {
         while (ucp.worker_progress(worker) != 0) {
         }
-        int unfinished = probe ? take_into(worker, tag, mask, limit, taken) : 0;
-        if (unfinished < 0)
+        int unfinished = 0;
+        for (Py_ssize_t i = 0; i < watch_count; i++) {
+            ucp_tag_t tag, mask;
+            Py_ssize_t limit;
+            int once;
+            if (done_watch[i])
+                continue;
+            if (parse_watch(PySequence_Fast_GET_ITEM(watch_list, i), &tag, &mask, &limit,
+                            &once) < 0)
+                goto out;
+            Py_ssize_t before = PyList_GET_SIZE(taken);
+            int begun = take_into(worker, i, tag, mask, limit, once, allocate, big, taken,
+                                  &failure);
+            if (begun == -1)
+                goto out;
+            if (begun == -2)
+                break;
+            unfinished += begun;
+            done_watch[i] = once && PyList_GET_SIZE(taken) > before;
+        }
+        for (Py_ssize_t i = 0; i < request_count; i++) {
+            if (done_request[i])
+                continue;
+            void *request = PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(request_list, i));
+            if (request == NULL && PyErr_Occurred())
+                goto out;
+            ucs_status_t status = ucp.request_check_status(request);
+            if (status == UCS_INPROGRESS)
+                continue;
+            ucp.request_free(request);
+            done_request[i] = 1;
+            PyObject *entry = Py_BuildValue("(ns)", i, status == UCS_OK ? "" :
+                                            ucp.status_string(status));
+            if (entry == NULL || PyList_Append(finished, entry) < 0) {
+                Py_XDECREF(entry);
+                goto out;
+            }
+            Py_DECREF(entry);
+        }
+        if (failure != NULL)
             break;
         if (unfinished > 0)
             continue; /* a receive just begun may need progress that no event announces */
         ucs_status_t status = ucp.worker_arm(worker);
         if (status == UCS_OK)
-            return taken;
+            break;
         if (status != UCS_ERR_BUSY) {
-            ucx_error("UCX could not arm the worker", status);
+            failure = ucp.status_string(status);
             break;
         }
     }
-    Py_DECREF(taken);
-    return NULL;
+    result = Py_BuildValue("(OOz)", taken, finished, failure);
+out:
+    Py_XDECREF(watch_list);
+    Py_XDECREF(request_list);
+    Py_XDECREF(taken);
+    Py_XDECREF(finished);
+    PyMem_Free(done_watch);
+    PyMem_Free(done_request);
+    return result;
 }
 
 /* event_fd(worker) -> the descriptor UCX signals the armed worker's events on. */

@@ -81,26 +81,27 @@ def _import_compiled():
 
 
 class _Expectation:
-    __slots__ = ("tag", "mask", "bits", "limit", "callback", "standing")
+    __slots__ = ("tag", "mask", "bits", "watch", "limit", "callback", "standing")
 
     def __init__(self, tag: int, mask: int, limit: int, callback: ReceiveCallback,
                  standing: bool, u) -> None:
         self.tag, self.mask, self.bits = u.UCXXTag(tag), u.UCXXTagMask(mask), (tag, mask)
+        self.watch = (tag, mask, limit, not standing)  # as the C helper's take and step want it
         self.limit, self.callback, self.standing = limit, callback, standing
 
 
 class _CompiledRequest:
     """A send or receive the C helpers left unfinished, seen as the engine sees a ucxx request."""
 
-    __slots__ = ("_compiled", "_handle", "_outcome")
+    __slots__ = ("_compiled", "handle", "_outcome")
 
     def __init__(self, compiled, handle: int) -> None:
-        self._compiled, self._handle, self._outcome = compiled, handle, None
+        self._compiled, self.handle, self._outcome = compiled, handle, None
 
     @property
     def completed(self) -> bool:
         if self._outcome is None:
-            self._outcome = self._compiled.test(self._handle)
+            self._outcome = self._compiled.test(self.handle)
         return self._outcome is not None
 
     def check_error(self) -> None:
@@ -560,32 +561,26 @@ class UcxEngine:
         until the worker has events.
         """
         delivered = False
-        # In C (take), a standing expectation's arrived messages are all taken:
-        # the worker can be armed at once, before they are delivered.
-        drains = self._compiled is not None
         while True:
+            failure = None
             with self._ucx:
                 if self._stopping:
                     return
-                watched = self._watched()
-                if watched is not None:  # all in C: progress until armed, taking requests
-                    done: list[Callable[[], None]] = []
-                    if watched:
-                        want = watched[0]
-                        self._taken(want, self._compiled.step(
-                            self._worker_handle, *want.bits, want.limit, True), done)
-                    else:
-                        self._compiled.step(self._worker_handle, 0, 0, 0, False)
-                    armed = True
+                if self._compiled is not None:
+                    done, failure, begun = self._step_compiled()
+                    # Receives just begun are tested in the next pass, not left to an event.
+                    armed = failure is None and not begun
                 else:
                     self._worker.progress()
                     done = self._complete() if self._pending else []
                     self._probe(done)
-                    armed = (drains or not done) and self._worker.arm()
+                    armed = not done and self._worker.arm()
                 self._asleep = armed and sleep > 0 and not done and not delivered
             if done:
                 self._deliver(done)
                 delivered = True
+            if failure is not None:
+                raise errors.UnavailableError(f"UCX failed to progress: {failure}.")
             if armed:
                 break
         if self._asleep:
@@ -648,20 +643,41 @@ class UcxEngine:
 
     def _probe(self, done: list[Callable[[], None]]) -> None:
         for key, want in list(self._expected.items()):
-            if want.standing and self._compiled is not None:
-                self._take(want, done)
-            else:
-                self._probe_one(key, want, done)
+            self._probe_one(key, want, done)
 
-    def _take(self, want: _Expectation, done: list[Callable[[], None]]) -> None:
-        """Receive, in C, every arrived message of a standing expectation."""
-        self._taken(want, self._compiled.take(self._worker_handle, *want.bits, want.limit), done)
+    def _step_compiled(self) -> tuple[list[Callable[[], None]], str | None, bool]:
+        """One ``_step`` pass in C: progress until armed, taking the expected messages and
+        finishing the unfinished requests.
 
-    def _taken(self, want: _Expectation, entries: list[tuple],
+        Returns what to deliver, UCX's failure if any, and whether receives were begun
+        that UCX has not finished.
+        """
+        wants = list(self._expected.items())
+        pending = self._pending
+        taken, finished, failure = self._compiled.step(
+            self._worker_handle, [want.watch for _, want in wants],
+            [entry[0].handle for entry in pending], receive_buffers.take, _POOLED_FROM)
+        done: list[Callable[[], None]] = []
+        if finished:
+            for index, outcome in finished:
+                error = errors.UnavailableError(f"UCX transfer failed: {outcome}") \
+                    if outcome else None
+                done.append(functools.partial(pending[index][2], error))
+            ended = {index for index, _ in finished}
+            self._pending = [entry for i, entry in enumerate(pending) if i not in ended]
+        unfinished = len(self._pending)
+        if taken:
+            self._taken(wants, taken, done)
+        return done, failure, len(self._pending) > unfinished
+
+    def _taken(self, wants: list[tuple[int, _Expectation]], entries: list[tuple],
                done: list[Callable[[], None]]) -> None:
-        """Deliver what ``take`` or ``step`` received for ``want`` (at once or when finished)."""
+        """Deliver what ``take`` or ``step`` received (at once, or when finished)."""
         compiled = self._compiled
-        for sender_tag, buffer, length, pending in entries:
+        for index, sender_tag, buffer, length, pending in entries:
+            key, want = wants[index]
+            if not want.standing:
+                self._expected.pop(key, None)
             error = None
             if buffer is None:
                 error = errors.ResourceExhaustedError(
@@ -676,6 +692,13 @@ class UcxEngine:
                 done.append(functools.partial(want.callback, error, sender_tag, buffer))
 
     def _probe_one(self, key: int, want: _Expectation, done: list[Callable[[], None]]) -> None:
+        if self._compiled is not None:
+            taken, failure = self._compiled.take(self._worker_handle, want.watch,
+                                                 receive_buffers.take, _POOLED_FROM)
+            self._taken([(key, want)], taken, done)
+            if failure is not None:
+                raise errors.UnavailableError(f"UCX receive failed: {failure}.")
+            return
         result = self._worker.tag_probe(want.tag, want.mask, remove=True)
         if not result.matched:
             return
@@ -775,3 +798,7 @@ def _deliver_late(callback: ReceiveCallback, error: BaseException | None, sender
 
 
 _NOTHING = np.empty(0, np.uint8)
+#: A standing expectation's messages (requests' control messages) from this size on are
+#: received into the receive-buffer pool, smaller ones into bytes; every other message (a
+#: bulk buffer handed to the user as a writable array, or a reply) into the pool.
+_POOLED_FROM = 64 << 10
