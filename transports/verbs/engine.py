@@ -164,7 +164,7 @@ class UcxEngine:
         self._state = threading.Lock()
         self._followers = threading.Condition(self._state)
         self._driver: threading.Thread | None = None
-        self._stepping: threading.Thread | None = None  # a serving thread in _serve_step
+        self._stepping_id = 0  # thread id of a serving thread in _serve_step
         self._callers = 0  # threads inside wait()
         self._following = 0  # callers waiting for a delivery or for the role
         self._servers: set[threading.Thread] = set()
@@ -223,7 +223,6 @@ class UcxEngine:
         ``on_done(error)`` runs once the send finished: at once on this thread
         when UCX completed it immediately, else on the thread driving the worker.
         """
-        on_done = on_done or _ignore
         compiled = self._compiled
         with self._ucx:
             try:
@@ -240,13 +239,14 @@ class UcxEngine:
             else:
                 finished = request is None or request.completed
                 if not finished:
-                    self._pending.append((request, buffer, on_done))
+                    self._pending.append((request, buffer, on_done or _ignore))
                 if endpoint.local or not finished:
                     self._nudge()
                 if not finished:
                     return
                 error = None if request is None else _error_of(request)
-        on_done(error)
+        if on_done is not None:
+            on_done(error)
 
     def expect(self, tag: int, mask: int, limit: int, callback: ReceiveCallback,
                standing: bool = False) -> int:
@@ -297,9 +297,9 @@ class UcxEngine:
             if self._servers:
                 self._update_watch()
         try:
-            if self._watched() is not None:
+            if (watched := self._watched()) is not None:
                 return self._exchange_compiled(endpoint, message, tag, reply_tag, limit, on_reply,
-                                               patience)
+                                               patience, watched)
             return self._exchange(endpoint, message, tag, reply_tag, limit, on_reply, patience)
         finally:
             with self._state:
@@ -367,12 +367,16 @@ class UcxEngine:
         return watched if not watched or watched[0].standing else None
 
     def _exchange_compiled(self, endpoint: Endpoint, message: bytes, tag: int, reply_tag: int,
-                           limit: int, on_reply: ReceiveCallback, patience: float) -> int:
-        """``_exchange`` in C (``_ucp.exchange``); returns to Python only for others' work."""
+                           limit: int, on_reply: ReceiveCallback, patience: float,
+                           watched: list[_Expectation] | None) -> int:
+        """``_exchange`` in C (``_ucp.exchange``); returns to Python only for others' work.
+
+        ``watched``: what ``_watched`` just said.
+        """
         compiled = self._compiled
         deadline = time.monotonic() + patience
         send: bytes | None = message
-        while (watched := self._watched()) is not None:
+        while watched is not None:
             watch_tag, watch_mask = watched[0].bits if watched else (0, 0)
             self._asleep = True  # a thread posting work wakes the C loop through the pipe
             try:
@@ -401,6 +405,7 @@ class UcxEngine:
             if outcome == compiled.STOPPED:
                 raise errors.CancelledError("The UCX engine stopped (process exit).")
             self._step(0)  # WATCHED or WOKEN: what came for others, others' sends
+            watched = self._watched()
         if send is not None:
             return self._exchange(endpoint, send, tag, reply_tag, limit, on_reply, patience)
         return NO_REPLY_YET
@@ -474,7 +479,7 @@ class UcxEngine:
         """Run ``job`` on a serving thread; it may block (other threads keep the worker going)."""
         with self._state:
             self._jobs.append(job)
-            if threading.current_thread() is not self._stepping:
+            if threading.get_ident() != self._stepping_id:
                 _signal(self._serve_w)  # a stepping serving thread picks its jobs up itself
 
     def _spawn(self) -> bool:
@@ -527,7 +532,7 @@ class UcxEngine:
     def _serve_step(self, me: threading.Thread) -> None:
         """Progress the worker without sleeping (called and returning with _state held)."""
         self._step_due = False
-        self._driver = self._stepping = me
+        self._driver, self._stepping_id = me, me.ident
         if self._watching:
             self._update_watch()
         self._state.release()
@@ -535,7 +540,7 @@ class UcxEngine:
             self._step(0)
         finally:
             self._state.acquire()
-            self._driver = self._stepping = None
+            self._driver, self._stepping_id = None, 0
         if self._callers:
             self._followers.notify()
         self._update_watch()

@@ -61,7 +61,7 @@ from clusterwire.transports.grpc.plumbing import (
 )
 from clusterwire.transports.verbs import wire
 from clusterwire.transports.verbs.address_check import AddressChecker
-from clusterwire.transports.verbs.engine import NO_REPLY_YET, NOT_SENT, UcxEngine
+from clusterwire.transports.verbs.engine import NO_REPLY_YET, NOT_SENT, REPLIED, UcxEngine
 
 _SERVICE = "clusterwire.Verbs"
 _CONTROL_LIMIT = wire.MAX_HEADER_BYTES + (16 << 20)
@@ -397,7 +397,8 @@ class VerbsChannel(Channel):
                     engine.send(endpoint, message, request_tag)
                 elif sent == NO_REPLY_YET:
                     waiter.expect(response_tag, _CONTROL_LIMIT)
-                self._wait(waiter, got_response, deadline, ping_first=sent != NOT_SENT)
+                if sent != REPLIED or waiter.error is not None:
+                    self._wait(waiter, got_response, deadline, ping_first=sent != NOT_SENT)
             status, _, header, kinds, lengths, inline = codec.decode(
                 waiter.messages[response_tag], 1 << 42)
             if status:
