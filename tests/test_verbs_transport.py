@@ -212,7 +212,9 @@ def test_many_threads_share_one_channel(blocking_server):
 
     def calls(thread: int) -> None:
         for i in range(30):
-            frame, payload = _echo_frame(f"{thread}-{i}", 8 if i % 3 else 100 << 10)
+            # Inline, bulk, and bulk past UCX's rendezvous threshold: calls that take the C
+            # round trip and calls that find other threads' messages to look after.
+            frame, payload = _echo_frame(f"{thread}-{i}", (8, 100 << 10, 2 << 20)[i % 3])
             reply = channel.call(frame, timeout=30)
             assert reply.header == frame.header
             assert np.array_equal(np.frombuffer(reply.buffers[0], np.uint8), payload)

@@ -103,6 +103,15 @@ static void drain(int fd) {
     }
 }
 
+/* NULL while ``request`` is unfinished, else "" (success) or UCX's error; frees it then. */
+static const char *finish(void *request) {
+    ucs_status_t status = ucp.request_check_status(request);
+    if (status == UCS_INPROGRESS)
+        return NULL;
+    ucp.request_free(request);
+    return status == UCS_OK ? "" : ucp.status_string(status);
+}
+
 /* Give up an unfinished request. UCX may still use its buffer, the bytes of
  * ``owner``, until the request finishes: if cancelling does not finish it at
  * once, ``owner`` is kept alive for good (a failure path, and a small leak
@@ -763,13 +772,11 @@ static PyObject *step(PyObject *module, PyObject *args) {
             void *request = PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(request_list, i));
             if (request == NULL && PyErr_Occurred())
                 goto out;
-            ucs_status_t status = ucp.request_check_status(request);
-            if (status == UCS_INPROGRESS)
+            const char *outcome = finish(request);
+            if (outcome == NULL)
                 continue;
-            ucp.request_free(request);
             done_request[i] = 1;
-            PyObject *entry = Py_BuildValue("(ns)", i, status == UCS_OK ? "" :
-                                            ucp.status_string(status));
+            PyObject *entry = Py_BuildValue("(ns)", i, outcome);
             if (entry == NULL || PyList_Append(finished, entry) < 0) {
                 Py_XDECREF(entry);
                 goto out;
@@ -817,11 +824,10 @@ static PyObject *test(PyObject *module, PyObject *arg) {
     void *request = PyLong_AsVoidPtr(arg);
     if (request == NULL && PyErr_Occurred())
         return NULL;
-    ucs_status_t status = ucp.request_check_status(request);
-    if (status == UCS_INPROGRESS)
+    const char *outcome = finish(request);
+    if (outcome == NULL)
         Py_RETURN_NONE;
-    ucp.request_free(request);
-    return PyUnicode_FromString(status == UCS_OK ? "" : ucp.status_string(status));
+    return PyUnicode_FromString(outcome);
 }
 
 static PyMethodDef methods[] = {

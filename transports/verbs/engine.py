@@ -281,8 +281,9 @@ class UcxEngine:
 
         The round trip of a small call, with no hand-off between threads: this
         thread progresses the worker and probes for the reply itself, and
-        sleeps in ``poll`` between events. It needs the progress role; when
-        another thread has it, nothing is sent and NOT_SENT returned (use
+        sleeps in ``poll`` between events. It needs the progress role and,
+        with the C helper, no other thread's message or unfinished request to
+        look after; otherwise nothing is sent and NOT_SENT returned (use
         ``expect``, ``send`` and ``wait``). Otherwise ``on_reply`` runs as for
         ``expect`` and REPLIED is returned; or, after ``patience`` seconds
         without the reply, NO_REPLY_YET (``expect`` it then) or, if its receive
@@ -297,10 +298,13 @@ class UcxEngine:
             if self._servers:
                 self._update_watch()
         try:
-            if (watched := self._watched()) is not None:
-                return self._exchange_compiled(endpoint, message, tag, reply_tag, limit, on_reply,
-                                               patience, watched)
-            return self._exchange(endpoint, message, tag, reply_tag, limit, on_reply, patience)
+            if self._compiled is None:
+                return self._exchange(endpoint, message, tag, reply_tag, limit, on_reply, patience)
+            watched = self._watched()
+            if watched is None:  # others need the worker too: the general path, all in C
+                return NOT_SENT
+            return self._exchange_compiled(endpoint, message, tag, reply_tag, limit, on_reply,
+                                           patience, watched)
         finally:
             with self._state:
                 self._driver = None
@@ -356,10 +360,10 @@ class UcxEngine:
                     return RECEIVING
 
     def _watched(self) -> list[_Expectation] | None:
-        """What the C helpers drive the worker for: [] (nothing) or [the standing expectation].
+        """What ``_ucp.exchange`` would drive the worker for: [] or [the standing expectation].
 
-        None when they cannot (no C helper; unfinished ucxx requests, or a
-        thread waiting for a message of its own: C finishes and probes neither).
+        None when it cannot (no C helper; unfinished requests, or a thread
+        waiting for a message of its own: the exchange tests and probes neither).
         """
         if self._compiled is None or self._pending or len(self._expected) > 1:
             return None
@@ -368,7 +372,7 @@ class UcxEngine:
 
     def _exchange_compiled(self, endpoint: Endpoint, message: bytes, tag: int, reply_tag: int,
                            limit: int, on_reply: ReceiveCallback, patience: float,
-                           watched: list[_Expectation] | None) -> int:
+                           watched: list[_Expectation]) -> int:
         """``_exchange`` in C (``_ucp.exchange``); returns to Python only for others' work.
 
         ``watched``: what ``_watched`` just said.
@@ -406,9 +410,7 @@ class UcxEngine:
                 raise errors.CancelledError("The UCX engine stopped (process exit).")
             self._step(0)  # WATCHED or WOKEN: what came for others, others' sends
             watched = self._watched()
-        if send is not None:
-            return self._exchange(endpoint, send, tag, reply_tag, limit, on_reply, patience)
-        return NO_REPLY_YET
+        return NO_REPLY_YET  # others need the worker now: the reply is expected as usual
 
     def _hand_over(self, receiving: tuple[Any, np.ndarray, BaseException | None],
                    reply_tag: int, on_reply: ReceiveCallback) -> None:
