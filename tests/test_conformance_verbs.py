@@ -25,7 +25,8 @@ class TestVerbsPythonRoundTripConformance(TransportSuite):
     protocol = "grpc+verbs"
 
     @pytest.fixture(scope="class")
-    def transport(self):
+    @classmethod
+    def transport(cls):
         from clusterwire.transports.verbs.transport import VerbsTransport
 
         transport = VerbsTransport({"compiled": False})
