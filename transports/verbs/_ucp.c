@@ -1,10 +1,14 @@
-/* The grpc+verbs round trip of a small call, driven in C.
+/* The per-call path of grpc+verbs, in C.
  *
  * A call's request and reply are one UCX tagged message each. Doing the
  * send, progress, probe, receive, arm and poll of that round trip from Python
  * cost several times what UCX itself does (about 40 Python-level steps per
- * side), so this module does them in one C call and releases the GIL while it
- * sleeps. Everything else of the transport stays in Python (engine.py).
+ * side), so this module does them in few C calls and releases the GIL while it
+ * sleeps: a client's round trip (exchange), a step of the worker that takes
+ * what arrived and finishes what completed (step, take, send, test), and the
+ * control messages' codec (encode, decode: wire.py's, byte for byte). The
+ * engine's logic (who drives the worker, serving threads, expectations) stays
+ * in Python (engine.py).
  *
  * The UCP functions are taken at run time from the libucp that ucxx has
  * already loaded, so building this module needs no UCX headers: the few
@@ -90,6 +94,16 @@ static int flag(PyObject *object, PyObject *name) {
     int set = PyObject_IsTrue(value);
     Py_DECREF(value);
     return set;
+}
+
+/* The ucp_ep_h of ``endpoint`` (its ``handle``), or NULL with an exception set. */
+static void *endpoint_handle(PyObject *endpoint) {
+    PyObject *handle = PyObject_GetAttr(endpoint, handle_name);
+    void *ep = handle == NULL ? NULL : PyLong_AsVoidPtr(handle);
+    Py_XDECREF(handle);
+    if (ep == NULL && !PyErr_Occurred())
+        PyErr_SetString(PyExc_ValueError, "the endpoint has no UCP handle");
+    return ep;
 }
 
 static PyObject *ucx_error(const char *what, ucs_status_t status) {
@@ -195,11 +209,9 @@ static PyObject *exchange(PyObject *module, PyObject *args) {
                 PyErr_SetString(UcxError, "the UCX endpoint is closed");
             goto fail_locked;
         }
-        PyObject *handle = PyObject_GetAttr(endpoint, handle_name);
-        void *ep = handle == NULL ? NULL : PyLong_AsVoidPtr(handle);
-        Py_XDECREF(handle);
+        void *ep = endpoint_handle(endpoint);
         Py_buffer view;
-        if (PyErr_Occurred() || PyObject_GetBuffer(message, &view, PyBUF_SIMPLE) < 0)
+        if (ep == NULL || PyObject_GetBuffer(message, &view, PyBUF_SIMPLE) < 0)
             goto fail_locked;
         void *sent = ucp.tag_send_nbx(ep, view.buf, view.len, tag, &param);
         PyBuffer_Release(&view);
@@ -598,10 +610,8 @@ static PyObject *send(PyObject *module, PyObject *args) {
     unsigned long long tag;
     if (!PyArg_ParseTuple(args, "Oy*K", &endpoint, &view, &tag))
         return NULL;
-    PyObject *handle = PyObject_GetAttr(endpoint, handle_name);
-    void *ep = handle == NULL ? NULL : PyLong_AsVoidPtr(handle);
-    Py_XDECREF(handle);
-    if (PyErr_Occurred()) {
+    void *ep = endpoint_handle(endpoint);
+    if (ep == NULL) {
         PyBuffer_Release(&view);
         return NULL;
     }
