@@ -157,6 +157,8 @@ class UcxEngine:
         self._ucx = threading.Lock()
         self._pending: list[tuple[Any, Any, SendCallback]] = []
         self._expected: dict[int, _Expectation] = {}
+        # _expected's items and their watches for _ucp.step; None after any change to it.
+        self._watching_for: tuple[list[tuple[int, _Expectation]], list[tuple]] | None = None
         self._asleep = False  # a caller sleeps in poll: wake it for work it cannot see
         self._stopping = False
         self._step_due = False  # a serving thread must progress the worker
@@ -264,6 +266,7 @@ class UcxEngine:
         with self._ucx:
             self._check_running()
             self._expected[key] = want
+            self._watching_for = None
             self._probe_one(key, want, done)  # it may have arrived before it was expected
             if self._asleep:
                 self._nudge()  # a C round trip asleep does not probe for it: wake it
@@ -274,6 +277,7 @@ class UcxEngine:
         """Stop expecting the messages of ``expect``'s ``key``."""
         with self._ucx:
             self._expected.pop(key, None)
+            self._watching_for = None
 
     def exchange(self, endpoint: Endpoint, message: bytes, tag: int, reply_tag: int,
                  limit: int, on_reply: ReceiveCallback, patience: float) -> int:
@@ -659,11 +663,14 @@ class UcxEngine:
         Returns what to deliver, UCX's failure if any, and whether receives were begun
         that UCX has not finished.
         """
-        wants = list(self._expected.items())
+        if self._watching_for is None:
+            wants = list(self._expected.items())
+            self._watching_for = wants, [want.watch for _, want in wants]
+        wants, watches = self._watching_for
         pending = self._pending
         taken, finished, failure = self._compiled.step(
-            self._worker_handle, [want.watch for _, want in wants],
-            [entry[0].handle for entry in pending], receive_buffers.take, _POOLED_FROM)
+            self._worker_handle, watches, [entry[0].handle for entry in pending] if pending else (),
+            receive_buffers.take, _POOLED_FROM)
         done: list[Callable[[], None]] = []
         if finished:
             for index, outcome in finished:
@@ -685,6 +692,7 @@ class UcxEngine:
             key, want = wants[index]
             if not want.standing:
                 self._expected.pop(key, None)
+                self._watching_for = None
             error = None
             if buffer is None:
                 error = errors.ResourceExhaustedError(
@@ -711,6 +719,7 @@ class UcxEngine:
             return
         if not want.standing:
             del self._expected[key]
+            self._watching_for = None
         sender_tag = result.sender_tag.value
         request, buffer, error = self._receive(result, want.limit)
         self._finish(request, buffer, lambda late: want.callback(error or late, sender_tag, buffer),
