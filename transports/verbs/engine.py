@@ -81,11 +81,11 @@ def _import_compiled():
 
 
 class _Expectation:
-    __slots__ = ("tag", "mask", "bits", "watch", "limit", "callback", "standing")
+    __slots__ = ("tag", "mask", "watch", "limit", "callback", "standing")
 
     def __init__(self, tag: int, mask: int, limit: int, callback: ReceiveCallback,
                  standing: bool, u) -> None:
-        self.tag, self.mask, self.bits = u.UCXXTag(tag), u.UCXXTagMask(mask), (tag, mask)
+        self.tag, self.mask = u.UCXXTag(tag), u.UCXXTagMask(mask)
         self.watch = (tag, mask, limit, not standing)  # as the C helper's take and step want it
         self.limit, self.callback, self.standing = limit, callback, standing
 
@@ -106,7 +106,7 @@ class _CompiledRequest:
 
     def check_error(self) -> None:
         if self._outcome:
-            raise errors.UnavailableError(f"UCX transfer failed: {self._outcome}")
+            raise _transfer_error(self._outcome)
 
 
 class Endpoint:
@@ -276,8 +276,7 @@ class UcxEngine:
     def cancel(self, key: int) -> None:
         """Stop expecting the messages of ``expect``'s ``key``."""
         with self._ucx:
-            self._expected.pop(key, None)
-            self._watching_for = None
+            self._unexpect(key)
 
     def exchange(self, endpoint: Endpoint, message: bytes, tag: int, reply_tag: int,
                  limit: int, on_reply: ReceiveCallback, patience: float) -> int:
@@ -337,7 +336,7 @@ class UcxEngine:
                 if self._stopping:
                     raise errors.CancelledError("The UCX engine stopped (process exit).")
                 worker.progress()
-                done = self._complete() if self._pending else []
+                done = self._complete()
                 if receiving is None:
                     result = worker.tag_probe(want, self._all_bits, remove=True)
                     if result.matched:
@@ -371,8 +370,20 @@ class UcxEngine:
         """
         if self._compiled is None or self._pending or len(self._expected) > 1:
             return None
-        watched = list(self._expected.values())
+        watched = [want for _, want in self._watch_list()[0]]
         return watched if not watched or watched[0].standing else None
+
+    def _watch_list(self) -> tuple[list[tuple[int, _Expectation]], list[tuple]]:
+        """``_expected``'s items and their watches (for ``_ucp.step``), kept until it changes."""
+        if self._watching_for is None:
+            wants = list(self._expected.items())
+            self._watching_for = wants, [want.watch for _, want in wants]
+        return self._watching_for
+
+    def _unexpect(self, key: int) -> None:
+        """Forget an expectation (caller holds _ucx)."""
+        self._expected.pop(key, None)
+        self._watching_for = None
 
     def _exchange_compiled(self, endpoint: Endpoint, message: bytes, tag: int, reply_tag: int,
                            limit: int, on_reply: ReceiveCallback, patience: float,
@@ -385,7 +396,7 @@ class UcxEngine:
         deadline = time.monotonic() + patience
         send: bytes | None = message
         while watched is not None:
-            watch_tag, watch_mask = watched[0].bits if watched else (0, 0)
+            watch_tag, watch_mask = watched[0].watch[:2] if watched else (0, 0)
             self._asleep = True  # a thread posting work wakes the C loop through the pipe
             try:
                 outcome, value, pending = compiled.exchange(
@@ -404,9 +415,7 @@ class UcxEngine:
                 on_reply(None, reply_tag, value)
                 return REPLIED
             if outcome == compiled.TOO_LONG:
-                on_reply(errors.ResourceExhaustedError(
-                    f"A {value}-byte message exceeds the limit of {limit} bytes."), reply_tag,
-                    np.empty(0, np.uint8))
+                on_reply(_too_long(value, limit), reply_tag, _NOTHING)
                 return REPLIED
             if outcome == compiled.TIMED_OUT:
                 return NO_REPLY_YET
@@ -583,7 +592,7 @@ class UcxEngine:
                     armed = failure is None and not begun
                 else:
                     self._worker.progress()
-                    done = self._complete() if self._pending else []
+                    done = self._complete()
                     self._probe(done)
                     armed = not done and self._worker.arm()
                 self._asleep = armed and sleep > 0 and not done and not delivered
@@ -663,10 +672,7 @@ class UcxEngine:
         Returns what to deliver, UCX's failure if any, and whether receives were begun
         that UCX has not finished.
         """
-        if self._watching_for is None:
-            wants = list(self._expected.items())
-            self._watching_for = wants, [want.watch for _, want in wants]
-        wants, watches = self._watching_for
+        wants, watches = self._watch_list()
         pending = self._pending
         taken, finished, failure = self._compiled.step(
             self._worker_handle, watches, [entry[0].handle for entry in pending] if pending else (),
@@ -674,9 +680,8 @@ class UcxEngine:
         done: list[Callable[[], None]] = []
         if finished:
             for index, outcome in finished:
-                error = errors.UnavailableError(f"UCX transfer failed: {outcome}") \
-                    if outcome else None
-                done.append(functools.partial(pending[index][2], error))
+                done.append(functools.partial(pending[index][2],
+                                              _transfer_error(outcome) if outcome else None))
             ended = {index for index, _ in finished}
             self._pending = [entry for i, entry in enumerate(pending) if i not in ended]
         unfinished = len(self._pending)
@@ -691,13 +696,11 @@ class UcxEngine:
         for index, sender_tag, buffer, length, pending in entries:
             key, want = wants[index]
             if not want.standing:
-                self._expected.pop(key, None)
-                self._watching_for = None
+                self._unexpect(key)
             error = None
             if buffer is None:
-                error = errors.ResourceExhaustedError(
-                    f"A {length}-byte message exceeds the limit of {want.limit} bytes."
-                    if length > want.limit else f"No memory to receive a {length}-byte message.")
+                error = _too_long(length, want.limit) if length > want.limit else \
+                    errors.ResourceExhaustedError(f"No memory to receive a {length}-byte message.")
                 buffer = _NOTHING
             if pending:
                 late = functools.partial(_deliver_late, want.callback, error, sender_tag, buffer)
@@ -718,8 +721,7 @@ class UcxEngine:
         if not result.matched:
             return
         if not want.standing:
-            del self._expected[key]
-            self._watching_for = None
+            self._unexpect(key)
         sender_tag = result.sender_tag.value
         request, buffer, error = self._receive(result, want.limit)
         self._finish(request, buffer, lambda late: want.callback(error or late, sender_tag, buffer),
@@ -733,8 +735,7 @@ class UcxEngine:
         ResourceExhaustedError.
         """
         if result.length > limit:
-            error = errors.ResourceExhaustedError(
-                f"A {result.length}-byte message exceeds the limit of {limit} bytes.")
+            error = _too_long(result.length, limit)
             scratch = np.empty(1, np.uint8)
             request = self._worker.tag_recv_with_handle(self._array(scratch), result)
             return request, scratch[:0], error
@@ -802,6 +803,17 @@ def _error_of(request) -> BaseException | None:
     except Exception as err:
         return err
     return None
+
+
+def _transfer_error(outcome: str) -> errors.UnavailableError:
+    """The error of a send or receive that UCX ended with ``outcome``."""
+    return errors.UnavailableError(f"UCX transfer failed: {outcome}")
+
+
+def _too_long(length: int, limit: int) -> errors.ResourceExhaustedError:
+    """The error of a message consumed unstored because it exceeded ``limit``."""
+    return errors.ResourceExhaustedError(
+        f"A {length}-byte message exceeds the limit of {limit} bytes.")
 
 
 def _ignore(_: BaseException | None) -> None:
