@@ -161,6 +161,49 @@ static PyObject *bind(PyObject *module, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+/* Begin receiving the probed message ``found`` of ``length`` bytes into a new buffer
+ * (``*buffer``): bytes, or the writable object ``allocate(length)`` returns unless
+ * ``allocate`` is None. One over ``limit`` bytes, or one whose buffer could not be made, is
+ * consumed unstored (a 1-byte receive into scratch ends truncated): ``*buffer`` is then NULL.
+ * Returns 0 when UCX finished the receive at once, 1 when ``*request`` is its unfinished
+ * request, -1 when UCX refused it (``*failure`` says why; ``*buffer`` is NULL then). */
+static int begin_receive(void *worker, void *found, size_t length, Py_ssize_t limit,
+                         PyObject *allocate, PyObject **buffer, void **request,
+                         const char **failure) {
+    void *into = scratch;
+    size_t size = 1;
+    *buffer = NULL;
+    *request = NULL;
+    if (length <= (size_t)limit && allocate == Py_None) {
+        *buffer = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)length);
+        if (*buffer != NULL)
+            into = PyBytes_AS_STRING(*buffer), size = length;
+    } else if (length <= (size_t)limit) {
+        Py_buffer view;
+        *buffer = PyObject_CallFunction(allocate, "n", (Py_ssize_t)length);
+        if (*buffer != NULL && PyObject_GetBuffer(*buffer, &view, PyBUF_WRITABLE) < 0)
+            Py_CLEAR(*buffer);
+        if (*buffer != NULL) {
+            into = view.buf, size = length;
+            PyBuffer_Release(&view); /* ``*buffer`` keeps the memory */
+        }
+    }
+    if (*buffer == NULL)
+        PyErr_Clear(); /* consume the message all the same; the caller reports it */
+    ucp_request_param_t param;
+    memset(&param, 0, sizeof param);
+    void *received = ucp.tag_msg_recv_nbx(worker, into, size, found, &param);
+    if (!PTR_IS_ERR(received)) {
+        *request = received;
+        return received != NULL;
+    }
+    if (into == scratch && PTR_STATUS(received) == UCS_ERR_MESSAGE_TRUNCATED)
+        return 0;
+    Py_CLEAR(*buffer);
+    *failure = ucp.status_string(PTR_STATUS(received));
+    return -1;
+}
+
 /* exchange(worker, endpoint, message, tag, reply_tag, watch_tag, watch_mask, limit,
  *          poll_fd, wake_fd, timeout, lock, engine) -> (outcome, value, pending_send)
  *
@@ -235,27 +278,16 @@ static PyObject *exchange(PyObject *module, PyObject *args) {
             ucp_tag_recv_info_t info;
             void *found = ucp.tag_probe_nb(worker, reply_tag, ~(ucp_tag_t)0, 1, &info);
             if (found != NULL) {
-                void *into = scratch;
-                size_t size = 1;
-                if (info.length > (size_t)limit) {
-                    too_long = info.length;
-                } else {
-                    reply = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)info.length);
-                    if (reply == NULL) { /* consume the message all the same */
-                        PyErr_Clear();
-                        too_long = info.length, out_of_memory = 1;
-                    } else {
-                        into = PyBytes_AS_STRING(reply), size = info.length;
-                    }
-                }
-                void *received = ucp.tag_msg_recv_nbx(worker, into, size, found, &param);
-                if (PTR_IS_ERR(received) &&
-                    !(too_long && PTR_STATUS(received) == UCS_ERR_MESSAGE_TRUNCATED)) {
-                    failed = "UCX receive failed", status = PTR_STATUS(received);
+                const char *refused;
+                int begun = begin_receive(worker, found, info.length, limit, Py_None, &reply,
+                                          &recv_request, &refused);
+                if (begun < 0) {
+                    PyErr_Format(UcxError, "UCX receive failed: %s", refused);
                     goto fail_locked;
                 }
-                recv_request = PTR_IS_ERR(received) ? NULL : received;
-                if (recv_request != NULL)
+                if (reply == NULL) /* consumed unstored */
+                    too_long = info.length, out_of_memory = info.length <= (size_t)limit;
+                if (begun > 0)
                     continue; /* it may need progress that no event announces */
             }
         }
@@ -631,41 +663,20 @@ static PyObject *send(PyObject *module, PyObject *args) {
 static int take_into(void *worker, Py_ssize_t watch, ucp_tag_t tag, ucp_tag_t mask,
                      Py_ssize_t limit, int once, PyObject *allocate, Py_ssize_t big,
                      PyObject *taken, const char **failure) {
-    ucp_request_param_t param;
-    memset(&param, 0, sizeof param);
     int unfinished = 0;
     for (;;) {
         ucp_tag_recv_info_t info;
         void *found = ucp.tag_probe_nb(worker, tag, mask, 1, &info);
         if (found == NULL)
             return unfinished;
-        PyObject *buffer = NULL;
-        void *into = scratch;
-        size_t size = 1;
-        if (info.length <= (size_t)limit && !once && (Py_ssize_t)info.length < big) {
-            buffer = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)info.length);
-            if (buffer != NULL)
-                into = PyBytes_AS_STRING(buffer), size = info.length;
-        } else if (info.length <= (size_t)limit) { /* a writable buffer from the caller */
-            Py_buffer view;
-            buffer = PyObject_CallFunction(allocate, "n", (Py_ssize_t)info.length);
-            if (buffer != NULL && PyObject_GetBuffer(buffer, &view, PyBUF_WRITABLE) < 0)
-                Py_CLEAR(buffer);
-            if (buffer != NULL) {
-                into = view.buf, size = info.length;
-                PyBuffer_Release(&view); /* ``buffer`` keeps the memory */
-            }
-        }
-        if (buffer == NULL)
-            PyErr_Clear(); /* consume the message all the same, then report it */
-        void *received = ucp.tag_msg_recv_nbx(worker, into, size, found, &param);
-        if (PTR_IS_ERR(received) && PTR_STATUS(received) != UCS_ERR_MESSAGE_TRUNCATED) {
-            Py_XDECREF(buffer);
-            *failure = ucp.status_string(PTR_STATUS(received));
+        PyObject *buffer;
+        void *pending;
+        int begun = begin_receive(worker, found, info.length, limit,
+                                  !once && (Py_ssize_t)info.length < big ? Py_None : allocate,
+                                  &buffer, &pending, failure);
+        if (begun < 0)
             return -2;
-        }
-        void *pending = PTR_IS_ERR(received) ? NULL : received;
-        unfinished += pending != NULL;
+        unfinished += begun;
         PyObject *entry = Py_BuildValue("(nKNnK)", watch, (unsigned long long)info.sender_tag,
                                         buffer != NULL ? buffer : Py_NewRef(Py_None),
                                         (Py_ssize_t)info.length,
