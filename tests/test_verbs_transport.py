@@ -150,10 +150,18 @@ BLOCKING_SERVER = textwrap.dedent("""
     from clusterwire.transport import Frame, ListenOptions
 
     release = threading.Event()
+    entered = threading.Condition()
+    blocked = [0]
 
     def handler(frame):
         if frame.header == b"block":
+            with entered:
+                blocked[0] += 1
+                entered.notify_all()
             release.wait(60)
+        elif frame.header.startswith(b"await-blocked:"):  # returns once that many block
+            with entered:
+                entered.wait_for(lambda: blocked[0] >= int(frame.header[14:]), 30)
         elif frame.header == b"release":
             release.set()
         return Frame(frame.header, list(frame.buffers))
@@ -192,7 +200,7 @@ def test_blocked_handlers_do_not_stall_other_calls(blocking_server):
     try:
         with ThreadPoolExecutor(4) as pool:
             blocked = [pool.submit(channel.call, Frame(b"block", []), 60) for _ in range(3)]
-            time.sleep(0.5)  # let the three handlers block
+            channel.call(Frame(b"await-blocked:3", []), timeout=30)
             for size in (8, 200 << 10):  # inline and bulk buffers
                 frame, payload = _echo_frame("echo", size)
                 for _ in range(20):
