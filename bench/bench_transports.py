@@ -47,6 +47,7 @@ import json
 import os
 import platform
 import queue
+import random
 import signal
 import statistics
 import subprocess
@@ -354,9 +355,13 @@ def agent_spec(path: PathSpec, token: str | None, nbytes: int) -> dict:
 # ----------------------------------------------------------------------------- measuring
 
 
-def _rotated(items: list, index: int) -> list:
-    shift = index % len(items)
-    return items[shift:] + items[:shift]
+def _shuffled(items: list, index: int) -> list:
+    """Round ``index``'s order of ``items``: a permutation seeded by the round, so runs repeat.
+
+    Not a rotation: under a rotation a path always follows the same other path, and
+    what that one leaves behind (a 256 MiB memcpy, say) weighed on it in every round.
+    """
+    return random.Random(index).sample(items, len(items))
 
 
 def measure(args: argparse.Namespace, agents: dict[str, Agent], paths: list[PathSpec],
@@ -370,7 +375,7 @@ def measure(args: argparse.Namespace, agents: dict[str, Agent], paths: list[Path
     latency: dict[str, list[int]] = {key: [] for key in lat_keys}
     per_round = max(1, args.iterations // args.rounds)
     for index in range(args.rounds):
-        for key in _rotated(lat_keys, index):
+        for key in _shuffled(lat_keys, index):
             latency[key] += agents[key].request({"op": "lat", "n": per_round})["ns"]
 
     bulk_keys = [(p.key, v) for p in paths for v in p.bulk]
@@ -381,7 +386,7 @@ def measure(args: argparse.Namespace, agents: dict[str, Agent], paths: list[Path
         agents[key].request({"op": "check", "variant": variant})
     bulk: dict[str, list[float]] = {f"{k}:{v}": [] for k, v in bulk_keys}
     for index in range(args.transfers):
-        for key, variant in _rotated(bulk_keys, index):
+        for key, variant in _shuffled(bulk_keys, index):
             bulk[f"{key}:{variant}"] += agents[key].request(
                 {"op": "bulk", "variant": variant, "n": repeat[key, variant]})["seconds"]
 
@@ -392,7 +397,7 @@ def measure(args: argparse.Namespace, agents: dict[str, Agent], paths: list[Path
         agents[key].request({"op": "rate_setup", "threads": args.threads})
     rate: dict[str, list[float]] = {key: [] for key in rate_keys}
     for index in range(args.rate_rounds):
-        for key in _rotated(rate_keys, index):
+        for key in _shuffled(rate_keys, index):
             answer = agents[key].request({"op": "rate", "seconds": args.rate_seconds})
             rate[key].append(answer["calls"] / answer["seconds"])
     return {"latency_ns": latency, "bulk_s": bulk, "rate": rate}
@@ -553,13 +558,16 @@ def git_state() -> dict[str, str]:
 
 
 def code_fingerprint() -> str:
-    """A hash of the measured code (core/, transports/, plugins/*/<package>/ sources).
+    """A hash of the measured code (core/, transports/ and plugins/*/<package>/ sources,
+    C included) and of this benchmark's own (bench_transports.py and its helpers).
 
-    Runs of the same code are comparable even across commits that changed other files,
-    and uncommitted work of others is covered too.
+    Runs of the same code measured the same way are comparable even across commits that
+    changed other files, and uncommitted work of others is covered too.
     """
     digest = hashlib.sha1()
-    patterns = ("core/**/*.py", "transports/**/*.py", "plugins/*/*/*.py")
+    patterns = ("core/**/*.py", "transports/**/*.py", "transports/**/*.c", "plugins/*/*/*.py",
+                "bench/bench_transports.py", "bench/_transports_*.py", "bench/_baselines.py",
+                "bench/_bench_remote.py")
     files = sorted({f for pattern in patterns
                     for f in glob.glob(os.path.join(ROOT, pattern), recursive=True)
                     if "_pb2" not in f and "/tests/" not in f})
@@ -619,7 +627,8 @@ def render(args, env: dict, res: Results, infos: dict[str, dict], spans: dict) -
         + (f", libzmq {infos['pyzmq']['libzmq']}" if "libzmq" in infos.get("pyzmq", {}) else "")
         + ".",
         f"- clusterwire commit {head}; code fingerprint {env['code']} (a hash of core/, "
-        "transports/ and plugins/ sources: runs with the same one measured the same code).",
+        "transports/ and plugins/ sources and of this benchmark's: runs with the same one "
+        "measured the same code the same way).",
         "- UCX processes (bare ucxx and grpc+verbs, client and server alike): "
         + ", ".join(f"{k}={v}" for k, v in UCX_ENV.items())
         + ", UCX_TLS=tcp,self or sm,self; endpoint error handling off, blocking progress.",
@@ -881,7 +890,8 @@ server process (a one-task `clusterwire serve` cluster that imports the benchmar
 echo; the baselines' servers are in `bench/_baselines.py` and
 `bench/_transports_baselines.py`), except grpc+local "same process", where the Server and the
 Session share one process. The driver only tells one client at a time what to run, in
-interleaved rounds (rotating order), so a slow phase of this 2-vCPU VM hits every path alike;
+interleaved rounds (a new order each round), so a slow phase of this 2-vCPU VM hits every
+path alike and no path always runs right after the same other one;
 the ratios are steadier than the absolute numbers. The 8-byte round trip is `Session.call` of
 an echo function with an 8-byte array (baselines echo 8 bytes); 64 MiB is `Session.get` of a
 stored tensor, its first transfer checked byte for byte; calls/s is 8 threads of one client
