@@ -165,7 +165,7 @@ class UcxEngine:
         # Guarded by _state: who holds the progress role and who waits for it.
         self._state = threading.Lock()
         self._followers = threading.Condition(self._state)
-        self._driver: threading.Thread | None = None
+        self._driver: int | None = None  # the thread id of who has it
         self._stepping_id = 0  # thread id of a serving thread in _serve_step
         self._callers = 0  # threads inside wait()
         self._following = 0  # callers waiting for a delivery or for the role
@@ -292,11 +292,10 @@ class UcxEngine:
         without the reply, NO_REPLY_YET (``expect`` it then) or, if its receive
         has begun, RECEIVING (``on_reply`` runs once it is done: ``wait`` for it).
         """
-        me = threading.current_thread()
         with self._state:
             if self._driver is not None or self._stopping:
                 return NOT_SENT
-            self._driver = me
+            self._driver = threading.get_ident()
             self._callers += 1
             if self._servers:
                 self._update_watch()
@@ -370,6 +369,8 @@ class UcxEngine:
         """
         if self._compiled is None or self._pending or len(self._expected) > 1:
             return None
+        if not self._expected:
+            return []
         watched = [want for _, want in self._watch_list()[0]]
         return watched if not watched or watched[0].standing else None
 
@@ -401,8 +402,7 @@ class UcxEngine:
             try:
                 outcome, value, pending = compiled.exchange(
                     self._worker_handle, endpoint, send, tag, reply_tag, watch_tag, watch_mask,
-                    limit, self._epoll_fd, self._wake_r, max(deadline - time.monotonic(), 0),
-                    self._ucx, self)
+                    limit, self._epoll_fd, self._wake_r, patience, self._ucx, self)
             except compiled.UcxError as err:
                 raise errors.UnavailableError(f"UCX: {err}.") from None
             finally:
@@ -410,7 +410,7 @@ class UcxEngine:
             if pending:
                 with self._ucx:
                     self._pending.append((_CompiledRequest(compiled, pending), send, _ignore))
-            send = None
+            send, patience = None, max(deadline - time.monotonic(), 0)
             if outcome == compiled.REPLIED:
                 on_reply(None, reply_tag, value)
                 return REPLIED
@@ -443,7 +443,7 @@ class UcxEngine:
         ``ready`` is evaluated under the engine's state lock after every delivery.
         """
         deadline = time.monotonic() + timeout
-        me = threading.current_thread()
+        me = threading.get_ident()
         with self._state:
             self._callers += 1
             self._update_watch()
@@ -469,7 +469,7 @@ class UcxEngine:
                     self._followers.notify()  # the role is free: the next waiter takes it
                 self._update_watch()
 
-    def _drive_once(self, me: threading.Thread, timeout: float) -> None:
+    def _drive_once(self, me: int, timeout: float) -> None:
         """Take the role for one step of a caller (called and returning with _state held)."""
         self._driver = me
         self._state.release()
@@ -509,7 +509,7 @@ class UcxEngine:
         return True
 
     def _serve_loop(self) -> None:
-        me = threading.current_thread()
+        me = threading.get_ident()
         with self._state:
             while not self._stopping:
                 if self._step_due and self._driver is None and not self._callers:
@@ -544,15 +544,15 @@ class UcxEngine:
             self._state.acquire()
             self._free += 1
 
-    def _serve_step(self, me: threading.Thread) -> None:
+    def _serve_step(self, me: int) -> None:
         """Progress the worker without sleeping (called and returning with _state held)."""
         self._step_due = False
-        self._driver, self._stepping_id = me, me.ident
+        self._driver = self._stepping_id = me
         if self._watching:
             self._update_watch()
         self._state.release()
         try:
-            self._step(0)
+            self._step(0, for_callers=True)
         finally:
             self._state.acquire()
             self._driver, self._stepping_id = None, 0
@@ -574,11 +574,13 @@ class UcxEngine:
         if want and self._step_due:
             _signal(self._serve_w)  # work posted while the role was taken
 
-    def _step(self, sleep: float) -> None:
+    def _step(self, sleep: float, for_callers: bool = False) -> None:
         """Progress and deliver until the worker is armed.
 
         Then, if nothing was delivered, sleep up to ``sleep`` seconds in poll
-        until the worker has events.
+        until the worker has events. ``for_callers``: a serving thread's step, which
+        ends early once a caller waits (the caller steps on until armed): one
+        thread then carries a caller's transfer from end to end.
         """
         delivered = False
         while True:
@@ -601,7 +603,7 @@ class UcxEngine:
                 delivered = True
             if failure is not None:
                 raise errors.UnavailableError(f"UCX failed to progress: {failure}.")
-            if armed:
+            if armed or (for_callers and self._following):
                 break
         if self._asleep:
             self._sleep(sleep)
