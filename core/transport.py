@@ -118,7 +118,8 @@ class Listener(abc.ABC):
 
     @abc.abstractmethod
     def stop(self, grace: float | None = None) -> None:
-        """Stop serving: drain for ``grace`` seconds, cancel the rest, free the port."""
+        """Stop serving: drain for ``grace`` seconds, answer the calls still running with
+        CancelledError, free the port."""
 
 
 class Channel(abc.ABC):

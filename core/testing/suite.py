@@ -353,8 +353,10 @@ class TransportSuite:
         caller.join(15)
         channel.close()
         assert not caller.is_alive() and outcome
-        assert isinstance(outcome[0], (errors.CancelledError, errors.UnavailableError)), outcome
-        assert time.monotonic() - started < 10
+        # The contract: CancelledError (the call did not run to its end; not Unavailable,
+        # which would invite a retry), and a stop bounded by its grace.
+        assert isinstance(outcome[0], errors.CancelledError), outcome
+        assert time.monotonic() - started < 3
 
     # -- limits and malformed input ---------------------------------------------------
 
