@@ -134,9 +134,11 @@ class GrpcListener(Listener):
             self._bulk.start()
 
     def stop(self, grace: float | None = None) -> None:
+        # One grace for both: calls in flight, then the bulk fetches of their responses.
+        deadline = time.monotonic() + (grace or 0.0)
         self._control.stop(grace)
         if self._bulk:
-            self._bulk.stop(grace)
+            self._bulk.stop(max(deadline - time.monotonic(), 0.0))
         self._pending.clear()
 
     def _respond(self, response: Frame) -> bytes:
