@@ -252,8 +252,7 @@ class VerbsListener(Listener):
                 self._active.discard((endpoint, reply_tag))
         if len(sent) < len(bulk):
             # This thread carries the transfer to its end, as bare UCX code would: left to
-            # the serving threads, it hopped between them, and the scheduler then often put
-            # a hop on the client's CPU (64 MiB over UCX tcp: 0.78-0.9x bare ucxx, not ~1x).
+            # the serving threads, it hopped between them (two shared most 64 MiB gets).
             with contextlib.suppress(errors.CancelledError):
                 engine.wait(lambda: len(sent) == len(bulk) or endpoint.closed, _BULK_WAIT)
 
