@@ -505,6 +505,21 @@ class TransportSuite:
         again = transport.listen(listener.address, echo_handler, ListenOptions())
         again.stop(0)
 
+    def test_stop_right_after_start_fails_no_thread(self, transport):
+        # A thread the listener started must not trip over what stop() already closed.
+        failures: list[BaseException | None] = []
+        previous, before = threading.excepthook, set(threading.enumerate())
+        threading.excepthook = lambda args: failures.append(args.exc_value)
+        try:
+            for _ in range(30):
+                self._listen(transport).stop(0)
+            deadline = time.monotonic() + 1  # those that end, end at once; pools stay
+            for thread in set(threading.enumerate()) - before:
+                thread.join(max(deadline - time.monotonic(), 0))
+        finally:
+            threading.excepthook = previous
+        assert not failures, failures
+
     # -- through Server and Session ------------------------------------------------
 
     def test_server_and_session(self):

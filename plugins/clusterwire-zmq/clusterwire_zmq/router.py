@@ -42,16 +42,20 @@ class SharedRouter:
         self._stopping = False
         self._closed = False
 
-    def poller(self) -> select.epoll:
-        """A waiting set for one thread's ``receive`` calls (one per thread, closed with it).
+    def poller(self) -> select.epoll | None:
+        """A waiting set for one thread's ``receive`` calls (one per thread, closed with it);
+        None once ``interrupt`` was called (``close`` may have closed the descriptors).
 
         The socket's descriptor is EPOLLEXCLUSIVE: a request wakes one waiting thread, not
         every one (the others would only find the socket empty again)."""
-        poller = select.epoll()
-        poller.register(self._fd, select.EPOLLIN | select.EPOLLEXCLUSIVE)
-        for fd in (self._wake_r, self._stop_r):
-            poller.register(fd, select.EPOLLIN)
-        return poller
+        with self._lock:
+            if self._stopping:
+                return None
+            poller = select.epoll()
+            poller.register(self._fd, select.EPOLLIN | select.EPOLLEXCLUSIVE)
+            for fd in (self._wake_r, self._stop_r):
+                poller.register(fd, select.EPOLLIN)
+            return poller
 
     def receive(self, poller: select.epoll, block: bool = True) -> list[zmq.Frame] | None:
         """The next message (routing id first); None once ``interrupt`` was called, or at
