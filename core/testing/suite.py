@@ -42,6 +42,10 @@ class Capabilities:
     writable_buffers: bool = True
     #: The listener checks a cluster token (Security.token) on every request.
     token_auth: bool = True
+    #: A call still running when its listener stops is answered CancelledError every
+    #: time (False: now and then UnavailableError instead, as the connection's end can
+    #: overtake the answer).
+    cancels_on_stop: bool = True
     #: The control plane speaks TLS when Security.tls is set.
     tls: bool = True
 
@@ -355,7 +359,9 @@ class TransportSuite:
         assert not caller.is_alive() and outcome
         # The contract: CancelledError (the call did not run to its end; not Unavailable,
         # which would invite a retry), and a stop bounded by its grace.
-        assert isinstance(outcome[0], errors.CancelledError), outcome
+        allowed = errors.CancelledError if self.capabilities.cancels_on_stop else (
+            errors.CancelledError, errors.UnavailableError)
+        assert isinstance(outcome[0], allowed), outcome
         assert time.monotonic() - started < 3
 
     # -- limits and malformed input ---------------------------------------------------

@@ -166,28 +166,9 @@ class _Link:
                 if self._cancelled.poll(0):
                     raise errors.CancelledError(
                         f"The zmq channel to {self.address} was closed.") from None
-                try:
-                    while readable(self.events):
-                        self._on_event(sent=True)
-                except errors.UnavailableError:
-                    # A listener that stops answers its calls, then closes: the answer
-                    # may be queued behind the receive that timed out.
-                    message = self._queued_reply(request_id)
-                    if message is None:
-                        raise
-                    return message
+                while readable(self.events):
+                    self._on_event(sent=True)
                 continue
-            message = wire.decode(parts, _NO_LIMIT)
-            if message.request_id == request_id:
-                return message
-
-    def _queued_reply(self, request_id: int) -> wire.Message | None:
-        """The reply to call ``request_id`` if it already waits on the socket, else None."""
-        while True:
-            try:
-                parts = recv_parts(self.sock, NOBLOCK)
-            except zmq.Again:
-                return None
             message = wire.decode(parts, _NO_LIMIT)
             if message.request_id == request_id:
                 return message
