@@ -369,9 +369,7 @@ class UcxEngine:
         """
         if self._compiled is None or self._pending or len(self._expected) > 1:
             return None
-        if not self._expected:
-            return []
-        watched = [want for _, want in self._watch_list()[0]]
+        watched = list(self._expected.values())
         return watched if not watched or watched[0].standing else None
 
     def _watch_list(self) -> tuple[list[tuple[int, _Expectation]], list[tuple]]:
@@ -432,7 +430,7 @@ class UcxEngine:
         done: list[Callable[[], None]] = []
         with self._ucx:
             self._finish(request, buffer,
-                         lambda late: on_reply(error or late, reply_tag, buffer), done)
+                         functools.partial(_deliver_late, on_reply, error, reply_tag, buffer), done)
         self._deliver(done)
 
     # -- driving the worker ---------------------------------------------------------
@@ -726,7 +724,8 @@ class UcxEngine:
             self._unexpect(key)
         sender_tag = result.sender_tag.value
         request, buffer, error = self._receive(result, want.limit)
-        self._finish(request, buffer, lambda late: want.callback(error or late, sender_tag, buffer),
+        self._finish(request, buffer,
+                     functools.partial(_deliver_late, want.callback, error, sender_tag, buffer),
                      done)
 
     def _receive(self, result, limit: int) -> tuple[Any, np.ndarray, BaseException | None]:

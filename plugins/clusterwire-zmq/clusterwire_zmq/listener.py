@@ -120,13 +120,12 @@ class ZmqListener(Listener):
         self._idle += 1
 
     def _work(self) -> None:
-        poller = self._router.poller()  # None: the listener stopped before this thread began
+        poller = self._router.poller()
         try:
-            if poller is not None:
-                self._serve_requests(poller)
+            if poller is not None:  # None: the listener stopped before this thread began
+                with poller:
+                    self._serve_requests(poller)
         finally:
-            if poller is not None:
-                poller.close()
             with self._lock:
                 self._threads -= 1
 
