@@ -22,15 +22,16 @@ calls/s with 8 threads); bare pyzmq (DEALER/ROUTER 8 B, PAIR 64 MiB
 blocking progress, 8 B and 64 MiB, UCX tcp and sm).
 
 Every path has its own client process (an "agent", bench/_transports_agent.py)
-and its own server process; this process only starts them and tells them
-what to do, one path at a time, in interleaved rounds, so a slow phase of the
-machine hits every path alike. All of that is done ``--forks`` times (3),
-each time with fresh processes, and a median is the median of the forks'
-medians: where the kernel places a client and its server (one CPU or two)
-holds for their whole life and moves a round trip by 2-5x, so one set of
-processes is one draw of placements. Every bulk path's first transfer is
-checked byte for byte. Every process started here is stopped at the end, also on
-error; all traffic stays on 127.0.0.1.
+and its own server process; this process only starts them and tells them what
+to do, one path at a time, in interleaved rounds, so a slow phase of the
+machine hits every path alike. All of that is done ``--forks`` times (3), each
+time with fresh processes; a median is the median of the forks' medians and a
+ratio the median of the forks' ratios (each fork's paths measured side by
+side): where the kernel places a client and its server (one CPU or two) holds
+for their whole life and moves a round trip by 2-5x, so one set of processes
+is one draw of placements. Every bulk path's first transfer is checked byte
+for byte. Every process started here is stopped at the end, also on error; all
+traffic stays on 127.0.0.1.
 
 The report goes to bench/results/transports-<time>.md (+ .json), the
 "Transports" section of BENCHMARKS.md (only the part between its
@@ -59,6 +60,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -487,26 +489,40 @@ class Results:
     def protocols(self) -> list[str]:
         return [k for k in self.BULK_BASE if self.has(k)]
 
+    def paired(self, ratio: Callable[[Results], float]) -> float:
+        """The median over forks of ``ratio`` of each fork alone: a ratio compares paths
+        measured side by side, never one fork's path with another fork's."""
+        if len(self.forks) == 1:
+            return ratio(self)
+        return statistics.median(ratio(self.fork(i)) for i in range(len(self.forks)))
+
+    def lat_x(self, key: str, base: str) -> float:
+        return self.paired(lambda r: r.lat(key)[0] / r.lat(base)[0])
+
+    def gbs_x(self, key: str, variant: str, base: str, base_variant: str) -> float:
+        return self.paired(lambda r: r.gbs(key, variant) / r.gbs(base, base_variant))
+
+    def rate_x(self, key: str, base: str) -> float:
+        return self.paired(lambda r: r.rate(key) / r.rate(base))
+
     def lat_ratio(self, key: str) -> float | None:
         base = self.LAT_BASE[key]
-        return self.lat(key)[0] / self.lat(base)[0] if self.has(base) else None
+        return self.lat_x(key, base) if self.has(base) else None
 
     def bulk_ratio(self, key: str, variant: str = "64M") -> float | None:
         base, base_variant = self.BULK_BASE[key]
-        if not self.has(base):
-            return None
-        return self.gbs(key, variant) / self.gbs(base, base_variant)
+        return self.gbs_x(key, variant, base, base_variant) if self.has(base) else None
 
     def rate_ratio(self, key: str) -> float | None:
         base = self.RATE_BASE[key]
-        return self.rate(key) / self.rate(base) if self.has(base) else None
+        return self.rate_x(key, base) if self.has(base) else None
 
     def targets(self) -> list[Target]:
         found: list[Target] = []
         big = f"{self.big // MIB}M"
         if self.has("local/same"):
-            growth = self.median_seconds("local/same", big) / self.median_seconds(
-                "local/same", "64M")
+            growth = self.paired(lambda r: r.median_seconds("local/same", big)
+                                 / r.median_seconds("local/same", "64M"))
             found.append(Target(
                 f"grpc+local same-process get in O(1): {self.big // MIB} MiB time / 64 MiB "
                 "time (a copy would be ~4x)", growth, "x", "<=", 1.5, "local_same_o1"))
@@ -654,8 +670,9 @@ def render(args, env: dict, res: Results, infos: dict[str, dict], spans: dict) -
         + ", ".join(f"{k}={v}" for k, v in UCX_ENV.items())
         + ", UCX_TLS=tcp,self or sm,self; endpoint error handling off, blocking progress.",
         f"- {args.forks} forks: everything below was measured {args.forks} times, each time "
-        "with fresh processes; a median is the median of the forks' medians, a p99 or "
-        "min-max is over all forks' samples.",
+        "with fresh processes; a median is the median of the forks' medians, a ratio the "
+        "median of the forks' ratios (paths compared within a fork), a p99 or min-max is "
+        "over all forks' samples.",
         f"- Every path: its own client process and server process (grpc+local same process: "
         f"one process). Per fork: round trips: {args.warmup} warm-up, then "
         f"{args.iterations} timed calls in {args.rounds} interleaved rounds. 64 MiB: one "
@@ -671,7 +688,6 @@ def render(args, env: dict, res: Results, infos: dict[str, dict], spans: dict) -
         "|---|---:|---:|---:|---:|---|",
     ]
     targets = {t.key: t for t in res.targets()}
-    tcp_us = res.lat("tcp")[0]
     for key in [k for k in p if p[k].lat]:
         median, p99 = res.lat(key)
         ratio, target = "", ""
@@ -681,10 +697,8 @@ def render(args, env: dict, res: Results, infos: dict[str, dict], spans: dict) -
             marks = [t for k, t in targets.items()
                      if k.startswith(key.replace("/", "_") + "_8b")]
             target = "; ".join(f"{t.op} {t.limit:g}x: {_met(t.met)}" for t in marks)
-        lines.append(f"| {p[key].label} | {median:.0f} | {p99:.0f} | {median / tcp_us:.1f}x "
+        lines.append(f"| {p[key].label} | {median:.0f} | {p99:.0f} | {res.lat_x(key, 'tcp'):.1f}x "
                      f"| {ratio} | {target} |")
-    memcpy = res.gbs("memcpy", "64M") if res.has("memcpy") else None
-    tcp_gbs = res.gbs("tcp", "64M")
     lines += [
         "",
         f"#### {nbytes // MIB} MiB get (GB/s = 1e9 B/s; {args.transfers} interleaved rounds "
@@ -713,16 +727,17 @@ def render(args, env: dict, res: Results, infos: dict[str, dict], spans: dict) -
             what += " *" if spec.repeat.get(variant, 1) > 1 else ""
             lines.append(
                 f"| {spec.label} | {what} | {gbs:.2f} | {low:.2f}-{high:.2f} | {ms:.1f} "
-                f"| {_x(gbs / memcpy) if memcpy else '-'} | {_x(gbs / tcp_gbs)} | {base_text} "
+                f"| {_x(res.gbs_x(key, variant, 'memcpy', '64M')) if res.has('memcpy') else '-'} "
+                f"| {_x(res.gbs_x(key, variant, 'tcp', '64M'))} | {base_text} "
                 f"| {target} |")
     fresh = []
     for preset in UCX_PRESETS:
         if res.has(f"verbs/{preset}") and res.has(f"ucxx/{preset}"):
-            ratio = res.gbs(f"verbs/{preset}", "64M") / res.gbs(f"ucxx/{preset}", "64M-fresh")
+            ratio = res.gbs_x(f"verbs/{preset}", "64M", f"ucxx/{preset}", "64M-fresh")
             fresh.append(f"grpc+verbs UCX {preset} {_x(ratio)} bare ucxx {preset}")
     if res.has("local/cross") and res.has("memcpy"):
         fresh.append("grpc+local cross-process, call returning a server-made tensor "
-                     f"{_x(res.gbs('local/cross', 'returned') / res.gbs('memcpy', '64M-fresh'))}"
+                     f"{_x(res.gbs_x('local/cross', 'returned', 'memcpy', '64M-fresh'))}"
                      " memcpy")
     if fresh:
         lines += ["", "The same against baselines that write into a fresh `np.empty` (new pages to "
@@ -758,15 +773,14 @@ def render(args, env: dict, res: Results, infos: dict[str, dict], spans: dict) -
         "| Path | calls/s | Min-max | x bare grpcio | x its bare library |",
         "|---|---:|---:|---:|---:|",
     ]
-    grpcio_rate = res.rate("grpcio") if res.has("grpcio") else None
     for key in [k for k in p if p[k].rate]:
         values = res.pooled("rate", key)
         own = "- (no bare ucxx calls/s)" if key.startswith("verbs") else ""
         if key == "zmq" and res.has("pyzmq"):
-            own = f"{_x(res.rate(key) / res.rate('pyzmq'))} bare pyzmq"
+            own = f"{_x(res.rate_x(key, 'pyzmq'))} bare pyzmq"
         elif key in res.RATE_BASE and key.startswith(("grpc", "local")):
             own = f"{_x(res.rate_ratio(key))} bare grpcio"
-        vs_grpcio = _x(res.rate(key) / grpcio_rate) if grpcio_rate else "-"
+        vs_grpcio = _x(res.rate_x(key, "grpcio")) if res.has("grpcio") else "-"
         lines.append(f"| {p[key].label} | {res.rate(key):.0f} | {min(values):.0f}-"
                      f"{max(values):.0f} | {vs_grpcio} | {own} |")
     lines += [
@@ -911,31 +925,30 @@ numbers also go to `bench/results/transports-<time>.md/.json`; `--from-json FILE
 one, `--no-write` leaves this file alone, `--protocols grpc,zmq` picks some, `--cpus 0` pins
 everything to one CPU.
 
-How it measures: every path has its own client process (`bench/_transports_agent.py`) and
-server process (a one-task `clusterwire serve` cluster that imports the benchmark's `@remote`
-echo; the baselines' servers are in `bench/_baselines.py` and
-`bench/_transports_baselines.py`), except grpc+local "same process", where the Server and the
-Session share one process. The driver only tells one client at a time what to run, in
-interleaved rounds (a new order each round), so a slow phase of this 2-vCPU VM hits every
-path alike and no path always runs right after the same other one;
-the ratios are steadier than the absolute numbers. All of it is done three times (`--forks`),
-each time with fresh processes, and a median is the median of the three forks' medians (p99 and
-min-max are over all samples): where the kernel places a client and its server, on one vCPU or
-on two, holds for the processes' whole life and moves a round trip by 2-5x (bare ucxx sm: 18 us
-on one, 83 us across two), so one set of processes is one draw of placements, and a target
-judged on one draw was met or missed by it. The targets table shows each fork's ratio too.
-The 8-byte round trip is `Session.call` of
-an echo function with an 8-byte array (baselines echo 8 bytes); 64 MiB is `Session.get` of a
-stored tensor, its first transfer checked byte for byte; calls/s is 8 threads of one client
-process, each with its own Session (baselines: its own grpcio channel or zmq socket), calling
-an echo with 1 KiB. A "transport only" row per protocol times the transport's own
-`Channel.call` against its listener with an echo handler (no Session, no cluster service),
-which splits each protocol's round trip into the transport's share and the core's. grpc+local
-transfers of 64 MiB are shown four ways: gets of a tensor the client put and of a tensor made
-in the server and stored there (both kept in a sealed segment from the put on, and re-sent by
-descriptor: no copy per get), the latter also with one read per page on the client (the
-mapping's page faults: the strictest get, on which the issue 3 target is judged), and a call
-returning a server-made tensor that is not stored (copied into a new segment on every call;
+How it measures: every path has its own client process (`bench/_transports_agent.py`) and server
+process (a one-task `clusterwire serve` cluster that imports the benchmark's `@remote` echo; the
+baselines' servers are in `bench/_baselines.py` and `bench/_transports_baselines.py`), except
+grpc+local "same process", where the Server and the Session share one process. The driver only
+tells one client at a time what to run, in interleaved rounds (a new order each round), so a
+slow phase of this 2-vCPU VM hits every path alike and no path always runs right after the same
+other one; the ratios are steadier than the absolute numbers. All of it is done three times
+(`--forks`), each time with fresh processes; a median is the median of the three forks' medians
+and a ratio the median of the three forks' ratios (paths compared within a fork; p99 and min-max
+are over all samples): where the kernel places a client and its server, on one vCPU or on two,
+holds for the processes' whole life and moves a round trip by 2-5x (bare ucxx sm: 18 us on one,
+83 us across two), so one set of processes is one draw of placements, and a target judged on one
+draw was met or missed by it. The targets table shows each fork's ratio too. The 8-byte round
+trip is `Session.call` of an echo function with an 8-byte array (baselines echo 8 bytes); 64 MiB
+is `Session.get` of a stored tensor, its first transfer checked byte for byte; calls/s is 8
+threads of one client process, each with its own Session (baselines: its own grpcio channel or
+zmq socket), calling an echo with 1 KiB. A "transport only" row per protocol times the
+transport's own `Channel.call` against its listener with an echo handler (no Session, no cluster
+service), which splits each protocol's round trip into the transport's share and the core's.
+grpc+local transfers of 64 MiB are shown four ways: gets of a tensor the client put and of a
+tensor made in the server and stored there (both kept in a sealed segment from the put on, and
+re-sent by descriptor: no copy per get), the latter also with one read per page on the client
+(the mapping's page faults: the strictest get, on which the issue 3 target is judged), and a
+call returning a server-made tensor that is not stored (copied into a new segment on every call;
 not a get, so no target).
 """
 
@@ -1003,7 +1016,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=200, help="untimed round trips per path")
     parser.add_argument("--rounds", type=int, default=20,
                         help="interleaved rounds of round trips per fork")
-    parser.add_argument("--transfers", type=int, default=7,
+    parser.add_argument("--transfers", type=int, default=10,
                         help="timed bulk transfers per path and fork")
     parser.add_argument("--size-mib", type=int, default=64, help="bulk transfer size (MiB)")
     parser.add_argument("--big-mib", type=int, default=256,
