@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python bench/bench_transports.py            # about 2 minutes on 2 cores
+    python bench/bench_transports.py            # about 2.5 minutes on 2 cores
 
 For every installed protocol ("grpc", "grpc+local" in the same process and
 across processes, "grpc+verbs" with UCX_TLS=tcp,self and with sm,self, "zmq")
@@ -917,7 +917,7 @@ def write_section(markdown_path: str, block: str) -> None:
 
 
 INTRO = """\
-`python bench/bench_transports.py` (one command, about 2 minutes on 2 cores; matplotlib for the
+`python bench/bench_transports.py` (one command, about 2.5 minutes on 2 cores; matplotlib for the
 chart: `pip install -e '.[bench]'`) measures every installed protocol against its bare library
 in one run, then rewrites the block between the `bench_transports` markers below (nothing else
 in this file) and [bench/transports.png](bench/transports.png). Each run's report and raw
@@ -944,12 +944,12 @@ threads of one client process, each with its own Session (baselines: its own grp
 zmq socket), calling an echo with 1 KiB. A "transport only" row per protocol times the
 transport's own `Channel.call` against its listener with an echo handler (no Session, no cluster
 service), which splits each protocol's round trip into the transport's share and the core's.
-grpc+local transfers of 64 MiB are shown four ways: gets of a tensor the client put and of a
+grpc+local transfers of 64 MiB are shown five ways: gets of a tensor the client put and of a
 tensor made in the server and stored there (both kept in a sealed segment from the put on, and
-re-sent by descriptor: no copy per get), the latter also with one read per page on the client
-(the mapping's page faults: the strictest get, on which the issue 3 target is judged), and a
-call returning a server-made tensor that is not stored (copied into a new segment on every call;
-not a get, so no target).
+re-sent by descriptor: no copy per get), each also with one read per page on the client (the
+mapping's page faults; the server-made one is the strictest get, on which the issue 3 target is
+judged), and a call returning a server-made tensor that is not stored (copied into a new segment
+on every call; not a get, so no target).
 """
 
 
