@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python bench/bench_transports.py            # about 2.5 minutes on 2 cores
+    python bench/bench_transports.py            # about 3 minutes on 2 cores
 
 For every installed protocol ("grpc", "grpc+local" in the same process and
 across processes, "grpc+verbs" with UCX_TLS=tcp,self and with sm,self, "zmq")
@@ -24,7 +24,7 @@ blocking progress, 8 B and 64 MiB, UCX tcp and sm).
 Every path has its own client process (an "agent", bench/_transports_agent.py)
 and its own server process; this process only starts them and tells them what
 to do, one path at a time, in interleaved rounds, so a slow phase of the
-machine hits every path alike. All of that is done ``--forks`` times (3), each
+machine hits every path alike. All of that is done ``--forks`` times (5), each
 time with fresh processes; a median is the median of the forks' medians and a
 ratio the median of the forks' ratios (each fork's paths measured side by
 side): where the kernel places a client and its server (one CPU or two) holds
@@ -917,7 +917,7 @@ def write_section(markdown_path: str, block: str) -> None:
 
 
 INTRO = """\
-`python bench/bench_transports.py` (one command, about 2.5 minutes on 2 cores; matplotlib for the
+`python bench/bench_transports.py` (one command, about 3 minutes on 2 cores; matplotlib for the
 chart: `pip install -e '.[bench]'`) measures every installed protocol against its bare library
 in one run, then rewrites the block between the `bench_transports` markers below (nothing else
 in this file) and [bench/transports.png](bench/transports.png). Each run's report and raw
@@ -931,9 +931,9 @@ baselines' servers are in `bench/_baselines.py` and `bench/_transports_baselines
 grpc+local "same process", where the Server and the Session share one process. The driver only
 tells one client at a time what to run, in interleaved rounds (a new order each round), so a
 slow phase of this 2-vCPU VM hits every path alike and no path always runs right after the same
-other one; the ratios are steadier than the absolute numbers. All of it is done three times
-(`--forks`), each time with fresh processes; a median is the median of the three forks' medians
-and a ratio the median of the three forks' ratios (paths compared within a fork; p99 and min-max
+other one; the ratios are steadier than the absolute numbers. All of it is done five times
+(`--forks`), each time with fresh processes; a median is the median of the five forks' medians
+and a ratio the median of the five forks' ratios (paths compared within a fork; p99 and min-max
 are over all samples): where the kernel places a client and its server, on one vCPU or on two,
 holds for the processes' whole life and moves a round trip by 2-5x (bare ucxx sm: 18 us on one,
 83 us across two), so one set of processes is one draw of placements, and a target judged on one
@@ -1009,21 +1009,21 @@ def _parse_cpus(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--protocols", help="comma-separated subset (default: every installed)")
-    parser.add_argument("--forks", type=int, default=3,
+    parser.add_argument("--forks", type=int, default=5,
                         help="times everything is measured, each with fresh processes")
-    parser.add_argument("--iterations", type=int, default=1000,
+    parser.add_argument("--iterations", type=int, default=600,
                         help="timed round trips per path and fork")
     parser.add_argument("--warmup", type=int, default=200, help="untimed round trips per path")
-    parser.add_argument("--rounds", type=int, default=20,
+    parser.add_argument("--rounds", type=int, default=12,
                         help="interleaved rounds of round trips per fork")
-    parser.add_argument("--transfers", type=int, default=10,
+    parser.add_argument("--transfers", type=int, default=8,
                         help="timed bulk transfers per path and fork")
     parser.add_argument("--size-mib", type=int, default=64, help="bulk transfer size (MiB)")
     parser.add_argument("--big-mib", type=int, default=256,
                         help="second size for the grpc+local same-process O(1) check (MiB)")
     parser.add_argument("--threads", type=int, default=8, help="concurrent clients for calls/s")
     parser.add_argument("--rate-seconds", type=float, default=1.0, help="seconds per calls/s round")
-    parser.add_argument("--rate-rounds", type=int, default=2,
+    parser.add_argument("--rate-rounds", type=int, default=1,
                         help="calls/s rounds per path and fork")
     parser.add_argument("--cpus", type=_parse_cpus,
                         help="run everything on these CPUs only (e.g. 0); default: no pinning")
