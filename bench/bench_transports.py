@@ -497,7 +497,7 @@ class Results:
         return statistics.median(ratio(self.fork(i)) for i in range(len(self.forks)))
 
     def lat_x(self, key: str, base: str) -> float:
-        return self.paired(lambda r: r.lat(key)[0] / r.lat(base)[0])
+        return self.paired(lambda r: r.median("latency_ns", key) / r.median("latency_ns", base))
 
     def gbs_x(self, key: str, variant: str, base: str, base_variant: str) -> float:
         return self.paired(lambda r: r.gbs(key, variant) / r.gbs(base, base_variant))
@@ -958,13 +958,8 @@ on every call; not a get, so no target).
 
 def run(args: argparse.Namespace, servers: dict[str, dict], paths: list[PathSpec],
         nbytes: int, step) -> tuple[dict, dict]:
-    """Measure ``args.forks`` times, each with fresh processes: (measurements, agent infos).
-
-    Fresh processes because where the kernel puts a client and its server (one CPU
-    or two) holds for their whole life and moves a round trip by 2-5x; one set of
-    processes is one draw of those placements, and ratios judged on one draw were
-    met or missed by that draw.
-    """
+    """Measure ``args.forks`` times, each with fresh processes (why: the module's
+    docstring): (measurements, agent infos)."""
     forks, infos = [], {}
     for index in range(args.forks):
         step(f"fork {index + 1} of {args.forks}")
