@@ -99,8 +99,21 @@ class ListenOptions:
     #: Requests served at once. The core's cluster service enforces it itself; a
     #: transport may also enforce it early (before reading a request's data).
     max_concurrent_calls: int = 256
-    #: Client connections held at once; more are refused.
+    #: Authenticated client connections held at once; more are refused.
     max_connections: int = 1024
+    #: A connection that has not authenticated (TLS handshake done and a first request or
+    #: hello whose token checked) within this many seconds is closed. Until it authenticates
+    #: it does not count against ``max_connections``.
+    handshake_timeout_seconds: float = 5.0
+    #: Unauthenticated connections held at once; a new one beyond this closes the oldest
+    #: unauthenticated one, so a flood of silent connections cannot lock out real clients.
+    max_pending_connections: int = 256
+    #: A request whose bytes stop arriving for this many seconds is dropped and its thread
+    #: freed (a trickled upload cannot pin a server thread).
+    message_idle_timeout_seconds: float = 10.0
+    #: Of ``max_workers``, threads kept for requests without a streamed body, so bulk
+    #: uploads cannot starve small calls.
+    small_call_reserve: int = 4
     security: Security = field(default_factory=Security)
 
 
