@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
 
 from clusterwire.errors import InvalidArgumentError
 
 _DEVICE_PART = re.compile(r"^(job|replica|task|device):(.*)$")
+
+
+def is_loopback(host: str) -> bool:
+    """True for localhost and loopback addresses (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def split_host_port(address: str) -> tuple[str, int]:

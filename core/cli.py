@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import ipaddress
 import json
 import signal
 import sys
@@ -12,16 +11,7 @@ import threading
 from typing import Any
 
 from clusterwire import errors
-
-
-def is_loopback(host: str) -> bool:
-    """True for localhost and loopback addresses (127.0.0.0/8, ::1)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+from clusterwire.addressing import is_loopback  # noqa: F401 - re-exported for the CLI's users
 
 
 def _json_arg(text: str, what: str) -> Any:
@@ -102,13 +92,6 @@ def _serve(args: argparse.Namespace) -> int:
     def on_signal(signum: int, _frame: Any) -> None:
         threading.Thread(target=server.stop, args=(args.grace,), daemon=True).start()
 
-    host = server.target.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
-    bound = server.server_def.clusterwire_options.bind_address or host
-    if not server.secure and not is_loopback(bound):
-        print(f"clusterwire serve: WARNING: {server.target} is reachable beyond this host and "
-              "has neither TLS nor a cluster token: anyone who reaches the port can read, "
-              "write and run registered functions. Set tls_cert_file/tls_key_file and "
-              "auth_token_file (see clusterwire.security).", file=sys.stderr, flush=True)
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     sd = server.server_def

@@ -14,16 +14,10 @@ from clusterwire.protos.tensorflow_server_pb2 import ServerDef
 from clusterwire.security import load_security, security_fields
 from clusterwire.server_def import make_server_def
 from clusterwire.service import ClusterService
-from clusterwire.transport import ListenOptions
+from clusterwire.shell import Shell, listen_options, warn_if_exposed
 from clusterwire.waiting import wait_event
 
 _DEFAULT_PEER_TIMEOUT = 30.0
-_DEFAULT_MAX_WORKERS = 16
-_DEFAULT_MAX_MESSAGE = 4 << 30
-_DEFAULT_MAX_CONCURRENT = 256
-_DEFAULT_MAX_CONNECTIONS = 1024
-# After the drain, responses already produced (and announced bulk fetches) get this long to flow.
-_FLUSH_GRACE = 1.0
 
 
 class Server:
@@ -36,8 +30,10 @@ class Server:
     (merged into ``default_session_config``, as in TF) or clusterwire
     ``ServerOptions`` / a dict of its fields (bind_address,
     peer_timeout_seconds, max_workers, max_message_bytes, max_concurrent_calls, max_connections,
-    transport_options, and the security options tls_cert_file, tls_key_file,
-    tls_ca_file, tls_client_auth, auth_token_file: see clusterwire.security).
+    max_store_bytes, handshake_timeout_seconds, message_idle_timeout_seconds,
+    max_pending_connections, small_call_reserve, transport_options, and the security options
+    tls_cert_file, tls_key_file, tls_ca_file, tls_client_auth, auth_token_file: see
+    clusterwire.security).
 
     Unlike TF's: port 0 binds a free port that ``target`` and ``server_def``
     report; the listener binds the host of the task's address (not every
@@ -73,32 +69,36 @@ class Server:
             port = sd.port
         options = sd.clusterwire_options
         transport = get_plugin_manager().transport(sd.protocol)
-        self._transport = transport
         self._lock = threading.Lock()
         self._started = False
         self._stopped = threading.Event()
-        max_workers = options.max_workers or _DEFAULT_MAX_WORKERS
         self._security = load_security({f: getattr(options, f) for f in security_fields()})
         self._service = ClusterService(
             cluster, sd.job_name, sd.task_index, sd.protocol, lambda: self.target,
             options.peer_timeout_seconds or _DEFAULT_PEER_TIMEOUT, transport.info, self._security,
-            options.max_concurrent_calls or _DEFAULT_MAX_CONCURRENT)
-        listen_options = ListenOptions(
-            max_workers=max_workers,
-            max_message_bytes=options.max_message_bytes or _DEFAULT_MAX_MESSAGE,
-            max_concurrent_calls=options.max_concurrent_calls or _DEFAULT_MAX_CONCURRENT,
-            max_connections=options.max_connections or _DEFAULT_MAX_CONNECTIONS,
-            security=self._security)
-        bind = join_host_port(options.bind_address or host, port)
+            options.max_store_bytes or None)
+        shell_options = listen_options(
+            max_workers=options.max_workers, max_message_bytes=options.max_message_bytes,
+            max_concurrent_calls=options.max_concurrent_calls,
+            max_connections=options.max_connections,
+            handshake_timeout_seconds=options.handshake_timeout_seconds,
+            message_idle_timeout_seconds=options.message_idle_timeout_seconds,
+            max_pending_connections=options.max_pending_connections,
+            small_call_reserve=options.small_call_reserve, security=self._security)
+        bind_host = options.bind_address or host
+        name = f"/job:{sd.job_name}/task:{sd.task_index}"
         try:
-            self._listener = transport.listen(bind, self._service.handle, listen_options)
+            self._shell = Shell(sd.protocol, join_host_port(bind_host, port),
+                                self._service.handle, name, shell_options,
+                                self._service.cancel_waits)
         except BaseException:
             self._service.close()
             raise
+        warn_if_exposed(bind_host, shell_options, f"Task {name}")
         self._host = host
-        self._port = split_host_port(self._listener.address)[1]
+        self._port = self._shell.port
         self._publish_bound_port(cluster)
-        self._finalizer = stop_at_exit(self, _shutdown, self._listener, self._service)
+        self._finalizer = stop_at_exit(self, _shutdown, self._shell, self._service)
         if start:
             self.start()
 
@@ -163,7 +163,7 @@ class Server:
                 raise errors.FailedPreconditionError(
                     "This server was stopped; create a new Server to serve again.")
             if not self._started:
-                self._listener.start()
+                self._shell.start()
                 self._started = True
 
     def join(self, timeout: float | None = None) -> bool:
@@ -185,7 +185,7 @@ class Server:
             self._stopped.wait()
             return
         try:
-            _shutdown(self._listener, self._service, grace)
+            _shutdown(self._shell, self._service, grace)
         finally:
             self._stopped.set()
 
@@ -201,10 +201,9 @@ class Server:
         return f"<Server /job:{sd.job_name}/task:{sd.task_index} {self.target} {state}>"
 
 
-def _shutdown(listener, service, grace: float | None = None) -> None:
-    """Drain the service for ``grace`` s, cancel what is left, then close the listener."""
+def _shutdown(shell: Shell, service: ClusterService, grace: float | None = None) -> None:
+    """Drain for ``grace`` s, cancel what is left, close the listener, then the peers."""
     try:
-        service.drain(grace)
-        listener.stop(_FLUSH_GRACE)
+        shell.stop(grace)
     finally:
         service.close()

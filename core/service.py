@@ -25,22 +25,6 @@ from clusterwire.security import Security
 from clusterwire.transport import Buffer, Frame
 
 _MAX_HOPS = 2
-# After a drain, how long released barrier waiters get to send their answers.
-_BARRIER_ANSWER = 0.5
-
-
-def error_response(err: BaseException) -> Frame:
-    """A response frame carrying ``err`` as its status."""
-    response = Response()
-    if isinstance(err, errors.RemoteFunctionError):
-        response.status.remote_type = err.remote_type
-        response.status.remote_traceback = err.remote_traceback
-    if isinstance(err, errors.OpError):
-        response.status.code, response.status.message = err.error_code, err.message
-    else:
-        response.status.code = errors.INTERNAL
-        response.status.message = f"{type(err).__name__}: {err}"
-    return Frame(response.SerializeToString(), [])
 
 
 def value_response(value: Any) -> Frame:
@@ -61,6 +45,12 @@ Serve = Callable[[list[Buffer]], Frame]
 class _Stored:
     header: bytes  # the serialized get response, built once at put
     buffers: list[Buffer]
+    nbytes: int
+
+
+def default_store_bytes() -> int:
+    """Half of the machine's physical memory: the store's quota unless one is configured."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
 class _Barrier:
@@ -126,87 +116,53 @@ class ClusterService:
     def __init__(self, cluster: ClusterSpec, job: str, index: int, protocol: str,
                  target: Callable[[], str], peer_timeout: float,
                  transport_info: Callable[[], dict[str, str]],
-                 security: Security | None = None, max_concurrent_calls: int = 256):
+                 security: Security | None = None, max_store_bytes: int | None = None):
         self.cluster = cluster
         self.job, self.index, self.protocol = job, index, protocol
         self._target = target
         self._transport_info = transport_info
         self._store: dict[str, _Stored] = {}
+        self._store_bytes = 0
+        self._max_store_bytes = max_store_bytes or default_store_bytes()
         self._store_lock = threading.Lock()
         self._barrier = _Barrier()
         # Peers are reached with this server's own credentials (its certificate
         # doubles as the client certificate under mutual TLS).
         self._peers = RequestClient(protocol, timeout=peer_timeout, security=security)
-        # handle() takes the plain lock (cheap); drain() waits on a condition of it.
-        self._activity_lock = threading.Lock()
-        self._activity = threading.Condition(self._activity_lock)
-        self._in_flight = 0
-        self._max_in_flight = max_concurrent_calls
-        self._draining = False
         # Request header -> what serves it (see _prepare).
         self._prepared: dict[bytes, Serve] = {}
 
-    def drain(self, grace: float | None) -> None:
-        """Refuse new requests and let in-flight ones finish for ``grace`` seconds.
+    def cancel_waits(self) -> None:
+        """Answer barrier waits with CancelledError (the server's shell is stopping).
 
-        Then barrier waits are answered with CancelledError; remote calls
-        still running are cancelled by the listener's stop, which answers
-        their callers with CancelledError (a function's thread cannot be
-        killed; its result is dropped).
+        Remote calls still running are cancelled by the listener's stop, which answers their
+        callers with CancelledError (a function's thread cannot be killed; its result is
+        dropped).
         """
-        with self._activity:
-            self._draining = True
-            self._activity.wait_for(lambda: self._in_flight == 0, timeout=grace or 0)
         self._barrier.cancel()
-        with self._activity:
-            self._activity.wait_for(lambda: self._in_flight == 0, timeout=_BARRIER_ANSWER)
 
     def close(self) -> None:
         """Release peer connections."""
         self._peers.close()
 
     def handle(self, frame: Frame) -> Frame:
-        """Serve one request frame; every failure becomes an error response."""
-        with self._activity_lock:
-            if self._draining:
-                return error_response(errors.UnavailableError(
-                    f"/job:{self.job}/task:{self.index} is stopping."))
-            if self._in_flight >= self._max_in_flight:
-                return error_response(errors.ResourceExhaustedError(
-                    f"/job:{self.job}/task:{self.index} is serving {self._in_flight} requests, "
-                    "its max_concurrent_calls; retry later or raise the limit."))
-            self._in_flight += 1
-        try:
-            return self._handle(frame)
-        finally:
-            with self._activity_lock:
-                self._in_flight -= 1
-                if self._draining:
-                    self._activity.notify_all()
-
-    def _handle(self, frame: Frame) -> Frame:
-        try:
-            header = frame.header if type(frame.header) is bytes else bytes(frame.header)
-            serve = self._prepared.get(header)
+        """Serve one request frame (the shell maps the errors it raises)."""
+        header = frame.header if type(frame.header) is bytes else bytes(frame.header)
+        serve = self._prepared.get(header)
+        if serve is None:
+            try:
+                request = Request.FromString(header)
+            except DecodeError as err:
+                raise errors.InvalidArgumentError(f"Malformed request header: {err}") from None
+            if request.has_task and (request.task.job, request.task.index) != (
+                    self.job, self.index):
+                return self._forward(request, frame)
+            serve = self._prepare(request)
             if serve is None:
-                try:
-                    request = Request.FromString(header)
-                except DecodeError as err:
-                    raise errors.InvalidArgumentError(
-                        f"Malformed request header: {err}") from None
-                if request.has_task and (request.task.job, request.task.index) != (
-                        self.job, self.index):
-                    return self._forward(request, frame)
-                serve = self._prepare(request)
-                if serve is None:
-                    return self._serve(request, list(frame.buffers))
-                if len(header) <= codec.PLAN_KEY_MAX:
-                    codec.remember(self._prepared, header, serve)
-            return serve(list(frame.buffers))
-        except errors.OpError as err:
-            return error_response(err)
-        except Exception as err:  # a bug must not take the server down
-            return error_response(errors.InternalError(f"{type(err).__name__}: {err}"))
+                return self._serve(request, list(frame.buffers))
+            if len(header) <= codec.PLAN_KEY_MAX:
+                codec.remember(self._prepared, header, serve)
+        return serve(list(frame.buffers))
 
     def _address_of(self, job: str, index: int) -> str:
         try:
@@ -253,14 +209,15 @@ class ClusterService:
         method = request.method
         if method == "put":
             codec.decode(request.value, buffers)  # validate before storing
-            with self._store_lock:
-                self._store[request.name] = _Stored(
-                    Response(value=request.value).SerializeToString(), buffers)
+            self._store_put(request.name, _Stored(
+                Response(value=request.value).SerializeToString(), buffers,
+                sum(memoryview(b).nbytes for b in buffers)))
             return value_response(None)
         if method == "delete":
             with self._store_lock:
-                found = self._store.pop(request.name, None) is not None
-            return value_response(found)
+                found = self._store.pop(request.name, None)
+                self._store_bytes -= found.nbytes if found else 0
+            return value_response(found is not None)
         if method == "list":
             with self._store_lock:
                 return value_response(sorted(self._store))
@@ -274,6 +231,20 @@ class ClusterService:
         raise errors.UnimplementedError(
             f"Unknown method {method!r}; this server serves: status, put, get, delete, list, "
             "call, barrier, complete_cluster.")
+
+    def _store_put(self, name: str, stored: _Stored) -> None:
+        """Store ``stored`` as ``name`` (replacing it) within max_store_bytes."""
+        with self._store_lock:
+            old = self._store.get(name)
+            total = self._store_bytes - (old.nbytes if old else 0) + stored.nbytes
+            if total > self._max_store_bytes:
+                raise errors.ResourceExhaustedError(
+                    f"Storing {name!r} ({stored.nbytes} bytes) would put "
+                    f"/job:{self.job}/task:{self.index}'s store at {total} bytes, over its "
+                    f"max_store_bytes ({self._max_store_bytes}); delete tensors or raise "
+                    "max_store_bytes.")
+            self._store[name] = stored
+            self._store_bytes = total
 
     @staticmethod
     def _call(name: str, args: list, kwargs: dict[str, Any]) -> Frame:

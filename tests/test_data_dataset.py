@@ -8,6 +8,7 @@ import pytest
 
 from clusterwire import data, errors
 from clusterwire.data import graph
+from clusterwire.data.permissions import WorkerPermissions
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -99,7 +100,7 @@ def test_definition_round_trip_imports_functions_by_reference():
           .enumerate())
     definition, buffers = graph.to_def(ds.pipeline)
     assert definition.ops[0].map.fn.name == "cw_data_functions:square"
-    rebuilt = graph.from_def(definition, buffers, allow_cloudpickle=False)
+    rebuilt = graph.from_def(definition, buffers, WorkerPermissions())
     assert [(int(i), int(v)) for i, v in rebuilt.run()] == [
         (int(i), int(v)) for i, v in ds]
 
@@ -110,5 +111,6 @@ def test_lambda_needs_cloudpickle_and_is_refused_unless_allowed():
     definition, buffers = graph.to_def(ds.pipeline)
     assert definition.ops[0].map.fn.pickled
     with pytest.raises(errors.InvalidArgumentError, match="allow_cloudpickle"):
-        graph.from_def(definition, buffers, allow_cloudpickle=False)
-    assert list(graph.from_def(definition, buffers, allow_cloudpickle=True).run()) == [1, 2, 3]
+        graph.from_def(definition, buffers, WorkerPermissions(), allow_cloudpickle=False)
+    assert list(graph.from_def(definition, buffers, WorkerPermissions(),
+                               allow_cloudpickle=True).run()) == [1, 2, 3]

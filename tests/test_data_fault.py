@@ -34,7 +34,8 @@ def processes():
 
 
 def worker_args(dispatcher: ServerProcess) -> list[str]:
-    return ["--dispatcher-address", dispatcher.address, "--heartbeat-interval-ms", "200"]
+    return ["--dispatcher-address", dispatcher.address, "--heartbeat-interval-ms", "200",
+            "--import", "cw_data_functions"]
 
 
 @pytest.mark.timeout(60)

@@ -28,11 +28,13 @@ def wait_for(condition, timeout=10.0, what="condition"):
 
 
 @pytest.fixture
-def service():
-    """A dispatcher and two workers in this process."""
+def service(tmp_path):
+    """A dispatcher and two workers in this process (from_files may read under tmp_path)."""
     dispatcher = data.DispatchServer(port=0)
     address = dispatcher.target.split("://")[1]
-    workers = [data.WorkerServer(port=0, dispatcher_address=address) for _ in range(2)]
+    workers = [data.WorkerServer(data.WorkerConfig(dispatcher_address=address,
+                                                   readable_dirs=[str(tmp_path)]))
+               for _ in range(2)]
     wait_for(lambda: dispatcher.num_workers() == 2, what="2 workers")
     yield dispatcher
     for worker in workers:
@@ -151,13 +153,15 @@ def free_ports(count):
 
 
 @pytest.fixture
-def static_service():
+def static_service(tmp_path):
     """A dispatcher configured with the addresses of its two workers (static sharding)."""
     ports = free_ports(2)
     dispatcher = data.DispatchServer(data.DispatcherConfig(
         port=0, worker_addresses=[f"localhost:{port}" for port in ports]))
     address = dispatcher.target.split("://")[1]
-    workers = [data.WorkerServer(port=port, dispatcher_address=address) for port in ports]
+    workers = [data.WorkerServer(data.WorkerConfig(dispatcher_address=address, port=port,
+                                                   readable_dirs=[str(tmp_path)]))
+               for port in ports]
     wait_for(lambda: dispatcher.num_workers() == 2, what="2 workers")
     yield dispatcher
     for worker in workers:

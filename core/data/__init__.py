@@ -11,6 +11,7 @@ from clusterwire.data.config import DispatcherConfig, WorkerConfig
 from clusterwire.data.dataset import Dataset
 from clusterwire.data.dispatcher import DispatchServer
 from clusterwire.data.modes import ShardingPolicy
+from clusterwire.data.permissions import function
 from clusterwire.data.pipeline import AUTOTUNE, INFINITE, UNKNOWN
 from clusterwire.data.worker import WorkerServer
 
@@ -29,5 +30,6 @@ __all__ = [
     "WorkerServer",
     "distribute",
     "from_dataset_id",
+    "function",
     "register_dataset",
 ]

@@ -15,6 +15,7 @@ import threading
 from typing import Any
 
 from clusterwire.local_cluster import READY_PREFIX, await_ready
+from clusterwire.security import security_fields
 
 __all__ = ["READY_PREFIX", "add_commands", "await_ready"]
 
@@ -51,7 +52,8 @@ def _dispatcher(args: argparse.Namespace) -> int:
         fault_tolerant_mode=args.fault_tolerant_mode, worker_addresses=args.worker_addresses,
         job_gc_check_interval_ms=args.job_gc_check_interval_ms,
         job_gc_timeout_ms=args.job_gc_timeout_ms, worker_timeout_ms=args.worker_timeout_ms,
-        allow_cloudpickle=args.allow_cloudpickle, bind_address=args.bind_address)
+        allow_cloudpickle=args.allow_cloudpickle, bind_address=args.bind_address,
+        **_security(args))
     server = DispatchServer(config=config)
     report = server.journal_report
     if report.message:
@@ -69,9 +71,14 @@ def _worker(args: argparse.Namespace) -> int:
         dispatcher_timeout_ms=args.dispatcher_timeout_ms,
         data_transfer_protocol=args.data_transfer_protocol,
         data_transfer_address=args.data_transfer_address,
-        allow_cloudpickle=args.allow_cloudpickle)
+        allow_cloudpickle=args.allow_cloudpickle, function_modules=args.function_modules,
+        readable_dirs=args.readable_dirs, **_security(args))
     server = WorkerServer(config=config)
     return _serve_until_signal(server, f"{config.protocol}://{server.address}", "worker", args)
+
+
+def _security(args: argparse.Namespace) -> dict[str, Any]:
+    return {name: getattr(args, name) for name in security_fields()}
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -84,6 +91,16 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grace", type=float, default=5.0,
                         help="seconds in-flight requests get at shutdown (default 5)")
     parser.add_argument("--quiet", action="store_true", help="no banner on stderr")
+    security = parser.add_argument_group(
+        "security", "as Server's; the CLUSTERWIRE_* environment and plugins.toml's [security] "
+        "apply too (the token itself only from a file or CLUSTERWIRE_AUTH_TOKEN)")
+    security.add_argument("--auth-token-file", metavar="FILE",
+                          help="file holding the cluster token every request must carry")
+    security.add_argument("--tls-cert-file", metavar="PEM", help="this server's certificate")
+    security.add_argument("--tls-key-file", metavar="PEM", help="this server's private key")
+    security.add_argument("--tls-ca-file", metavar="PEM", help="CA that checks peers")
+    security.add_argument("--tls-client-auth", action="store_true", default=None,
+                          help="require client certificates (mutual TLS)")
 
 
 def add_commands(commands: Any) -> None:
@@ -112,4 +129,12 @@ def add_commands(commands: Any) -> None:
         worker.add_argument(f"--{name}", type=int)
     worker.add_argument("--data-transfer-protocol", help="second transport for elements")
     worker.add_argument("--data-transfer-address")
+    worker.add_argument("--function-module", dest="function_modules", action="append",
+                        default=[], metavar="MODULE",
+                        help="allow the module-level functions of MODULE in datasets "
+                        "(imported at start); @clusterwire.data.function ones of --import "
+                        "modules are allowed anyway")
+    worker.add_argument("--readable-dir", dest="readable_dirs", action="append", default=[],
+                        metavar="DIR", help="a directory from_files may read under (none by "
+                        "default: from_files is refused)")
     worker.set_defaults(run=_worker)

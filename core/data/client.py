@@ -10,7 +10,7 @@ other consumers using that name).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from clusterwire.data import compression as compressor
@@ -35,23 +35,36 @@ from clusterwire.protos.data_service_pb2 import (
     GetDatasetRequest,
     RegisterDatasetRequest,
 )
+from clusterwire.security import Security, load_security
 
 # How long a client keeps retrying an unavailable dispatcher (e.g. while it restarts).
 DISPATCHER_RETRY_S = 60.0
 
 
-def _dispatcher(service: Any) -> DispatcherClient:
+def _dispatcher(service: Any, security: Security) -> DispatcherClient:
     protocol, address = parse_service(service)
-    return DispatcherClient(protocol, address, DISPATCHER_RETRY_S)
+    return DispatcherClient(protocol, address, DISPATCHER_RETRY_S, security)
+
+
+def _security(config: Mapping[str, Any] | Security | None) -> Security:
+    """The client's Security: ``config``'s keys (tls_ca_file, tls_cert_file, tls_key_file,
+    auth_token_file) over the ``CLUSTERWIRE_*`` environment over plugins.toml, as a
+    Session's."""
+    if isinstance(config, Security):
+        return config
+    if config is not None and not isinstance(config, Mapping):
+        raise TypeError(f"config must be a dict of security options, got {config!r}")
+    return load_security(config)
 
 
 def register_dataset(service: Any, dataset: Dataset, compression: str | None = "AUTO",
-                     dataset_id: str | None = None) -> str:
+                     dataset_id: str | None = None, *,
+                     config: Mapping[str, Any] | Security | None = None) -> str:
     """Register ``dataset`` with the dispatcher at ``service``; returns its dataset id.
 
     An equal dataset registered before gets the same id; an explicit
     ``dataset_id`` already used by a different dataset is an
-    InvalidArgumentError.
+    InvalidArgumentError. ``config``: security options, as for ``distribute``.
     """
     wire = compression_name(compression)
     if wire == COMPRESSION_SNAPPY:
@@ -61,7 +74,7 @@ def register_dataset(service: Any, dataset: Dataset, compression: str | None = "
     if dataset_id is not None and (not isinstance(dataset_id, str) or not dataset_id):
         raise ValueError(f"`dataset_id` must be a non-empty string, got {dataset_id!r}")
     definition, buffers = graph.to_def(dataset.pipeline)
-    client = _dispatcher(service)
+    client = _dispatcher(service, _security(config))
     try:
         response, _ = client.call(DataRequest(register_dataset=RegisterDatasetRequest(
             dataset=definition, dataset_id=dataset_id or "", compression=wire)), buffers)
@@ -73,13 +86,15 @@ def register_dataset(service: Any, dataset: Dataset, compression: str | None = "
 class ServiceSource(Source):
     """The source of a distributed dataset: jobs of the tf.data service."""
 
-    def __init__(self, service: Any, options: ReadOptions):
+    def __init__(self, service: Any, options: ReadOptions, security: Security):
         self._service = service
         self._options = options
+        self._security = security
         self._iterations = itertools.count()
 
     def iterate(self) -> Iterator[Any]:
-        reader = JobReader(_dispatcher(self._service), self._options, next(self._iterations))
+        reader = JobReader(_dispatcher(self._service, self._security), self._options,
+                           next(self._iterations))
         try:
             yield from reader
         finally:
@@ -92,12 +107,14 @@ def from_dataset_id(processing_mode: Any, service: Any, dataset_id: str,
                     max_outstanding_requests: int | None = None,
                     data_transfer_protocol: str | None = None,
                     cross_trainer_cache: Any = None,
-                    target_workers: str = "AUTO") -> Dataset:
+                    target_workers: str = "AUTO", *,
+                    config: Mapping[str, Any] | Security | None = None) -> Dataset:
     """A dataset reading the registered dataset ``dataset_id`` through the service.
 
     ``element_spec`` and ``cross_trainer_cache`` are accepted for TF
     compatibility; clusterwire elements describe themselves and there is no
-    cross-trainer cache. An unknown id is a NotFoundError.
+    cross-trainer cache. An unknown id is a NotFoundError. ``config``: security options,
+    as for ``distribute``.
     """
     del element_spec, cross_trainer_cache
     policy = sharding_policy(processing_mode)
@@ -105,7 +122,8 @@ def from_dataset_id(processing_mode: Any, service: Any, dataset_id: str,
     consumers = check_consumers(job_name, consumer_index, num_consumers)
     outstanding = check_max_outstanding(max_outstanding_requests)
     target = check_target_workers(target_workers)
-    client = _dispatcher(service)
+    security = _security(config)
+    client = _dispatcher(service, security)
     try:
         response, _ = client.call(DataRequest(get_dataset=GetDatasetRequest(
             dataset_id=str(dataset_id))))
@@ -122,14 +140,15 @@ def from_dataset_id(processing_mode: Any, service: Any, dataset_id: str,
         max_elements=min(outstanding or _MAX_ELEMENTS, _MAX_ELEMENTS),
         data_transfer_protocol=data_transfer_protocol, compression=accepted,
         target_workers=target)
-    return Dataset(ServiceSource(service, options))
+    return Dataset(ServiceSource(service, options, security))
 
 
 def distribute(processing_mode: Any, service: Any, job_name: str | None = None,
                consumer_index: int | None = None, num_consumers: int | None = None,
                max_outstanding_requests: int | None = None,
                data_transfer_protocol: str | None = None, compression: str | None = "AUTO",
-               cross_trainer_cache: Any = None, target_workers: str = "AUTO"
+               cross_trainer_cache: Any = None, target_workers: str = "AUTO", *,
+               config: Mapping[str, Any] | Security | None = None
                ) -> Callable[[Dataset], Dataset]:
     """A transformation for ``Dataset.apply`` that reads the dataset through the service.
 
@@ -137,6 +156,9 @@ def distribute(processing_mode: Any, service: Any, job_name: str | None = None,
     dataset), "distributed_epoch" (workers share splits of the source; every
     element once) or a ShardingPolicy. ``service``: the dispatcher's target
     ("grpc://host:port", "host:port" or a (protocol, address) tuple).
+    ``config`` (a clusterwire addition): security options as a ``Session`` takes them
+    (tls_ca_file, tls_cert_file, tls_key_file, auth_token_file), over the
+    ``CLUSTERWIRE_*`` environment and plugins.toml's ``[security]``.
     """
     policy = sharding_policy(processing_mode)
     parse_service(service)
@@ -145,14 +167,15 @@ def distribute(processing_mode: Any, service: Any, job_name: str | None = None,
     check_max_outstanding(max_outstanding_requests)
     check_target_workers(target_workers)
     compression_name(compression)
+    security = _security(config)
 
     def apply(dataset: Dataset) -> Dataset:
-        dataset_id = register_dataset(service, dataset, compression)
+        dataset_id = register_dataset(service, dataset, compression, config=security)
         return from_dataset_id(policy, service, dataset_id, job_name=job_name,
                                consumer_index=consumer_index, num_consumers=num_consumers,
                                max_outstanding_requests=max_outstanding_requests,
                                data_transfer_protocol=data_transfer_protocol,
                                cross_trainer_cache=cross_trainer_cache,
-                               target_workers=target_workers)
+                               target_workers=target_workers, config=security)
 
     return apply

@@ -2,16 +2,28 @@
 
 Time fields follow TF: ``None`` leaves the choice to the runtime (stored as
 0) and an explicit 0 means "as small as possible" (stored as 1). The runtime
-defaults (``runtime_ms``) are TF's. ``allow_cloudpickle`` (and the
-dispatcher's ``bind_address``) are clusterwire additions.
+defaults (``runtime_ms``) are TF's. ``allow_cloudpickle``, the
+dispatcher's ``bind_address``, the worker's ``function_modules`` and ``readable_dirs`` and
+both servers' security fields (``tls_cert_file``, ``tls_key_file``, ``tls_ca_file``,
+``tls_client_auth``, ``auth_token_file``: as ``Server``'s, see ``clusterwire.security``) are
+clusterwire additions.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 from typing import Any
 
 from clusterwire.addressing import split_host_port
+from clusterwire.security import Security, load_security, security_fields
+from clusterwire.shell import listen_options
+from clusterwire.transport import ListenOptions
+
+log = logging.getLogger("clusterwire")
+
+#: Threads of a dispatcher's or worker's listener.
+_DATA_MAX_WORKERS = 32
 
 # Runtime defaults for time fields left at None.
 JOB_GC_CHECK_INTERVAL_MS = 10 * 60 * 1000
@@ -44,10 +56,27 @@ def _port(value: Any) -> int:
 
 _DISPATCHER_FIELDS = ("port", "protocol", "work_dir", "fault_tolerant_mode", "worker_addresses",
                       "job_gc_check_interval_ms", "job_gc_timeout_ms", "worker_timeout_ms",
-                      "allow_cloudpickle", "bind_address")
+                      "allow_cloudpickle", "bind_address", *security_fields())
 _WORKER_FIELDS = ("dispatcher_address", "worker_address", "port", "protocol",
                   "heartbeat_interval_ms", "dispatcher_timeout_ms", "data_transfer_protocol",
-                  "data_transfer_address", "allow_cloudpickle")
+                  "data_transfer_address", "allow_cloudpickle", "function_modules",
+                  "readable_dirs", *security_fields())
+
+
+def _security(settings: dict[str, Any]) -> tuple[Any, ...]:
+    """The security fields' values in field order; TypeError naming an unknown one."""
+    unknown = set(settings) - set(security_fields())
+    if unknown:
+        raise TypeError(f"Unknown config field(s) {sorted(unknown)}; the security fields are "
+                        f"{', '.join(security_fields())}.")
+    return tuple(settings.get(name) for name in security_fields())
+
+
+def _names(value: Any, name: str) -> tuple[str, ...]:
+    """A list of names or paths as a tuple; ValueError for a bare string or a non-string."""
+    if isinstance(value, str) or not all(isinstance(v, str) and v for v in value):
+        raise ValueError(f"`{name}` must be a list of non-empty strings, got {value!r}")
+    return tuple(value)
 
 
 class DispatcherConfig(collections.namedtuple("DispatcherConfig", _DISPATCHER_FIELDS)):
@@ -64,7 +93,8 @@ class DispatcherConfig(collections.namedtuple("DispatcherConfig", _DISPATCHER_FI
                 fault_tolerant_mode: bool = False, worker_addresses: list[str] | None = None,
                 job_gc_check_interval_ms: int | None = None,
                 job_gc_timeout_ms: int | None = None, worker_timeout_ms: int | None = None,
-                allow_cloudpickle: bool = False, bind_address: str = "localhost"):
+                allow_cloudpickle: bool = False, bind_address: str = "localhost",
+                **security: Any):
         gc_timeout = -1 if job_gc_timeout_ms == -1 else time_field(
             job_gc_timeout_ms, "job_gc_timeout_ms")
         if worker_addresses is not None:
@@ -75,7 +105,7 @@ class DispatcherConfig(collections.namedtuple("DispatcherConfig", _DISPATCHER_FI
             cls, _port(port), protocol or "grpc", work_dir, bool(fault_tolerant_mode),
             worker_addresses, time_field(job_gc_check_interval_ms, "job_gc_check_interval_ms"),
             gc_timeout, time_field(worker_timeout_ms, "worker_timeout_ms"),
-            bool(allow_cloudpickle), bind_address)
+            bool(allow_cloudpickle), bind_address, *_security(security))
 
 
 class WorkerConfig(collections.namedtuple("WorkerConfig", _WORKER_FIELDS)):
@@ -85,6 +115,9 @@ class WorkerConfig(collections.namedtuple("WorkerConfig", _WORKER_FIELDS)):
     replaced by the bound port); the worker binds its host.
     ``data_transfer_protocol`` serves elements over a second transport at
     ``data_transfer_address`` (``%dts_port%``: its bound port).
+    ``function_modules``: modules whose module-level functions the worker may run (besides
+    ``@clusterwire.data.function`` ones); ``readable_dirs``: the only directories
+    ``from_files`` may read under (see ``clusterwire.data.permissions``).
     """
 
     def __new__(cls, dispatcher_address: str | None = None, worker_address: str | None = None,
@@ -92,7 +125,8 @@ class WorkerConfig(collections.namedtuple("WorkerConfig", _WORKER_FIELDS)):
                 heartbeat_interval_ms: int | None = None,
                 dispatcher_timeout_ms: int | None = None,
                 data_transfer_protocol: str | None = None,
-                data_transfer_address: str | None = None, allow_cloudpickle: bool = False):
+                data_transfer_address: str | None = None, allow_cloudpickle: bool = False,
+                function_modules: Any = (), readable_dirs: Any = (), **security: Any):
         if dispatcher_address is None:
             raise ValueError("Must specify a `dispatcher_address`.")
         if not isinstance(dispatcher_address, str) or not dispatcher_address:
@@ -105,7 +139,8 @@ class WorkerConfig(collections.namedtuple("WorkerConfig", _WORKER_FIELDS)):
             time_field(heartbeat_interval_ms, "heartbeat_interval_ms"),
             time_field(dispatcher_timeout_ms, "dispatcher_timeout_ms"),
             data_transfer_protocol, data_transfer_address or "localhost:%dts_port%",
-            bool(allow_cloudpickle))
+            bool(allow_cloudpickle), _names(function_modules, "function_modules"),
+            _names(readable_dirs, "readable_dirs"), *_security(security))
 
 
 def as_config(config: Any, cls: type) -> Any:
@@ -118,3 +153,21 @@ def as_config(config: Any, cls: type) -> Any:
         return cls(**config)
     raise TypeError(f"config must be a {cls.__name__} or a dict of its fields, got "
                     f"{type(config).__name__}")
+
+
+def warn_if_unsafe(config: Any, what: str) -> None:
+    """Log a warning when ``config`` lets clients run pickled code (allow_cloudpickle)."""
+    if config.allow_cloudpickle:
+        log.warning("clusterwire: WARNING: the tf.data service %s allows cloudpickle: workers "
+                    "run pickled code sent by any client that reaches the dispatcher.", what)
+
+
+def server_security(config: Any) -> Security:
+    """The Security a DispatcherConfig or WorkerConfig asks for (merged over the
+    ``CLUSTERWIRE_*`` environment and plugins.toml's ``[security]``, as ``Server``'s)."""
+    return load_security({name: getattr(config, name) for name in security_fields()})
+
+
+def server_listen_options(security: Security) -> ListenOptions:
+    """The listener options of a data-service server."""
+    return listen_options(max_workers=_DATA_MAX_WORKERS, security=security)

@@ -14,7 +14,7 @@ from typing import Any
 
 from clusterwire import errors
 from clusterwire.at_exit import stop_at_exit
-from clusterwire.data import graph
+from clusterwire.data import grants, graph
 from clusterwire.data.config import (
     CLIENT_TIMEOUT_MS,
     JOB_GC_CHECK_INTERVAL_MS,
@@ -23,12 +23,15 @@ from clusterwire.data.config import (
     DispatcherConfig,
     as_config,
     runtime_ms,
+    server_listen_options,
+    server_security,
+    warn_if_unsafe,
 )
 from clusterwire.data.dispatcher_state import DispatcherState, Job
 from clusterwire.data.journal import Journal, ReadReport, read_payload, write_payload
 from clusterwire.data.modes import STATIC_POLICIES, ShardingPolicy
 from clusterwire.data.pipeline import INFINITE, split_plan
-from clusterwire.data.rpc import Endpoint
+from clusterwire.data.rpc import serve
 from clusterwire.protos.data_service_pb2 import (
     DataRequest,
     DataResponse,
@@ -38,7 +41,9 @@ from clusterwire.protos.data_service_pb2 import (
     JournalJob,
     JournalSplit,
     JournalSplitsDone,
+    StreamSpec,
 )
+from clusterwire.shell import Shell
 from clusterwire.waiting import wait_event
 
 _SPLITS_PER_WORKER = 8
@@ -69,6 +74,7 @@ class DispatchServer:
                 "Cannot enable fault tolerant mode without configuring a work dir. Make sure "
                 "to set `work_dir` in the `config` object passed to `DispatcherServer`.")
         self._config = config
+        warn_if_unsafe(config, "dispatcher")
         self._worker_timeout = runtime_ms(config.worker_timeout_ms, WORKER_TIMEOUT_MS) / 1000
         self._gc_interval = runtime_ms(config.job_gc_check_interval_ms,
                                        JOB_GC_CHECK_INTERVAL_MS) / 1000
@@ -82,10 +88,14 @@ class DispatchServer:
         if config.fault_tolerant_mode:
             self._journal = Journal(config.work_dir)
             self.journal_report = self._replay(self._journal)
+        if not self._state.grant_key:
+            with self._cond:
+                self._commit(JournalEntry(grant_key=grants.new_key()))
         host = config.bind_address
         self._host = "localhost" if host in _WILDCARDS else host
-        self._endpoint = Endpoint(config.protocol, host or "0.0.0.0", config.port, self._handle,
-                                  "The tf.data service dispatcher")
+        self._endpoint = serve(config.protocol, host or "0.0.0.0", config.port, self._handle,
+                               "The tf.data service dispatcher",
+                               server_listen_options(server_security(config)))
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._started = False
@@ -180,7 +190,7 @@ class DispatchServer:
     def _on_register_dataset(self, request, buffers):
         if not self._config.allow_cloudpickle:
             graph.check_no_pickled(request.dataset)
-        graph.from_def(request.dataset, buffers, False, resolve=False)  # rejects malformed
+        graph.from_def(request.dataset, buffers)  # rejects malformed
         fingerprint = graph.fingerprint(request.dataset, buffers)
         with self._cond:
             dataset_id = request.dataset_id
@@ -244,10 +254,12 @@ class DispatchServer:
             response = DataResponse()
             response.job.CopyFrom(job.info)
             response.job.workers.extend(self._workers_for(job))
+            response.job.grant = grants.grant(self._state.grant_key, StreamSpec(
+                job_id=job.info.job_id, dataset_id=job.info.dataset_id), "")
         return response, []
 
     def _create_job(self, request, record, policy: ShardingPolicy) -> int:
-        pipe = graph.from_def(record.dataset, record.buffers, False, resolve=False)
+        pipe = graph.from_def(record.dataset, record.buffers)
         order = self._config.worker_addresses
         if policy in STATIC_POLICIES and not order:
             raise errors.FailedPreconditionError(
@@ -349,6 +361,10 @@ class DispatchServer:
         result.has_split = True
         result.split.split_id = split_id
         result.split.unit_start, result.split.unit_end = job.split_range(split_id)
+        result.split.grant = grants.grant(self._state.grant_key, StreamSpec(
+            job_id=job.info.job_id, dataset_id=job.info.dataset_id, is_split=True,
+            split_id=split_id, unit_start=result.split.unit_start,
+            unit_end=result.split.unit_end), consumer)
         return response
 
     def _on_worker_heartbeat(self, request, _buffers):
@@ -364,6 +380,7 @@ class DispatchServer:
             self._state.worker_seen[worker.address] = time.monotonic()
             response = DataResponse()
             response.worker_heartbeat.live_jobs.extend(self._state.jobs)
+            response.worker_heartbeat.grant_key = self._state.grant_key
         return response, []
 
     # ---- garbage collection ----
@@ -387,7 +404,7 @@ class DispatchServer:
                 self._commit(JournalEntry(removed_job=job.info.job_id))
 
 
-def _shutdown(endpoint: Endpoint, stopping: threading.Event, journal: Journal | None,
+def _shutdown(endpoint: Shell, stopping: threading.Event, journal: Journal | None,
               grace: float | None) -> None:
     stopping.set()
     try:

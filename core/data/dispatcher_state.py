@@ -87,6 +87,7 @@ class DispatcherState:
         self.worker_seen: dict[str, float] = {}
         self.next_job_id = 1
         self.next_dataset_id = 1000
+        self.grant_key = b""
 
     def apply(self, entry: JournalEntry, buffers: list[Any] | None = None) -> None:
         """Apply one decision (``buffers``: a dataset entry's payload buffers)."""
@@ -137,6 +138,8 @@ class DispatcherState:
         elif kind == "worker":
             self.workers[entry.worker.address] = entry.worker
             self.worker_seen[entry.worker.address] = now
+        elif kind == "grant_key":
+            self.grant_key = entry.grant_key
 
     def live_workers(self, timeout_s: float, order: list[str] | None = None) -> list[WorkerInfo]:
         """Workers heard from within ``timeout_s``, in ``order`` if given (static sharding)."""

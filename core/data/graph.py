@@ -12,6 +12,7 @@ from typing import Any
 
 from clusterwire import codec
 from clusterwire.data import functions, pipeline
+from clusterwire.data.permissions import WorkerPermissions
 from clusterwire.errors import InvalidArgumentError
 from clusterwire.protos.data_service_pb2 import DatasetDef, FunctionRef, OpDef
 
@@ -112,12 +113,15 @@ def _unresolved(*_args: Any) -> Any:
     raise InvalidArgumentError("The dispatcher does not run dataset functions.")
 
 
-def from_def(dataset: DatasetDef, buffers: Sequence[Any], allow_cloudpickle: bool,
-             resolve: bool = True) -> pipeline.Pipeline:
+def from_def(dataset: DatasetDef, buffers: Sequence[Any],
+             permissions: WorkerPermissions | None = None,
+             allow_cloudpickle: bool = False) -> pipeline.Pipeline:
     """The pipeline a DatasetDef describes.
 
-    With ``resolve`` its functions are imported (or unpickled); without, they
-    are placeholders, enough to plan splits and cardinality (the dispatcher).
+    With ``permissions`` (a worker) its functions are the allowed ones they name (or
+    unpickled, with ``allow_cloudpickle``) and its files are checked against the readable
+    directories; without, functions are placeholders, enough to plan splits and
+    cardinality (the dispatcher).
     """
     items = codec.decode(dataset.payloads, list(buffers)) if dataset.HasField("payloads") else []
 
@@ -127,12 +131,12 @@ def from_def(dataset: DatasetDef, buffers: Sequence[Any], allow_cloudpickle: boo
         return items[index]
 
     def function(ref: FunctionRef, what: str) -> Callable[..., Any]:
-        if not resolve:
+        if permissions is None:
             return _unresolved
         if ref.pickled:
             return functions.unpickle_function(bytes(payload(ref.payload)), allow_cloudpickle,
                                                f"{ref.name} ({what})")
-        return functions.resolve(ref.name)
+        return permissions.function(ref.name)
 
     kind = dataset.source.WhichOneof("kind")
     source: pipeline.Source
@@ -142,7 +146,10 @@ def from_def(dataset: DatasetDef, buffers: Sequence[Any], allow_cloudpickle: boo
     elif kind == "slices":
         source = pipeline.SlicesSource(payload(dataset.source.slices.payload))
     elif kind == "files":
-        source = pipeline.FilesSource(tuple(dataset.source.files.paths))
+        paths = tuple(dataset.source.files.paths)
+        if permissions is not None:
+            paths = tuple(permissions.path(p) for p in paths)
+        source = pipeline.FilesSource(paths)
     elif kind == "generator":
         g = dataset.source.generator
         source = pipeline.GeneratorSource(function(g.fn, "generator"),

@@ -85,6 +85,7 @@ class _Split:
     split_id: int
     unit_start: int
     unit_end: int
+    grant: bytes
     received: int = 0
     attempt: int = 0
 
@@ -117,7 +118,7 @@ class JobReader(Iterator[Any]):
         self._dispatcher = dispatcher
         self._options = options
         self._consumer = uuid.uuid4().hex
-        self._channels = WorkerChannels()
+        self._channels = WorkerChannels(dispatcher.security)
         self._decoder = ThreadPoolExecutor(_DECODERS, "clusterwire-data-decode")
         self._queue: queue.Queue = queue.Queue(maxsize=16)
         self._batch: deque = deque()
@@ -307,7 +308,7 @@ class JobReader(Iterator[Any]):
     def _spec(self) -> StreamSpec:
         return StreamSpec(job_id=self._job.job_id, dataset_id=self._job.dataset_id,
                           sharding_policy=self._job.sharding_policy,
-                          compression=self._compression())
+                          compression=self._compression(), grant=self._job.grant)
 
     def _compression(self) -> str:
         wanted, registered = self._options.compression, self._job.compression
@@ -398,7 +399,7 @@ class JobReader(Iterator[Any]):
                 if not result.has_split:
                     return None
                 split = _Split(result.split.split_id, result.split.unit_start,
-                               result.split.unit_end)
+                               result.split.unit_end, result.split.grant)
                 self._held[split.split_id] = split
                 return split
 
@@ -407,7 +408,7 @@ class JobReader(Iterator[Any]):
         split.attempt = next(self._attempts)
         spec = self._spec()
         spec.is_split, spec.split_id, spec.attempt = True, split.split_id, split.attempt
-        spec.unit_start, spec.unit_end = split.unit_start, split.unit_end
+        spec.unit_start, spec.unit_end, spec.grant = split.unit_start, split.unit_end, split.grant
         while not self._stop.is_set():
             try:
                 # Only the job's first read asks for a single element (to start fast).

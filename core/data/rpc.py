@@ -1,9 +1,8 @@
 """Request plumbing of the data service over any transport.
 
-* ``Endpoint``: a listener on a protocol from the plugin manager whose
-  handler decodes ``DataRequest`` frames, counts in-flight requests (so a
-  stop drains them, as the core server does) and turns every failure into an
-  error response.
+* ``serve``: the core listener shell (authentication, limits, admission,
+  drain, error mapping: ``clusterwire.shell``) with a handler of
+  ``DataRequest`` frames.
 * ``DispatcherClient``: calls to the dispatcher through the core
   ``RequestClient`` (channel reuse, backoff on connection failures), retried
   while the dispatcher is unavailable -- every dispatcher request is
@@ -23,11 +22,12 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from clusterwire import errors
-from clusterwire.addressing import join_host_port, split_host_port
+from clusterwire.addressing import join_host_port
 from clusterwire.plugins import get_plugin_manager
 from clusterwire.protos.data_service_pb2 import DataRequest, DataResponse
 from clusterwire.rpc import RequestClient, jittered, raise_for_status
-from clusterwire.service import error_response
+from clusterwire.security import Security
+from clusterwire.shell import Shell, warn_if_exposed
 from clusterwire.transport import Channel, Frame, ListenOptions
 
 Handler = Callable[[DataRequest, list[Any]], tuple[DataResponse, Sequence[Any]]]
@@ -44,62 +44,32 @@ def parse(frame: Frame) -> DataResponse:
     return response
 
 
-class Endpoint:
-    """Serves DataRequests on ``protocol`` at ``host:port``; drains on stop."""
-
-    def __init__(self, protocol: str, host: str, port: int, handler: Handler, name: str,
-                 max_workers: int = 32):
-        self._handler = handler
-        self._name = name
-        self._activity = threading.Condition()
-        self._in_flight = 0
-        self._draining = False
-        transport = get_plugin_manager().transport(protocol)
-        self._listener = transport.listen(join_host_port(host, port), self._handle,
-                                          ListenOptions(max_workers=max_workers))
-        self.port = split_host_port(self._listener.address)[1]
-
-    def start(self) -> None:
-        """Start serving (idempotent)."""
-        self._listener.start()
-
-    def stop(self, grace: float | None) -> None:
-        """Refuse new requests, let in-flight ones finish for ``grace`` s, free the port."""
-        with self._activity:
-            self._draining = True
-            self._activity.wait_for(lambda: self._in_flight == 0, timeout=grace or 0)
-        self._listener.stop(0.5)
-
-    def _handle(self, frame: Frame) -> Frame:
-        with self._activity:
-            if self._draining:
-                return error_response(errors.UnavailableError(f"{self._name} is stopping."))
-            self._in_flight += 1
+def serve(protocol: str, host: str, port: int, handler: Handler, name: str,
+          options: ListenOptions) -> Shell:
+    """A core listener shell serving DataRequests at ``host:port`` (not started yet)."""
+    def handle(frame: Frame) -> Frame:
         try:
-            try:
-                request = DataRequest.FromString(frame.header)
-            except DecodeError as err:
-                raise errors.InvalidArgumentError(f"Malformed request header: {err}") from None
-            response, buffers = self._handler(request, list(frame.buffers))
-            return Frame(response.SerializeToString(), list(buffers))
-        except errors.OpError as err:
-            return error_response(err)
-        except Exception as err:  # a bug must not take the server down
-            return error_response(errors.InternalError(f"{type(err).__name__}: {err}"))
-        finally:
-            with self._activity:
-                self._in_flight -= 1
-                self._activity.notify_all()
+            request = DataRequest.FromString(frame.header)
+        except DecodeError as err:
+            raise errors.InvalidArgumentError(f"Malformed request header: {err}") from None
+        response, buffers = handler(request, list(frame.buffers))
+        return Frame(response.SerializeToString(), list(buffers))
+
+    shell = Shell(protocol, join_host_port(host, port), handle, name, options)
+    warn_if_exposed(host, options, name)
+    return shell
 
 
 class DispatcherClient:
     """Idempotent requests to one dispatcher, retried while it is unavailable."""
 
-    def __init__(self, protocol: str, address: str, timeout: float, call_timeout: float = 30.0):
+    def __init__(self, protocol: str, address: str, timeout: float, security: Security,
+                 call_timeout: float = 30.0):
         self.address = address
         self.timeout = timeout
+        self.security = security
         self._call_timeout = call_timeout
-        self._client = RequestClient(protocol, timeout=call_timeout)
+        self._client = RequestClient(protocol, timeout=call_timeout, security=security)
         self._closed = threading.Event()
 
     def call(self, request: DataRequest, buffers: Sequence[Any] = (),
@@ -134,7 +104,8 @@ class DispatcherClient:
 class WorkerChannels:
     """One channel per (protocol, address), shared by threads."""
 
-    def __init__(self) -> None:
+    def __init__(self, security: Security) -> None:
+        self._security = security
         self._channels: dict[tuple[str, str], Channel] = {}
         self._lock = threading.Lock()
 
@@ -146,7 +117,7 @@ class WorkerChannels:
             channel = self._channels.get(key)
             if channel is None:
                 channel = self._channels[key] = get_plugin_manager().transport(
-                    protocol).connect(address)
+                    protocol).connect(address, self._security)
         reply = channel.call(Frame(request.SerializeToString(), []), timeout=timeout)
         return parse(reply), list(reply.buffers)
 

@@ -15,17 +15,21 @@ from typing import Any
 from clusterwire import errors
 from clusterwire.addressing import split_host_port, split_target
 from clusterwire.at_exit import stop_at_exit
-from clusterwire.data import compression, elements, graph
+from clusterwire.data import compression, elements, grants, graph
 from clusterwire.data.config import (
     DISPATCHER_TIMEOUT_MS,
     HEARTBEAT_INTERVAL_MS,
     WorkerConfig,
     as_config,
     runtime_ms,
+    server_listen_options,
+    server_security,
+    warn_if_unsafe,
 )
 from clusterwire.data.modes import COMPRESSION_SNAPPY, ShardingPolicy
+from clusterwire.data.permissions import WorkerPermissions
 from clusterwire.data.pipeline import FilesSource, Pipeline, split_plan
-from clusterwire.data.rpc import DispatcherClient, Endpoint
+from clusterwire.data.rpc import DispatcherClient, serve
 from clusterwire.data.streams import Stream
 from clusterwire.protos.data_service_pb2 import (
     DataRequest,
@@ -35,6 +39,7 @@ from clusterwire.protos.data_service_pb2 import (
     WorkerHeartbeatRequest,
     WorkerInfo,
 )
+from clusterwire.shell import Shell
 from clusterwire.waiting import wait_event
 
 _IDLE_STREAM_S = 600.0
@@ -75,19 +80,23 @@ class WorkerServer:
                                           **overrides})
                 config = config._replace(**{k: getattr(checked, k) for k in overrides})
         self._config = config
+        warn_if_unsafe(config, "worker")
+        self._permissions = WorkerPermissions(config.function_modules, config.readable_dirs)
+        security = server_security(config)
+        options = server_listen_options(security)
         host = split_host_port(_substitute(config.worker_address, "%port%", 0))[0]
-        self._endpoint = Endpoint(config.protocol, host, config.port, self._handle,
-                                  "The tf.data service worker")
+        self._endpoint = serve(config.protocol, host, config.port, self._handle,
+                               "The tf.data service worker", options)
         info = WorkerInfo(address=_substitute(config.worker_address, "%port%",
                                               self._endpoint.port),
                           protocol=config.protocol)
-        self._transfer: Endpoint | None = None
+        self._transfer: Shell | None = None
         try:
             if config.data_transfer_protocol:
                 transfer_host = split_host_port(
                     _substitute(config.data_transfer_address, "%dts_port%", 0))[0]
-                self._transfer = Endpoint(config.data_transfer_protocol, transfer_host, 0,
-                                          self._handle, "The tf.data service worker")
+                self._transfer = serve(config.data_transfer_protocol, transfer_host, 0,
+                                       self._handle, "The tf.data service worker", options)
                 info.transfer_protocol = config.data_transfer_protocol
                 info.transfer_address = _substitute(config.data_transfer_address, "%dts_port%",
                                                     self._transfer.port)
@@ -98,7 +107,7 @@ class WorkerServer:
         _, dispatcher = split_target(config.dispatcher_address)
         self._dispatcher = DispatcherClient(
             config.protocol, dispatcher,
-            runtime_ms(config.dispatcher_timeout_ms, DISPATCHER_TIMEOUT_MS) / 1000)
+            runtime_ms(config.dispatcher_timeout_ms, DISPATCHER_TIMEOUT_MS) / 1000, security)
         self._heartbeat_s = runtime_ms(config.heartbeat_interval_ms, HEARTBEAT_INTERVAL_MS) / 1000
         self._lock = threading.Lock()
         self._streams: dict[tuple[int, int, str, int], Stream] = {}
@@ -108,6 +117,7 @@ class WorkerServer:
         self._stopped = threading.Event()
         self._started = False
         self._registered = threading.Event()
+        self._grant_key = b""  # from the dispatcher's heartbeat answers
         self._heartbeats = threading.Thread(target=self._heartbeat_loop, daemon=True,
                                             name="clusterwire-data-heartbeat")
         self._finalizer = stop_at_exit(self, _shutdown, self._endpoints(), self._stopping,
@@ -115,7 +125,7 @@ class WorkerServer:
         if start:
             self.start()
 
-    def _endpoints(self) -> list[Endpoint]:
+    def _endpoints(self) -> list[Shell]:
         return [e for e in (self._endpoint, self._transfer) if e is not None]
 
     # ---- lifecycle ----
@@ -175,6 +185,7 @@ class WorkerServer:
                 if self._stopping.wait(min(self._heartbeat_s, 1.0)):
                     return
                 continue
+            self._grant_key = response.worker_heartbeat.grant_key
             self._registered.set()
             self._drop_streams(set(response.worker_heartbeat.live_jobs))
             if self._stopping.wait(self._heartbeat_s):
@@ -204,7 +215,7 @@ class WorkerServer:
                 response, buffers = self._dispatcher.call(
                     DataRequest(get_dataset=GetDatasetRequest(dataset_id=dataset_id)))
                 found = graph.from_def(response.get_dataset.dataset, buffers,
-                                       self._config.allow_cloudpickle)
+                                       self._permissions, self._config.allow_cloudpickle)
                 with self._lock:
                     self._datasets[dataset_id] = found
         return found
@@ -218,6 +229,10 @@ class WorkerServer:
                 f"{request.WhichOneof('kind')!r} (is this the dispatcher's address?).")
         read = request.get_elements
         spec = read.stream
+        if not self._grant_key:
+            raise errors.UnavailableError(
+                "This tf.data service worker has not registered with its dispatcher yet.")
+        grants.check(self._grant_key, spec, read.consumer_id)
         key = ((spec.job_id, spec.split_id, read.consumer_id, spec.attempt) if spec.is_split
                else (spec.job_id, -1, "", 0))
         with self._lock:
@@ -265,7 +280,7 @@ class WorkerServer:
         return pipe.run()
 
 
-def _shutdown(endpoints: list[Endpoint], stopping: threading.Event,
+def _shutdown(endpoints: list[Shell], stopping: threading.Event,
               dispatcher: DispatcherClient, streams: dict, grace: float | None) -> None:
     stopping.set()
     try:

@@ -1,0 +1,189 @@
+"""The data service refuses what the operator did not allow: code, files, unauthenticated peers.
+
+Each attack a red team ran against a dispatcher and a worker (real processes on 127.0.0.1) is
+replayed here and must be refused with the right error, with nothing run and nothing read.
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from cw_data_procs import ServerProcess
+
+import cw_data_functions as fns
+from clusterwire import data, errors
+from clusterwire.data.permissions import WorkerPermissions
+from clusterwire.data.rpc import DispatcherClient
+from clusterwire.protos.data_service_pb2 import (
+    DataRequest,
+    GetDatasetRequest,
+    WorkerHeartbeatRequest,
+    WorkerInfo,
+)
+from clusterwire.security import Security
+
+TOKEN = "data-service-test-token-0123456789"
+
+
+@pytest.fixture
+def processes():
+    """Start server processes through ``start(...)``; every one is killed at the end."""
+    started: list[ServerProcess] = []
+
+    def start(command: str, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
+        started.append(ServerProcess(command, *args, env=env))
+        return started[-1]
+
+    yield start
+    for process in started:
+        process.close()
+
+
+@pytest.fixture
+def service(processes, tmp_path):
+    """A dispatcher and a worker process; the worker may read under tmp_path/allowed only."""
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    dispatcher = processes("dispatcher")
+    processes("worker", "--dispatcher-address", dispatcher.address,
+              "--import", "cw_data_functions", "--readable-dir", str(allowed))
+    return dispatcher, allowed
+
+
+def read(dataset, target, **kwargs):
+    return list(dataset.apply(data.distribute("parallel_epochs", target, **kwargs)))
+
+
+# ---- code: only what the operator allowed runs ---------------------------------------------
+
+@pytest.mark.timeout(60)
+def test_worker_refuses_dangerous_and_unallowed_functions(service, tmp_path):
+    dispatcher, _ = service
+    marker = tmp_path / "ran"
+    command = f"touch {marker}"
+    attacks = [
+        data.Dataset.from_tensor_slices(np.array([command])).map(os.system),
+        data.Dataset.from_tensor_slices(np.array(["1+1"])).filter(builtins.eval),
+        data.Dataset.from_tensor_slices(np.array(["x=1"])).map(builtins.exec),
+        data.Dataset.from_generator(subprocess.check_output, args=(["touch", str(marker)],)),
+        data.Dataset.range(3).map(np.save),          # numpy, but not a ufunc: writes files
+    ]
+    for attack in attacks:
+        with pytest.raises(errors.PermissionDeniedError, match="not allowed|never run"):
+            read(attack, dispatcher.target)
+    assert not marker.exists()
+
+
+@pytest.mark.timeout(60)
+def test_worker_runs_registered_functions_and_numpy_ufuncs(service):
+    dispatcher, _ = service
+    dataset = data.Dataset.range(6).map(fns.square).filter(fns.is_even).map(np.negative)
+    assert sorted(int(x) for x in read(dataset, dispatcher.target)) == [-16, -4, 0]
+
+
+def test_references_through_an_allowed_module_do_not_reach_its_imports():
+    permissions = WorkerPermissions(function_modules=["cw_data_functions"])
+    assert permissions.function("cw_data_functions:square") is fns.square
+    for name in ("cw_data_functions:os.system", "cw_data_functions:np.save",
+                 "cw_data_functions:time.sleep", "cw_data_functions:__builtins__"):
+        with pytest.raises(errors.PermissionDeniedError, match="not allowed"):
+            permissions.function(name)
+
+
+def test_a_request_never_imports_a_module():
+    assert "this" not in sys.modules
+    with pytest.raises(errors.PermissionDeniedError, match="not allowed"):
+        WorkerPermissions().function("this:s")
+    assert "this" not in sys.modules
+
+
+@pytest.mark.parametrize("module", ["os", "subprocess", "builtins", "importlib.util", "pickle"])
+def test_dangerous_modules_cannot_be_configured(module):
+    with pytest.raises(errors.PermissionDeniedError, match="never run"):
+        WorkerPermissions(function_modules=[module])
+    with pytest.raises(errors.PermissionDeniedError, match="never run"):
+        WorkerPermissions().function(f"{module}:anything")
+
+
+def test_registration_rejects_lambdas_and_dangerous_modules():
+    with pytest.raises(errors.InvalidArgumentError, match="module-level"):
+        data.function(lambda x: x)
+    with pytest.raises(errors.PermissionDeniedError, match="never run"):
+        data.function(os.getcwd)
+
+
+# ---- files: only under the configured directories ------------------------------------------
+
+@pytest.mark.timeout(60)
+def test_from_files_reads_only_under_readable_dirs(service, tmp_path):
+    dispatcher, allowed = service
+    secret = tmp_path / "secret.txt"
+    secret.write_text("the secret\n")
+    (allowed / "link.txt").symlink_to(secret)
+    (allowed / "ok.txt").write_text("a\nb\n")
+    escapes = [str(secret), "/proc/self/environ", str(allowed / ".." / "secret.txt"),
+               str(allowed / "link.txt")]
+    for path in escapes:
+        with pytest.raises(errors.PermissionDeniedError, match="readable_dirs"):
+            read(data.Dataset.from_files([path]), dispatcher.target)
+    assert read(data.Dataset.from_files([str(allowed / "ok.txt")]),
+                dispatcher.target) == [b"a", b"b"]
+
+
+def test_a_worker_without_readable_dirs_reads_no_file(tmp_path):
+    path = tmp_path / "f.txt"
+    path.write_text("x\n")
+    with pytest.raises(errors.PermissionDeniedError, match="none are configured"):
+        WorkerPermissions().path(str(path))
+
+
+def test_readable_dirs_must_exist(tmp_path):
+    with pytest.raises(errors.NotFoundError, match="not a directory"):
+        WorkerPermissions(readable_dirs=[str(tmp_path / "missing")])
+
+
+# ---- the token: nothing is read from a peer without it -------------------------------------
+
+@pytest.fixture
+def token_service(processes):
+    """A dispatcher and a worker process that require the cluster token."""
+    env = {"CLUSTERWIRE_AUTH_TOKEN": TOKEN}
+    dispatcher = processes("dispatcher", env=env)
+    worker = processes("worker", "--dispatcher-address", dispatcher.address,
+                       "--import", "cw_data_functions", env=env)
+    return dispatcher, worker
+
+
+@pytest.mark.timeout(60)
+def test_token_holders_read_and_others_are_refused(token_service, tmp_path, monkeypatch):
+    dispatcher, worker = token_service
+    monkeypatch.delenv("CLUSTERWIRE_AUTH_TOKEN", raising=False)
+    dataset = data.Dataset.range(5).map(fns.square)
+    with pytest.raises(errors.UnauthenticatedError, match="token"):
+        read(dataset, dispatcher.target)
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    assert sorted(int(x) for x in read(dataset, dispatcher.target,
+                                       config={"auth_token_file": str(token_file)})) == [
+        0, 1, 4, 9, 16]
+
+    anonymous = DispatcherClient("grpc", dispatcher.address, 5.0, Security())
+    forged = DataRequest(worker_heartbeat=WorkerHeartbeatRequest(
+        worker=WorkerInfo(address="127.0.0.1:1", protocol="grpc")))
+    try:
+        for request in (forged, DataRequest(get_dataset=GetDatasetRequest(dataset_id="0"))):
+            with pytest.raises(errors.UnauthenticatedError):
+                anonymous.call(request)
+    finally:
+        anonymous.close()
+    other = DispatcherClient("grpc", worker.address, 5.0, Security())
+    try:
+        with pytest.raises(errors.UnauthenticatedError):
+            other.call(DataRequest(get_dataset=GetDatasetRequest(dataset_id="0")))
+    finally:
+        other.close()
