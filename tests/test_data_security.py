@@ -11,17 +11,21 @@ import os
 import subprocess
 import sys
 
+import cw_data_functions as fns
 import numpy as np
 import pytest
 from cw_data_procs import ServerProcess
 
-import cw_data_functions as fns
 from clusterwire import data, errors
 from clusterwire.data.permissions import WorkerPermissions
-from clusterwire.data.rpc import DispatcherClient
+from clusterwire.data.rpc import DispatcherClient, WorkerChannels
 from clusterwire.protos.data_service_pb2 import (
     DataRequest,
     GetDatasetRequest,
+    GetElementsRequest,
+    GetOrCreateJobRequest,
+    GetSplitRequest,
+    StreamSpec,
     WorkerHeartbeatRequest,
     WorkerInfo,
 )
@@ -187,3 +191,95 @@ def test_token_holders_read_and_others_are_refused(token_service, tmp_path, monk
             other.call(DataRequest(get_dataset=GetDatasetRequest(dataset_id="0")))
     finally:
         other.close()
+
+
+# ---- streams: a worker serves only what the dispatcher granted -----------------------------
+
+def _job_and_split(dispatcher, dataset_id: str, consumer: str):
+    """Create a distributed_epoch job of ``dataset_id`` and take one split as ``consumer``."""
+    client = DispatcherClient("grpc", dispatcher.target.split("://")[1], 10.0, Security())
+    try:
+        job, _ = client.call(DataRequest(get_or_create_job=GetOrCreateJobRequest(
+            dataset_id=dataset_id, sharding_policy=data.ShardingPolicy.DYNAMIC,
+            job_key=f"job-{consumer}")))
+        split, _ = client.call(DataRequest(get_split=GetSplitRequest(
+            job_id=job.job.job_id, consumer_id=consumer)))
+    finally:
+        client.close()
+    return job.job, split.get_split.split
+
+
+def _read_stream(worker_address: str, spec: StreamSpec, consumer: str):
+    channels = WorkerChannels(Security())
+    try:
+        return channels.call("grpc", worker_address, DataRequest(get_elements=GetElementsRequest(
+            stream=spec, consumer_id=consumer, request_seq=1, max_elements=100)), 10.0)
+    finally:
+        channels.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_serves_only_granted_streams():
+    dispatcher = data.DispatchServer(port=0)
+    worker = data.WorkerServer(port=0, dispatcher_address=dispatcher.target.split("://")[1])
+    try:
+        dataset_id = data.register_dataset(dispatcher.target, data.Dataset.range(100))
+        assert len(dataset_id) == 32 and dataset_id != "1000"   # unguessable, not sequential
+        job, split = _job_and_split(dispatcher, dataset_id, "alice")
+        spec = StreamSpec(job_id=job.job_id, dataset_id=dataset_id, is_split=True,
+                          split_id=split.split_id, unit_start=split.unit_start,
+                          unit_end=split.unit_end, grant=split.grant, attempt=1)
+        response, _ = _read_stream(worker.address, spec, "alice")
+        assert len(response.get_elements.elements) == split.unit_end - split.unit_start
+
+        forgeries = {
+            "another consumer": (spec, "mallory"),
+            "a wider range": (_with(spec, unit_end=spec.unit_end + 1000), "alice"),
+            "an invented split": (_with(spec, split_id=77, grant=b"\0" * 32), "alice"),
+            "no grant": (_with(spec, grant=b""), "alice"),
+            "the job's grant for a split": (_with(spec, grant=job.grant), "alice"),
+            "another dataset": (_with(StreamSpec(job_id=job.job_id, dataset_id="other"),
+                                      grant=job.grant), "alice"),
+        }
+        for forged, consumer in forgeries.values():
+            with pytest.raises(errors.PermissionDeniedError, match="did not grant"):
+                _read_stream(worker.address, forged, consumer)
+    finally:
+        worker.stop()
+        dispatcher.stop()
+
+
+def _with(spec: StreamSpec, **changes) -> StreamSpec:
+    forged = StreamSpec()
+    forged.CopyFrom(spec)
+    for name, value in changes.items():
+        setattr(forged, name, value)
+    return forged
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+@pytest.mark.timeout(60)
+def test_hostile_stream_requests_do_not_grow_a_worker(processes):
+    """48 reads of invented splits of a huge shuffled dataset: the worker opens none of them
+    (its RSS grows by less than 32 MiB) and keeps serving a granted read."""
+    dispatcher = processes("dispatcher")
+    worker = processes("worker", "--dispatcher-address", dispatcher.address)
+    dataset_id = data.register_dataset(
+        dispatcher.target, data.Dataset.range(10 ** 9).shuffle(1 << 20, seed=1))
+    job, split = _job_and_split(dispatcher, dataset_id, "alice")
+    before = _rss_mib(worker.process.pid)
+    for split_id in range(48):
+        spec = StreamSpec(job_id=job.job_id, dataset_id=dataset_id, is_split=True,
+                          split_id=1000 + split_id, unit_start=0, unit_end=10 ** 9,
+                          grant=split.grant)
+        with pytest.raises(errors.PermissionDeniedError):
+            _read_stream(worker.address, spec, "alice")
+    assert _rss_mib(worker.process.pid) - before < 32
+    small = list(data.Dataset.range(5).apply(data.distribute("distributed_epoch",
+                                                             dispatcher.target)))
+    assert sorted(int(x) for x in small) == [0, 1, 2, 3, 4]

@@ -207,7 +207,7 @@ class DispatchServer:
                 known_id = self._state.by_fingerprint.get((fingerprint, request.compression))
                 if known_id is not None:
                     return self._registered(known_id), []
-                dataset_id = str(self._state.next_dataset_id)
+                dataset_id = self._state.new_dataset_id()
             lengths = [memoryview(b).nbytes for b in buffers]
             if self._journal is not None:
                 write_payload(self._config.work_dir, dataset_id, buffers)
@@ -280,7 +280,7 @@ class DispatchServer:
                 raise errors.InvalidArgumentError(
                     "Round robin reads (consumer_index/num_consumers) need "
                     "processing_mode='parallel_epochs'.")
-        info = JobInfo(job_id=self._state.next_job_id, dataset_id=record.dataset_id,
+        info = JobInfo(job_id=self._state.new_job_id(), dataset_id=record.dataset_id,
                        sharding_policy=policy, num_consumers=request.num_consumers,
                        compression=record.compression)
         if policy in STATIC_POLICIES:

@@ -9,6 +9,7 @@ every known worker and consumer counts as just seen.
 
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,8 +86,6 @@ class DispatcherState:
         self.job_keys: dict[str, int] = {}
         self.workers: dict[str, WorkerInfo] = {}
         self.worker_seen: dict[str, float] = {}
-        self.next_job_id = 1
-        self.next_dataset_id = 1000
         self.grant_key = b""
 
     def apply(self, entry: JournalEntry, buffers: list[Any] | None = None) -> None:
@@ -98,8 +97,6 @@ class DispatcherState:
             self.datasets[d.dataset_id] = DatasetRecord(
                 d.dataset_id, d.fingerprint, d.compression, d.dataset, list(buffers or []))
             self.by_fingerprint.setdefault((d.fingerprint, d.compression), d.dataset_id)
-            if d.dataset_id.isdigit():
-                self.next_dataset_id = max(self.next_dataset_id, int(d.dataset_id) + 1)
         elif kind == "job":
             j = entry.job
             info = JobInfo()
@@ -107,7 +104,6 @@ class DispatcherState:
             self.jobs[info.job_id] = Job(info, j.job_key, j.named, j.split_units,
                                          j.total_units, j.epochs)
             self.job_keys[j.job_key] = info.job_id
-            self.next_job_id = max(self.next_job_id, info.job_id + 1)
         elif kind == "assign":
             job = self.jobs.get(entry.assign.job_id)
             if job is not None:
@@ -140,6 +136,20 @@ class DispatcherState:
             self.worker_seen[entry.worker.address] = now
         elif kind == "grant_key":
             self.grant_key = entry.grant_key
+
+    def new_job_id(self) -> int:
+        """An unused, unguessable job id (a client cannot name another client's job)."""
+        while True:
+            job_id = secrets.randbits(62) + 1
+            if job_id not in self.jobs:
+                return job_id
+
+    def new_dataset_id(self) -> str:
+        """An unused, unguessable dataset id."""
+        while True:
+            dataset_id = secrets.token_hex(16)
+            if dataset_id not in self.datasets:
+                return dataset_id
 
     def live_workers(self, timeout_s: float, order: list[str] | None = None) -> list[WorkerInfo]:
         """Workers heard from within ``timeout_s``, in ``order`` if given (static sharding)."""

@@ -43,6 +43,8 @@ from clusterwire.shell import Shell
 from clusterwire.waiting import wait_event
 
 _IDLE_STREAM_S = 600.0
+#: Unfinished streams a worker runs at once (each buffers up to streams.MAX_BUFFERED_BYTES).
+MAX_OPEN_STREAMS = 64
 _FINISHED_STREAM_S = 30.0
 _FIRST_REGISTRATION_S = 5.0
 
@@ -255,14 +257,30 @@ class WorkerServer:
         if spec.compression == COMPRESSION_SNAPPY:
             compression.require()
         mode = spec.compression if compression.available() else ""
-        elements_iter = self._elements(self._pipeline(spec.dataset_id), spec)
-        if spec.is_split and offset:
-            elements_iter = itertools.islice(elements_iter, offset, None)
+        pipe = self._pipeline(spec.dataset_id)
         with self._lock:
             stream = self._streams.get(key)
-            if stream is None:
-                stream = self._streams[key] = Stream(
-                    elements_iter, lambda e: elements.encode(e, mode))
+            if stream is not None:
+                return stream
+            # A new attempt at a split replaces the consumer's earlier ones.
+            attempts = [k for k in self._streams if spec.is_split and k[:3] == key[:3]]
+            if any(k[3] > key[3] for k in attempts):
+                raise errors.CancelledError(
+                    f"Attempt {spec.attempt} at split {spec.split_id} was superseded by a "
+                    "later one of the same consumer.")
+            replaced = [self._streams.pop(k) for k in attempts]
+            running = sum(not s.finished for s in self._streams.values())
+            if running >= MAX_OPEN_STREAMS:
+                raise errors.ResourceExhaustedError(
+                    f"This tf.data service worker runs {running} streams, its maximum "
+                    f"({MAX_OPEN_STREAMS}); retry later or add workers.")
+            elements_iter = self._elements(pipe, spec)
+            if spec.is_split and offset:
+                elements_iter = itertools.islice(elements_iter, offset, None)
+            stream = self._streams[key] = Stream(elements_iter,
+                                                 lambda e: elements.encode(e, mode))
+        for old in replaced:
+            old.close()
         return stream
 
     @staticmethod
