@@ -6,14 +6,17 @@ import os
 import random
 import subprocess
 import sys
+import time
 import zlib
 from collections import Counter
 
 import cw_data_functions as fns
+import numpy as np
 import pytest
 from cw_data_procs import ServerProcess
 
 from clusterwire import data, errors
+from clusterwire.data import dispatcher as dispatcher_module
 from clusterwire.data.journal import JOURNAL_DIR, JOURNAL_FILE
 
 SLOW = {"CW_DATA_SLOW_S": "0.001"}
@@ -151,3 +154,62 @@ def test_a_corrupt_journal_is_refused_not_replayed(tmp_path, where):
          "--work-dir", work_dir], capture_output=True, text=True, timeout=30)
     assert result.returncode == 1
     assert "DataLossError" in result.stderr and "Traceback" not in result.stderr
+
+
+def journal_records(work_dir: str) -> int:
+    from clusterwire.data.journal import Journal
+
+    return len(Journal(work_dir).read().entries)
+
+
+@pytest.mark.timeout(60)
+def test_the_journal_is_compacted_and_replays_to_the_same_state(tmp_path, monkeypatch):
+    """About a hundred split decisions leave a journal of a few dozen records; a dispatcher
+    restarted on it has the same jobs and datasets."""
+    monkeypatch.setattr(dispatcher_module, "_COMPACT_SLACK", 20)
+    work_dir = str(tmp_path)
+    config = ft_config(work_dir)
+    with data.DispatchServer(config) as dispatcher:
+        address = dispatcher.target.split("://")[1]
+        with data.WorkerServer(data.WorkerConfig(dispatcher_address=address,
+                                                 heartbeat_interval_ms=100)):
+            data.register_dataset(dispatcher.target, data.Dataset.range(200_000),
+                                  dataset_id="big")
+            read = data.from_dataset_id("distributed_epoch", dispatcher.target, "big")
+            assert sum(1 for _ in read) == 200_000
+            assert journal_records(work_dir) < 20 + 10
+            data.register_dataset(dispatcher.target, data.Dataset.range(30), dataset_id="ds")
+            jobs_before = dispatcher.num_jobs()
+    with data.DispatchServer(config) as dispatcher:
+        assert dispatcher.num_jobs() == jobs_before
+        address = dispatcher.target.split("://")[1]
+        with data.WorkerServer(port=0, dispatcher_address=address):
+            read = data.from_dataset_id("distributed_epoch", dispatcher.target, "ds")
+            assert sorted(int(x) for x in read) == list(range(30))
+
+
+@pytest.mark.timeout(60)
+def test_unused_datasets_are_collected_with_their_payloads(tmp_path):
+    work_dir = str(tmp_path)
+    config = data.DispatcherConfig(port=0, work_dir=work_dir, fault_tolerant_mode=True,
+                                   job_gc_check_interval_ms=50, job_gc_timeout_ms=1,
+                                   dataset_gc_timeout_ms=200)
+    payloads = os.path.join(work_dir, "datasets")
+    with data.DispatchServer(config) as dispatcher:
+        address = dispatcher.target.split("://")[1]
+        with data.WorkerServer(port=0, dispatcher_address=address):
+            data.register_dataset(dispatcher.target,
+                                  data.Dataset.from_tensor_slices(np.arange(1000)),
+                                  dataset_id="slices")
+            read = data.from_dataset_id("parallel_epochs", dispatcher.target, "slices")
+            assert sum(1 for _ in read) == 1000
+            assert len(os.listdir(payloads)) == 1
+            deadline = time.monotonic() + 20
+            while os.listdir(payloads) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert os.listdir(payloads) == []
+            with pytest.raises(errors.NotFoundError, match="slices"):
+                data.from_dataset_id("parallel_epochs", dispatcher.target, "slices")
+    with data.DispatchServer(config) as dispatcher:  # the journal no longer names it
+        with pytest.raises(errors.NotFoundError, match="slices"):
+            data.from_dataset_id("parallel_epochs", dispatcher.target, "slices")

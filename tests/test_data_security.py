@@ -283,3 +283,15 @@ def test_hostile_stream_requests_do_not_grow_a_worker(processes):
     small = list(data.Dataset.range(5).apply(data.distribute("distributed_epoch",
                                                              dispatcher.target)))
     assert sorted(int(x) for x in small) == [0, 1, 2, 3, 4]
+
+
+def test_the_dispatcher_holds_a_bounded_number_of_datasets(monkeypatch):
+    from clusterwire.data import dispatcher as dispatcher_module
+
+    monkeypatch.setattr(dispatcher_module, "MAX_DATASETS", 2)
+    with data.DispatchServer(port=0) as dispatcher:
+        for n in (1, 2):
+            data.register_dataset(dispatcher.target, data.Dataset.range(n))
+        data.register_dataset(dispatcher.target, data.Dataset.range(1))  # known: no new one
+        with pytest.raises(errors.ResourceExhaustedError, match="2 datasets"):
+            data.register_dataset(dispatcher.target, data.Dataset.range(3))

@@ -32,6 +32,7 @@ WORKER_TIMEOUT_MS = 60 * 1000
 CLIENT_TIMEOUT_MS = 2 * 60 * 1000
 HEARTBEAT_INTERVAL_MS = 30 * 1000
 DISPATCHER_TIMEOUT_MS = 60 * 60 * 1000
+DATASET_GC_TIMEOUT_MS = 60 * 60 * 1000
 
 
 def time_field(value: Any, name: str) -> int:
@@ -56,7 +57,8 @@ def _port(value: Any) -> int:
 
 _DISPATCHER_FIELDS = ("port", "protocol", "work_dir", "fault_tolerant_mode", "worker_addresses",
                       "job_gc_check_interval_ms", "job_gc_timeout_ms", "worker_timeout_ms",
-                      "allow_cloudpickle", "bind_address", *security_fields())
+                      "allow_cloudpickle", "bind_address", "dataset_gc_timeout_ms",
+                      *security_fields())
 _WORKER_FIELDS = ("dispatcher_address", "worker_address", "port", "protocol",
                   "heartbeat_interval_ms", "dispatcher_timeout_ms", "data_transfer_protocol",
                   "data_transfer_address", "allow_cloudpickle", "function_modules",
@@ -87,6 +89,8 @@ class DispatcherConfig(collections.namedtuple("DispatcherConfig", _DISPATCHER_FI
     ``worker_addresses`` fixes the workers for static sharding.
     ``job_gc_timeout_ms=-1`` never collects jobs. ``bind_address`` is the host
     the dispatcher binds ("localhost"; "0.0.0.0" for every IPv4 interface).
+    ``dataset_gc_timeout_ms``: a registered dataset no job has used for this long is
+    collected (memory, payload file, journal records); None: one hour; -1: never.
     """
 
     def __new__(cls, port: int = 0, protocol: str | None = None, work_dir: str | None = None,
@@ -94,9 +98,11 @@ class DispatcherConfig(collections.namedtuple("DispatcherConfig", _DISPATCHER_FI
                 job_gc_check_interval_ms: int | None = None,
                 job_gc_timeout_ms: int | None = None, worker_timeout_ms: int | None = None,
                 allow_cloudpickle: bool = False, bind_address: str = "localhost",
-                **security: Any):
+                dataset_gc_timeout_ms: int | None = None, **security: Any):
         gc_timeout = -1 if job_gc_timeout_ms == -1 else time_field(
             job_gc_timeout_ms, "job_gc_timeout_ms")
+        dataset_gc = -1 if dataset_gc_timeout_ms == -1 else time_field(
+            dataset_gc_timeout_ms, "dataset_gc_timeout_ms")
         if worker_addresses is not None:
             worker_addresses = list(worker_addresses)
             for address in worker_addresses:
@@ -105,7 +111,7 @@ class DispatcherConfig(collections.namedtuple("DispatcherConfig", _DISPATCHER_FI
             cls, _port(port), protocol or "grpc", work_dir, bool(fault_tolerant_mode),
             worker_addresses, time_field(job_gc_check_interval_ms, "job_gc_check_interval_ms"),
             gc_timeout, time_field(worker_timeout_ms, "worker_timeout_ms"),
-            bool(allow_cloudpickle), bind_address, *_security(security))
+            bool(allow_cloudpickle), bind_address, dataset_gc, *_security(security))
 
 
 class WorkerConfig(collections.namedtuple("WorkerConfig", _WORKER_FIELDS)):

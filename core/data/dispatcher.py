@@ -17,6 +17,7 @@ from clusterwire.at_exit import stop_at_exit
 from clusterwire.data import grants, graph
 from clusterwire.data.config import (
     CLIENT_TIMEOUT_MS,
+    DATASET_GC_TIMEOUT_MS,
     JOB_GC_CHECK_INTERVAL_MS,
     JOB_GC_TIMEOUT_MS,
     WORKER_TIMEOUT_MS,
@@ -28,7 +29,13 @@ from clusterwire.data.config import (
     warn_if_unsafe,
 )
 from clusterwire.data.dispatcher_state import DispatcherState, Job
-from clusterwire.data.journal import Journal, ReadReport, read_payload, write_payload
+from clusterwire.data.journal import (
+    Journal,
+    ReadReport,
+    read_payload,
+    remove_payload,
+    write_payload,
+)
 from clusterwire.data.modes import STATIC_POLICIES, ShardingPolicy
 from clusterwire.data.pipeline import INFINITE, split_plan
 from clusterwire.data.rpc import serve
@@ -46,6 +53,12 @@ from clusterwire.protos.data_service_pb2 import (
 from clusterwire.shell import Shell
 from clusterwire.waiting import wait_event
 
+#: Registered datasets and their payload bytes a dispatcher holds at most, and jobs.
+MAX_DATASETS = 1024
+MAX_DATASET_BYTES = 4 << 30
+MAX_JOBS = 4096
+#: The journal is compacted once it has this many records more than a snapshot would.
+_COMPACT_SLACK = 1000
 _SPLITS_PER_WORKER = 8
 _MAX_SPLIT_UNITS = 4096
 _WILDCARDS = ("", "0.0.0.0", "::", "[::]")
@@ -81,6 +94,9 @@ class DispatchServer:
         self._gc_timeout = (None if config.job_gc_timeout_ms == -1 else
                             runtime_ms(config.job_gc_timeout_ms, JOB_GC_TIMEOUT_MS) / 1000)
         self._client_timeout = CLIENT_TIMEOUT_MS / 1000
+        self._dataset_gc_timeout = (None if config.dataset_gc_timeout_ms == -1 else runtime_ms(
+            config.dataset_gc_timeout_ms, DATASET_GC_TIMEOUT_MS) / 1000)
+        self._records = 0  # journal records written since the last compaction
         self._state = DispatcherState()
         self._cond = threading.Condition()
         self._journal: Journal | None = None
@@ -88,6 +104,7 @@ class DispatchServer:
         if config.fault_tolerant_mode:
             self._journal = Journal(config.work_dir)
             self.journal_report = self._replay(self._journal)
+            self._records = len(self.journal_report.entries)
         if not self._state.grant_key:
             with self._cond:
                 self._commit(JournalEntry(grant_key=grants.new_key()))
@@ -176,8 +193,22 @@ class DispatchServer:
         """Journal (fault-tolerant mode) and apply one decision; call with the lock held."""
         if self._journal is not None:
             self._journal.append(entry)
+            self._records += 1
         self._state.apply(entry, buffers)
         self._cond.notify_all()
+        if self._records > self._snapshot_size() + _COMPACT_SLACK:
+            self._compact()
+
+    def _snapshot_size(self) -> int:
+        state = self._state
+        return 1 + len(state.datasets) + 2 * len(state.jobs) + len(state.workers)
+
+    def _compact(self) -> None:
+        """Replace the journal by a snapshot of the state, so a restart replays O(state)."""
+        if self._journal is not None:
+            snapshot = self._state.snapshot()
+            self._journal.rewrite(snapshot)
+            self._records = len(snapshot)
 
     def _handle(self, request: DataRequest, buffers: list[Any]) -> tuple[DataResponse, list]:
         kind = request.WhichOneof("kind")
@@ -206,9 +237,11 @@ class DispatchServer:
             else:
                 known_id = self._state.by_fingerprint.get((fingerprint, request.compression))
                 if known_id is not None:
+                    self._state.datasets[known_id].last_used = time.monotonic()
                     return self._registered(known_id), []
                 dataset_id = self._state.new_dataset_id()
             lengths = [memoryview(b).nbytes for b in buffers]
+            self._check_dataset_quota(sum(lengths))
             if self._journal is not None:
                 write_payload(self._config.work_dir, dataset_id, buffers)
             self._commit(JournalEntry(dataset=JournalDataset(
@@ -216,6 +249,16 @@ class DispatchServer:
                 compression=request.compression, dataset=request.dataset,
                 buffer_lengths=lengths)), buffers)
         return self._registered(dataset_id), []
+
+    def _check_dataset_quota(self, nbytes: int) -> None:
+        datasets = self._state.datasets.values()
+        held = sum(record.nbytes for record in datasets)
+        if len(datasets) >= MAX_DATASETS or held + nbytes > MAX_DATASET_BYTES:
+            raise errors.ResourceExhaustedError(
+                f"The tf.data service dispatcher holds {len(datasets)} datasets of {held} "
+                f"bytes; another of {nbytes} bytes would pass its limits ({MAX_DATASETS} "
+                f"datasets, {MAX_DATASET_BYTES} bytes). Unused datasets are collected after "
+                "dataset_gc_timeout_ms.")
 
     @staticmethod
     def _registered(dataset_id: str) -> DataResponse:
@@ -227,6 +270,7 @@ class DispatchServer:
         record = self._state.datasets.get(dataset_id)
         if record is None:
             raise errors.NotFoundError(f"Dataset id {dataset_id} not found.")
+        record.last_used = time.monotonic()
         return record
 
     def _on_get_dataset(self, request, _buffers):
@@ -259,6 +303,10 @@ class DispatchServer:
         return response, []
 
     def _create_job(self, request, record, policy: ShardingPolicy) -> int:
+        if len(self._state.jobs) >= MAX_JOBS:
+            raise errors.ResourceExhaustedError(
+                f"The tf.data service dispatcher runs {len(self._state.jobs)} jobs, its limit "
+                f"({MAX_JOBS}); finished jobs are collected after job_gc_timeout_ms.")
         pipe = graph.from_def(record.dataset, record.buffers)
         order = self._config.worker_addresses
         if policy in STATIC_POLICIES and not order:
@@ -402,6 +450,17 @@ class DispatchServer:
             if (self._gc_timeout is not None and not job.consumers
                     and now - job.last_active > self._gc_timeout):
                 self._commit(JournalEntry(removed_job=job.info.job_id))
+        if self._dataset_gc_timeout is None:
+            return
+        used = {job.info.dataset_id for job in self._state.jobs.values()}
+        unused = [d for d, record in self._state.datasets.items()
+                  if d not in used and now - record.last_used > self._dataset_gc_timeout]
+        for dataset_id in unused:
+            self._commit(JournalEntry(removed_dataset=dataset_id))
+        if unused and self._journal is not None:
+            self._compact()  # no record names their payloads any more
+            for dataset_id in unused:
+                remove_payload(self._config.work_dir, dataset_id)
 
 
 def _shutdown(endpoint: Shell, stopping: threading.Event, journal: Journal | None,

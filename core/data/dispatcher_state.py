@@ -17,7 +17,11 @@ from typing import Any
 from clusterwire.protos.data_service_pb2 import (
     DatasetDef,
     JobInfo,
+    JournalDataset,
     JournalEntry,
+    JournalJob,
+    JournalJobProgress,
+    JournalSplit,
     WorkerInfo,
 )
 
@@ -31,6 +35,11 @@ class DatasetRecord:
     compression: str
     dataset: DatasetDef
     buffers: list[Any]
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(memoryview(b).nbytes for b in self.buffers)
 
 
 @dataclass
@@ -136,6 +145,39 @@ class DispatcherState:
             self.worker_seen[entry.worker.address] = now
         elif kind == "grant_key":
             self.grant_key = entry.grant_key
+        elif kind == "removed_dataset":
+            record = self.datasets.pop(entry.removed_dataset, None)
+            if record is not None:
+                key = (record.fingerprint, record.compression)
+                if self.by_fingerprint.get(key) == record.dataset_id:
+                    del self.by_fingerprint[key]
+        elif kind == "progress":
+            p = entry.progress
+            job = self.jobs.get(p.job_id)
+            if job is not None:
+                job.next_split, job.pool = p.next_split, list(p.pool)
+                job.assigned = {a.split_id: a.consumer_id for a in p.assigned}
+                job.info.finished = p.finished
+
+    def snapshot(self) -> list[JournalEntry]:
+        """Entries that rebuild this state from nothing: what a compacted journal holds."""
+        entries = [JournalEntry(grant_key=self.grant_key)]
+        for record in self.datasets.values():
+            entries.append(JournalEntry(dataset=JournalDataset(
+                dataset_id=record.dataset_id, fingerprint=record.fingerprint,
+                compression=record.compression, dataset=record.dataset,
+                buffer_lengths=[memoryview(b).nbytes for b in record.buffers])))
+        for job in self.jobs.values():
+            entries.append(JournalEntry(job=JournalJob(
+                job=job.info, job_key=job.key, named=job.named, split_units=job.split_units,
+                total_units=job.total_units, epochs=job.epochs)))
+            entries.append(JournalEntry(progress=JournalJobProgress(
+                job_id=job.info.job_id, next_split=job.next_split, pool=job.pool,
+                finished=job.info.finished, assigned=[
+                    JournalSplit(job_id=job.info.job_id, split_id=split, consumer_id=consumer)
+                    for split, consumer in job.assigned.items()])))
+        entries.extend(JournalEntry(worker=worker) for worker in self.workers.values())
+        return entries
 
     def new_job_id(self) -> int:
         """An unused, unguessable job id (a client cannot name another client's job)."""

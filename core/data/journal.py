@@ -15,6 +15,7 @@ offset, never a silent replay of whatever is there.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -84,6 +85,12 @@ def _records(data: bytes, path: str) -> Iterator[tuple[int, JournalEntry | None]
         offset += _HEAD.size + length
 
 
+def _encode(entries) -> bytes:
+    return b"".join(
+        _HEAD.pack(len(body), zlib.crc32(_LENGTH.pack(len(body))), zlib.crc32(body)) + body
+        for body in (e.SerializeToString() for e in entries))
+
+
 class Journal:
     """The journal of one work_dir; ``read()`` once, then ``append`` entries."""
 
@@ -119,9 +126,7 @@ class Journal:
 
     def append(self, *entries: JournalEntry) -> None:
         """Write ``entries`` and fsync before returning."""
-        data = b"".join(
-            _HEAD.pack(len(body), zlib.crc32(_LENGTH.pack(len(body))), zlib.crc32(body)) + body
-            for body in (e.SerializeToString() for e in entries))
+        data = _encode(entries)
         with self._lock:
             if self._file is None:
                 created = not os.path.exists(self.path)
@@ -131,6 +136,21 @@ class Journal:
             self._file.write(data)
             self._file.flush()
             os.fsync(self._file.fileno())
+
+    def rewrite(self, entries: list[JournalEntry]) -> None:
+        """Replace the journal by ``entries`` (a snapshot of the state), atomically: a crash
+        leaves either the old journal or the new one."""
+        temporary = self.path + ".tmp"
+        with self._lock:
+            with open(temporary, "wb") as handle:
+                handle.write(_encode(entries))
+                handle.flush()
+                os.fsync(handle.fileno())
+            if self._file is not None:
+                self._file.close()
+            os.replace(temporary, self.path)
+            _fsync_dir(self.directory)
+            self._file = open(self.path, "ab")  # noqa: SIM115 - kept open for appends
 
     def close(self) -> None:
         """Close the file (idempotent)."""
@@ -160,6 +180,12 @@ def write_payload(work_dir: str, dataset_id: str, buffers: list) -> list[int]:
     os.replace(temporary, path)
     _fsync_dir(directory)
     return [memoryview(b).nbytes for b in buffers]
+
+
+def remove_payload(work_dir: str, dataset_id: str) -> None:
+    """Delete a collected dataset's payload file (once no journal record names it)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(_payload_path(work_dir, dataset_id))
 
 
 def read_payload(work_dir: str, dataset_id: str, lengths: list[int]) -> list[bytes]:
