@@ -38,16 +38,48 @@ def _dtype_text(dtype: np.dtype) -> str:
     return repr(np.lib.format.dtype_to_descr(dtype))
 
 
-@functools.lru_cache(maxsize=512)
+#: The longest dtype text and the most fields (nested ones included) a header may declare;
+#: both are checked before the text is parsed.
+MAX_DTYPE_TEXT = 64 << 10
+MAX_DTYPE_FIELDS = 1024
+
+
 def _parse_dtype(text: str) -> np.dtype:
+    if len(text) > MAX_DTYPE_TEXT:
+        raise InvalidArgumentError(
+            f"Refusing a tensor dtype of {len(text)} characters: more than {MAX_DTYPE_TEXT}.")
+    if len(text) > 256:
+        return _parse_dtype_text(text)
+    return _parse_cached(text)
+
+
+@functools.lru_cache(maxsize=512)
+def _parse_cached(text: str) -> np.dtype:
+    return _parse_dtype_text(text)
+
+
+def _parse_dtype_text(text: str) -> np.dtype:
     try:
         descr = ast.literal_eval(text) if text[:1] in "[(" else text
+        fields = _count_fields(descr)
+        if fields > MAX_DTYPE_FIELDS:
+            raise InvalidArgumentError(
+                f"Refusing a tensor dtype of {fields} fields: more than {MAX_DTYPE_FIELDS}.")
         dtype = np.lib.format.descr_to_dtype(descr)
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as err:
-        raise InvalidArgumentError(f"Malformed tensor dtype {text!r}: {err}") from None
+        raise InvalidArgumentError(f"Malformed tensor dtype {text[:200]!r}: {err}") from None
     if dtype.hasobject:
-        raise InvalidArgumentError(f"Refusing tensor dtype {text!r}: object dtypes need pickle.")
+        raise InvalidArgumentError(
+            f"Refusing tensor dtype {text[:200]!r}: object dtypes need pickle.")
     return dtype
+
+
+def _count_fields(descr: Any) -> int:
+    """How many fields a dtype description lists, nested structures included."""
+    if not isinstance(descr, list):
+        return 0
+    return sum(1 + _count_fields(entry[1]) if isinstance(entry, tuple) and len(entry) > 1
+               else 1 for entry in descr)
 
 
 def encode(value: Any) -> tuple[Value, list[Buffer]]:

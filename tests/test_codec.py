@@ -193,3 +193,14 @@ def test_the_cache_is_bounded():
     for i in range(10):
         _cached(cache, i)
     assert len(cache._headers) <= 4
+
+
+def test_dtype_text_and_field_count_are_capped_before_parsing():
+    header, buffers = codec.encode(np.zeros(2, np.uint8))
+    header.tensor.dtype = repr([(f"f{i}", "u1") for i in range(codec.MAX_DTYPE_FIELDS + 1)])
+    assert len(header.tensor.dtype) < codec.MAX_DTYPE_TEXT
+    with pytest.raises(InvalidArgumentError, match="fields: more than"):
+        codec.decode(header, buffers)
+    header.tensor.dtype = "[" + " " * codec.MAX_DTYPE_TEXT + "]"
+    with pytest.raises(InvalidArgumentError, match="characters: more than"):
+        codec.decode(header, buffers)
