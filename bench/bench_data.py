@@ -81,7 +81,8 @@ class Servers:
                 extra = ["--data-transfer-protocol", transfer] if transfer else []
                 for _ in range(workers):
                     self._start([sys.executable, "-m", "clusterwire", "worker", "--quiet",
-                                 "--dispatcher-address", address, *extra], env)
+                                 "--dispatcher-address", address, "--import", "_data_workload",
+                                 *extra], env)
             else:
                 script = os.path.abspath(__file__)
                 self.target = self._start([sys.executable, script, "_tf_dispatcher"], env)

@@ -134,8 +134,8 @@ class RequestClient:
                 delay = min(delay * 2, _BACKOFF_MAX)
             except errors.DeadlineExceededError as err:
                 raise errors.DeadlineExceededError(
-                    f"Request {method!r} to {address} ({self.protocol}) did not finish within "
-                    f"{budget:.3g} s: {err.message}") from None
+                    f"Request {method!r} to {address} ({self.protocol}, deadline "
+                    f"{budget:.3g} s): {err.message}") from None
 
     def close(self) -> None:
         """Close every channel (idempotent)."""

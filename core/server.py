@@ -31,7 +31,8 @@ class Server:
     ``ServerOptions`` / a dict of its fields (bind_address,
     peer_timeout_seconds, max_workers, max_message_bytes, max_concurrent_calls, max_connections,
     max_store_bytes, handshake_timeout_seconds, message_idle_timeout_seconds,
-    max_pending_connections, small_call_reserve, transport_options, and the security options
+    max_pending_connections, small_call_reserve, send_tracebacks, transport_options, and the
+    security options
     tls_cert_file, tls_key_file, tls_ca_file, tls_client_auth, auth_token_file: see
     clusterwire.security).
 
@@ -90,7 +91,7 @@ class Server:
         try:
             self._shell = Shell(sd.protocol, join_host_port(bind_host, port),
                                 self._service.handle, name, shell_options,
-                                self._service.cancel_waits)
+                                self._service.cancel_waits, options.send_tracebacks)
         except BaseException:
             self._service.close()
             raise

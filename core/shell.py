@@ -11,8 +11,9 @@ new server, port or request type gets it for free:
 * drain on stop: new requests are ``UnavailableError``, requests in flight get ``grace``
   seconds, then the handler's waits are cancelled (``CancelledError`` at their callers) and
   the listener stops, freeing the port;
-* errors: a handler's ``OpError`` becomes the response status; any other exception becomes
-  ``InternalError`` naming only its type, so no server paths or internals leak to clients.
+* errors: a handler's ``OpError`` becomes the response status (a remote function's
+  traceback only with ``send_tracebacks``); any other exception becomes ``InternalError``
+  and is logged here, so no server paths or internals leak to clients.
 """
 
 from __future__ import annotations
@@ -37,15 +38,17 @@ _FLUSH_GRACE = 1.0
 _CANCEL_ANSWER = 0.5
 
 
-def error_response(err: errors.OpError) -> Frame:
-    """A response frame carrying ``err`` as its status.
+def error_response(err: errors.OpError, send_traceback: bool = False) -> Frame:
+    """A response frame carrying ``err`` as its status; a remote function's traceback (which
+    names server paths) only with ``send_traceback``.
 
     Both ``Response`` and ``DataResponse`` read it: their ``status`` is field 1.
     """
     response = Response()
     if isinstance(err, errors.RemoteFunctionError):
         response.status.remote_type = err.remote_type
-        response.status.remote_traceback = err.remote_traceback
+        if send_traceback:
+            response.status.remote_traceback = err.remote_traceback
     response.status.code, response.status.message = err.error_code, err.message
     return Frame(response.SerializeToString(), [])
 
@@ -83,8 +86,10 @@ class Shell:
     """Serves one handler on one listener with admission, drain and error mapping."""
 
     def __init__(self, protocol: str, address: str, handler: Handler, name: str,
-                 options: ListenOptions, cancel_waits: Callable[[], None] | None = None):
+                 options: ListenOptions, cancel_waits: Callable[[], None] | None = None,
+                 send_tracebacks: bool = False):
         self.name = name
+        self._send_tracebacks = send_tracebacks
         self._handler = handler
         self._cancel_waits = cancel_waits
         self._max_in_flight = options.max_concurrent_calls
@@ -127,7 +132,7 @@ class Shell:
         try:
             return self._handler(frame)
         except errors.OpError as err:
-            return error_response(err)
+            return error_response(err, self._send_tracebacks)
         except Exception:  # a bug must not take the server down, nor leak its insides
             log.exception("%s: request failed", self.name)
             return error_response(errors.InternalError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from cw_data_procs import ServerProcess
 
 import clusterwire
 from clusterwire.local_cluster import LocalCluster
@@ -22,6 +23,20 @@ def child_env() -> dict[str, str]:
 
 
 @pytest.fixture
+def processes():
+    """Start data-service server processes with ``start(...)``; each is killed at the end."""
+    started: list[ServerProcess] = []
+
+    def start(command: str, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
+        started.append(ServerProcess(command, *args, env=env))
+        return started[-1]
+
+    yield start
+    for process in started:
+        process.close()
+
+
+@pytest.fixture
 def local_server():
     """A started single-task server on a free port of localhost."""
     server = clusterwire.Server.create_local_server()
@@ -31,7 +46,7 @@ def local_server():
 
 @pytest.fixture(scope="module")
 def cluster3():
-    """A real 3-process cluster: 1 ps + 2 workers, grpc, on 127.0.0.1."""
+    """A real 3-process cluster: 1 ps + 2 workers, grpc, on 127.0.0.1 (sending tracebacks)."""
     with LocalCluster({"ps": 1, "worker": 2}, imports=["cw_test_functions"],
-                      env=child_env()) as cluster:
+                      env=child_env(), config={"send_tracebacks": True}) as cluster:
         yield cluster

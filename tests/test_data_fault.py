@@ -22,20 +22,6 @@ from clusterwire.data.journal import JOURNAL_DIR, JOURNAL_FILE
 SLOW = {"CW_DATA_SLOW_S": "0.001"}
 
 
-@pytest.fixture
-def processes():
-    """Start server processes through ``start(...)``; every one is killed at the end."""
-    started: list[ServerProcess] = []
-
-    def start(command: str, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
-        started.append(ServerProcess(command, *args, env=env))
-        return started[-1]
-
-    yield start
-    for process in started:
-        process.close()
-
-
 def worker_args(dispatcher: ServerProcess) -> list[str]:
     return ["--dispatcher-address", dispatcher.address, "--heartbeat-interval-ms", "200",
             "--import", "cw_data_functions"]

@@ -174,11 +174,17 @@ def test_a_bulk_port_at_its_connection_limit_sends_the_response_over_grpc():
     listener = GrpcTransport().listen("127.0.0.1:0", echo_handler,
                                       ListenOptions(max_connections=2))
     listener.start()
-    hogs = [socket.create_connection(("127.0.0.1", listener.bulk_port), timeout=5)
-            for _ in range(2)]  # idle connections holding the limit (no token needed)
+    hogs = []
     channel = GrpcTransport().connect(listener.address)
     try:
         payload = np.full(2 * _MiB, 8, np.uint8)
+        for _ in range(2):  # connections holding the limit: admitted with a fetch, then idle
+            hogs.append(socket.create_connection(("127.0.0.1", listener.bulk_port), timeout=5))
+            hogs[-1].sendall(struct.pack("<Q", announce(listener, payload).fetch_id))
+            with hogs[-1].makefile("rb") as reader:
+                assert len(reader.read(_STATUS.size + payload.nbytes)) == \
+                    _STATUS.size + payload.nbytes
+        assert len(listener._bulk._connections) == 2
         reply = channel.call(Frame(b"busy", [payload]), timeout=30)
         assert bytes(reply.buffers[0]) == payload.tobytes()
         assert channel._bulk_after == 0  # busy, not unreachable: tried again next time

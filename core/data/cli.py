@@ -72,7 +72,8 @@ def _worker(args: argparse.Namespace) -> int:
         data_transfer_protocol=args.data_transfer_protocol,
         data_transfer_address=args.data_transfer_address,
         allow_cloudpickle=args.allow_cloudpickle, function_modules=args.function_modules,
-        readable_dirs=args.readable_dirs, **_security(args))
+        readable_dirs=args.readable_dirs, send_tracebacks=args.send_tracebacks,
+        **_security(args))
     server = WorkerServer(config=config)
     return _serve_until_signal(server, f"{config.protocol}://{server.address}", "worker", args)
 
@@ -134,6 +135,8 @@ def add_commands(commands: Any) -> None:
                         help="allow the module-level functions of MODULE in datasets "
                         "(imported at start); @clusterwire.data.function ones of --import "
                         "modules are allowed anyway")
+    worker.add_argument("--send-tracebacks", action="store_true",
+                        help="pipeline errors carry the worker's traceback to clients")
     worker.add_argument("--readable-dir", dest="readable_dirs", action="append", default=[],
                         metavar="DIR", help="a directory from_files may read under (none by "
                         "default: from_files is refused)")

@@ -62,7 +62,7 @@ _DISPATCHER_FIELDS = ("port", "protocol", "work_dir", "fault_tolerant_mode", "wo
 _WORKER_FIELDS = ("dispatcher_address", "worker_address", "port", "protocol",
                   "heartbeat_interval_ms", "dispatcher_timeout_ms", "data_transfer_protocol",
                   "data_transfer_address", "allow_cloudpickle", "function_modules",
-                  "readable_dirs", *security_fields())
+                  "readable_dirs", "send_tracebacks", *security_fields())
 
 
 def _security(settings: dict[str, Any]) -> tuple[Any, ...]:
@@ -124,6 +124,7 @@ class WorkerConfig(collections.namedtuple("WorkerConfig", _WORKER_FIELDS)):
     ``function_modules``: modules whose module-level functions the worker may run (besides
     ``@clusterwire.data.function`` ones); ``readable_dirs``: the only directories
     ``from_files`` may read under (see ``clusterwire.data.permissions``).
+    ``send_tracebacks``: pipeline errors carry the worker's traceback to clients.
     """
 
     def __new__(cls, dispatcher_address: str | None = None, worker_address: str | None = None,
@@ -132,7 +133,8 @@ class WorkerConfig(collections.namedtuple("WorkerConfig", _WORKER_FIELDS)):
                 dispatcher_timeout_ms: int | None = None,
                 data_transfer_protocol: str | None = None,
                 data_transfer_address: str | None = None, allow_cloudpickle: bool = False,
-                function_modules: Any = (), readable_dirs: Any = (), **security: Any):
+                function_modules: Any = (), readable_dirs: Any = (),
+                send_tracebacks: bool = False, **security: Any):
         if dispatcher_address is None:
             raise ValueError("Must specify a `dispatcher_address`.")
         if not isinstance(dispatcher_address, str) or not dispatcher_address:
@@ -146,7 +148,8 @@ class WorkerConfig(collections.namedtuple("WorkerConfig", _WORKER_FIELDS)):
             time_field(dispatcher_timeout_ms, "dispatcher_timeout_ms"),
             data_transfer_protocol, data_transfer_address or "localhost:%dts_port%",
             bool(allow_cloudpickle), _names(function_modules, "function_modules"),
-            _names(readable_dirs, "readable_dirs"), *_security(security))
+            _names(readable_dirs, "readable_dirs"), bool(send_tracebacks),
+            *_security(security))
 
 
 def as_config(config: Any, cls: type) -> Any:

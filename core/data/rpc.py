@@ -45,7 +45,7 @@ def parse(frame: Frame) -> DataResponse:
 
 
 def serve(protocol: str, host: str, port: int, handler: Handler, name: str,
-          options: ListenOptions) -> Shell:
+          options: ListenOptions, send_tracebacks: bool = False) -> Shell:
     """A core listener shell serving DataRequests at ``host:port`` (not started yet)."""
     def handle(frame: Frame) -> Frame:
         try:
@@ -55,7 +55,8 @@ def serve(protocol: str, host: str, port: int, handler: Handler, name: str,
         response, buffers = handler(request, list(frame.buffers))
         return Frame(response.SerializeToString(), list(buffers))
 
-    shell = Shell(protocol, join_host_port(host, port), handle, name, options)
+    shell = Shell(protocol, join_host_port(host, port), handle, name, options,
+                  send_tracebacks=send_tracebacks)
     warn_if_exposed(host, options, name)
     return shell
 

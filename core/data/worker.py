@@ -88,7 +88,7 @@ class WorkerServer:
         options = server_listen_options(security)
         host = split_host_port(_substitute(config.worker_address, "%port%", 0))[0]
         self._endpoint = serve(config.protocol, host, config.port, self._handle,
-                               "The tf.data service worker", options)
+                               "The tf.data service worker", options, config.send_tracebacks)
         info = WorkerInfo(address=_substitute(config.worker_address, "%port%",
                                               self._endpoint.port),
                           protocol=config.protocol)
@@ -98,7 +98,8 @@ class WorkerServer:
                 transfer_host = split_host_port(
                     _substitute(config.data_transfer_address, "%dts_port%", 0))[0]
                 self._transfer = serve(config.data_transfer_protocol, transfer_host, 0,
-                                       self._handle, "The tf.data service worker", options)
+                                       self._handle, "The tf.data service worker", options,
+                                       config.send_tracebacks)
                 info.transfer_protocol = config.data_transfer_protocol
                 info.transfer_address = _substitute(config.data_transfer_address, "%dts_port%",
                                                     self._transfer.port)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import resource
+import selectors
 import signal
 import socket
 import subprocess
@@ -48,6 +52,12 @@ class Capabilities:
     cancels_on_stop: bool = True
     #: The control plane speaks TLS when Security.tls is set.
     tls: bool = True
+    #: With max_pending_connections unauthenticated TCP connections held, a new one closes
+    #: the oldest of them (``ListenOptions.max_pending_connections``).
+    evicts_oldest_pending_tcp: bool = True
+    #: A channel can reach the listener through a plain TCP proxy, and its request bytes
+    #: travel through it (the trickled-upload check slows them down there).
+    trickle_via_proxy: bool = True
 
 
 class _Peer:
@@ -127,6 +137,264 @@ channel.call(Frame(SLEEP + b"0.2", []), timeout=30)  # a wait long enough to sle
 channel.close()
 print("OK, descriptors up to", max(held))
 """
+
+
+#: Silent connections an unauthenticated peer holds in the flood checks.
+_FLOOD = 1024
+#: How fast a token holder's small call must answer under a flood or trickled uploads.
+_SMALL_CALL_BUDGET = 1.0
+_TOKEN = b"t" * 32
+#: How long closing silent connections may take beyond their deadline (far below libzmq's
+#: and gRPC's own handshake timeouts, so those cannot pass for the listener's).
+_CLOSE_SLACK = 5.0
+
+
+def _wait_for(condition, timeout: float, what: str) -> None:
+    """Poll ``condition`` until it holds; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
+        time.sleep(0.02)
+
+
+def _raise_descriptor_limit(needed: int) -> None:
+    """Raise RLIMIT_NOFILE's soft limit to ``needed``; skip the test if the hard one is lower."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft >= needed or soft == resource.RLIM_INFINITY:
+        return
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        pytest.skip(f"{needed} descriptors needed; the hard limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+
+
+def _peer_closed(sock: socket.socket) -> bool:
+    """Whether the listener closed non-blocking ``sock`` (what it sent before is dropped)."""
+    try:
+        while sock.recv(65536):
+            pass
+    except BlockingIOError:
+        return False
+    except OSError:  # reset by the peer
+        return True
+    return True
+
+
+def _connect(sock: socket.socket, address) -> None:
+    """Connect ``sock``, retrying while a Unix listener's backlog is full (connect fails at
+    once then, where TCP waits)."""
+    deadline = time.monotonic() + 10
+    while (code := sock.connect_ex(address)) == errno.EAGAIN and time.monotonic() < deadline:
+        time.sleep(0.001)
+    if code:
+        raise OSError(code, f"cannot connect to {address!r}: {os.strerror(code)}")
+
+
+class _SilentFlood:
+    """``count`` raw connections to ``address`` that never send a byte."""
+
+    def __init__(self, count: int, family: int, kind: int, address):
+        self.sockets: list[socket.socket] = []
+        self._closed: set[socket.socket] = set()
+        try:
+            for _ in range(count):
+                sock = socket.socket(family, kind)
+                self.sockets.append(sock)
+                sock.settimeout(10)
+                _connect(sock, address)
+                sock.setblocking(False)
+        except BaseException:
+            self.close()
+            raise
+
+    def closed(self) -> int:
+        """How many of the connections the listener has closed so far."""
+        for sock in self.sockets:
+            if sock not in self._closed and _peer_closed(sock):
+                self._closed.add(sock)
+        return len(self._closed)
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            sock.close()
+
+
+# A token holder in its own process (so grpc+local goes through its sockets, not an
+# in-process shortcut). It prints READY after a first call, then times a fresh channel's
+# 8-byte call for each line it reads.
+_TOKEN_HOLDER = """
+import sys, time
+from clusterwire.plugins import get_plugin_manager
+from clusterwire.security import Security
+from clusterwire.transport import Frame
+transport = get_plugin_manager().transport(sys.argv[1])
+security = Security(token=sys.argv[3].encode())
+def call():
+    started = time.monotonic()
+    channel = transport.connect(sys.argv[2], security)
+    try:
+        reply = channel.call(Frame(b"small", [b"8 bytes!"]), timeout=10)
+        assert bytes(reply.buffers[0]) == b"8 bytes!", reply
+        return time.monotonic() - started
+    finally:
+        channel.close()
+call()
+print("READY", flush=True)
+for _ in sys.stdin:
+    try:
+        print(call(), flush=True)
+    except Exception as err:
+        print("FAILED", type(err).__name__, err, flush=True)
+"""
+
+
+class _TokenHolder:
+    """A child process making token-holding small calls to ``address`` on request."""
+
+    def __init__(self, protocol: str, address: str, token: bytes):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _TOKEN_HOLDER, protocol, address, token.decode()],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            ready = self._line(60)
+            assert ready == "READY", f"the token holder did not start: {ready!r}"
+        except BaseException:
+            self.close()
+            raise
+
+    def _line(self, timeout: float) -> str:
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.append(self.proc.stdout.readline()),
+                                  daemon=True)
+        reader.start()
+        reader.join(timeout)
+        assert lines, f"the token holder said nothing within {timeout} s"
+        return lines[0].strip()
+
+    def call(self) -> float:
+        """Seconds a fresh channel's 8-byte call took (connecting included)."""
+        self.proc.stdin.write("call\n")
+        self.proc.stdin.flush()
+        answer = self._line(30)
+        assert not answer.startswith("FAILED"), answer
+        return float(answer)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc.stdout.close()
+
+
+@dataclass
+class _Link:
+    """One proxied connection: its request bytes not yet passed on, and those passed."""
+
+    client: socket.socket
+    upstream: socket.socket
+    held: bytearray
+    passed: int = 0
+    paused: bool = False
+
+
+class _TrickleProxy:
+    """A TCP proxy to ``target`` that passes each connection's first ``burst`` request bytes
+    at once, then ``step`` bytes per ``tick`` seconds (a slow upload); replies pass at once."""
+
+    _HOLD = 64 << 10  # request bytes held per connection before reading from it pauses
+
+    def __init__(self, target: str, burst: int = 2048, step: int = 32, tick: float = 0.01):
+        host, port = target.rsplit(":", 1)
+        self._target = (host.strip("[]"), int(port))
+        self._server = socket.create_server((self._target[0], 0))
+        self.address = f"{host}:{self._server.getsockname()[1]}"
+        self._burst, self._step, self._tick = burst, step, tick
+        self._links: list[_Link] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="trickle-proxy")
+        self._thread.start()
+
+    def trickling(self, uploads: int) -> bool:
+        """Whether ``uploads`` uploads are being trickled: every connection is past its
+        burst with bytes held back, and as many bursts came in (calls may share one)."""
+        links = list(self._links)
+        taken = sum(link.passed + len(link.held) for link in links)
+        return bool(links) and taken >= uploads * self._burst and all(
+            link.passed >= self._burst and link.held for link in links)
+
+    def _run(self) -> None:
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._server, selectors.EVENT_READ)
+            try:
+                while not self._stop.is_set():
+                    for key, _ in selector.select(self._tick):
+                        if key.fileobj is self._server:
+                            self._accept(selector)
+                        elif key.data[0] in self._links:
+                            self._forward(selector, *key.data)
+                    for link in list(self._links):
+                        self._pass_on(selector, link)
+            finally:
+                for link in self._links:
+                    link.client.close()
+                    link.upstream.close()
+                self._server.close()
+
+    def _accept(self, selector: selectors.BaseSelector) -> None:
+        client, _ = self._server.accept()
+        try:
+            upstream = socket.create_connection(self._target, timeout=5)
+        except OSError:
+            client.close()
+            return
+        link = _Link(client, upstream, bytearray())
+        self._links.append(link)
+        selector.register(client, selectors.EVENT_READ, (link, True))
+        selector.register(upstream, selectors.EVENT_READ, (link, False))
+
+    def _forward(self, selector: selectors.BaseSelector, link: _Link, request: bool) -> None:
+        try:
+            data = (link.client if request else link.upstream).recv(65536)
+            if data and not request:
+                link.client.sendall(data)
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(selector, link)
+        elif request:
+            link.held += data
+            if len(link.held) >= self._HOLD:
+                selector.unregister(link.client)
+                link.paused = True
+
+    def _pass_on(self, selector: selectors.BaseSelector, link: _Link) -> None:
+        size = max(self._burst - link.passed, self._step)
+        chunk = bytes(link.held[:size])
+        if not chunk:
+            return
+        try:
+            link.upstream.sendall(chunk)
+        except OSError:
+            self._drop(selector, link)
+            return
+        del link.held[:len(chunk)]
+        link.passed += len(chunk)
+        if link.paused and len(link.held) < self._HOLD:
+            selector.register(link.client, selectors.EVENT_READ, (link, True))
+            link.paused = False
+
+    def _drop(self, selector: selectors.BaseSelector, link: _Link) -> None:
+        self._links.remove(link)
+        for sock in (link.client, link.upstream):
+            if not (link.paused and sock is link.client):
+                selector.unregister(sock)
+            sock.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
 
 
 class TransportSuite:
@@ -390,6 +658,132 @@ class TransportSuite:
             self._echo(channel, b"after garbage", [b"ok"])
         finally:
             channel.close()
+
+    # -- abuse: silent connections, frames in many parts, trickled uploads ------------
+
+    def unix_endpoint(self, listener: Listener) -> tuple[int, str] | None:
+        """(socket type, address) of a Unix socket the listener serves beside its port, if
+        any: the flood checks also run against it. Override for such a transport."""
+        return None
+
+    def _flood_target(self, listener: Listener, path: str) -> tuple[int, int, object]:
+        """(family, socket type, address) of the listener's TCP port or Unix socket."""
+        if path == "unix":
+            endpoint = self.unix_endpoint(listener)
+            if endpoint is None:
+                pytest.skip(f"{self.protocol} serves no Unix socket")
+            return (socket.AF_UNIX, *endpoint)
+        if not self.capabilities.raw_tcp_port:
+            pytest.skip(f"{self.protocol} has no raw TCP port")
+        host, port = listener.address.rsplit(":", 1)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        return family, socket.SOCK_STREAM, (host.strip("[]"), int(port))
+
+    def _small_call_under(self, listener: Listener, path: str) -> tuple[_SilentFlood, float]:
+        """Let an unauthenticated peer hold ``_FLOOD`` silent connections to the listener,
+        then time a token holder's fresh 8-byte call (from another process)."""
+        target = self._flood_target(listener, path)
+        _raise_descriptor_limit(4 * _FLOOD + 4096)  # both ends are in this process
+        holder = _TokenHolder(self.protocol, listener.address, _TOKEN)
+        try:
+            flood = _SilentFlood(_FLOOD, *target)
+            try:
+                return flood, holder.call()
+            except BaseException:
+                flood.close()
+                raise
+        finally:
+            holder.close()
+
+    @pytest.mark.parametrize("path", ["tcp", "unix"])
+    def test_silent_connections_close_at_the_handshake_deadline(self, transport, path):
+        if not (self.capabilities.token_auth and self.capabilities.cross_process):
+            pytest.skip(f"{self.protocol} checks no token or has no other-process channels")
+        options = ListenOptions(security=Security(token=_TOKEN), handshake_timeout_seconds=0.5)
+        listener = self._listen(transport, options=options)
+        try:
+            flood, seconds = self._small_call_under(listener, path)
+            try:
+                assert seconds < _SMALL_CALL_BUDGET, (
+                    f"a token holder's call took {seconds:.3f} s under {_FLOOD} silent "
+                    "connections")
+                _wait_for(lambda: flood.closed() == _FLOOD,
+                          options.handshake_timeout_seconds + _CLOSE_SLACK,
+                          f"the listener closing {_FLOOD} silent connections")
+            finally:
+                flood.close()
+        finally:
+            listener.stop(0)
+
+    @pytest.mark.parametrize("path", ["tcp", "unix"])
+    def test_silent_connection_flood_closes_the_oldest(self, transport, path):
+        if not (self.capabilities.token_auth and self.capabilities.cross_process):
+            pytest.skip(f"{self.protocol} checks no token or has no other-process channels")
+        if path == "tcp" and not self.capabilities.evicts_oldest_pending_tcp:
+            pytest.skip(f"{self.protocol} cannot close a chosen pending TCP connection")
+        options = ListenOptions(security=Security(token=_TOKEN), handshake_timeout_seconds=60)
+        listener = self._listen(transport, options=options)
+        try:
+            flood, seconds = self._small_call_under(listener, path)
+            try:
+                assert seconds < _SMALL_CALL_BUDGET, (
+                    f"a token holder's call took {seconds:.3f} s while {_FLOOD} silent "
+                    "connections were held")
+                evicted = _FLOOD - options.max_pending_connections
+                _wait_for(lambda: flood.closed() >= evicted, _CLOSE_SLACK,
+                          f"the listener closing the {evicted} oldest silent connections")
+                assert not _peer_closed(flood.sockets[-1]), "the newest one was closed"
+            finally:
+                flood.close()
+        finally:
+            listener.stop(0)
+
+    def test_oversized_frame_in_many_buffers_is_resource_exhausted(self, transport):
+        listener = self._listen(transport, options=ListenOptions(max_message_bytes=_MiB))
+        channel = transport.connect(listener.address)
+        try:
+            # Every buffer fits the limit; together they do not (large ones, and small ones
+            # that ride the control path).
+            for buffers in ([_payload(64 << 10, n) for n in range(32)],
+                            [_payload(512, n) for n in range(4096)]):
+                with pytest.raises(errors.ResourceExhaustedError):
+                    channel.call(Frame(b"parts", buffers), timeout=30)
+            self._echo(channel, b"fits", [_payload(64 << 10, n) for n in range(8)])
+        finally:
+            channel.close()
+            listener.stop(0)
+
+    def test_trickled_uploads_do_not_starve_small_calls(self, transport):
+        if not (self.capabilities.trickle_via_proxy and self.capabilities.token_auth):
+            pytest.skip(f"{self.protocol}'s request bytes cannot be slowed by a TCP proxy")
+        listener = self._listen(transport, options=ListenOptions(security=Security(token=_TOKEN)))
+        proxy = _TrickleProxy(listener.address)
+        uploads = [transport.connect(proxy.address, Security(token=_TOKEN)) for _ in range(16)]
+        callers = []
+        try:
+            for upload in uploads:
+                callers.append(_call_in_background(upload, Frame(b"up", [_payload(4 * _MiB)]),
+                                                   120)[0])
+            _wait_for(lambda: proxy.trickling(len(uploads)), 60,
+                      "16 uploads being trickled through the proxy")
+            assert all(caller.is_alive() for caller in callers), "an upload ended early"
+            small = transport.connect(listener.address, Security(token=_TOKEN))
+            try:
+                for i in range(5):
+                    started = time.monotonic()
+                    self._echo(small, b"small-%d" % i, [b"8 bytes!"], timeout=10)
+                    seconds = time.monotonic() - started
+                    assert seconds < _SMALL_CALL_BUDGET, (
+                        f"a small call took {seconds:.3f} s beside 16 trickled uploads")
+            finally:
+                small.close()
+        finally:
+            for upload in uploads:
+                upload.close()
+            for caller in callers:
+                caller.join(30)
+            proxy.close()
+            listener.stop(0)
 
     # -- security ----------------------------------------------------------------------
 

@@ -21,6 +21,14 @@ The fetch id is an unguessable single-use ticket that the client received
 over the (token-checked) gRPC reply, so it is the only credential the plane
 needs. The plane carries no TLS: a listener with TLS never opens it, and its
 large replies are fetched over gRPC as before.
+
+Limits (the listener's ``ListenOptions``): a connection is pending until its
+first fetch id arrives, which must happen within ``handshake_timeout_seconds``;
+at most ``max_pending_connections`` are pending, a new one beyond that closing
+the oldest. A connection whose first id is answered counts against
+``max_connections`` (over it, the id is left unread and the connection closed:
+the client fetches over gRPC). A client that stops reading a response for
+``message_idle_timeout_seconds`` is cut off.
 """
 
 from __future__ import annotations
@@ -37,12 +45,13 @@ import numpy as np
 from clusterwire import errors
 from clusterwire.addressing import split_host_port
 from clusterwire.buffers import MIN_POOLED_BYTES, receive_buffers, split
+from clusterwire.transport import ListenOptions
 
 _TICKET = struct.Struct("<Q")
 _STATUS = struct.Struct("<4sBQ")
 _MAGIC = b"CWB1"
 _OK, _UNKNOWN = 0, 1
-#: A connection that sends no fetch id for this long is closed (its client reconnects).
+#: A connection that sends no further fetch id for this long is closed (its client reconnects).
 IDLE_SECONDS = 300.0
 _SEND_BATCH = 256  # buffers per sendmsg (well under IOV_MAX)
 _CONNECT_S = 5.0  # longer, and the port is taken for unreachable (firewalled)
@@ -66,16 +75,17 @@ class BulkServer:
     """Serves announced responses on a TCP port of the listener's host."""
 
     def __init__(self, host: str, take: Callable[[int], Sequence[memoryview] | None],
-                 max_connections: int):
+                 limits: ListenOptions):
         self._take = take
-        self._max_connections = max_connections
+        self._limits = limits
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         # "::" serves IPv4 clients too, as gRPC's own wildcard listener does.
         self._socket = socket.create_server(
             (host, 0), family=family, backlog=128,
             dualstack_ipv6=host == "::" and socket.has_dualstack_ipv6())
         self.port: int = self._socket.getsockname()[1]
-        self._connections: set[socket.socket] = set()
+        self._pending: dict[socket.socket, None] = {}  # no fetch id yet; oldest first
+        self._connections: set[socket.socket] = set()  # admitted with their first fetch id
         self._threads: set[threading.Thread] = set()
         self._lock = threading.Lock()
         self._stopping = False
@@ -90,7 +100,7 @@ class BulkServer:
         """Refuse new fetches; transfers running get ``grace`` seconds, then are cut."""
         with self._lock:
             self._stopping = True
-            connections = list(self._connections)
+            connections = [*self._connections, *self._pending]
         _shutdown(self._socket, socket.SHUT_RDWR)
         self._socket.close()
         for connection in connections:  # idle ones end at once, busy ones after sending
@@ -121,9 +131,13 @@ class BulkServer:
                 time.sleep(0.1)  # out of descriptors or a connection aborted: keep serving
                 continue
             with self._lock:
-                refused = self._stopping or len(self._connections) >= self._max_connections
+                refused = self._stopping
                 if not refused:
-                    self._connections.add(connection)
+                    if len(self._pending) >= self._limits.max_pending_connections:
+                        oldest = next(iter(self._pending))
+                        del self._pending[oldest]
+                        _shutdown(oldest, socket.SHUT_RDWR)  # its thread wakes and closes it
+                    self._pending[connection] = None
                     thread = threading.Thread(target=self._serve, args=(connection,),
                                               name="clusterwire-grpc-bulk", daemon=True)
                     self._threads.add(thread)
@@ -131,22 +145,42 @@ class BulkServer:
             if refused:
                 connection.close()
 
+    def _admit(self, connection: socket.socket) -> bool:
+        """Move a connection that sent its first fetch id from pending to admitted; False if
+        it was closed as the oldest pending one, or ``max_connections`` are admitted."""
+        with self._lock:
+            if connection not in self._pending:
+                return False
+            del self._pending[connection]
+            if len(self._connections) >= self._limits.max_connections:
+                return False
+            self._connections.add(connection)
+            return True
+
     def _serve(self, connection: socket.socket) -> None:
         try:
             connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            connection.settimeout(IDLE_SECONDS)
             ticket = bytearray(_TICKET.size)
-            while _receive_into(connection, memoryview(ticket)):
+            deadline = time.monotonic() + self._limits.handshake_timeout_seconds
+            if not (_receive_into(connection, memoryview(ticket), deadline)
+                    and self._admit(connection)):
+                return  # silent, too slow, pushed out, or over the limit: the id stays unread
+            while True:
                 views = self._take(_TICKET.unpack(ticket)[0])
                 if views is None:  # expired, fetched already, or a stranger's guess
                     connection.sendall(_STATUS.pack(_MAGIC, _UNKNOWN, 0))
                     return
+                connection.settimeout(self._limits.message_idle_timeout_seconds)
                 connection.sendall(_STATUS.pack(_MAGIC, _OK, sum(v.nbytes for v in views)))
                 _send_views(connection, list(views))
+                connection.settimeout(IDLE_SECONDS)
+                if not _receive_into(connection, memoryview(ticket)):
+                    return
         except OSError:
-            pass  # the client went away or stop() cut the connection
+            pass  # the client went away, was too slow, or stop() cut the connection
         finally:
             with self._lock:
+                self._pending.pop(connection, None)
                 self._connections.discard(connection)
                 self._threads.discard(threading.current_thread())
             connection.close()

@@ -16,11 +16,12 @@ import grpc
 from clusterwire import errors
 from clusterwire.addressing import join_host_port, split_host_port
 from clusterwire.security import TOKEN_KEY, Security
-from clusterwire.transport import ConnectionFailed, HandshakeFailed
+from clusterwire.transport import ConnectionFailed, HandshakeFailed, ListenOptions
 
 #: gRPC metadata key of the cluster token ("-bin": any bytes allowed).
 TOKEN_METADATA = f"{TOKEN_KEY}-bin"
 _STOP_SLACK_S = 10.0
+_DEFAULT_LIMITS = ListenOptions()
 _LOG = logging.getLogger(__name__)
 
 
@@ -49,18 +50,67 @@ def bind(server: grpc.Server, address: str, security: Security) -> str:
     return join_host_port(split_host_port(address)[0], port)
 
 
+def connection_args(limits: ListenOptions) -> list[tuple[str, int]]:
+    """gRPC core's arguments for ``limits``' connection limits (its accept loop is in C).
+
+    gRPC core cannot tell an authenticated connection from another (the token rides on
+    each call) and has one quota for all of them, closing the newest connection over it
+    at accept; it cannot close the oldest unauthenticated one instead. So the quota is
+    ``max_connections + max_pending_connections`` and unauthenticated connections leave
+    by time: a connection whose TLS handshake and HTTP/2 settings are not done within
+    ``handshake_timeout_seconds`` is closed, and so is one with no call for as long
+    (gRPC's idle limit; it also ends idle client connections, which reconnect on their
+    next call).
+    """
+    handshake_ms = max(int(limits.handshake_timeout_seconds * 1000), 1)
+    return [("grpc.max_allowed_incoming_connections",
+             limits.max_connections + limits.max_pending_connections),
+            ("grpc.server_handshake_timeout_ms", handshake_ms),
+            ("grpc.max_connection_idle_ms", handshake_ms)]
+
+
+class _TokenGate(grpc.ServerInterceptor):
+    """Refuses calls without the cluster token before gRPC reads their request.
+
+    It runs on gRPC's own serving thread; a call it refuses gets a streaming handler
+    that aborts at once, so even a unary request that never finishes arriving takes
+    no pool thread (grpcio waits for a unary request on the pool thread, with no
+    timeout).
+    """
+
+    def __init__(self, security: Security):
+        self._security = security
+
+    def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        presented = next((v for k, v in details.invocation_metadata if k == TOKEN_METADATA),
+                         None)
+        try:
+            self._security.check_token(presented)
+        except errors.UnauthenticatedError as err:
+            message = err.message  # ``err`` is unbound once the except block ends
+            return grpc.stream_unary_rpc_method_handler(
+                lambda requests, context: context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                                        message))
+        return continuation(details)
+
+
 class ControlServer:
-    """A gRPC server on its own thread pool, bound (with TLS if configured) when created."""
+    """A gRPC server on its own thread pool, bound (with TLS if configured) when created.
+
+    ``limits``: the listener's options, whose connection limits it enforces (see
+    ``connection_args``). With a token, calls without it are refused before their
+    request is read.
+    """
 
     def __init__(self, address: str, security: Security, service: str,
                  handlers: Mapping[str, grpc.RpcMethodHandler], max_workers: int, name: str,
-                 options: Sequence[tuple[str, object]] = (), max_connections: int = 1024):
+                 options: Sequence[tuple[str, object]] = (),
+                 limits: ListenOptions = _DEFAULT_LIMITS):
         self.pool = futures.ThreadPoolExecutor(max_workers,
                                                thread_name_prefix=f"clusterwire-{name}")
-        # gRPC core's connection quota: connections over it are closed at accept.
-        self.server = grpc.server(self.pool, options=[
-            ("grpc.so_reuseport", 0), ("grpc.max_allowed_incoming_connections", max_connections),
-            *options])
+        self.server = grpc.server(
+            self.pool, interceptors=[_TokenGate(security)] if security.token else None,
+            options=[("grpc.so_reuseport", 0), *connection_args(limits), *options])
         # Registered methods (what grpc_tools generates): gRPC core matches them itself, with
         # no per-call Python lookup of the method; clients mark theirs _registered_method.
         self.server.add_registered_method_handlers(service, dict(handlers))
@@ -99,17 +149,6 @@ def open_channel(address: str, security: Security,
 def token_metadata(security: Security) -> tuple[tuple[str, bytes], ...] | None:
     """The call metadata that carries the token, if there is one."""
     return ((TOKEN_METADATA, security.token),) if security.token else None
-
-
-def check_token(context: grpc.ServicerContext, security: Security) -> None:
-    """Abort the call with UNAUTHENTICATED unless it carries the cluster token."""
-    if security.token is None:
-        return
-    presented = next((v for k, v in context.invocation_metadata() if k == TOKEN_METADATA), None)
-    try:
-        security.check_token(presented)
-    except errors.UnauthenticatedError as err:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, err.message)
 
 
 def grpc_error(err: grpc.RpcError, address: str) -> errors.OpError:

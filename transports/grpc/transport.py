@@ -15,17 +15,29 @@ an announced response waits for its fetch), ``bulk_plane`` ("tcp", the
 default, or "grpc": everything on the gRPC port), ``bulk_bytes`` (default
 256 KiB: responses larger than this use the bulk port when there is one;
 from about there on it beats a unary reply, whose bytes grpcio copies).
+
+Limits (``ListenOptions``): gRPC core enforces the connection limits
+(``plumbing.connection_args``); with a token, calls without it are refused
+before their request is read. Upload and Fetch are streamed calls: at most
+``max_workers - small_call_reserve`` run at once, the others are refused as
+busy before anything is read and the channel sends them again until its
+deadline. An upload whose next chunk does not arrive within
+``message_idle_timeout_seconds`` is dropped with DeadlineExceededError (a
+timeout, not a malformed frame: sent again promptly, it would succeed). The
+bulk port applies the same limits itself (``bulk``).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import queue
+import random
 import secrets
 import threading
 import time
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
 
 import grpc
 import grpc.experimental
@@ -38,7 +50,6 @@ from clusterwire.transports.grpc import framing
 from clusterwire.transports.grpc.bulk import BulkClient, BulkServer, Unreachable
 from clusterwire.transports.grpc.plumbing import (
     ControlServer,
-    check_token,
     grpc_error,
     open_channel,
     status_code,
@@ -50,7 +61,12 @@ _CALL, _UPLOAD, _FETCH = (f"/{SERVICE}/{m}" for m in ("Call", "Upload", "Fetch")
 _CLIENT_LIMIT = 1 << 42
 _BULK_PLANES = ("tcp", "grpc")
 _BULK_RETRY_S = 30.0  # after the bulk port could not be reached, before it is tried again
+#: Details prefix of a streamed call refused because every thread for streamed calls is busy;
+#: nothing of it was read, so the channel sends it again (backing off) until its deadline.
+_BUSY = "Busy:"
+_BUSY_BACKOFF_S = (0.002, 0.1)  # first and longest wait between those attempts
 _LOG = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 def _message_limit(inline_bytes: int, chunk_bytes: int) -> int:
@@ -94,6 +110,9 @@ class GrpcListener(Listener):
         self._limit = options.max_message_bytes
         self._pending = _Pending(transport.fetch_ttl)
         self._security = options.security
+        self._stream_slots = _stream_slots(options)
+        self._streams = threading.BoundedSemaphore(self._stream_slots)
+        self._idle = options.message_idle_timeout_seconds
         limit = _message_limit(transport.inline_bytes, transport.chunk_bytes)
         # No maximum_concurrent_rpcs: gRPC's Python-side accounting costs ~45 us per call
         # here; the cluster service enforces max_concurrent_calls itself.
@@ -104,14 +123,14 @@ class GrpcListener(Listener):
                 "Fetch": grpc.unary_stream_rpc_method_handler(self._fetch),
             }, options.max_workers, "grpc",
             [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", -1)],
-            options.max_connections)
+            options)
         self._bulk = None
         self._inline_response_bytes = transport.inline_bytes
         if transport.bulk_plane == "tcp" and self._security.tls is None:
             self._inline_response_bytes = min(transport.inline_bytes, transport.bulk_bytes)
             try:
                 self._bulk = BulkServer(split_host_port(self.address)[0], self._pending.take,
-                                        options.max_connections)
+                                        options)
             except OSError as err:
                 self._control.stop(None)
                 raise errors.UnavailableError(
@@ -149,8 +168,21 @@ class GrpcListener(Listener):
         return framing.encode_prefix(response.header, [v.nbytes for v in views],
                                      framing.CONTINUED, fetch_id, self.bulk_port or 0)
 
+    def _admit(self, context: grpc.ServicerContext) -> None:
+        """Take a thread for a streamed call until it ends, or refuse it as busy at once.
+
+        Streamed calls get at most ``max_workers - small_call_reserve`` threads, so calls
+        without a streamed body (the token gate has refused unauthenticated ones before
+        they took a thread) always find one. Waiting here would hold a thread too.
+        """
+        if not self._streams.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{_BUSY} the {self._stream_slots} threads for streamed requests "
+                          "(max_workers - small_call_reserve) are all in use.")
+        if not context.add_callback(self._streams.release):  # the call ended already
+            self._streams.release()
+
     def _call(self, message: bytes, context: grpc.ServicerContext) -> bytes:
-        check_token(context, self._security)
         try:
             prefix = framing.decode_prefix(message, self._limit)
             if prefix.flags != framing.INLINE:
@@ -161,8 +193,9 @@ class GrpcListener(Listener):
         return self._respond(self._handler(request))
 
     def _upload(self, messages: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
-        check_token(context, self._security)
+        self._admit(context)
         try:
+            messages = _paced(messages, self._idle)
             first = next(messages, None)
             if first is None:
                 raise errors.InvalidArgumentError("Malformed frame: empty upload.")
@@ -173,7 +206,7 @@ class GrpcListener(Listener):
         return self._respond(self._handler(request))
 
     def _fetch(self, message: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
-        check_token(context, self._security)
+        self._admit(context)
         key = int.from_bytes(message[:8], "little") if len(message) == 8 else 0
         views = self._pending.take(key)
         if views is None:
@@ -195,9 +228,12 @@ class GrpcChannel(Channel):
         limit = _message_limit(transport.inline_bytes, transport.chunk_bytes)
         # Single-threaded unary streams: a fetch is read by the calling thread itself,
         # not through the channel's spin thread (which cost ~1 ms of CPU per MiB fetched).
+        # A local subchannel pool: this channel's own connection, not one shared with every
+        # channel of the process to the same address (whose slow link would slow them all).
         self._channel = open_channel(address, security, [
             ("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", -1),
-            (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)])
+            (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
+            ("grpc.use_local_subchannel_pool", 1)])
         self._unary = self._channel.unary_unary(_CALL, _registered_method=True)
         self._upload = self._channel.stream_unary(_UPLOAD, _registered_method=True)
         self._fetch = self._channel.unary_stream(_FETCH, _registered_method=True)
@@ -211,9 +247,9 @@ class GrpcChannel(Channel):
                                     metadata=self._metadata)
             else:
                 first = framing.encode_prefix(frame.header, [v.nbytes for v in views], 0)
-                stream = itertools.chain(
-                    [first], framing.chunks(views, self._transport.chunk_bytes))
-                reply = self._upload(stream, timeout=timeout, metadata=self._metadata)
+                reply = self._streamed(lambda remaining: self._upload(
+                    itertools.chain([first], framing.chunks(views, self._transport.chunk_bytes)),
+                    timeout=remaining, metadata=self._metadata), deadline)
             prefix = framing.decode_prefix(reply, _CLIENT_LIMIT)
             if prefix.flags == framing.INLINE:
                 return Frame(prefix.header, framing.split_inline(reply, prefix))
@@ -225,14 +261,34 @@ class GrpcChannel(Channel):
                     if err.lasting:
                         _LOG.warning("Fetching over gRPC for %.0f s: %s", _BULK_RETRY_S, err)
                         self._bulk_after = time.monotonic() + _BULK_RETRY_S
-            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
-            stream = self._fetch(prefix.fetch_id.to_bytes(8, "little"), timeout=remaining,
-                                 metadata=self._metadata)
-            return Frame(prefix.header, framing.assemble(iter(stream), prefix.lengths))
+            ticket = prefix.fetch_id.to_bytes(8, "little")
+            return Frame(prefix.header, self._streamed(lambda remaining: framing.assemble(
+                iter(self._fetch(ticket, timeout=remaining, metadata=self._metadata)),
+                prefix.lengths), deadline))
         except grpc.RpcError as err:
             raise grpc_error(err, self._address) from None
         except ValueError as err:  # grpc raises it for a closed channel
             raise errors.CancelledError(f"Channel to {self._address} is closed: {err}") from None
+
+    def _streamed(self, start: Callable[[float | None], _T], deadline: float | None) -> _T:
+        """``start(remaining seconds)`` of a streamed call, again (backing off, until the
+        deadline) while the listener refuses it as busy, before reading any of it."""
+        delay = _BUSY_BACKOFF_S[0]
+        while True:
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
+            try:
+                return start(remaining)
+            except grpc.RpcError as err:
+                details = err.details() if hasattr(err, "details") else None
+                if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or \
+                        not (details or "").startswith(_BUSY):
+                    raise
+                if deadline is not None and deadline - time.monotonic() <= delay:
+                    raise errors.DeadlineExceededError(
+                        f"{self._address} had no thread free for a streamed request before "
+                        f"the deadline: {details}") from None
+            time.sleep(random.uniform(0.5, 1.0) * delay)
+            delay = min(2 * delay, _BUSY_BACKOFF_S[1])
 
     def close(self) -> None:
         self._bulk.close()
@@ -271,6 +327,56 @@ class GrpcTransport(Transport):
             return {"control": "grpc", "data": stream}
         return {"control": "grpc", "data": f"tcp bulk port for responses; {stream} for uploads "
                                            "and under TLS"}
+
+
+def _stream_slots(options: ListenOptions) -> int:
+    """Threads for streamed calls: ``max_workers - small_call_reserve``, checked."""
+    for name in ("handshake_timeout_seconds", "message_idle_timeout_seconds",
+                 "max_pending_connections", "max_connections"):
+        value = getattr(options, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise errors.InvalidArgumentError(
+                f"{name} must be a positive number, got {value!r}; set a positive {name} "
+                "(or leave it out for the default).")
+    slots = options.max_workers - options.small_call_reserve
+    if options.small_call_reserve < 0 or slots < 1:
+        raise errors.InvalidArgumentError(
+            f"small_call_reserve ({options.small_call_reserve}) must be at least 0 and below "
+            f"max_workers ({options.max_workers}), so streamed requests get a thread: lower "
+            "small_call_reserve or raise max_workers.")
+    return slots
+
+
+def _paced(messages: Iterator[bytes], idle: float) -> Iterator[bytes]:
+    """``messages``, or DeadlineExceededError once the next takes over ``idle`` seconds.
+
+    grpcio's request iterator waits without a timeout, so a helper thread reads it and
+    the handler waits on a queue instead; the helper ends when gRPC ends the call. The
+    unit is a whole message (a chunk): a client must send one per ``idle`` seconds.
+    """
+    arrived: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+
+    def pump() -> None:
+        try:
+            for message in messages:
+                arrived.put(message)
+        except grpc.RpcError:
+            pass  # the client cancelled or the call ended: the handler has stopped reading
+        finally:
+            arrived.put(None)
+
+    threading.Thread(target=pump, name="clusterwire-grpc-upload", daemon=True).start()
+    while True:
+        try:
+            message = arrived.get(timeout=idle)
+        except queue.Empty:
+            raise errors.DeadlineExceededError(
+                f"No data of the request arrived for {idle:g} s "
+                "(message_idle_timeout_seconds): the server dropped it. Send each chunk "
+                "sooner, or raise message_idle_timeout_seconds on the server.") from None
+        if message is None:
+            return
+        yield message
 
 
 def _positive(value: Any, name: str) -> int:

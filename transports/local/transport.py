@@ -23,6 +23,7 @@ import contextlib
 import itertools
 import os
 import secrets
+import selectors
 import socket
 import threading
 import time
@@ -46,7 +47,6 @@ from clusterwire.transport import (
 )
 from clusterwire.transports.grpc.plumbing import (
     ControlServer,
-    check_token,
     grpc_error,
     open_channel,
     status_code,
@@ -125,17 +125,15 @@ def _close_all(fds: Sequence[int]) -> None:
 
 
 class _UnixPeer:
-    """One SOCK_SEQPACKET connection: a reader thread filling an inbox, and a locked sender."""
+    """One SOCK_SEQPACKET connection past its HELLO: a reader thread filling an inbox, and a
+    locked sender. Only SEGMENTS messages may follow; anything else closes the connection."""
 
-    def __init__(self, sock: socket.socket, on_hello=None, security: Security | None = None,
-                 on_close=None):
+    def __init__(self, sock: socket.socket, client_id: int = 0, on_close=None):
         self.sock = sock
-        self._security = security or Security()
         self._on_close = on_close
         self.inbox = _Inbox()
-        self._on_hello = on_hello
         self._send_lock = threading.Lock()
-        self.client_id = 0
+        self.client_id = client_id
         self._reader = threading.Thread(target=self._read, daemon=True,
                                         name="clusterwire-local-unix")
         self._reader.start()
@@ -145,29 +143,14 @@ class _UnixPeer:
             while True:
                 message, fds, _, _ = socket.recv_fds(self.sock, wire.MAX_UNIX_MESSAGE,
                                                      wire.MAX_FDS_PER_MESSAGE)
-                if not message:
-                    _close_all(fds)
-                    break
                 try:
-                    op, ident, count, payload = wire.decode_unix(message)
-                    if count != len(fds):
-                        raise errors.InvalidArgumentError("descriptor count mismatch")
-                except errors.OpError:
+                    op, ident, count, _ = wire.decode_unix(message)
+                    if op != wire.SEGMENTS or count != len(fds):
+                        raise errors.InvalidArgumentError("not a SEGMENTS message")
+                except errors.OpError:  # also the empty message of a closed connection
                     _close_all(fds)
                     break
-                if op == wire.HELLO and not fds and self._on_hello and not self.client_id:
-                    # Segments are accepted only on a connection that showed the token.
-                    self._security.check_token(payload or None)
-                    self.client_id = ident
-                    self._on_hello(ident, self)
-                elif self._on_hello and not self.client_id:
-                    _close_all(fds)
-                    break
-                elif op == wire.SEGMENTS:
-                    self.inbox.add(ident, fds)
-                else:
-                    _close_all(fds)
-                    break
+                self.inbox.add(ident, fds)
         except (OSError, errors.OpError):
             pass
         self.close()
@@ -306,7 +289,7 @@ class LocalListener(Listener):
             {"Call": grpc.unary_unary_rpc_method_handler(self._call)}, options.max_workers,
             "local", [("grpc.max_send_message_length", -1),
                       ("grpc.max_receive_message_length", wire.MAX_HEADER_BYTES + (16 << 20))],
-            options.max_connections)
+            options)
         self._address = self._control.address
         self._pool = self._control.pool
         self._unix = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -318,41 +301,120 @@ class LocalListener(Listener):
             raise errors.UnavailableError(
                 f"Could not bind the shared-memory socket of {self._address}: {err}") from None
         self._unix.listen(64)
+        self._unix.setblocking(False)
         self._clients: dict[int, _UnixPeer] = {}  # by client id, after their hello
-        self._connections: set[_UnixPeer] = set()  # every open Unix connection
+        self._connections: set[_UnixPeer] = set()  # every Unix connection past its hello
         self._max_connections = options.max_connections
+        self._max_pending = max(options.max_pending_connections, 1)
+        self._handshake_timeout = options.handshake_timeout_seconds
+        self._segment_wait = options.message_idle_timeout_seconds
         self._clients_lock = threading.Condition()
         self._stopped = threading.Event()
+        self._acceptor = threading.Thread(target=self._accept, daemon=True,
+                                          name="clusterwire-local-accept")
         self._started = False
 
     @property
     def address(self) -> str:
         return self._address
 
+    @property
+    def unix_address(self) -> str:
+        """The abstract name of the Unix socket (SOCK_SEQPACKET) beside the gRPC port."""
+        return _unix_name(self._address)
+
     def start(self) -> None:
         if self._started:
             return
         self._started = True
         self._control.start()
-        threading.Thread(target=self._accept, daemon=True, name="clusterwire-local-accept").start()
+        self._acceptor.start()
         with _in_process_lock:
             _in_process[self._address] = self
 
     def _accept(self) -> None:
+        """Accept Unix connections and read each one's HELLO on this one thread.
+
+        Until its HELLO has shown the token a connection is pending: it has no thread and
+        does not count against max_connections; it is closed once handshake_timeout_seconds
+        pass, and the oldest pending one is closed when a new one would exceed
+        max_pending_connections, so silent connections cannot lock token holders out.
+        """
+        pending: dict[socket.socket, float] = {}  # oldest first: its deadline
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._unix, selectors.EVENT_READ)
+            try:
+                while not self._stopped.is_set():
+                    wait = (max(next(iter(pending.values())) - time.monotonic(), 0)
+                            if pending else None)
+                    for key, _ in selector.select(wait):
+                        if key.fileobj is self._unix:
+                            self._accept_pending(selector, pending)
+                        elif key.fileobj in pending:  # not evicted by an accept above
+                            del pending[key.fileobj]
+                            selector.unregister(key.fileobj)
+                            self._hello(key.fileobj)
+                    now = time.monotonic()
+                    while pending and next(iter(pending.values())) <= now:
+                        self._drop(selector, pending, next(iter(pending)))
+            finally:
+                for conn in pending:
+                    _shutdown(conn)
+
+    def _accept_pending(self, selector: selectors.BaseSelector,
+                        pending: dict[socket.socket, float]) -> None:
+        """Accept every queued connection as pending, closing the oldest over the cap."""
         while not self._stopped.is_set():
             try:
                 conn, _ = self._unix.accept()
-            except OSError:
+            except OSError:  # BlockingIOError: none left; others: the socket is shut down
                 return
             with self._clients_lock:
                 full = len(self._connections) >= self._max_connections
-            if full:  # over max_connections: refused before reading anything
+            if full:  # refused before reading anything: the client's HELLO fails
                 _shutdown(conn)
                 continue
-            peer = _UnixPeer(conn, on_hello=self._register, security=self._security,
-                             on_close=self._forget)
-            with self._clients_lock:
-                self._connections.add(peer)
+            if len(pending) >= self._max_pending:
+                self._drop(selector, pending, next(iter(pending)))
+            conn.setblocking(False)
+            pending[conn] = time.monotonic() + self._handshake_timeout
+            selector.register(conn, selectors.EVENT_READ)
+
+    @staticmethod
+    def _drop(selector: selectors.BaseSelector, pending: dict[socket.socket, float],
+              conn: socket.socket) -> None:
+        del pending[conn]
+        selector.unregister(conn)
+        _shutdown(conn)
+
+    def _hello(self, conn: socket.socket) -> None:
+        """Admit ``conn`` if its first message is a HELLO with the token, else close it."""
+        try:
+            message, fds, _, _ = socket.recv_fds(conn, wire.MAX_UNIX_MESSAGE,
+                                                 wire.MAX_FDS_PER_MESSAGE)
+        except OSError:
+            _shutdown(conn)
+            return
+        try:
+            op, client_id, count, token = wire.decode_unix(message)
+            if op != wire.HELLO or count or fds or not client_id:
+                raise errors.InvalidArgumentError("the first message is not a HELLO")
+            # Segments are accepted only on a connection that showed the token.
+            self._security.check_token(token or None)
+        except errors.OpError:  # also the empty message of a closed connection
+            _close_all(fds)
+            _shutdown(conn)
+            return
+        with self._clients_lock:
+            full = len(self._connections) >= self._max_connections
+        if full:
+            _shutdown(conn)
+            return
+        conn.setblocking(True)
+        peer = _UnixPeer(conn, client_id, on_close=self._forget)
+        with self._clients_lock:
+            self._connections.add(peer)
+        self._register(client_id, peer)
 
     def _forget(self, peer: _UnixPeer) -> None:
         with self._clients_lock:
@@ -374,14 +436,18 @@ class LocalListener(Listener):
                 del _in_process[self._address]
         self._stopped.set()
         self._control.stop(grace)
-        _shutdown(self._unix)  # also wakes the accept thread, releasing the name
+        with contextlib.suppress(OSError):
+            self._unix.shutdown(socket.SHUT_RDWR)  # wakes the accept thread
+        if self._started:
+            self._acceptor.join(10)
+        self._unix.close()  # releases the name
         with self._clients_lock:
             peers, self._clients = list(self._connections), {}
         for peer in peers:
             peer.close()
 
     def _call(self, message: bytes, context: grpc.ServicerContext) -> bytes:
-        check_token(context, self._security)
+        # The control server's interceptor checked the token before the request was read.
         try:
             control = wire.decode_control(message, self._limit)
             peer = self._clients.get(control.client_id)  # a dict read needs no lock
@@ -397,7 +463,10 @@ class LocalListener(Listener):
                     "No shared-memory connection from this client: the server refused it "
                     f"(over its max_connections, {self._max_connections}) or the client is "
                     "not on this host (grpc+local connects only tasks of the same host).")
-            fds = peer.inbox.take(control.transfer_id, segments, _SEGMENT_WAIT) if segments else []
+            # Sent before the call, so they are there unless the client stalls: a transfer
+            # idle for message_idle_timeout_seconds frees this thread.
+            fds = (peer.inbox.take(control.transfer_id, segments, self._segment_wait)
+                   if segments else [])
             request = Frame(control.header, _received(control, fds))
             response = self._handler(request)
             views, kinds, places, fds = _plan(response.buffers, self._transport.segment_bytes)

@@ -54,7 +54,6 @@ from clusterwire.transport import (
 )
 from clusterwire.transports.grpc.plumbing import (
     ControlServer,
-    check_token,
     grpc_error,
     open_channel,
     token_metadata,
@@ -121,7 +120,7 @@ class VerbsListener(Listener):
             "Hello": grpc.unary_unary_rpc_method_handler(self._hello),
             "Ping": grpc.unary_unary_rpc_method_handler(self._ping),
             "Bye": grpc.unary_unary_rpc_method_handler(self._bye),
-        }, 4, "verbs-control", max_connections=options.max_connections)
+        }, 4, "verbs-control", limits=options)
         self._address = self._control.address
         self._endpoints: dict[int, tuple[Any, bytes]] = {}
         self._last_seen: dict[int, float] = {}  # slot -> time of its last request or ping
@@ -155,7 +154,6 @@ class VerbsListener(Listener):
 
     def _ping(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         """Liveness, and whether the client's slot still exists (b"\x01") or not (b"\x00")."""
-        check_token(context, self._security)
         with self._lock:
             slot = self._known_slot(request)
             if slot is not None:
@@ -164,7 +162,6 @@ class VerbsListener(Listener):
 
     def _bye(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         """A client closed its channel: free its slot (it proves it with the slot key)."""
-        check_token(context, self._security)
         with self._lock:
             slot = self._known_slot(request)
             if slot is not None:
@@ -190,7 +187,6 @@ class VerbsListener(Listener):
             self._forget(slot)
 
     def _hello(self, client_address: bytes, context: grpc.ServicerContext) -> bytes:
-        check_token(context, self._security)
         if not self._transport.addresses.usable(client_address):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           "Hello needs a valid UCX worker address of the client.")

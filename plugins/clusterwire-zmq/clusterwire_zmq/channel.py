@@ -108,6 +108,9 @@ class _Link:
             except zmq.Again:  # libzmq dropped the pipe (handshake refused): events say why
                 self._await_writable(deadline)
         welcome = self._await_welcome(request_id, deadline)
+        if welcome.kind == wire.REPLY and welcome.status:  # refused: over max_connections
+            raise errors.error_from_code(welcome.status,
+                                         welcome.header.decode("utf-8", "replace"))
         if welcome.kind != wire.WELCOME:
             raise errors.InvalidArgumentError(
                 f"{self.address} answered HELLO with a kind {welcome.kind} message.")

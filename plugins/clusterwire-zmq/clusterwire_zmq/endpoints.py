@@ -51,6 +51,11 @@ def connect_endpoint(address: str) -> tuple[str, bool]:
     return f"tcp://{join_host_port(host, port)}", is_ipv6(host)
 
 
+def bound_ip(endpoint: str) -> str:
+    """The IP of a ``bind_endpoint`` endpoint, as ``getsockname`` shows it."""
+    return endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+
+
 def bound_port(last_endpoint: bytes | str) -> int:
     """The port of a socket's ``LAST_ENDPOINT`` (``tcp://ip:port``)."""
     text = last_endpoint.decode() if isinstance(last_endpoint, bytes) else last_endpoint

@@ -20,7 +20,8 @@ from clusterwire.addressing import join_host_port
 from clusterwire.transport import Frame, Handler, Listener, ListenOptions
 from clusterwire_zmq import wire
 from clusterwire_zmq.auth import TokenGate, refuse_tls
-from clusterwire_zmq.endpoints import bind_endpoint, bound_port
+from clusterwire_zmq.endpoints import bind_endpoint, bound_ip, bound_port
+from clusterwire_zmq.guard import ConnectionGuard
 from clusterwire_zmq.options import Settings
 from clusterwire_zmq.router import SharedRouter
 
@@ -42,25 +43,35 @@ class ZmqListener(Listener):
         self._context = zmq.Context(io_threads=1)
         self._gate = TokenGate(self._context, options.security)
         sock = self._context.socket(zmq.ROUTER)
+        self._guard = ConnectionGuard(self._context, sock, options)
         try:
             settings.configure(sock, ipv6)
             TokenGate.configure_server(sock)
-            # libzmq drops a peer sending a larger part before allocating it.
+            # libzmq drops a peer sending a larger part before allocating it. It hands a
+            # multipart message over only once every part arrived, so it still buffers a
+            # whole message (of parts each within this bound, however many) before part 0's
+            # declared sizes are checked against max_message_bytes (wire.decode, before it
+            # looks at any other part). Only a token holder gets a message through, and
+            # this plugin's channels never send a frame over the limit WELCOME announced.
             sock.setsockopt(zmq.MAXMSGSIZE, options.max_message_bytes + wire.PART0_OVERHEAD)
             sock.bind(endpoint)
             port = bound_port(sock.getsockopt(zmq.LAST_ENDPOINT))
         except zmq.ZMQError as err:
+            sock.disable_monitor()
             sock.close(linger=0)
+            self._guard.close()
             self._gate.close()
             self._context.term()
             raise errors.UnavailableError(
                 f"Could not bind {address} ({err.strerror}). Choose a free port, or port 0 to "
                 "let the system pick one, and a host name of this machine.") from None
         self._address = join_host_port(host, port)
+        self._guard.watch(bound_ip(endpoint), port)
         self._router = SharedRouter(sock)
         self._handler = handler
         self._limit = options.max_message_bytes
         self._max_calls = options.max_concurrent_calls
+        self._max_connections = options.max_connections
         self._max_workers = max(1, options.max_workers)
         self._inline_max = settings.inline_bytes
         self._lock = threading.Lock()
@@ -101,6 +112,7 @@ class ZmqListener(Listener):
                     request_id, errors.CANCELLED,
                     f"The zmq listener at {self._address} stopped before the call finished.")])
         self._router.close(_FLUSH_MS)
+        self._guard.close()
         self._gate.close()
         self._context.term()
         self._stopped.set()
@@ -164,6 +176,13 @@ class ZmqListener(Listener):
         if len(parts) < 2:
             return  # a routing id without a body: nothing to answer
         ident = parts[0].bytes
+        if not self._guard.admit(ident, parts[1]):
+            self._router.send([ident, *wire.encode_error(
+                wire.peek_request_id(parts[1]), errors.RESOURCE_EXHAUSTED,
+                f"The zmq listener at {self._address} holds its max_connections "
+                f"({self._max_connections}) authenticated connections: raise max_connections "
+                "or close idle channels.")])
+            return
         try:
             message = wire.decode(parts[1:], self._limit)
         except errors.OpError as err:

@@ -120,6 +120,9 @@ class SharedRouter:
         with self._lock:
             self._idle.wait_for(lambda: self._waiting == 0, timeout=10)
             self._closed = True
+            # A monitor's reader closes after this; libzmq would block on its dead pipe.
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.disable_monitor()
             self._sock.close(linger=linger_ms)
         for fd in (self._wake_r, self._wake_w, self._stop_r, self._stop_w):
             os.close(fd)

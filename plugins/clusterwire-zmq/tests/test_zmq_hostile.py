@@ -7,6 +7,7 @@ with a malformed frame, never die, and keep serving well-formed clients.
 from __future__ import annotations
 
 import struct
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -174,3 +175,21 @@ def test_fuzzed_messages_always_get_a_well_formed_answer(rogue, handled, kind, c
     reply = rogue.exchange([first, *extra])
     assert reply is not None and reply.kind in (wire.REPLY, wire.WELCOME)
     assert 0 <= reply.status <= 16
+
+
+def test_connections_over_max_connections_are_refused_until_one_closes():
+    with serving(options=ListenOptions(max_connections=1)) as listener:
+        with channel_to(listener.address) as first:
+            first.call(Frame(b"in", []), timeout=10)
+            with channel_to(listener.address) as second, pytest.raises(
+                    errors.ResourceExhaustedError, match="max_connections"):
+                second.call(Frame(b"over", []), timeout=10)
+        deadline = time.monotonic() + 10
+        while True:  # the first connection's end reaches the listener soon after close()
+            with channel_to(listener.address) as third:
+                try:
+                    third.call(Frame(b"again", []), timeout=10)
+                    break
+                except errors.ResourceExhaustedError:
+                    assert time.monotonic() < deadline, "the closed connection still counts"
+            time.sleep(0.02)

@@ -1,0 +1,155 @@
+"""A listener's connection limits, which libzmq does not keep: ``max_connections`` and
+``max_pending_connections``, and the handshake deadline past the ZMTP handshake.
+
+libzmq's ``HANDSHAKE_IVL`` closes a connection whose ZMTP handshake (greeting, PLAIN and
+the ZAP token check) is not done in time; ZAP itself cannot count connections (it never
+hears of one closing). So the guard follows the ROUTER's monitor events (a connection
+accepted or gone, by descriptor) and counts a connection as authenticated once its first
+message arrives (``SRCFD`` names its descriptor; only a token holder gets a message
+through). Until then it is pending: the oldest pending one is closed when a new one would
+exceed ``max_pending_connections``, and one still pending after
+``handshake_timeout_seconds`` is closed. A first message beyond ``max_connections``
+authenticated connections is refused and its connection stays pending.
+
+Ordering: libzmq reports a connection's end before its descriptor is reused and its
+acceptance before any of its messages, so draining the events before looking up a
+message's descriptor finds that message's connection. A connection is closed by shutting
+down a duplicate of its descriptor, only once the duplicate shows it is a connection to
+this listener (libzmq may have closed it and reused the number meanwhile).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import select
+import socket
+import threading
+import time
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from clusterwire.transport import ListenOptions
+from clusterwire_zmq.sockets import NOBLOCK, readable
+
+_ACCEPTED, _DISCONNECTED = int(zmq.EVENT_ACCEPTED), int(zmq.EVENT_DISCONNECTED)
+_SRCFD = int(zmq.SRCFD)
+_monitor_ids = itertools.count()
+
+
+class ConnectionGuard:
+    """Watches one ROUTER socket's connections (a thread) and admits their first messages.
+
+    Create it before the socket binds; the socket's owner disables the monitor before it
+    closes the socket (see ``SharedRouter.close``), then calls ``close``.
+    """
+
+    def __init__(self, context: zmq.Context, sock: zmq.Socket, options: ListenOptions):
+        self._max_connections = options.max_connections
+        self._max_pending = max(options.max_pending_connections, 1)
+        self._timeout = options.handshake_timeout_seconds
+        sock.setsockopt(zmq.HANDSHAKE_IVL, max(int(self._timeout * 1000), 1))
+        self._events = context.socket(zmq.PAIR)
+        self._events.setsockopt(zmq.LINGER, 0)
+        # Unbounded: libzmq's I/O thread blocks on a full monitor pipe.
+        self._events.setsockopt(zmq.RCVHWM, 0)
+        endpoint = f"inproc://clusterwire-zmq-guard-{next(_monitor_ids)}"
+        sock.monitor(endpoint, _ACCEPTED | _DISCONNECTED)
+        self._events.connect(endpoint)
+        self._lock = threading.Lock()
+        self._pending: dict[int, float] = {}  # descriptor -> deadline, oldest first
+        self._admitted: dict[int, bytes] = {}  # descriptor -> routing id
+        self._idents: set[bytes] = set()  # routing ids of admitted connections
+        self._ip, self._port = "", 0  # where the socket is bound, set by ``watch``
+        self._closed = False
+        self._stop_r, self._stop_w = os.pipe()
+        self._thread = threading.Thread(target=self._watch, name="clusterwire-zmq-guard",
+                                         daemon=True)
+
+    def watch(self, ip: str, port: int) -> None:
+        """Start the thread, once the socket is bound to ``ip`` (maybe a wildcard), ``port``."""
+        self._ip, self._port = ip, port
+        self._thread.start()
+
+    def admit(self, ident: bytes, part: zmq.Frame) -> bool:
+        """Whether the connection that sent ``part`` may be served: admitted already, or
+        admitted now as its first message, unless ``max_connections`` are held."""
+        if ident in self._idents:  # the common case: no lock
+            return True
+        with self._lock:
+            if self._closed:
+                return True
+            self._drain()
+            fd = part.get(_SRCFD)
+            if fd not in self._pending:  # admitted, or gone (unknown): serve it
+                return True
+            if len(self._admitted) >= self._max_connections:
+                return False
+            del self._pending[fd]
+            self._admitted[fd] = ident
+            self._idents.add(ident)
+            return True
+
+    def _watch(self) -> None:
+        poller = select.poll()
+        poller.register(self._events.getsockopt(zmq.FD), select.POLLIN)
+        poller.register(self._stop_r, select.POLLIN)
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                self._drain()
+                self._expire(time.monotonic())
+                wait = (max(next(iter(self._pending.values())) - time.monotonic(), 0)
+                        if self._pending else None)
+            poller.poll(None if wait is None else wait * 1000 + 1)
+
+    def _drain(self) -> None:
+        """Under the lock: apply every monitor event libzmq has sent so far."""
+        while readable(self._events):
+            event = parse_monitor_message(self._events.recv_multipart(NOBLOCK))
+            fd = int(event["value"])
+            if event["event"] == _ACCEPTED:
+                if len(self._pending) >= self._max_pending:
+                    self._close(next(iter(self._pending)))
+                self._pending[fd] = time.monotonic() + self._timeout
+            else:
+                self._pending.pop(fd, None)
+                self._idents.discard(self._admitted.pop(fd, b""))
+
+    def _expire(self, now: float) -> None:
+        """Under the lock: close the pending connections past their deadline."""
+        while self._pending and next(iter(self._pending.values())) <= now:
+            self._close(next(iter(self._pending)))
+
+    def _close(self, fd: int) -> None:
+        """Under the lock: forget pending ``fd`` and shut its connection down if it is still
+        one to this listener (libzmq then closes it and reports it gone)."""
+        del self._pending[fd]
+        try:
+            duplicate = os.dup(fd)
+        except OSError:  # closed meanwhile
+            return
+        try:
+            sock = socket.socket(fileno=duplicate)
+        except OSError:  # not a socket any more
+            os.close(duplicate)
+            return
+        with sock, contextlib.suppress(OSError):  # closes the duplicate only
+            ip, port = sock.getsockname()[:2]
+            ours = port == self._port and (ip == self._ip or self._ip in ("0.0.0.0", "::"))
+            if ours and sock.getpeername():
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        """Stop the thread and close the monitor's reader (after the monitor is disabled)."""
+        with self._lock:
+            self._closed = True
+        os.write(self._stop_w, b"\0")
+        if self._thread.ident is not None:
+            self._thread.join(10)
+        self._events.close(linger=0)
+        for fd in (self._stop_r, self._stop_w):
+            os.close(fd)
