@@ -9,8 +9,9 @@ processes on 127.0.0.1 over grpc; the bench process is the client of both. Each 
 both sides back to back, in an order that alternates between rounds, so a slow phase of the
 machine hits both alike:
 
-1. ``Session.get`` of an 8-byte array (400 round trips a round, median latency);
-2. ``Session.get`` of a 64 MiB array (3 a round, median time);
+1. ``Session.get`` of an 8-byte array (400 round trips a round per side, in 10 alternating
+   slices of 40; median latency);
+2. ``Session.get`` of a 64 MiB array (4 a round per side, alternating; median time);
 3. a data-service read of ``Dataset.range(200_000)`` through ``distribute("parallel_epochs")``
    (elements/s), and of 64 elements of 1 MiB each (MiB/s).
 
@@ -43,8 +44,9 @@ from clusterwire.local_cluster import LocalCluster
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TARGET = 1.05
-_SMALL_CALLS = 400
-_BIG_GETS = 3
+_SMALL_CALLS = 40      # 8-byte gets in a row, 10 times a round per side
+_SMALL_SLICES = 10
+_BIG_GETS = 4
 
 
 @contextlib.contextmanager
@@ -118,24 +120,30 @@ def measure(rounds: int) -> dict[str, dict[str, list[float]]]:
             sessions[side] = session
             dispatchers[side] = stack.enter_context(data_service(
                 token_file if config else None))
-        measures: dict[str, Callable[[str], float]] = {
-            "Session.get 8 B (us)": lambda side: median_get(
-                sessions[side], "small", _SMALL_CALLS) * 1e6,
-            "Session.get 64 MiB (ms)": lambda side: median_get(
-                sessions[side], "big", _BIG_GETS) * 1e3,
-            "data range(200k) (elements/s)": lambda side: read_rate(
-                dispatchers[side], data.Dataset.range(200_000), configs[side], lambda _: 1),
-            "data 1 MiB elements (MiB/s)": lambda side: read_rate(
+        # name -> (one sample of a side, samples a side per round: they alternate sides)
+        measures: dict[str, tuple[Callable[[str], float], int]] = {
+            "Session.get 8 B (us)": (lambda side: median_get(
+                sessions[side], "small", _SMALL_CALLS) * 1e6, _SMALL_SLICES),
+            "Session.get 64 MiB (ms)": (lambda side: median_get(
+                sessions[side], "big", 1) * 1e3, _BIG_GETS),
+            "data range(200k) (elements/s)": (lambda side: read_rate(
+                dispatchers[side], data.Dataset.range(200_000), configs[side],
+                lambda _: 1), 1),
+            "data 1 MiB elements (MiB/s)": (lambda side: read_rate(
                 dispatchers[side], data.Dataset.range(64).map(workload.fill_1m),
-                configs[side], lambda e: e.nbytes / (1 << 20)),
+                configs[side], lambda e: e.nbytes / (1 << 20)), 1),
         }
-        for name, run in measures.items():
+        for name, (run, slices) in measures.items():
             run("open"), run("token")  # warm-up: connections, imports, first jobs
             results[name] = {"open": [], "token": []}
             for index in range(rounds):
-                order = ("open", "token") if index % 2 == 0 else ("token", "open")
-                for side in order:
-                    results[name][side].append(run(side))
+                samples: dict[str, list[float]] = {"open": [], "token": []}
+                for turn in range(slices):
+                    first = "open" if (index + turn) % 2 == 0 else "token"
+                    for side in (first, "token" if first == "open" else "open"):
+                        samples[side].append(run(side))
+                for side, values in samples.items():
+                    results[name][side].append(statistics.median(values))
     return results
 
 

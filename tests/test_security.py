@@ -122,14 +122,27 @@ def test_wrong_ca_is_unauthenticated(pki, tmp_path):
                 session.status()
 
 
+def test_a_certificate_that_does_not_name_the_host_is_unauthenticated_at_once(pki):
+    # The server's certificate names 127.0.0.1 and localhost, not 127.0.0.2.
+    with Server({"w": ["127.0.0.2:0"]}, config=server_config(pki, token=False)) as server:
+        started = time.monotonic()
+        with Session(server.target, timeout=30, config=client_config(pki, token=None)) as s:
+            with pytest.raises(UnauthenticatedError, match="names this host.*127.0.0.2"):
+                s.status()
+        assert time.monotonic() - started < 5
+
+
 def test_mutual_tls_needs_a_client_certificate(pki):
     config = server_config(pki, token=False, client_auth=True)
     with Server({"w": ["127.0.0.1:0"]}, config=config) as server:
         with Session(server.target, config=client_config(pki, token=None, cert="client")) as ok:
             assert ok.status()["job"] == "w"
-        with Session(server.target, config=client_config(pki, token=None)) as anonymous:
-            with pytest.raises(UnavailableError, match="client certificate"):
+        started = time.monotonic()
+        with Session(server.target, timeout=30,
+                     config=client_config(pki, token=None)) as anonymous:
+            with pytest.raises(UnauthenticatedError, match="requires a client certificate"):
                 anonymous.status()
+        assert time.monotonic() - started < 5  # not retried until the 30 s deadline
         expired = client_config(pki, token=None, cert="expired")
         with Session(server.target, config=expired) as old:
             with pytest.raises(UnavailableError):

@@ -151,8 +151,9 @@ def token_metadata(security: Security) -> tuple[tuple[str, bytes], ...] | None:
     return ((TOKEN_METADATA, security.token),) if security.token else None
 
 
-def grpc_error(err: grpc.RpcError, address: str) -> errors.OpError:
-    """The clusterwire error for a gRPC failure talking to ``address``."""
+def grpc_error(err: grpc.RpcError, address: str,
+               security: Security | None = None) -> errors.OpError:
+    """The clusterwire error for a gRPC failure talking to ``address`` with ``security``."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = (err.details() if hasattr(err, "details") else None) or str(code)
     lowered = details.lower()
@@ -160,10 +161,18 @@ def grpc_error(err: grpc.RpcError, address: str) -> errors.OpError:
         # What a gRPC server's stop() tells calls still running after the grace period.
         return errors.CancelledError(f"The server at {address} stopped during the call.")
     if code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in lowered:
-        if "certificate_verify_failed" in lowered or "peer_did_not_return" in lowered:
+        if ("certificate_verify_failed" in lowered or "peer_did_not_return" in lowered
+                or "verification check failed" in lowered):
             return errors.UnauthenticatedError(
                 f"TLS to {address}: the certificate was refused ({_reason(details)}). Check "
-                "tls_ca_file and that the certificate is current and names this host.")
+                "tls_ca_file and that the certificate is current and names this host "
+                f"({split_host_port(address)[0]}).")
+        tls = security.tls if security is not None else None
+        if lowered.endswith(": socket closed") and tls is not None and not tls.certificate_chain:
+            return errors.UnauthenticatedError(
+                f"TLS to {address}: the server closed the connection during the handshake; it "
+                "requires a client certificate (mutual TLS), which this client does not "
+                "present: set tls_cert_file and tls_key_file.")
         if "wrong_version_number" in lowered:
             return HandshakeFailed(
                 f"TLS to {address} failed: the server does not speak TLS ({_reason(details)}).")

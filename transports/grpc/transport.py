@@ -222,6 +222,7 @@ class GrpcChannel(Channel):
         split_host_port(address)
         self._transport = transport
         self._address = address
+        self._security = security
         self._metadata = token_metadata(security)
         self._bulk = BulkClient(address)
         self._bulk_after = 0.0  # monotonic time from which the bulk port is tried again
@@ -266,7 +267,7 @@ class GrpcChannel(Channel):
                 iter(self._fetch(ticket, timeout=remaining, metadata=self._metadata)),
                 prefix.lengths), deadline))
         except grpc.RpcError as err:
-            raise grpc_error(err, self._address) from None
+            raise grpc_error(err, self._address, self._security) from None
         except ValueError as err:  # grpc raises it for a closed channel
             raise errors.CancelledError(f"Channel to {self._address} is closed: {err}") from None
 

@@ -529,6 +529,7 @@ class LocalChannel(Channel):
         self._metadata = token_metadata(security)
         self._client_id = secrets.randbits(63) + 1
         self._ids = itertools.count(1)
+        self._security = security
         self._channel = open_channel(address, security, [
             ("grpc.max_receive_message_length", wire.MAX_HEADER_BYTES + (16 << 20)),
             ("grpc.max_send_message_length", -1)])
@@ -585,7 +586,7 @@ class LocalChannel(Channel):
         except grpc.RpcError as err:
             if self._closed.is_set():
                 raise errors.CancelledError(f"Channel to {self._address} was closed.") from None
-            raise grpc_error(err, self._address) from None
+            raise grpc_error(err, self._address, self._security) from None
         except ValueError as err:  # grpc refuses calls on a closed channel
             raise errors.CancelledError(f"Channel to {self._address} is closed: {err}") from None
         except OSError as err:

@@ -350,6 +350,7 @@ class VerbsChannel(Channel):
         self._engine = transport.engine
         self._address = address
         self._metadata = token_metadata(security)
+        self._security = security
         self._grpc = open_channel(address, security)
         self._hello = self._grpc.unary_unary(f"/{_SERVICE}/Hello")
         self._ping = self._grpc.unary_unary(f"/{_SERVICE}/Ping")
@@ -370,7 +371,7 @@ class VerbsChannel(Channel):
                     reply = self._hello(self._engine.address, timeout=timeout,
                                         metadata=self._metadata)
                 except grpc.RpcError as err:
-                    raise grpc_error(err, self._address) from None
+                    raise grpc_error(err, self._address, self._security) from None
                 slot, key = _HELLO.unpack_from(reply)
                 endpoint = self._engine.connect(reply[_HELLO.size:])
                 self._connection = (slot, key, endpoint)
@@ -478,7 +479,7 @@ class VerbsChannel(Channel):
             known = self._ping(request, timeout=2.0, metadata=self._metadata)
         except grpc.RpcError as err:
             self._drop_connection()
-            error = grpc_error(err, self._address)
+            error = grpc_error(err, self._address, self._security)
             raise errors.UnavailableError(
                 f"The server at {self._address} stopped answering: {error.message}") from None
         except ValueError:  # the gRPC channel was closed under us
