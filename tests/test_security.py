@@ -208,3 +208,22 @@ def test_serve_on_loopback_without_security_does_not_warn():
         proc.terminate()
         _, err = proc.communicate(timeout=20)
     assert "WARNING" not in err
+
+
+def test_a_server_beyond_loopback_warns_without_tls_or_token(caplog):
+    from clusterwire.security import Security, TlsConfig
+    from clusterwire.shell import listen_options, warn_if_exposed
+
+    token = b"t" * 16
+    with caplog.at_level("WARNING", logger="clusterwire"):
+        warn_if_exposed("127.0.0.1", listen_options(), "Task A")
+        warn_if_exposed("localhost", listen_options(), "Task A")
+        assert not caplog.records
+        warn_if_exposed("0.0.0.0", listen_options(), "Task B")
+        warn_if_exposed("10.1.2.3", listen_options(security=Security(token=token)), "Task C")
+        warn_if_exposed("10.1.2.3", listen_options(security=Security(
+            token=token, tls=TlsConfig(b"cert", b"key"))), "Task D")
+    messages = [record.getMessage() for record in caplog.records]
+    assert len(messages) == 2
+    assert "Task B listens on 0.0.0.0 without TLS or a cluster token" in messages[0]
+    assert "Task C" in messages[1] and "travels in the clear" in messages[1]

@@ -25,9 +25,10 @@ large replies are fetched over gRPC as before.
 Limits (the listener's ``ListenOptions``): a connection is pending until its
 first fetch id arrives, which must happen within ``handshake_timeout_seconds``;
 at most ``max_pending_connections`` are pending, a new one beyond that closing
-the oldest. A connection whose first id is answered counts against
-``max_connections`` (over it, the id is left unread and the connection closed:
-the client fetches over gRPC). A client that stops reading a response for
+the oldest of the peer (IP address) holding the most (``clusterwire.pending``).
+A connection whose first id is answered counts against ``max_connections``
+(over it, the id is left unread and the connection closed: the client fetches
+over gRPC). A client that stops reading a response for
 ``message_idle_timeout_seconds`` is cut off.
 """
 
@@ -45,6 +46,7 @@ import numpy as np
 from clusterwire import errors
 from clusterwire.addressing import split_host_port
 from clusterwire.buffers import MIN_POOLED_BYTES, receive_buffers, split
+from clusterwire.pending import PendingConnections
 from clusterwire.transport import ListenOptions
 
 _TICKET = struct.Struct("<Q")
@@ -84,7 +86,9 @@ class BulkServer:
             (host, 0), family=family, backlog=128,
             dualstack_ipv6=host == "::" and socket.has_dualstack_ipv6())
         self.port: int = self._socket.getsockname()[1]
-        self._pending: dict[socket.socket, None] = {}  # no fetch id yet; oldest first
+        # No fetch id yet (each thread keeps its own deadline).
+        self._pending: PendingConnections[socket.socket] = PendingConnections(
+            limits.max_pending_connections, limits.handshake_timeout_seconds)
         self._connections: set[socket.socket] = set()  # admitted with their first fetch id
         self._threads: set[threading.Thread] = set()
         self._lock = threading.Lock()
@@ -124,7 +128,7 @@ class BulkServer:
     def _accept(self) -> None:
         while True:
             try:
-                connection, _ = self._socket.accept()
+                connection, peer = self._socket.accept()
             except OSError:
                 if self._stopping:
                     return  # stop() closed the socket
@@ -133,11 +137,9 @@ class BulkServer:
             with self._lock:
                 refused = self._stopping
                 if not refused:
-                    if len(self._pending) >= self._limits.max_pending_connections:
-                        oldest = next(iter(self._pending))
-                        del self._pending[oldest]
-                        _shutdown(oldest, socket.SHUT_RDWR)  # its thread wakes and closes it
-                    self._pending[connection] = None
+                    evicted = self._pending.add(connection, peer[0], time.monotonic())
+                    if evicted is not None:
+                        _shutdown(evicted, socket.SHUT_RDWR)  # its thread wakes and closes it
                     thread = threading.Thread(target=self._serve, args=(connection,),
                                               name="clusterwire-grpc-bulk", daemon=True)
                     self._threads.add(thread)
@@ -149,9 +151,8 @@ class BulkServer:
         """Move a connection that sent its first fetch id from pending to admitted; False if
         it was closed as the oldest pending one, or ``max_connections`` are admitted."""
         with self._lock:
-            if connection not in self._pending:
+            if not self._pending.discard(connection):
                 return False
-            del self._pending[connection]
             if len(self._connections) >= self._limits.max_connections:
                 return False
             self._connections.add(connection)
@@ -180,7 +181,7 @@ class BulkServer:
             pass  # the client went away, was too slow, or stop() cut the connection
         finally:
             with self._lock:
-                self._pending.pop(connection, None)
+                self._pending.discard(connection)
                 self._connections.discard(connection)
                 self._threads.discard(threading.current_thread())
             connection.close()

@@ -25,6 +25,7 @@ import os
 import secrets
 import selectors
 import socket
+import struct
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -34,6 +35,7 @@ import grpc
 
 from clusterwire import errors
 from clusterwire.addressing import split_host_port
+from clusterwire.pending import PendingConnections
 from clusterwire.security import Security
 from clusterwire.transport import (
     Channel,
@@ -57,6 +59,7 @@ from clusterwire.transports.local import sealed, wire
 _METHOD = "/clusterwire.Local/Call"
 _SEGMENT_WAIT = 10.0
 _HELLO_WAIT = 2.0
+_UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
 _MAX_HELD_FDS = 65536
 _in_process: dict[str, LocalListener] = {}
 _in_process_lock = threading.Lock()
@@ -110,6 +113,17 @@ class _Inbox:
                 _close_all(fds)
             self._items.clear()
             self._cond.notify_all()
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    """The user id of the process at the other end of a Unix connection."""
+    credentials = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    return _UCRED.unpack(credentials)[1]
+
+
+def _unregister_and_shutdown(selector: selectors.BaseSelector, conn: socket.socket) -> None:
+    selector.unregister(conn)
+    _shutdown(conn)
 
 
 def _shutdown(sock: socket.socket) -> None:
@@ -337,33 +351,33 @@ class LocalListener(Listener):
 
         Until its HELLO has shown the token a connection is pending: it has no thread and
         does not count against max_connections; it is closed once handshake_timeout_seconds
-        pass, and the oldest pending one is closed when a new one would exceed
-        max_pending_connections, so silent connections cannot lock token holders out.
+        pass, and when a new one would exceed max_pending_connections the oldest pending one
+        of the peer (uid) holding the most is closed (``clusterwire.pending``), so silent
+        connections cannot lock token holders out.
         """
-        pending: dict[socket.socket, float] = {}  # oldest first: its deadline
+        pending: PendingConnections[socket.socket] = PendingConnections(
+            self._max_pending, self._handshake_timeout)
         with selectors.DefaultSelector() as selector:
             selector.register(self._unix, selectors.EVENT_READ)
             try:
                 while not self._stopped.is_set():
-                    wait = (max(next(iter(pending.values())) - time.monotonic(), 0)
-                            if pending else None)
+                    deadline = pending.next_deadline()
+                    wait = None if deadline is None else max(deadline - time.monotonic(), 0)
                     for key, _ in selector.select(wait):
                         if key.fileobj is self._unix:
                             self._accept_pending(selector, pending)
-                        elif key.fileobj in pending:  # not evicted by an accept above
-                            del pending[key.fileobj]
+                        elif pending.discard(key.fileobj):  # not evicted by an accept above
                             selector.unregister(key.fileobj)
                             self._hello(key.fileobj)
-                    now = time.monotonic()
-                    while pending and next(iter(pending.values())) <= now:
-                        self._drop(selector, pending, next(iter(pending)))
+                    for conn in pending.expire(time.monotonic()):
+                        _unregister_and_shutdown(selector, conn)
             finally:
                 for conn in pending:
                     _shutdown(conn)
 
     def _accept_pending(self, selector: selectors.BaseSelector,
-                        pending: dict[socket.socket, float]) -> None:
-        """Accept every queued connection as pending, closing the oldest over the cap."""
+                        pending: PendingConnections[socket.socket]) -> None:
+        """Accept every queued connection as pending, closing one over the cap."""
         while not self._stopped.is_set():
             try:
                 conn, _ = self._unix.accept()
@@ -374,18 +388,11 @@ class LocalListener(Listener):
             if full:  # refused before reading anything: the client's HELLO fails
                 _shutdown(conn)
                 continue
-            if len(pending) >= self._max_pending:
-                self._drop(selector, pending, next(iter(pending)))
             conn.setblocking(False)
-            pending[conn] = time.monotonic() + self._handshake_timeout
+            evicted = pending.add(conn, _peer_uid(conn), time.monotonic())
+            if evicted is not None:
+                _unregister_and_shutdown(selector, evicted)
             selector.register(conn, selectors.EVENT_READ)
-
-    @staticmethod
-    def _drop(selector: selectors.BaseSelector, pending: dict[socket.socket, float],
-              conn: socket.socket) -> None:
-        del pending[conn]
-        selector.unregister(conn)
-        _shutdown(conn)
 
     def _hello(self, conn: socket.socket) -> None:
         """Admit ``conn`` if its first message is a HELLO with the token, else close it."""

@@ -6,8 +6,9 @@ the ZAP token check) is not done in time; ZAP itself cannot count connections (i
 hears of one closing). So the guard follows the ROUTER's monitor events (a connection
 accepted or gone, by descriptor) and counts a connection as authenticated once its first
 message arrives (``SRCFD`` names its descriptor; only a token holder gets a message
-through). Until then it is pending: the oldest pending one is closed when a new one would
-exceed ``max_pending_connections``, and one still pending after
+through). Until then it is pending: when a new one would exceed
+``max_pending_connections``, the oldest pending one of the peer (IP address) holding the
+most is closed (``clusterwire.pending``), and one still pending after
 ``handshake_timeout_seconds`` is closed. A first message beyond ``max_connections``
 authenticated connections is refused and its connection stays pending.
 
@@ -27,10 +28,12 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from clusterwire.pending import PendingConnections
 from clusterwire.transport import ListenOptions
 from clusterwire_zmq.sockets import NOBLOCK, readable
 
@@ -48,7 +51,6 @@ class ConnectionGuard:
 
     def __init__(self, context: zmq.Context, sock: zmq.Socket, options: ListenOptions):
         self._max_connections = options.max_connections
-        self._max_pending = max(options.max_pending_connections, 1)
         self._timeout = options.handshake_timeout_seconds
         sock.setsockopt(zmq.HANDSHAKE_IVL, max(int(self._timeout * 1000), 1))
         self._events = context.socket(zmq.PAIR)
@@ -59,7 +61,8 @@ class ConnectionGuard:
         sock.monitor(endpoint, _ACCEPTED | _DISCONNECTED)
         self._events.connect(endpoint)
         self._lock = threading.Lock()
-        self._pending: dict[int, float] = {}  # descriptor -> deadline, oldest first
+        self._pending: PendingConnections[int] = PendingConnections(  # by descriptor
+            options.max_pending_connections, self._timeout)
         self._admitted: dict[int, bytes] = {}  # descriptor -> routing id
         self._idents: set[bytes] = set()  # routing ids of admitted connections
         self._ip, self._port = "", 0  # where the socket is bound, set by ``watch``
@@ -87,7 +90,7 @@ class ConnectionGuard:
                 return True
             if len(self._admitted) >= self._max_connections:
                 return False
-            del self._pending[fd]
+            self._pending.discard(fd)
             self._admitted[fd] = ident
             self._idents.add(ident)
             return True
@@ -102,8 +105,8 @@ class ConnectionGuard:
                     return
                 self._drain()
                 self._expire(time.monotonic())
-                wait = (max(next(iter(self._pending.values())) - time.monotonic(), 0)
-                        if self._pending else None)
+                deadline = self._pending.next_deadline()
+                wait = None if deadline is None else max(deadline - time.monotonic(), 0)
             poller.poll(None if wait is None else wait * 1000 + 1)
 
     def _drain(self) -> None:
@@ -112,36 +115,54 @@ class ConnectionGuard:
             event = parse_monitor_message(self._events.recv_multipart(NOBLOCK))
             fd = int(event["value"])
             if event["event"] == _ACCEPTED:
-                if len(self._pending) >= self._max_pending:
-                    self._close(next(iter(self._pending)))
-                self._pending[fd] = time.monotonic() + self._timeout
+                evicted = self._pending.add(fd, self._peer_ip(fd), time.monotonic())
+                if evicted is not None:
+                    self._shut_down(evicted)
             else:
-                self._pending.pop(fd, None)
+                self._pending.discard(fd)
                 self._idents.discard(self._admitted.pop(fd, b""))
 
     def _expire(self, now: float) -> None:
         """Under the lock: close the pending connections past their deadline."""
-        while self._pending and next(iter(self._pending.values())) <= now:
-            self._close(next(iter(self._pending)))
+        for fd in self._pending.expire(now):
+            self._shut_down(fd)
 
-    def _close(self, fd: int) -> None:
-        """Under the lock: forget pending ``fd`` and shut its connection down if it is still
-        one to this listener (libzmq then closes it and reports it gone)."""
-        del self._pending[fd]
+    def _peer_ip(self, fd: int) -> str:
+        """The IP address of the peer of connection ``fd`` ("" if it is gone already)."""
+        with self._ours(fd) as sock:
+            return sock.getpeername()[0] if sock is not None else ""
+
+    def _shut_down(self, fd: int) -> None:
+        """Shut connection ``fd`` down if it is still one to this listener (libzmq then
+        closes it and reports it gone)."""
+        with self._ours(fd) as sock, contextlib.suppress(OSError):
+            if sock is not None:
+                sock.shutdown(socket.SHUT_RDWR)
+
+    @contextlib.contextmanager
+    def _ours(self, fd: int) -> Iterator[socket.socket | None]:
+        """A duplicate of descriptor ``fd`` as a socket if it is still a connection to this
+        listener (libzmq may have closed and reused the number), else None."""
         try:
             duplicate = os.dup(fd)
         except OSError:  # closed meanwhile
+            yield None
             return
         try:
             sock = socket.socket(fileno=duplicate)
         except OSError:  # not a socket any more
             os.close(duplicate)
+            yield None
             return
-        with sock, contextlib.suppress(OSError):  # closes the duplicate only
-            ip, port = sock.getsockname()[:2]
+        with sock:  # closes the duplicate only
+            try:
+                ip, port = sock.getsockname()[:2]
+                sock.getpeername()
+            except OSError:
+                yield None
+                return
             ours = port == self._port and (ip == self._ip or self._ip in ("0.0.0.0", "::"))
-            if ours and sock.getpeername():
-                sock.shutdown(socket.SHUT_RDWR)
+            yield sock if ours else None
 
     def close(self) -> None:
         """Stop the thread and close the monitor's reader (after the monitor is disabled)."""
