@@ -288,3 +288,44 @@ def test_the_dispatcher_holds_a_bounded_number_of_datasets(monkeypatch):
         data.register_dataset(dispatcher.target, data.Dataset.range(1))  # known: no new one
         with pytest.raises(errors.ResourceExhaustedError, match="2 datasets"):
             data.register_dataset(dispatcher.target, data.Dataset.range(3))
+
+
+@pytest.mark.timeout(60)
+def test_a_consumer_runs_a_bounded_number_of_streams_on_a_worker(monkeypatch):
+    from clusterwire.data import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "MAX_STREAMS_PER_CONSUMER", 1)
+    dispatcher = data.DispatchServer(port=0)
+    worker = data.WorkerServer(port=0, dispatcher_address=dispatcher.target.split("://")[1])
+    client = DispatcherClient("grpc", dispatcher.target.split("://")[1], 10.0, Security())
+    channels = WorkerChannels(Security())
+    try:
+        dataset_id = data.register_dataset(dispatcher.target, data.Dataset.range(10 ** 6))
+        job, _ = client.call(DataRequest(get_or_create_job=GetOrCreateJobRequest(
+            dataset_id=dataset_id, sharding_policy=data.ShardingPolicy.DYNAMIC, job_key="j")))
+        specs, held = [], []
+        for _ in range(2):
+            answer, _ = client.call(DataRequest(get_split=GetSplitRequest(
+                job_id=job.job.job_id, consumer_id="alice", held=held)))
+            split = answer.get_split.split
+            held.append(split.split_id)
+            specs.append(StreamSpec(job_id=job.job.job_id, dataset_id=dataset_id,
+                                    is_split=True, split_id=split.split_id,
+                                    unit_start=split.unit_start, unit_end=split.unit_end,
+                                    grant=split.grant, attempt=1))
+
+        def first_batch(spec):
+            return channels.call("grpc", worker.address, DataRequest(
+                get_elements=GetElementsRequest(stream=spec, consumer_id="alice",
+                                                request_seq=1, max_elements=1,
+                                                wait_seconds=1.0)), 10.0)
+
+        response, _ = first_batch(specs[0])
+        assert len(response.get_elements.elements) == 1   # the first split runs on
+        with pytest.raises(errors.ResourceExhaustedError, match="1 of them for this consumer"):
+            first_batch(specs[1])
+    finally:
+        channels.close()
+        client.close()
+        worker.stop()
+        dispatcher.stop()

@@ -45,6 +45,7 @@ from clusterwire.waiting import wait_event
 _IDLE_STREAM_S = 600.0
 #: Unfinished streams a worker runs at once (each buffers up to streams.MAX_BUFFERED_BYTES).
 MAX_OPEN_STREAMS = 64
+MAX_STREAMS_PER_CONSUMER = 16
 _FINISHED_STREAM_S = 30.0
 _FIRST_REGISTRATION_S = 5.0
 
@@ -270,11 +271,13 @@ class WorkerServer:
                     f"Attempt {spec.attempt} at split {spec.split_id} was superseded by a "
                     "later one of the same consumer.")
             replaced = [self._streams.pop(k) for k in attempts]
-            running = sum(not s.finished for s in self._streams.values())
-            if running >= MAX_OPEN_STREAMS:
+            running = [k for k, s in self._streams.items() if not s.finished]
+            mine = sum(k[:1] + k[2:3] == key[:1] + key[2:3] for k in running)
+            if len(running) >= MAX_OPEN_STREAMS or mine >= MAX_STREAMS_PER_CONSUMER:
                 raise errors.ResourceExhaustedError(
-                    f"This tf.data service worker runs {running} streams, its maximum "
-                    f"({MAX_OPEN_STREAMS}); retry later or add workers.")
+                    f"This tf.data service worker runs {len(running)} streams, {mine} of them "
+                    f"for this consumer of job {spec.job_id}; its limits are {MAX_OPEN_STREAMS} "
+                    f"and {MAX_STREAMS_PER_CONSUMER} a consumer. Retry later or add workers.")
             elements_iter = self._elements(pipe, spec)
             if spec.is_split and offset:
                 elements_iter = itertools.islice(elements_iter, offset, None)
