@@ -85,6 +85,7 @@ class RequestClient:
         self._channels: dict[str, Channel] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._closing = threading.Event()  # wakes a retry's backoff
 
     def _channel(self, address: str) -> Channel:
         channel = self._channels.get(address)  # the common case, without the lock
@@ -109,18 +110,29 @@ class RequestClient:
         return response, frame.buffers
 
     def send_frame(self, address: str, frame: Frame, method: str,
-                   timeout: float | None = None) -> Frame:
-        """Send a ready frame, retrying while ``address`` is unreachable, until the deadline."""
+                   timeout: float | None = None, *, idempotent: bool | None = None,
+                   attempt_timeout: float | None = None) -> Frame:
+        """Send a ready frame, retrying while ``address`` is unreachable, until the deadline.
+
+        A request is sent again after a broken connection only if it is ``idempotent``
+        (default: by its method); one never sent is always retried. Each attempt gets the
+        time left, or at most ``attempt_timeout``. ``close()`` ends the retrying with
+        CancelledError.
+        """
         budget = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + budget
+        if idempotent is None:
+            idempotent = method in IDEMPOTENT
         delay = _BACKOFF_START
         while True:
             remaining = deadline - time.monotonic()
+            if attempt_timeout is not None:
+                remaining = min(remaining, attempt_timeout)
             try:
                 return self._channel(address).call(frame, timeout=max(remaining, 0.001))
             except errors.UnavailableError as err:
                 retryable = not isinstance(err, HandshakeFailed) and (
-                    isinstance(err, ConnectionFailed) or method in IDEMPOTENT)
+                    isinstance(err, ConnectionFailed) or idempotent)
                 remaining = deadline - time.monotonic()
                 if not retryable:
                     raise errors.UnavailableError(
@@ -130,7 +142,8 @@ class RequestClient:
                     raise errors.UnavailableError(
                         f"Task at {address} ({self.protocol}) is unavailable after "
                         f"{budget:.3g} s: {err.message}") from None
-                time.sleep(min(jittered(delay), remaining))
+                if self._closing.wait(min(jittered(delay), remaining)):
+                    raise errors.CancelledError("This client was closed.") from None
                 delay = min(delay * 2, _BACKOFF_MAX)
             except errors.DeadlineExceededError as err:
                 raise errors.DeadlineExceededError(
@@ -139,6 +152,7 @@ class RequestClient:
 
     def close(self) -> None:
         """Close every channel (idempotent)."""
+        self._closing.set()
         with self._lock:
             self._closed = True
             channels, self._channels = list(self._channels.values()), {}

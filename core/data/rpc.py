@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,13 +24,12 @@ from clusterwire import errors
 from clusterwire.addressing import join_host_port
 from clusterwire.plugins import get_plugin_manager
 from clusterwire.protos.data_service_pb2 import DataRequest, DataResponse
-from clusterwire.rpc import RequestClient, jittered, raise_for_status
+from clusterwire.rpc import RequestClient, raise_for_status
 from clusterwire.security import Security
 from clusterwire.shell import Shell, warn_if_exposed
 from clusterwire.transport import Channel, Frame, ListenOptions
 
 Handler = Callable[[DataRequest, list[Any]], tuple[DataResponse, Sequence[Any]]]
-_RETRY_START, _RETRY_MAX = 0.02, 0.5
 
 
 def parse(frame: Frame) -> DataResponse:
@@ -62,7 +60,7 @@ def serve(protocol: str, host: str, port: int, handler: Handler, name: str,
 
 
 class DispatcherClient:
-    """Idempotent requests to one dispatcher, retried while it is unavailable."""
+    """Requests to one dispatcher: all idempotent, so retried while it is unavailable."""
 
     def __init__(self, protocol: str, address: str, timeout: float, security: Security,
                  call_timeout: float = 30.0):
@@ -70,35 +68,23 @@ class DispatcherClient:
         self.timeout = timeout
         self.security = security
         self._call_timeout = call_timeout
-        self._client = RequestClient(protocol, timeout=call_timeout, security=security)
-        self._closed = threading.Event()
+        self._client = RequestClient(protocol, timeout=timeout, security=security)
 
-    def call(self, request: DataRequest, buffers: Sequence[Any] = (),
-             wait: float = 0.0) -> tuple[DataResponse, list[Any]]:
-        """Send ``request`` (a long poll may take ``wait`` s); return response and buffers."""
-        frame = Frame(request.SerializeToString(), list(buffers))
-        method = request.WhichOneof("kind")
-        deadline = time.monotonic() + self.timeout
-        delay = _RETRY_START
-        while True:
-            try:
-                reply = self._client.send_frame(
-                    self.address, frame, f"data.{method}",
-                    min(self._call_timeout + wait, max(deadline - time.monotonic(), 0.01)))
-                response = parse(reply)
-                return response, list(reply.buffers)
-            except errors.UnavailableError as err:
-                if self._closed.is_set() or time.monotonic() + delay >= deadline:
-                    raise errors.UnavailableError(
-                        f"tf.data service dispatcher at {self.address} is unavailable: "
-                        f"{err.message}") from None
-            if self._closed.wait(jittered(delay)):
-                raise errors.CancelledError("The data service client was closed.")
-            delay = min(delay * 2, _RETRY_MAX)
+    def call(self, request: DataRequest, buffers: Sequence[Any] = ()
+             ) -> tuple[DataResponse, list[Any]]:
+        """Send ``request``; return the response and its buffers."""
+        try:
+            reply = self._client.send_frame(
+                self.address, Frame(request.SerializeToString(), list(buffers)),
+                f"data.{request.WhichOneof('kind')}", idempotent=True,
+                attempt_timeout=self._call_timeout)
+        except errors.UnavailableError as err:
+            raise errors.UnavailableError(
+                f"tf.data service dispatcher: {err.message}") from None
+        return parse(reply), list(reply.buffers)
 
     def close(self) -> None:
         """Stop retrying and release the channel."""
-        self._closed.set()
         self._client.close()
 
 
