@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import fields
 from typing import Any
 
 from clusterwire import errors
@@ -15,6 +16,7 @@ from clusterwire.security import load_security, security_fields
 from clusterwire.server_def import make_server_def
 from clusterwire.service import ClusterService
 from clusterwire.shell import Shell, listen_options, warn_if_exposed
+from clusterwire.transport import ListenOptions
 from clusterwire.waiting import wait_event
 
 _DEFAULT_PEER_TIMEOUT = 30.0
@@ -32,9 +34,8 @@ class Server:
     peer_timeout_seconds, max_workers, max_message_bytes, max_concurrent_calls, max_connections,
     max_store_bytes, handshake_timeout_seconds, message_idle_timeout_seconds,
     max_pending_connections, small_call_reserve, send_tracebacks, transport_options, and the
-    security options
-    tls_cert_file, tls_key_file, tls_ca_file, tls_client_auth, auth_token_file: see
-    clusterwire.security).
+    security options tls_cert_file, tls_key_file, tls_ca_file, tls_client_auth,
+    auth_token_file: see clusterwire.security).
 
     Unlike TF's: port 0 binds a free port that ``target`` and ``server_def``
     report; the listener binds the host of the task's address (not every
@@ -78,14 +79,10 @@ class Server:
             cluster, sd.job_name, sd.task_index, sd.protocol, lambda: self.target,
             options.peer_timeout_seconds or _DEFAULT_PEER_TIMEOUT, transport.info, self._security,
             options.max_store_bytes or None)
-        shell_options = listen_options(
-            max_workers=options.max_workers, max_message_bytes=options.max_message_bytes,
-            max_concurrent_calls=options.max_concurrent_calls,
-            max_connections=options.max_connections,
-            handshake_timeout_seconds=options.handshake_timeout_seconds,
-            message_idle_timeout_seconds=options.message_idle_timeout_seconds,
-            max_pending_connections=options.max_pending_connections,
-            small_call_reserve=options.small_call_reserve, security=self._security)
+        # ServerOptions has a field of the same name for every limit of ListenOptions.
+        shell_options = listen_options(security=self._security, **{
+            f.name: getattr(options, f.name) for f in fields(ListenOptions)
+            if f.name != "security"})
         bind_host = options.bind_address or host
         name = f"/job:{sd.job_name}/task:{sd.task_index}"
         try:
