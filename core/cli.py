@@ -12,6 +12,7 @@ from typing import Any
 
 from clusterwire import errors
 from clusterwire.addressing import is_loopback  # noqa: F401 - re-exported for the CLI's users
+from clusterwire.protos.tensorflow_server_pb2 import ServerOptions
 
 
 def _json_arg(text: str, what: str) -> Any:
@@ -147,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--job-name")
     serve.add_argument("--task-index", type=int)
     serve.add_argument("--protocol", default=None, help="transport protocol (default: grpc)")
-    serve.add_argument("--config", help="ServerOptions as JSON or @file")
+    serve.add_argument("--config", help="ServerOptions as JSON or @file; fields: " + ", ".join(
+        ServerOptions.DESCRIPTOR.fields_by_name))
     serve.add_argument("--import", dest="imports", action="append", default=[],
                        metavar="MODULE", help="import MODULE first (registers @remote functions)")
     serve.add_argument("--grace", type=float, default=5.0,

@@ -4,7 +4,8 @@ A transport moves **frames**: a small control header (serialized protobuf
 bytes) plus a list of raw buffers (tensor bytes). It never looks inside the
 header, and bulk buffers never pass through a protobuf field, so a transport
 may send them on a separate data path (gRPC chunk streams, shared memory,
-UCX, zmq frames).
+UCX, zmq frames). ``clusterwire.envelope`` lays a frame out for the wire: the
+header, the buffer table, the buffers that ride inline, and the size checks.
 
 Roles:
 
@@ -71,24 +72,6 @@ class Frame:
 
 
 Handler = Callable[[Frame], Frame]
-
-#: Inline (control-path) bytes a frame may carry in total, by default.
-INLINE_BUDGET = 1 << 20
-
-
-def inline_mask(views: Sequence[memoryview], threshold: int,
-                budget: int = INLINE_BUDGET) -> list[bool]:
-    """Which buffers ride the control path: those under ``threshold``, until ``budget`` is used.
-
-    The rest go by the transport's data path (chunks, shared memory, UCX, ...).
-    """
-    mask, used = [], 0
-    for view in views:
-        small = view.nbytes < threshold and used + view.nbytes <= budget
-        mask.append(small)
-        used += view.nbytes if small else 0
-    return mask
-
 
 @dataclass(frozen=True)
 class ListenOptions:

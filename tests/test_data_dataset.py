@@ -114,3 +114,29 @@ def test_lambda_needs_cloudpickle_and_is_refused_unless_allowed():
         graph.from_def(definition, buffers, WorkerPermissions(), allow_cloudpickle=False)
     assert list(graph.from_def(definition, buffers, WorkerPermissions(),
                                allow_cloudpickle=True).run()) == [1, 2, 3]
+
+
+def test_a_worker_batch_stays_within_one_frames_buffer_limit():
+    import threading
+
+    from clusterwire.data import elements
+    from clusterwire.data.streams import Stream
+    from clusterwire.envelope import MAX_BUFFERS
+
+    produced = threading.Event()
+
+    def many_leaves():
+        for n in range(1000):  # 100 arrays an element: 100,000 buffers in all
+            yield {f"f{i}": np.full(2, n) for i in range(100)}
+        produced.set()
+
+    stream = Stream(many_leaves(), lambda e: elements.encode(e, ""))
+    try:
+        assert produced.wait(30)
+        taken, end = stream.fetch("c", 1, max_elements=1000, max_bytes=1 << 30, wait=1.0)
+        assert sum(len(e.buffers) for e in taken) <= MAX_BUFFERS
+        assert len(taken) == MAX_BUFFERS // 100 and not end
+        rest, end = stream.fetch("c", 2, max_elements=1000, max_bytes=1 << 30, wait=1.0)
+        assert len(taken) + len(rest) == 1000 and end
+    finally:
+        stream.close()

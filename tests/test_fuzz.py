@@ -214,7 +214,8 @@ def test_verbs_control_decoder_on_random_bytes():
     rng = np.random.default_rng(0)
     for size in range(0, 200):
         data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
-        for candidate in (data, b"CWV1" + data, struct.pack("<4sIIIQ", b"CWV1", 0, 3, 1, 0) + data):
+        prefix = struct.pack("<4sI8sII", b"CWV1", 0, bytes(8), 3, 1)
+        for candidate in (data, b"CWV1" + data, prefix + data):
             with contextlib.suppress(errors.OpError):
                 wire.decode(candidate, 1 << 20)
 

@@ -7,12 +7,14 @@ import socket
 import struct
 import threading
 import time
+from typing import NamedTuple
 
 import grpc
 import numpy as np
 import pytest
 
 from clusterwire import errors
+from clusterwire.envelope import BULK, INLINE
 from clusterwire.security import Security, TlsConfig
 from clusterwire.testing.peer import echo_handler
 from clusterwire.transport import Frame, ListenOptions
@@ -38,14 +40,19 @@ def channel(listener):
     channel.close()
 
 
-def announce(listener, payload: np.ndarray) -> framing.Prefix:
-    """A raw gRPC call whose reply announces ``payload`` (fetch id and bulk port)."""
+class Announced(NamedTuple):
+    bulk_port: int
+    fetch_id: int
+
+
+def announce(listener, payload: np.ndarray) -> Announced:
+    """A raw gRPC call whose reply announces ``payload`` (bulk port and fetch id)."""
     with grpc.insecure_channel(listener.address) as raw:
         call = raw.unary_unary("/clusterwire.Transport/Call")
         reply = call(framing.encode_inline(b"raw", framing.buffer_views([payload])), timeout=10)
-    prefix = framing.decode_prefix(reply, 1 << 40)
-    assert prefix.flags == framing.CONTINUED
-    return prefix
+    envelope = framing.LAYOUT.decode(reply, 1 << 40)
+    assert envelope.kinds == (BULK,)
+    return Announced(*envelope.fields)
 
 
 def fetch_raw(port: int, fetch_id: int) -> tuple[int, bytes]:
@@ -148,10 +155,10 @@ def test_call_without_timeout_and_expired_deadline(listener, channel):
 def test_responses_over_bulk_bytes_take_the_bulk_port(listener):
     with grpc.insecure_channel(listener.address) as raw:
         call = raw.unary_unary("/clusterwire.Transport/Call")
-        for size, flags in ((200 << 10, framing.INLINE), (300 << 10, framing.CONTINUED)):
+        for size, kind in ((200 << 10, INLINE), (300 << 10, BULK)):
             payload = framing.buffer_views([np.zeros(size, np.uint8)])
             reply = call(framing.encode_inline(b"raw", payload), timeout=10)
-            assert framing.decode_prefix(reply, 1 << 40).flags == flags, size
+            assert framing.LAYOUT.decode(reply, 1 << 40).kinds == (kind,), size
 
 
 def test_a_wildcard_ipv6_listener_serves_ipv4_clients_over_the_bulk_port():

@@ -51,7 +51,7 @@ def test_tcp_garbage_then_close(server):
 
 
 @pytest.mark.parametrize("message", [b"", b"xx", b"NOPE" + b"\x00" * 40,
-                                     framing.encode_prefix(b"", [3], framing.INLINE)])
+                                     framing.LAYOUT.encode_table((0, 0), b"", [3])])
 def test_malformed_unary_frames_are_invalid_argument(server, raw, message):
     call = raw.unary_unary("/clusterwire.Transport/Call")
     assert rpc_code(lambda: call(message, timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT
@@ -110,8 +110,8 @@ def test_malformed_call_arguments_are_invalid_argument(server, field, value):
 
 def test_upload_claiming_100_gb_is_refused_without_allocating(server, raw):
     upload = raw.stream_unary("/clusterwire.Transport/Upload")
-    claim = framing.encode_prefix(Request(method="put", name="x").SerializeToString(),
-                                  [100 << 30], 0)
+    claim = framing.encode_bulk(Request(method="put", name="x").SerializeToString(),
+                                [100 << 30])
     code = rpc_code(lambda: upload(iter([claim, b"x" * 100]), timeout=5))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
     still_serving(server)
@@ -120,10 +120,10 @@ def test_upload_claiming_100_gb_is_refused_without_allocating(server, raw):
 def test_truncated_and_overrunning_uploads_are_refused(server, raw):
     upload = raw.stream_unary("/clusterwire.Transport/Upload")
     header = Request(method="put", name="x").SerializeToString()
-    prefix = framing.encode_prefix(header, [10 << 20], 0)
+    prefix = framing.encode_bulk(header, [10 << 20])
     assert rpc_code(lambda: upload(iter([prefix, b"x" * 1000]), timeout=5)) == \
         grpc.StatusCode.INVALID_ARGUMENT
-    assert rpc_code(lambda: upload(iter([framing.encode_prefix(header, [4], 0), b"x" * 8]),
+    assert rpc_code(lambda: upload(iter([framing.encode_bulk(header, [4]), b"x" * 8]),
                                    timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT
     assert rpc_code(lambda: upload(iter([]), timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT
     with Session(server.target) as session:

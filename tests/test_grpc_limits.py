@@ -23,8 +23,9 @@ from clusterwire.protos.service_pb2 import Request
 from clusterwire.security import Security
 from clusterwire.testing.peer import ANNOUNCE, echo_handler
 from clusterwire.transport import Frame, ListenOptions
+from clusterwire.transports._grpc_common.client import TOKEN_METADATA
+from clusterwire.transports._grpc_common.status import grpc_error
 from clusterwire.transports.grpc import framing
-from clusterwire.transports.grpc.plumbing import TOKEN_METADATA, grpc_error
 from clusterwire.transports.grpc.transport import GrpcTransport
 
 TOKEN = b"t" * 32
@@ -223,7 +224,7 @@ def trickle(prefix: bytes, stop: threading.Event, period: float) -> Iterator[byt
 
 def big_put_prefix(name: str) -> bytes:
     header = Request(method="put", name=name).SerializeToString()
-    return framing.encode_prefix(header, [64 * _MiB], 0)
+    return framing.encode_bulk(header, [64 * _MiB])
 
 
 @pytest.mark.timeout(120)
@@ -338,9 +339,9 @@ def test_bulk_port_cuts_off_a_client_that_stops_reading():
         reply = raw.unary_unary("/clusterwire.Transport/Call")(
             framing.encode_inline(b"big", [memoryview(np.zeros(64 * _MiB, np.uint8))]),
             timeout=30, metadata=((TOKEN_METADATA, TOKEN),))
-        prefix = framing.decode_prefix(reply, 1 << 40)
-        with socket.create_connection(("127.0.0.1", prefix.bulk_port), timeout=5) as reader:
-            reader.sendall(prefix.fetch_id.to_bytes(8, "little"))  # and never reads
+        bulk_port, fetch_id = framing.LAYOUT.decode(reply, 1 << 40).fields
+        with socket.create_connection(("127.0.0.1", bulk_port), timeout=5) as reader:
+            reader.sendall(fetch_id.to_bytes(8, "little"))  # and never reads
             wait_for(lambda: listener._bulk._connections, what="the fetch to start")
             wait_for(lambda: not listener._bulk._connections, what="the server to cut it off")
 

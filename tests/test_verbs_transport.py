@@ -108,7 +108,7 @@ def test_the_compiled_option_must_be_a_boolean():
     from clusterwire.errors import InvalidArgumentError
     from clusterwire.transports.verbs.transport import VerbsTransport
 
-    with pytest.raises(InvalidArgumentError, match="compiled must be true or false, not 'no'"):
+    with pytest.raises(InvalidArgumentError, match="compiled must be true or false, got 'no'"):
         VerbsTransport({"compiled": "no"})
 
 

@@ -52,6 +52,7 @@ def _dispatcher(args: argparse.Namespace) -> int:
         fault_tolerant_mode=args.fault_tolerant_mode, worker_addresses=args.worker_addresses,
         job_gc_check_interval_ms=args.job_gc_check_interval_ms,
         job_gc_timeout_ms=args.job_gc_timeout_ms, worker_timeout_ms=args.worker_timeout_ms,
+        dataset_gc_timeout_ms=args.dataset_gc_timeout_ms,
         allow_cloudpickle=args.allow_cloudpickle, bind_address=args.bind_address,
         **_security(args))
     server = DispatchServer(config=config)
@@ -114,7 +115,8 @@ def add_commands(commands: Any) -> None:
                             help="journal state in --work-dir to survive restarts")
     dispatcher.add_argument("--worker-addresses", nargs="+", metavar="HOST:PORT",
                             help="fixed workers, for static sharding policies")
-    for name in ("job-gc-check-interval-ms", "job-gc-timeout-ms", "worker-timeout-ms"):
+    for name in ("job-gc-check-interval-ms", "job-gc-timeout-ms", "worker-timeout-ms",
+                 "dataset-gc-timeout-ms"):
         dispatcher.add_argument(f"--{name}", type=int)
     dispatcher.add_argument("--bind-address", default="localhost",
                             help="host to bind (default localhost; 0.0.0.0 for all IPv4)")

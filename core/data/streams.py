@@ -18,6 +18,7 @@ from typing import Any
 
 from clusterwire import errors
 from clusterwire.data.elements import Encoded
+from clusterwire.envelope import MAX_BUFFERS
 
 # Two 8 MiB batches ahead keep a reader busy; buffering more lets elements go cold before the
 # transport copies them (64 MiB cost 5-15 % of 1 MiB-element throughput).
@@ -81,8 +82,9 @@ class Stream:
 
     def fetch(self, consumer: str, seq: int, max_elements: int, max_bytes: int,
               wait: float) -> tuple[list[Encoded], bool]:
-        """Up to ``max_elements``/``max_bytes`` elements (at least one if any come within
-        ``wait`` s) and whether the stream has ended after them."""
+        """Up to ``max_elements``/``max_bytes`` elements and as many buffers as one frame
+        carries (at least one element if any come within ``wait`` s), and whether the stream
+        has ended after them."""
         with self._cond:
             self.last_used = time.monotonic()
             last = self._claims.get(consumer)
@@ -93,12 +95,14 @@ class Stream:
                 raise errors.CancelledError("The stream was closed (job removed or worker "
                                             "stopping).")
             taken: list[Encoded] = []
-            size = 0
-            while self._ready and len(taken) < max_elements and (
-                    not taken or size + self._ready[0].nbytes <= max_bytes):
+            size = buffers = 0
+            while self._ready and len(taken) < max_elements and (not taken or (
+                    size + self._ready[0].nbytes <= max_bytes
+                    and buffers + len(self._ready[0].buffers) <= MAX_BUFFERS)):
                 element = self._ready.popleft()
                 taken.append(element)
                 size += element.nbytes
+                buffers += len(element.buffers)
             self._ready_bytes -= size
             self._base += len(taken)
             if not self._ready and self._done and self._error is not None and not taken:

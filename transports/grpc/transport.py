@@ -17,7 +17,7 @@ default, or "grpc": everything on the gRPC port), ``bulk_bytes`` (default
 from about there on it beats a unary reply, whose bytes grpcio copies).
 
 Limits (``ListenOptions``): gRPC core enforces the connection limits
-(``plumbing.connection_args``); with a token, calls without it are refused
+(``_grpc_common.server.connection_args``); with a token, calls without it are refused
 before their request is read. Upload and Fetch are streamed calls: at most
 ``max_workers - small_call_reserve`` run at once, the others are refused as
 busy before anything is read and the channel sends them again until its
@@ -44,17 +44,15 @@ import grpc.experimental
 
 from clusterwire import errors
 from clusterwire.addressing import split_host_port
+from clusterwire.envelope import BULK, Envelope, bulk_lengths, interleave, split_inline
 from clusterwire.security import Security
 from clusterwire.transport import Channel, Frame, Handler, Listener, ListenOptions, Transport
+from clusterwire.transport_options import OptionReader
+from clusterwire.transports._grpc_common.client import open_channel, token_metadata
+from clusterwire.transports._grpc_common.server import ControlServer
+from clusterwire.transports._grpc_common.status import grpc_error, status_code
 from clusterwire.transports.grpc import framing
 from clusterwire.transports.grpc.bulk import BulkClient, BulkServer, Unreachable
-from clusterwire.transports.grpc.plumbing import (
-    ControlServer,
-    grpc_error,
-    open_channel,
-    status_code,
-    token_metadata,
-)
 
 SERVICE = "clusterwire.Transport"
 _CALL, _UPLOAD, _FETCH = (f"/{SERVICE}/{m}" for m in ("Call", "Upload", "Fetch"))
@@ -70,7 +68,8 @@ _T = TypeVar("_T")
 
 
 def _message_limit(inline_bytes: int, chunk_bytes: int) -> int:
-    return max(inline_bytes, chunk_bytes) + framing.MAX_HEADER_BYTES + (8 << 20)
+    """The largest gRPC message: an envelope with ``inline_bytes`` inline, or a chunk."""
+    return max(framing.LAYOUT.max_bytes(inline_bytes), chunk_bytes)
 
 
 class _Pending:
@@ -116,14 +115,11 @@ class GrpcListener(Listener):
         limit = _message_limit(transport.inline_bytes, transport.chunk_bytes)
         # No maximum_concurrent_rpcs: gRPC's Python-side accounting costs ~45 us per call
         # here; the cluster service enforces max_concurrent_calls itself.
-        self._control = ControlServer(
-            address, self._security, SERVICE, {
-                "Call": grpc.unary_unary_rpc_method_handler(self._call),
-                "Upload": grpc.stream_unary_rpc_method_handler(self._upload),
-                "Fetch": grpc.unary_stream_rpc_method_handler(self._fetch),
-            }, options.max_workers, "grpc",
-            [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", -1)],
-            options)
+        self._control = ControlServer(address, SERVICE, {
+            "Call": grpc.unary_unary_rpc_method_handler(self._call),
+            "Upload": grpc.stream_unary_rpc_method_handler(self._upload),
+            "Fetch": grpc.unary_stream_rpc_method_handler(self._fetch),
+        }, options, "grpc", max_receive_bytes=limit)
         self._bulk = None
         self._inline_response_bytes = transport.inline_bytes
         if transport.bulk_plane == "tcp" and self._security.tls is None:
@@ -165,8 +161,8 @@ class GrpcListener(Listener):
         if sum(map(len, views)) <= self._inline_response_bytes:
             return framing.encode_inline(response.header, views)
         fetch_id = self._pending.add(views)
-        return framing.encode_prefix(response.header, [v.nbytes for v in views],
-                                     framing.CONTINUED, fetch_id, self.bulk_port or 0)
+        return framing.encode_bulk(response.header, [v.nbytes for v in views], fetch_id,
+                                   self.bulk_port or 0)
 
     def _admit(self, context: grpc.ServicerContext) -> None:
         """Take a thread for a streamed call until it ends, or refuse it as busy at once.
@@ -184,10 +180,10 @@ class GrpcListener(Listener):
 
     def _call(self, message: bytes, context: grpc.ServicerContext) -> bytes:
         try:
-            prefix = framing.decode_prefix(message, self._limit)
-            if prefix.flags != framing.INLINE:
+            envelope = framing.LAYOUT.decode(message, self._limit)
+            if BULK in envelope.kinds:
                 raise errors.InvalidArgumentError("Malformed frame: Call needs inline buffers.")
-            request = Frame(prefix.header, framing.split_inline(message, prefix))
+            request = Frame(envelope.header, split_inline(envelope))
         except errors.OpError as err:
             context.abort(grpc.StatusCode(status_code(err.error_code)), err.message)
         return self._respond(self._handler(request))
@@ -199,8 +195,10 @@ class GrpcListener(Listener):
             first = next(messages, None)
             if first is None:
                 raise errors.InvalidArgumentError("Malformed frame: empty upload.")
-            prefix = framing.decode_prefix(first, self._limit)
-            request = Frame(prefix.header, framing.assemble(messages, prefix.lengths))
+            envelope = framing.LAYOUT.decode(first, self._limit)
+            request = Frame(envelope.header, interleave(
+                envelope.kinds, split_inline(envelope),
+                framing.assemble(messages, bulk_lengths(envelope))))
         except errors.OpError as err:
             context.abort(grpc.StatusCode(status_code(err.error_code)), err.message)
         return self._respond(self._handler(request))
@@ -231,8 +229,7 @@ class GrpcChannel(Channel):
         # not through the channel's spin thread (which cost ~1 ms of CPU per MiB fetched).
         # A local subchannel pool: this channel's own connection, not one shared with every
         # channel of the process to the same address (whose slow link would slow them all).
-        self._channel = open_channel(address, security, [
-            ("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", -1),
+        self._channel = open_channel(address, security, limit, [
             (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
             ("grpc.use_local_subchannel_pool", 1)])
         self._unary = self._channel.unary_unary(_CALL, _registered_method=True)
@@ -247,29 +244,34 @@ class GrpcChannel(Channel):
                 reply = self._unary(framing.encode_inline(frame.header, views), timeout=timeout,
                                     metadata=self._metadata)
             else:
-                first = framing.encode_prefix(frame.header, [v.nbytes for v in views], 0)
+                first = framing.encode_bulk(frame.header, [v.nbytes for v in views])
                 reply = self._streamed(lambda remaining: self._upload(
                     itertools.chain([first], framing.chunks(views, self._transport.chunk_bytes)),
                     timeout=remaining, metadata=self._metadata), deadline)
-            prefix = framing.decode_prefix(reply, _CLIENT_LIMIT)
-            if prefix.flags == framing.INLINE:
-                return Frame(prefix.header, framing.split_inline(reply, prefix))
-            if prefix.bulk_port and time.monotonic() >= self._bulk_after:
-                try:
-                    return Frame(prefix.header, self._bulk.fetch(
-                        prefix.bulk_port, prefix.fetch_id, prefix.lengths, deadline))
-                except Unreachable as err:
-                    if err.lasting:
-                        _LOG.warning("Fetching over gRPC for %.0f s: %s", _BULK_RETRY_S, err)
-                        self._bulk_after = time.monotonic() + _BULK_RETRY_S
-            ticket = prefix.fetch_id.to_bytes(8, "little")
-            return Frame(prefix.header, self._streamed(lambda remaining: framing.assemble(
-                iter(self._fetch(ticket, timeout=remaining, metadata=self._metadata)),
-                prefix.lengths), deadline))
+            envelope = framing.LAYOUT.decode(reply, _CLIENT_LIMIT)
+            if BULK not in envelope.kinds:
+                return Frame(envelope.header, split_inline(envelope))
+            return Frame(envelope.header, interleave(
+                envelope.kinds, split_inline(envelope), self._fetched(envelope, deadline)))
         except grpc.RpcError as err:
             raise grpc_error(err, self._address, self._security) from None
         except ValueError as err:  # grpc raises it for a closed channel
             raise errors.CancelledError(f"Channel to {self._address} is closed: {err}") from None
+
+    def _fetched(self, envelope: Envelope, deadline: float | None) -> list:
+        """The BULK buffers an envelope announced: from the bulk port, else a fetch stream."""
+        (bulk_port, fetch_id), lengths = envelope.fields, bulk_lengths(envelope)
+        if bulk_port and time.monotonic() >= self._bulk_after:
+            try:
+                return self._bulk.fetch(bulk_port, fetch_id, lengths, deadline)
+            except Unreachable as err:
+                if err.lasting:
+                    _LOG.warning("Fetching over gRPC for %.0f s: %s", _BULK_RETRY_S, err)
+                    self._bulk_after = time.monotonic() + _BULK_RETRY_S
+        ticket = fetch_id.to_bytes(8, "little")
+        return self._streamed(lambda remaining: framing.assemble(
+            iter(self._fetch(ticket, timeout=remaining, metadata=self._metadata)), lengths),
+            deadline)
 
     def _streamed(self, start: Callable[[float | None], _T], deadline: float | None) -> _T:
         """``start(remaining seconds)`` of a streamed call, again (backing off, until the
@@ -302,19 +304,13 @@ class GrpcTransport(Transport):
     protocol = "grpc"
 
     def __init__(self, options: Mapping[str, Any] | None = None):
-        options = dict(options or {})
-        self.inline_bytes = _positive(options.pop("inline_bytes", 1 << 20), "inline_bytes")
-        self.chunk_bytes = _positive(options.pop("chunk_bytes", 1 << 20), "chunk_bytes")
-        self.fetch_ttl = float(_positive(options.pop("fetch_ttl_seconds", 60), "fetch_ttl_seconds"))
-        self.bulk_plane = options.pop("bulk_plane", "tcp")
-        self.bulk_bytes = _positive(options.pop("bulk_bytes", 256 << 10), "bulk_bytes")
-        if self.bulk_plane not in _BULK_PLANES:
-            raise errors.InvalidArgumentError(
-                f"grpc option bulk_plane must be one of {_BULK_PLANES}, got {self.bulk_plane!r}")
-        if options:
-            raise errors.InvalidArgumentError(
-                f"Unknown option(s) for the grpc transport: {sorted(options)}; known: "
-                "inline_bytes, chunk_bytes, fetch_ttl_seconds, bulk_plane, bulk_bytes.")
+        reader = OptionReader(self.protocol, options)
+        self.inline_bytes = reader.positive("inline_bytes", 1 << 20, integer=True)
+        self.chunk_bytes = reader.positive("chunk_bytes", 1 << 20, integer=True)
+        self.fetch_ttl = reader.positive("fetch_ttl_seconds", 60)
+        self.bulk_plane = reader.choice("bulk_plane", "tcp", _BULK_PLANES)
+        self.bulk_bytes = reader.positive("bulk_bytes", 256 << 10, integer=True)
+        reader.finish()
 
     def listen(self, address: str, handler: Handler, options: ListenOptions) -> Listener:
         return GrpcListener(self, address, handler, options)
@@ -378,10 +374,3 @@ def _paced(messages: Iterator[bytes], idle: float) -> Iterator[bytes]:
         if message is None:
             return
         yield message
-
-
-def _positive(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise errors.InvalidArgumentError(f"grpc option {name} must be a positive number, "
-                                          f"got {value!r}")
-    return int(value)

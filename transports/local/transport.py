@@ -35,6 +35,7 @@ import grpc
 
 from clusterwire import errors
 from clusterwire.addressing import split_host_port
+from clusterwire.envelope import BULK, INLINE, INLINE_BUDGET, Envelope, check_total, inline_kinds
 from clusterwire.pending import PendingConnections
 from clusterwire.security import Security
 from clusterwire.transport import (
@@ -45,15 +46,11 @@ from clusterwire.transport import (
     Listener,
     ListenOptions,
     Transport,
-    inline_mask,
 )
-from clusterwire.transports.grpc.plumbing import (
-    ControlServer,
-    grpc_error,
-    open_channel,
-    status_code,
-    token_metadata,
-)
+from clusterwire.transport_options import OptionReader
+from clusterwire.transports._grpc_common.client import open_channel, token_metadata
+from clusterwire.transports._grpc_common.server import ControlServer
+from clusterwire.transports._grpc_common.status import grpc_error, status_code
 from clusterwire.transports.local import sealed, wire
 
 _METHOD = "/clusterwire.Local/Call"
@@ -61,6 +58,7 @@ _SEGMENT_WAIT = 10.0
 _HELLO_WAIT = 2.0
 _UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
 _MAX_HELD_FDS = 65536
+_CONTROL_LIMIT = wire.LAYOUT.max_bytes(INLINE_BUDGET)
 _in_process: dict[str, LocalListener] = {}
 _in_process_lock = threading.Lock()
 
@@ -186,7 +184,7 @@ class _UnixPeer:
 
 
 def _plan(buffers: Sequence[Any], threshold: int
-          ) -> tuple[list[memoryview], list[int], list[tuple[int, int]], list[int]]:
+          ) -> tuple[list[memoryview], list[int], list[tuple[int, int]] | None, list[int]]:
     """How a frame's buffers travel: (views, kinds, (segment, offset) places, descriptors).
 
     Small buffers go inline. A buffer lying in a segment received earlier is
@@ -194,21 +192,18 @@ def _plan(buffers: Sequence[Any], threshold: int
     into one new sealed segment. The caller owns (and closes) the descriptors.
     """
     views = [memoryview(b).cast("B") for b in buffers]
-    mask = inline_mask(views, threshold)
-    if all(mask):  # the common small frame: no segment to look for
-        return views, [wire.INLINE] * len(views), [(0, 0)] * len(views), []
-    kinds: list[int] = []
+    kinds = inline_kinds(views, threshold)
+    if BULK not in kinds:  # the common small frame: no segment to look for
+        return views, kinds, None, []
     places: list[tuple[int, int]] = []
     fds: list[int] = []
     segments: dict[int, int] = {}  # id(mapping) -> its index in fds
     to_pack: list[int] = []
     try:
-        for index, (buffer, small) in enumerate(zip(buffers, mask, strict=True)):
-            if small:
-                kinds.append(wire.INLINE)
+        for index, (buffer, kind) in enumerate(zip(buffers, kinds, strict=True)):
+            if kind == INLINE:
                 places.append((0, 0))
                 continue
-            kinds.append(wire.SEGMENT)
             found = sealed.locate(buffer)
             if found is None:
                 to_pack.append(index)
@@ -239,7 +234,7 @@ def _send_segments(peer: _UnixPeer, ident: int, fds: list[int]) -> None:
         _close_all(fds)
 
 
-def _received(control: wire.Control, fds: list[int]) -> list[Any]:
+def _received(control: Envelope, fds: list[int]) -> list[Any]:
     """The buffers of a control message: inline slices and views of mapped segments."""
     segments = []
     try:
@@ -250,9 +245,10 @@ def _received(control: wire.Control, fds: list[int]) -> list[Any]:
         raise
     buffers, offset = [], 0
     inline = control.inline.toreadonly()
-    for kind, length, (segment, start) in zip(control.kinds, control.lengths, control.places,
-                                               strict=True):
-        if kind == wire.INLINE:
+    places = control.places or itertools.repeat((0, 0))  # none when every buffer is inline
+    for kind, length, (segment, start) in zip(control.kinds, control.lengths, places,
+                                               strict=False):
+        if kind == INLINE:
             buffers.append(inline[offset:offset + length])
             offset += length
             continue
@@ -299,11 +295,9 @@ class LocalListener(Listener):
         self._limit = options.max_message_bytes
         self._security = options.security
         self._control = ControlServer(
-            address, self._security, "clusterwire.Local",
-            {"Call": grpc.unary_unary_rpc_method_handler(self._call)}, options.max_workers,
-            "local", [("grpc.max_send_message_length", -1),
-                      ("grpc.max_receive_message_length", wire.MAX_HEADER_BYTES + (16 << 20))],
-            options)
+            address, "clusterwire.Local",
+            {"Call": grpc.unary_unary_rpc_method_handler(self._call)}, options, "local",
+            max_receive_bytes=_CONTROL_LIMIT)
         self._address = self._control.address
         self._pool = self._control.pool
         self._unix = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -456,15 +450,16 @@ class LocalListener(Listener):
     def _call(self, message: bytes, context: grpc.ServicerContext) -> bytes:
         # The control server's interceptor checked the token before the request was read.
         try:
-            control = wire.decode_control(message, self._limit)
-            peer = self._clients.get(control.client_id)  # a dict read needs no lock
+            control = wire.LAYOUT.decode(message, self._limit)
+            client_id, transfer_id = control.fields
+            peer = self._clients.get(client_id)  # a dict read needs no lock
             if peer is None:
                 with self._clients_lock:
                     # The client's HELLO races its first call: give the Unix reader a moment.
-                    self._clients_lock.wait_for(lambda: control.client_id in self._clients,
+                    self._clients_lock.wait_for(lambda: client_id in self._clients,
                                                 _HELLO_WAIT)
-                    peer = self._clients.get(control.client_id)
-            segments = control.segments
+                    peer = self._clients.get(client_id)
+            segments = wire.segments(control)
             if peer is None:
                 raise errors.ResourceExhaustedError(
                     "No shared-memory connection from this client: the server refused it "
@@ -472,14 +467,13 @@ class LocalListener(Listener):
                     "not on this host (grpc+local connects only tasks of the same host).")
             # Sent before the call, so they are there unless the client stalls: a transfer
             # idle for message_idle_timeout_seconds frees this thread.
-            fds = (peer.inbox.take(control.transfer_id, segments, self._segment_wait)
+            fds = (peer.inbox.take(transfer_id, segments, self._segment_wait)
                    if segments else [])
             request = Frame(control.header, _received(control, fds))
             response = self._handler(request)
             views, kinds, places, fds = _plan(response.buffers, self._transport.segment_bytes)
-            _send_segments(peer, control.transfer_id, fds)
-            return wire.encode_control(response.header, kinds, views, places, 0,
-                                       control.transfer_id)
+            _send_segments(peer, transfer_id, fds)
+            return wire.LAYOUT.encode((0, transfer_id), response.header, views, kinds, places)
         except errors.OpError as err:
             context.abort(grpc.StatusCode(status_code(err.error_code)), err.message)
         except OSError as err:
@@ -496,10 +490,7 @@ class LocalListener(Listener):
         self._security.check_token(security.token)
         if self._stopped.is_set():
             raise ConnectionFailed(f"The server at {self._address} is stopped.")
-        if frame.payload_bytes > self._limit:
-            raise errors.ResourceExhaustedError(
-                f"Frame of {frame.payload_bytes} bytes exceeds the limit of {self._limit} "
-                "bytes (max_message_bytes).")
+        check_total(frame.payload_bytes, self._limit)
         request = Frame(frame.header,
                         _frozen(frame.buffers, self._transport.segment_bytes, True))
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -537,9 +528,7 @@ class LocalChannel(Channel):
         self._client_id = secrets.randbits(63) + 1
         self._ids = itertools.count(1)
         self._security = security
-        self._channel = open_channel(address, security, [
-            ("grpc.max_receive_message_length", wire.MAX_HEADER_BYTES + (16 << 20)),
-            ("grpc.max_send_message_length", -1)])
+        self._channel = open_channel(address, security, _CONTROL_LIMIT)
         self._unary = self._channel.unary_unary(_METHOD, _registered_method=True)
         self._peer: _UnixPeer | None = None
         self._lock = threading.Lock()
@@ -587,8 +576,8 @@ class LocalChannel(Channel):
             views, kinds, places, fds = _plan(frame.buffers, self._transport.segment_bytes)
             _send_segments(peer, transfer_id, fds)
             reply = self._unary(
-                wire.encode_control(frame.header, kinds, views, places, self._client_id,
-                                    transfer_id),
+                wire.LAYOUT.encode((self._client_id, transfer_id), frame.header, views, kinds,
+                                   places),
                 timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as err:
             if self._closed.is_set():
@@ -599,8 +588,8 @@ class LocalChannel(Channel):
         except OSError as err:
             raise errors.UnavailableError(
                 f"shared-memory connection to {self._address} failed: {err}") from None
-        control = wire.decode_control(reply, 1 << 42)
-        segments = control.segments
+        control = wire.LAYOUT.decode(reply, 1 << 42)
+        segments = wire.segments(control)
         remaining = _SEGMENT_WAIT if deadline is None else max(deadline - time.monotonic(), 0.01)
         fds = peer.inbox.take(transfer_id, segments, remaining) if segments else []
         return Frame(control.header, _received(control, fds))
@@ -620,13 +609,9 @@ class LocalTransport(Transport):
     protocol = "grpc+local"
 
     def __init__(self, options: Mapping[str, Any] | None = None):
-        options = dict(options or {})
-        self.segment_bytes = int(options.pop("segment_bytes", 64 << 10))
-        if self.segment_bytes <= 0:
-            raise errors.InvalidArgumentError("grpc+local option segment_bytes must be > 0.")
-        if options:
-            raise errors.InvalidArgumentError(
-                f"Unknown option(s) for grpc+local: {sorted(options)}; known: segment_bytes.")
+        reader = OptionReader(self.protocol, options)
+        self.segment_bytes = reader.positive("segment_bytes", 64 << 10, integer=True)
+        reader.finish()
         sealed.raise_fd_limit()
 
     def listen(self, address: str, handler: Handler, options: ListenOptions) -> Listener:

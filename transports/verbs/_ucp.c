@@ -405,16 +405,17 @@ fail_unlocked:
     return NULL;
 }
 
-/* The control message, as wire.py defines it (the same bytes; tests compare the two):
- * "CWV1" | status u32 | header_len u32 | count u32 | key 8 bytes | (kind u8, length u64)
- * * count | header | inline bytes, all little-endian and unpadded. */
+/* The control message: the envelope of clusterwire.envelope with wire.py's fields (the same
+ * bytes and errors; tests/envelope_vectors.json holds what both must produce):
+ * "CWV1" | status u32 | key 8 bytes | header_len u32 | count u32 | kind u8 * count |
+ * length u64 * count | header | inline bytes, all little-endian and unpadded. The limits are
+ * read from clusterwire.envelope when the module is imported. */
 #define PREFIX_BYTES 24
 #define ENTRY_BYTES 9
 #define KEY_BYTES 8
-#define MAX_BUFFERS (1 << 16)
-#define MAX_HEADER_BYTES (64 << 20)
 enum { INLINE = 0, BULK = 1 };
 static PyObject *InvalidArgumentError, *ResourceExhaustedError;
+static unsigned long long max_buffers, max_header_bytes;
 
 static void put_u32(char *at, uint32_t value) {
     for (int i = 0; i < 4; i++)
@@ -437,10 +438,27 @@ static uint32_t get_u32(const unsigned char *at) {
     return (uint32_t)at[0] | (uint32_t)at[1] << 8 | (uint32_t)at[2] << 16 | (uint32_t)at[3] << 24;
 }
 
+/* envelope.check_declared: 0, or -1 with ResourceExhaustedError set. */
+static int check_declared(unsigned long long count, unsigned long long header_len) {
+    if (count > max_buffers) {
+        PyErr_Format(ResourceExhaustedError,
+                     "Frame declares %llu buffers; the limit is %llu buffers per frame.", count,
+                     max_buffers);
+        return -1;
+    }
+    if (header_len > max_header_bytes) {
+        PyErr_Format(ResourceExhaustedError,
+                     "Frame declares a %llu-byte header; the limit is %llu header bytes.",
+                     header_len, max_header_bytes);
+        return -1;
+    }
+    return 0;
+}
+
 /* encode(header, buffers, threshold, budget, key, status) -> (message, bulk)
  *
  * wire.encode in C: the buffers under ``threshold`` bytes ride inline until
- * ``budget`` bytes are used (core.transport.inline_mask's rule); ``bulk`` lists
+ * ``budget`` bytes are used (envelope.inline_kinds's rule); ``bulk`` lists
  * the indices of the others, which travel as their own messages.
  */
 static PyObject *encode(PyObject *module, PyObject *args) {
@@ -477,20 +495,23 @@ static PyObject *encode(PyObject *module, PyObject *args) {
         if (small)
             used += nbytes, size += nbytes;
     }
+    if (check_declared((unsigned long long)count, (unsigned long long)header.len) < 0)
+        goto done;
     if ((message = PyBytes_FromStringAndSize(NULL, size)) == NULL ||
         (bulk = PyList_New(0)) == NULL)
         goto done;
     char *at = PyBytes_AS_STRING(message);
     memcpy(at, "CWV1", 4);
     put_u32(at + 4, status);
-    put_u32(at + 8, (uint32_t)header.len);
-    put_u32(at + 12, (uint32_t)count);
-    memcpy(at + 16, key.buf, KEY_BYTES);
+    memcpy(at + 8, key.buf, KEY_BYTES);
+    put_u32(at + 16, (uint32_t)header.len);
+    put_u32(at + 20, (uint32_t)count);
     at += PREFIX_BYTES;
-    for (Py_ssize_t i = 0; i < count; i++, at += ENTRY_BYTES) {
-        at[0] = kinds[i];
-        put_u64(at + 1, (uint64_t)views[i].len);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        at[i] = kinds[i];
+        put_u64(at + count + 8 * i, (uint64_t)views[i].len);
     }
+    at += ENTRY_BYTES * count;
     memcpy(at, header.buf, header.len);
     at += header.len;
     for (Py_ssize_t i = 0; i < count; i++) {
@@ -522,8 +543,8 @@ done:
 
 /* decode(message, limit) -> (status, key, header, kinds, lengths, inline)
  *
- * wire.decode in C, with the same checks and errors: ``inline`` holds a
- * writable copy of each INLINE buffer (memoryviews of one bytearray).
+ * wire.decode in C, with the same checks, in the same order, and the same errors:
+ * ``inline`` holds a writable copy of each INLINE buffer (memoryviews of one bytearray).
  */
 static PyObject *decode(PyObject *module, PyObject *args) {
     Py_buffer view;
@@ -535,25 +556,27 @@ static PyObject *decode(PyObject *module, PyObject *args) {
     PyObject *result = NULL, *kinds = NULL, *lengths = NULL, *inline_buffers = NULL;
     PyObject *header = NULL, *key = NULL, *copy = NULL, *whole = NULL;
     if (size < PREFIX_BYTES) {
-        PyErr_Format(InvalidArgumentError, "Malformed frame: %zd bytes is too short.", size);
+        PyErr_Format(InvalidArgumentError,
+                     "Malformed frame: %zd bytes is shorter than a grpc+verbs prefix (%d bytes).",
+                     size, PREFIX_BYTES);
         goto done;
     }
     if (memcmp(at, "CWV1", 4) != 0) {
         PyObject *magic = PyBytes_FromStringAndSize((const char *)at, 4);
         if (magic != NULL)
-            PyErr_Format(InvalidArgumentError, "Malformed frame: bad magic %R.", magic);
+            PyErr_Format(InvalidArgumentError,
+                         "Malformed frame: bad magic %R (not a grpc+verbs peer?).", magic);
         Py_XDECREF(magic);
         goto done;
     }
-    uint32_t status = get_u32(at + 4), header_len = get_u32(at + 8), count = get_u32(at + 12);
-    if (count > MAX_BUFFERS || header_len > MAX_HEADER_BYTES) {
-        PyErr_Format(ResourceExhaustedError, "Frame declares %u buffers, %u header bytes.", count,
-                     header_len);
+    uint32_t status = get_u32(at + 4), header_len = get_u32(at + 16), count = get_u32(at + 20);
+    if (check_declared(count, header_len) < 0)
         goto done;
-    }
     Py_ssize_t start = PREFIX_BYTES + (Py_ssize_t)ENTRY_BYTES * count;
     if (size < start + (Py_ssize_t)header_len) {
-        PyErr_SetString(InvalidArgumentError, "Malformed frame: truncated.");
+        PyErr_Format(InvalidArgumentError,
+                     "Malformed frame: %zd bytes, shorter than the %zd its buffer table and "
+                     "header declare.", size, start + (Py_ssize_t)header_len);
         goto done;
     }
     if ((kinds = PyTuple_New(count)) == NULL || (lengths = PyTuple_New(count)) == NULL)
@@ -561,14 +584,15 @@ static PyObject *decode(PyObject *module, PyObject *args) {
     unsigned max_kind = 0;
     uint64_t total = 0, inline_total = 0;
     int overflow = 0;
+    const unsigned char *kind_column = at + PREFIX_BYTES, *length_column = kind_column + count;
     for (uint32_t i = 0; i < count; i++) {
-        const unsigned char *entry = at + PREFIX_BYTES + (Py_ssize_t)ENTRY_BYTES * i;
-        uint64_t length = get_u64(entry + 1);
-        max_kind = entry[0] > max_kind ? entry[0] : max_kind;
+        uint64_t length = get_u64(length_column + 8 * (Py_ssize_t)i);
+        max_kind = kind_column[i] > max_kind ? kind_column[i] : max_kind;
         overflow |= __builtin_add_overflow(total, length, &total);
-        if (entry[0] == INLINE)
+        if (kind_column[i] == INLINE)
             overflow |= __builtin_add_overflow(inline_total, length, &inline_total);
-        PyObject *kind = PyLong_FromLong(entry[0]), *nbytes = PyLong_FromUnsignedLongLong(length);
+        PyObject *kind = PyLong_FromLong(kind_column[i]);
+        PyObject *nbytes = PyLong_FromUnsignedLongLong(length);
         if (kind == NULL || nbytes == NULL) {
             Py_XDECREF(kind);
             Py_XDECREF(nbytes);
@@ -578,7 +602,8 @@ static PyObject *decode(PyObject *module, PyObject *args) {
         PyTuple_SET_ITEM(lengths, i, nbytes);
     }
     if (max_kind > BULK) {
-        PyErr_Format(InvalidArgumentError, "Malformed frame: buffer kind %u.", max_kind);
+        PyErr_Format(InvalidArgumentError, "Malformed frame: buffer kind %u (0 is inline, 1 bulk).",
+                     max_kind);
         goto done;
     }
     if (overflow || total > limit) {
@@ -600,7 +625,7 @@ static PyObject *decode(PyObject *module, PyObject *args) {
         goto done;
     }
     if ((header = PyBytes_FromStringAndSize((const char *)at + start, header_len)) == NULL ||
-        (key = PyBytes_FromStringAndSize((const char *)at + 16, KEY_BYTES)) == NULL ||
+        (key = PyBytes_FromStringAndSize((const char *)at + 8, KEY_BYTES)) == NULL ||
         (copy = PyByteArray_FromStringAndSize((const char *)at + inline_start, inline_size)) ==
             NULL ||
         (whole = PyMemoryView_FromObject(copy)) == NULL || (inline_buffers = PyList_New(0)) == NULL)
@@ -868,6 +893,23 @@ static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "_ucp", "The small-call round trip of grpc+verbs, in C.", -1, methods,
 };
 
+/* MAX_BUFFERS and MAX_HEADER_BYTES of clusterwire.envelope: 0, or -1 with an error set. */
+static int read_limits(void) {
+    PyObject *envelope = PyImport_ImportModule("clusterwire.envelope");
+    if (envelope == NULL)
+        return -1;
+    PyObject *buffers = PyObject_GetAttrString(envelope, "MAX_BUFFERS");
+    PyObject *header = PyObject_GetAttrString(envelope, "MAX_HEADER_BYTES");
+    Py_DECREF(envelope);
+    if (buffers != NULL && header != NULL) {
+        max_buffers = PyLong_AsUnsignedLongLong(buffers);
+        max_header_bytes = PyLong_AsUnsignedLongLong(header);
+    }
+    Py_XDECREF(buffers);
+    Py_XDECREF(header);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
 PyMODINIT_FUNC PyInit__ucp(void) {
     PyObject *module = PyModule_Create(&module_def);
     if (module == NULL)
@@ -883,6 +925,10 @@ PyMODINIT_FUNC PyInit__ucp(void) {
         InvalidArgumentError = PyObject_GetAttrString(errors, "InvalidArgumentError");
         ResourceExhaustedError = PyObject_GetAttrString(errors, "ResourceExhaustedError");
         Py_DECREF(errors);
+    }
+    if (read_limits() < 0) {
+        Py_DECREF(module);
+        return NULL;
     }
     if (InvalidArgumentError == NULL || ResourceExhaustedError == NULL || UcxError == NULL ||
         acquire_name == NULL || release_name == NULL || closed_name == NULL ||

@@ -41,9 +41,9 @@ import numpy as np
 
 from clusterwire import errors
 from clusterwire.addressing import split_host_port
+from clusterwire.envelope import BULK, INLINE_BUDGET, interleave
 from clusterwire.security import Security
 from clusterwire.transport import (
-    INLINE_BUDGET,
     Channel,
     ConnectionFailed,
     Frame,
@@ -52,18 +52,16 @@ from clusterwire.transport import (
     ListenOptions,
     Transport,
 )
-from clusterwire.transports.grpc.plumbing import (
-    ControlServer,
-    grpc_error,
-    open_channel,
-    token_metadata,
-)
+from clusterwire.transport_options import OptionReader
+from clusterwire.transports._grpc_common.client import open_channel, token_metadata
+from clusterwire.transports._grpc_common.server import ControlServer
+from clusterwire.transports._grpc_common.status import grpc_error
 from clusterwire.transports.verbs import wire
 from clusterwire.transports.verbs.address_check import AddressChecker
 from clusterwire.transports.verbs.engine import NO_REPLY_YET, NOT_SENT, REPLIED, UcxEngine
 
 _SERVICE = "clusterwire.Verbs"
-_CONTROL_LIMIT = wire.MAX_HEADER_BYTES + (16 << 20)
+_CONTROL_LIMIT = wire.LAYOUT.max_bytes(INLINE_BUDGET)
 _PING_AFTER = 1.0
 _BULK_WAIT = 60.0
 _HELLO = struct.Struct(f"<I{wire.KEY_BYTES}s")  # slot, slot key
@@ -116,11 +114,11 @@ class VerbsListener(Listener):
         self._handler = handler
         self._limit = options.max_message_bytes
         self._security = options.security
-        self._control = ControlServer(address, self._security, _SERVICE, {
+        self._control = ControlServer(address, _SERVICE, {
             "Hello": grpc.unary_unary_rpc_method_handler(self._hello),
             "Ping": grpc.unary_unary_rpc_method_handler(self._ping),
             "Bye": grpc.unary_unary_rpc_method_handler(self._bye),
-        }, 4, "verbs-control", limits=options)
+        }, options, "verbs-control", max_workers=4)
         self._address = self._control.address
         self._endpoints: dict[int, tuple[Any, bytes]] = {}
         self._last_seen: dict[int, float] = {}  # slot -> time of its last request or ping
@@ -229,7 +227,7 @@ class VerbsListener(Listener):
             _, sender_key, header, kinds, lengths, inline = codec.decode(message, self._limit)
             if not hmac.compare_digest(sender_key, key):
                 return  # not from the client that authenticated this slot: drop it
-            if wire.BULK in kinds:
+            if BULK in kinds:
                 inline = self._receive_bulk(endpoint, slot, transfer, kinds, lengths, inline)
             try:
                 response = self._handler(Frame(header, inline))
@@ -255,18 +253,18 @@ class VerbsListener(Listener):
     def _receive_bulk(self, endpoint, slot: int, transfer: int, kinds: Sequence[int],
                       lengths: Sequence[int], inline: list[memoryview]) -> list[Any]:
         """The request's buffers: its inline ones and its bulk ones, received now."""
-        bulk = [i for i, k in enumerate(kinds) if k == wire.BULK]
+        wanted = {wire.tag(wire.REQUEST_DATA, slot, transfer, i): lengths[i]
+                  for i, k in enumerate(kinds) if k == BULK}
         waiter = _Waiter(self._engine)
-        for i in bulk:
-            waiter.expect(wire.tag(wire.REQUEST_DATA, slot, transfer, i), lengths[i])
+        for t, n in wanted.items():
+            waiter.expect(t, n)
         self._engine.send(endpoint, b"go", wire.tag(wire.GO, slot, transfer))
-        if not waiter.wait_for(lambda: len(waiter.messages) == len(bulk), _BULK_WAIT):
+        if not waiter.wait_for(lambda: len(waiter.messages) == len(wanted), _BULK_WAIT):
             waiter.cancel()
             raise errors.DeadlineExceededError("The request's bulk buffers did not arrive.")
         if waiter.error is not None:
             raise errors.InvalidArgumentError(f"Bulk buffer failed: {waiter.error}")
-        return _assemble(kinds, inline,
-                         {wire.split_tag(t)[3]: b for t, b in waiter.messages.items()})
+        return interleave(kinds, inline, (waiter.messages[t] for t in wanted))
 
     def stop(self, grace: float | None = None) -> None:
         with self._lock:
@@ -285,14 +283,6 @@ class VerbsListener(Listener):
         for slot, (endpoint, _) in endpoints.items():
             self._transport.slots.remove(slot)
             self._engine.close_endpoint(endpoint)
-
-
-def _assemble(kinds: Sequence[int], inline: list[memoryview],
-              bulk: Mapping[int, np.ndarray]) -> list[Any]:
-    """A frame's buffers in order: its inline ones (decoded) and its received bulk arrays."""
-    copies = iter(inline)
-    return [next(copies) if kind == wire.INLINE else bulk[index]
-            for index, kind in enumerate(kinds)]
 
 
 class _Slots:
@@ -416,15 +406,14 @@ class VerbsChannel(Channel):
                 waiter.messages[response_tag], 1 << 42)
             if status:
                 raise errors.error_from_code(status, header.decode(errors="replace"))
-            if wire.BULK not in kinds:
+            if BULK not in kinds:
                 return Frame(header, inline)
             wanted = {wire.tag(wire.RESPONSE_DATA, slot, transfer, i): lengths[i]
-                      for i, k in enumerate(kinds) if k == wire.BULK}
+                      for i, k in enumerate(kinds) if k == BULK}
             for t, n in wanted.items():
                 waiter.expect(t, n)
             self._wait(waiter, lambda: all(t in waiter.messages for t in wanted), deadline)
-            return Frame(header, _assemble(
-                kinds, inline, {wire.split_tag(t)[3]: waiter.messages[t] for t in wanted}))
+            return Frame(header, interleave(kinds, inline, (waiter.messages[t] for t in wanted)))
         finally:
             waiter.cancel()
 
@@ -508,19 +497,13 @@ class VerbsTransport(Transport):
     protocol = "grpc+verbs"
 
     def __init__(self, options: Mapping[str, Any] | None = None):
-        options = dict(options or {})
-        tls = options.pop("tls", None)
-        net_devices = options.pop("net_devices", None)
-        self.bulk_bytes = int(options.pop("bulk_bytes", 64 << 10))
-        self.idle_slot_seconds = float(options.pop("idle_slot_seconds", 600))
-        compiled = options.pop("compiled", True)
-        if options:
-            raise errors.InvalidArgumentError(
-                f"Unknown option(s) for grpc+verbs: {sorted(options)}; known: tls, net_devices, "
-                "bulk_bytes, idle_slot_seconds, compiled.")
-        if not isinstance(compiled, bool):
-            raise errors.InvalidArgumentError(
-                f"grpc+verbs option compiled must be true or false, not {compiled!r}.")
+        reader = OptionReader(self.protocol, options)
+        tls = reader.text("tls")
+        net_devices = reader.text("net_devices")
+        self.bulk_bytes = reader.positive("bulk_bytes", 64 << 10, integer=True)
+        self.idle_slot_seconds = reader.positive("idle_slot_seconds", 600)
+        compiled = reader.flag("compiled", True)
+        reader.finish()
         self.engine = UcxEngine(tls, net_devices, compiled)
         #: Encodes and decodes control messages: the C helper's functions, or wire's.
         self.codec = self.engine.compiled or wire

@@ -9,40 +9,34 @@ UCX tag (64 bits)::
 Kinds: REQUEST / RESPONSE control messages, GO (the server accepts a
 request's bulk buffers), REQUEST_DATA / RESPONSE_DATA bulk buffers.
 
-Control message::
+Control message: an envelope (``clusterwire.envelope``) with the fields::
 
-    "CWV1" | status u32 | header_len u32 | count u32 | key 8 bytes |
-    (kind u8, length u64) * count | header | inline bytes
+    magic "CWV1" | status u32 | key 8 bytes
 
 ``key`` is the secret of the client's slot (handed out by the authenticated
-gRPC hello): a request with a wrong key is dropped. The C helper (``_ucp.c``)
-has the same ``encode`` and ``decode``, byte for byte. ``status`` 0 is a normal
+gRPC hello): a request with a wrong key is dropped. ``status`` 0 is a normal
 frame; otherwise the frame failed in the transport and ``header`` is the UTF-8
-error message. ``kind`` 0 is an inline buffer,
-1 a bulk buffer sent as its own UCX message.
+error message. A BULK buffer is sent as its own UCX message. The C helper
+(``_ucp.c``) has the same ``encode`` and ``decode``, byte for byte and error
+for error (``tests/envelope_vectors.json``).
 """
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from clusterwire.errors import InvalidArgumentError, ResourceExhaustedError
-from clusterwire.transport import inline_mask
+from clusterwire.envelope import BULK, Layout, inline_kinds, split_inline
 
 REQUEST, RESPONSE, GO, REQUEST_DATA, RESPONSE_DATA = 1, 2, 3, 4, 5
-INLINE, BULK = 0, 1
 KIND_MASK = 0xF << 60
 CALL_MASK = (1 << 64) - (1 << 16)  # everything but the buffer index
 MAX_SLOTS = 1 << 20
 MAX_TRANSFERS = 1 << 24
-MAX_BULK = 1 << 16
-MAX_HEADER_BYTES = 64 << 20
-_PREFIX = struct.Struct("<4sIII8s")
-_LAYOUTS: dict[int, struct.Struct] = {}  # buffer count -> Struct of prefix and entries
 KEY_BYTES = 8
 NO_KEY = bytes(KEY_BYTES)
+#: Fields (status, key).
+LAYOUT = Layout(b"CWV1", "grpc+verbs", f"I{KEY_BYTES}s")
 
 
 def tag(kind: int, slot: int, transfer: int, index: int = 0) -> int:
@@ -67,35 +61,16 @@ class Control(NamedTuple):
     inline: list[memoryview]
 
 
-def _layout(count: int) -> struct.Struct:
-    """The Struct of a control message's prefix and ``count`` entries (one pass each way)."""
-    layout = _LAYOUTS.get(count)
-    if layout is None:
-        layout = struct.Struct(_PREFIX.format + "BQ" * count)
-        if count <= 64:
-            _LAYOUTS[count] = layout
-    return layout
-
-
 def encode(header: bytes, buffers: Sequence[Any], threshold: int, budget: int,
            key: bytes = NO_KEY, status: int = 0) -> tuple[bytes, list[int]]:
     """A control message and the indices of its BULK buffers (each sent as its own message).
 
-    Which buffers ride inline: ``clusterwire.transport.inline_mask``.
+    Which buffers ride inline: ``clusterwire.envelope.inline_kinds``.
     """
     views = [memoryview(buffer).cast("B") for buffer in buffers]
-    entries: list[int] = []
-    parts: list[bytes | memoryview] = [b"", header]  # the prefix goes first, once packed
-    bulk: list[int] = []
-    for index, (view, small) in enumerate(zip(views, inline_mask(views, threshold, budget),
-                                              strict=True)):
-        entries += (INLINE if small else BULK, view.nbytes)
-        if small:
-            parts.append(view)
-        else:
-            bulk.append(index)
-    parts[0] = _layout(len(views)).pack(b"CWV1", status, len(header), len(views), key, *entries)
-    return b"".join(parts), bulk
+    kinds = inline_kinds(views, threshold, budget)
+    message = LAYOUT.encode((status, key), header, views, kinds)
+    return message, [index for index, kind in enumerate(kinds) if kind == BULK]
 
 
 def encode_error(code: int, message: str) -> bytes:
@@ -105,37 +80,7 @@ def encode_error(code: int, message: str) -> bytes:
 
 def decode(message: memoryview | bytes, limit: int) -> Control:
     """Parse and validate a control message before any bulk buffer is accepted."""
-    message = memoryview(message).cast("B")
-    if message.nbytes < _PREFIX.size:
-        raise InvalidArgumentError(f"Malformed frame: {message.nbytes} bytes is too short.")
-    magic, status, header_len, count, key = _PREFIX.unpack_from(message)
-    if magic != b"CWV1":
-        raise InvalidArgumentError(f"Malformed frame: bad magic {bytes(magic)!r}.")
-    if count > MAX_BULK or header_len > MAX_HEADER_BYTES:
-        raise ResourceExhaustedError(f"Frame declares {count} buffers, {header_len} header bytes.")
-    layout = _layout(count)
-    if message.nbytes < layout.size + header_len:
-        raise InvalidArgumentError("Malformed frame: truncated.")
-    fields = layout.unpack_from(message)
-    kinds, lengths = fields[5::2], fields[6::2]
-    if kinds and max(kinds) > BULK:
-        raise InvalidArgumentError(f"Malformed frame: buffer kind {max(kinds)}.")
-    total = sum(lengths)
-    if total > limit:
-        raise ResourceExhaustedError(
-            f"Frame of {total} bytes exceeds the limit of {limit} bytes (max_message_bytes).")
-    start = layout.size + header_len
-    inline = message[start:]
-    expected = total
-    if BULK in kinds:
-        expected = sum(n for k, n in zip(kinds, lengths, strict=True) if k == INLINE)
-    if inline.nbytes != expected:
-        raise InvalidArgumentError(
-            f"Malformed frame: {inline.nbytes} inline bytes, declared {expected}.")
-    copies, offset = [], 0
-    whole = memoryview(bytearray(inline))
-    for kind, length in zip(kinds, lengths, strict=True):
-        if kind == INLINE:
-            copies.append(whole[offset:offset + length])
-            offset += length
-    return Control(status, key, bytes(message[layout.size:start]), kinds, lengths, copies)
+    envelope = LAYOUT.decode(message, limit)
+    status, key = envelope.fields
+    return Control(status, key, envelope.header, envelope.kinds, envelope.lengths,
+                   split_inline(envelope))

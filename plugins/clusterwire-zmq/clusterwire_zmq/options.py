@@ -8,7 +8,7 @@ from typing import Any
 
 import zmq
 
-from clusterwire import errors
+from clusterwire.transport_options import OptionReader
 
 #: pyzmq's own threshold: below it a zero-copy send costs more than copying.
 DEFAULT_INLINE_BYTES = zmq.COPY_THRESHOLD
@@ -27,22 +27,12 @@ class Settings:
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None) -> Settings:
         """Validate plugin options; InvalidArgumentError names an unknown or bad one."""
-        options = dict(options or {})
-        unknown = set(options) - {"inline_bytes", "heartbeat_seconds"}
-        if unknown:
-            raise errors.InvalidArgumentError(
-                f"Unknown option(s) for the zmq transport: {sorted(unknown)}; known: "
-                "inline_bytes, heartbeat_seconds.")
-        inline = options.get("inline_bytes", DEFAULT_INLINE_BYTES)
-        heartbeat = options.get("heartbeat_seconds", 2.0)
-        if isinstance(inline, bool) or not isinstance(inline, int) or not 0 <= inline < 1 << 31:
-            raise errors.InvalidArgumentError(
-                f"zmq option inline_bytes must be an integer in [0, 2**31), got {inline!r}")
-        if isinstance(heartbeat, bool) or not isinstance(heartbeat, (int, float)) or not (
-                0.01 <= heartbeat <= 3600):
-            raise errors.InvalidArgumentError(
-                f"zmq option heartbeat_seconds must be in [0.01, 3600], got {heartbeat!r}")
-        return cls(inline, float(heartbeat))
+        reader = OptionReader("zmq", options)
+        inline = reader.number("inline_bytes", DEFAULT_INLINE_BYTES, 0, (1 << 31) - 1,
+                               integer=True)
+        heartbeat = reader.number("heartbeat_seconds", 2.0, 0.01, 3600)
+        reader.finish()
+        return cls(inline, heartbeat)
 
     def configure(self, sock: zmq.Socket, ipv6: bool) -> None:
         """Options every socket of the transport gets."""

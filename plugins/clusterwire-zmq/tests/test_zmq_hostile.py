@@ -19,6 +19,7 @@ from zmq.utils.monitor import parse_monitor_message
 from zmq_test_support import channel_to, payload, serving
 
 from clusterwire import errors
+from clusterwire.envelope import BULK, MAX_BUFFERS
 from clusterwire.transport import Frame, ListenOptions
 
 pytestmark = pytest.mark.timeout(60)
@@ -71,17 +72,18 @@ def _still_serves(address: str) -> None:
         assert bytes(reply.header) == b"ok?"
 
 
-def _prefix(kind: int, count: int, inline_max: int = 0, request_id: int = 77) -> bytes:
-    return struct.pack("<4sB3xQIIII", wire.MAGIC, kind, request_id, 0, 0, count, inline_max)
+def _prefix(kind: int, count: int, request_id: int = 77) -> bytes:
+    return struct.pack("<4sB3xQIII", wire.MAGIC, kind, request_id, 0, 0, count)
 
 
 @pytest.mark.parametrize("parts,code", [
     ([b""], errors.INVALID_ARGUMENT),
     ([b"GET / HTTP/1.1\r\n\r\n"], errors.INVALID_ARGUMENT),
-    ([_prefix(wire.REQUEST, 1) + struct.pack("<Q", 10)], errors.INVALID_ARGUMENT),
+    ([_prefix(wire.REQUEST, 1) + struct.pack("<BQ", BULK, 10)], errors.INVALID_ARGUMENT),
     ([_prefix(wire.REQUEST, 0), b"unannounced part"], errors.INVALID_ARGUMENT),
-    ([_prefix(wire.REQUEST, 1) + struct.pack("<Q", LIMIT + 1)], errors.RESOURCE_EXHAUSTED),
-    ([_prefix(wire.REQUEST, wire.MAX_BUFFERS + 1)], errors.RESOURCE_EXHAUSTED),
+    ([_prefix(wire.REQUEST, 1) + struct.pack("<BQ", BULK, LIMIT + 1)],
+     errors.RESOURCE_EXHAUSTED),
+    ([_prefix(wire.REQUEST, MAX_BUFFERS + 1)], errors.RESOURCE_EXHAUSTED),
     ([_prefix(wire.REPLY, 0)], errors.INVALID_ARGUMENT),
     ([_prefix(wire.WELCOME, 0)], errors.INVALID_ARGUMENT),
     ([_prefix(42, 0)], errors.INVALID_ARGUMENT),
@@ -162,14 +164,14 @@ def test_many_idle_connections_and_a_vanishing_caller(listener):
 @settings(max_examples=150, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(kind=st.integers(0, 6), counts=st.lists(st.integers(0, 1 << 21), max_size=4),
-       inline_max=st.sampled_from([0, 8, 1 << 16]), header=st.binary(max_size=30),
+       header=st.binary(max_size=30),
        tail=st.binary(max_size=60), extra=st.lists(st.binary(max_size=30), max_size=3),
        truncate=st.integers(0, 80))
 def test_fuzzed_messages_always_get_a_well_formed_answer(rogue, handled, kind, counts,
-                                                        inline_max, header, tail, extra,
-                                                        truncate):
-    first = (struct.pack("<4sB3xQIIII", wire.MAGIC, kind, 9, 0, len(header), len(counts),
-                         inline_max) + struct.pack(f"<{len(counts)}Q", *counts) + header + tail)
+                                                        header, tail, extra, truncate):
+    kinds = [count % 3 for count in counts]  # inline, bulk and unknown buffer kinds
+    first = (struct.pack("<4sB3xQIII", wire.MAGIC, kind, 9, 0, len(header), len(counts))
+             + struct.pack(f"<{len(counts)}B{len(counts)}Q", *kinds, *counts) + header + tail)
     if truncate:
         first = first[:-truncate]
     reply = rogue.exchange([first, *extra])

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from clusterwire import errors
+from clusterwire.envelope import BULK, INLINE, MAX_BUFFERS, MAX_HEADER_BYTES
 
 LIMIT = 1 << 30
 
@@ -58,8 +59,12 @@ def test_errors_welcome_and_request_ids():
         wire.welcome_limit(error)
 
 
-def _prefix(kind=wire.REQUEST, count=0, header_len=0, inline_max=0, magic=wire.MAGIC) -> bytes:
-    return struct.pack("<4sB3xQIIII", magic, kind, 5, 0, header_len, count, inline_max)
+def _prefix(kind=wire.REQUEST, count=0, header_len=0, magic=wire.MAGIC) -> bytes:
+    return struct.pack("<4sB3xQIII", magic, kind, 5, 0, header_len, count)
+
+
+def _entry(kind: int, length: int) -> bytes:
+    return struct.pack("<BQ", kind, length)
 
 
 @pytest.mark.parametrize("parts,error", [
@@ -68,17 +73,18 @@ def _prefix(kind=wire.REQUEST, count=0, header_len=0, inline_max=0, magic=wire.M
     ([b"CWZ1\x01"], errors.InvalidArgumentError),
     ([_prefix(magic=b"HTTP")], errors.InvalidArgumentError),
     ([_prefix(kind=99)], errors.InvalidArgumentError),
-    ([_prefix(count=wire.MAX_BUFFERS + 1)], errors.ResourceExhaustedError),
-    ([_prefix(header_len=wire.MAX_HEADER_BYTES + 1)], errors.ResourceExhaustedError),
-    ([_prefix(count=2)], errors.InvalidArgumentError),  # lengths missing
+    ([_prefix(count=MAX_BUFFERS + 1)], errors.ResourceExhaustedError),
+    ([_prefix(header_len=MAX_HEADER_BYTES + 1)], errors.ResourceExhaustedError),
+    ([_prefix(count=2)], errors.InvalidArgumentError),  # buffer table missing
     ([_prefix(header_len=10) + b"abc"], errors.InvalidArgumentError),  # header cut short
-    ([_prefix(count=1) + struct.pack("<Q", LIMIT + 1)], errors.ResourceExhaustedError),
-    ([_prefix(count=1) + struct.pack("<Q", 8)], errors.InvalidArgumentError),  # part missing
-    ([_prefix(count=1) + struct.pack("<Q", 8), b"1234567"], errors.InvalidArgumentError),
-    ([_prefix(count=1) + struct.pack("<Q", 8), b"12345678", b"extra"],
+    ([_prefix(count=1) + _entry(BULK, LIMIT + 1)], errors.ResourceExhaustedError),
+    ([_prefix(count=1) + _entry(BULK, 8)], errors.InvalidArgumentError),  # part missing
+    ([_prefix(count=1) + _entry(BULK, 8), b"1234567"], errors.InvalidArgumentError),
+    ([_prefix(count=1) + _entry(BULK, 8), b"12345678", b"extra"],
      errors.InvalidArgumentError),
-    ([_prefix(count=1, inline_max=100) + struct.pack("<Q", 8) + b"1234"],
+    ([_prefix(count=1) + _entry(INLINE, 8) + b"1234"],
      errors.InvalidArgumentError),  # inline bytes short
+    ([_prefix(count=1) + _entry(2, 8)], errors.InvalidArgumentError),  # unknown buffer kind
     ([_prefix(count=0) + b"trailing"], errors.InvalidArgumentError),
 ])
 def test_malformed_messages_are_clusterwire_errors(parts, error):

@@ -1,27 +1,21 @@
-"""gRPC pieces shared by the transports whose control plane is gRPC.
-
-Binding with or without TLS, opening channels with the matching credentials,
-carrying and checking the cluster token, and mapping gRPC failures to
-clusterwire errors.
-"""
+"""The gRPC server of a control plane: bound with TLS if configured, the token checked
+before a request is read, and gRPC core's connection limits set from ``ListenOptions``."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from concurrent import futures
 
 import grpc
 
 from clusterwire import errors
 from clusterwire.addressing import join_host_port, split_host_port
-from clusterwire.security import TOKEN_KEY, Security
-from clusterwire.transport import ConnectionFailed, HandshakeFailed, ListenOptions
+from clusterwire.security import Security
+from clusterwire.transport import ListenOptions
+from clusterwire.transports._grpc_common.client import TOKEN_METADATA, message_size_args
 
-#: gRPC metadata key of the cluster token ("-bin": any bytes allowed).
-TOKEN_METADATA = f"{TOKEN_KEY}-bin"
 _STOP_SLACK_S = 10.0
-_DEFAULT_LIMITS = ListenOptions()
 _LOG = logging.getLogger(__name__)
 
 
@@ -97,20 +91,24 @@ class _TokenGate(grpc.ServerInterceptor):
 class ControlServer:
     """A gRPC server on its own thread pool, bound (with TLS if configured) when created.
 
-    ``limits``: the listener's options, whose connection limits it enforces (see
-    ``connection_args``). With a token, calls without it are refused before their
-    request is read.
+    ``limits``: the listener's options: its security, the connection limits it enforces
+    (see ``connection_args``) and, unless ``max_workers`` is given, its thread count.
+    With a token, calls without it are refused before their request is read.
+    ``max_receive_bytes``: the largest request message (gRPC's default, 4 MiB, if None);
+    responses are not capped.
     """
 
-    def __init__(self, address: str, security: Security, service: str,
-                 handlers: Mapping[str, grpc.RpcMethodHandler], max_workers: int, name: str,
-                 options: Sequence[tuple[str, object]] = (),
-                 limits: ListenOptions = _DEFAULT_LIMITS):
-        self.pool = futures.ThreadPoolExecutor(max_workers,
+    def __init__(self, address: str, service: str,
+                 handlers: Mapping[str, grpc.RpcMethodHandler], limits: ListenOptions,
+                 name: str, max_workers: int | None = None,
+                 max_receive_bytes: int | None = None):
+        security = limits.security
+        self.pool = futures.ThreadPoolExecutor(max_workers or limits.max_workers,
                                                thread_name_prefix=f"clusterwire-{name}")
         self.server = grpc.server(
             self.pool, interceptors=[_TokenGate(security)] if security.token else None,
-            options=[("grpc.so_reuseport", 0), *connection_args(limits), *options])
+            options=[("grpc.so_reuseport", 0), *connection_args(limits),
+                     *message_size_args(max_receive_bytes)])
         # Registered methods (what grpc_tools generates): gRPC core matches them itself, with
         # no per-call Python lookup of the method; clients mark theirs _registered_method.
         self.server.add_registered_method_handlers(service, dict(handlers))
@@ -132,63 +130,3 @@ class ControlServer:
             _LOG.warning("The gRPC server at %s did not confirm its stop within %.0f s.",
                          self.address, (grace or 0.0) + _STOP_SLACK_S)
         self.pool.shutdown(wait=False)
-
-
-def open_channel(address: str, security: Security,
-                 options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
-    """A channel to ``address`` with TLS credentials when configured."""
-    tls = security.tls
-    if tls is None:
-        return grpc.insecure_channel(address, options=list(options))
-    credentials = grpc.ssl_channel_credentials(
-        root_certificates=tls.root_certificates, private_key=tls.private_key,
-        certificate_chain=tls.certificate_chain)
-    return grpc.secure_channel(address, credentials, options=list(options))
-
-
-def token_metadata(security: Security) -> tuple[tuple[str, bytes], ...] | None:
-    """The call metadata that carries the token, if there is one."""
-    return ((TOKEN_METADATA, security.token),) if security.token else None
-
-
-def grpc_error(err: grpc.RpcError, address: str,
-               security: Security | None = None) -> errors.OpError:
-    """The clusterwire error for a gRPC failure talking to ``address`` with ``security``."""
-    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
-    details = (err.details() if hasattr(err, "details") else None) or str(code)
-    lowered = details.lower()
-    if code == grpc.StatusCode.UNAVAILABLE and details == "Cancelling all calls":
-        # What a gRPC server's stop() tells calls still running after the grace period.
-        return errors.CancelledError(f"The server at {address} stopped during the call.")
-    if code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in lowered:
-        if ("certificate_verify_failed" in lowered or "peer_did_not_return" in lowered
-                or "verification check failed" in lowered):
-            return errors.UnauthenticatedError(
-                f"TLS to {address}: the certificate was refused ({_reason(details)}). Check "
-                "tls_ca_file and that the certificate is current and names this host "
-                f"({split_host_port(address)[0]}).")
-        tls = security.tls if security is not None else None
-        if lowered.endswith(": socket closed") and tls is not None and not tls.certificate_chain:
-            return errors.UnauthenticatedError(
-                f"TLS to {address}: the server closed the connection during the handshake; it "
-                "requires a client certificate (mutual TLS), which this client does not "
-                "present: set tls_cert_file and tls_key_file.")
-        if "wrong_version_number" in lowered:
-            return HandshakeFailed(
-                f"TLS to {address} failed: the server does not speak TLS ({_reason(details)}).")
-        if "socket closed" in lowered:
-            return HandshakeFailed(
-                f"{address} closed the connection at once: it holds its max_connections, or "
-                "it requires TLS, or a client certificate, that this client does not present "
-                "(then set tls_ca_file, and tls_cert_file/tls_key_file for mutual TLS).")
-        return ConnectionFailed(f"cannot connect to {address}: {details}")
-    return errors.error_from_code(code.value[0], details)
-
-
-def _reason(details: str) -> str:
-    return details.rsplit(":", 2)[-2].strip() if details.count(":") >= 2 else details
-
-
-def status_code(code: int) -> tuple[int, str]:
-    """The grpc.StatusCode value of a clusterwire error code."""
-    return next(s.value for s in grpc.StatusCode if s.value[0] == code)
