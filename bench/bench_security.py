@@ -5,9 +5,9 @@ Run from the repository root::
     python bench/bench_security.py [--rounds 7]
 
 Two of each server run at once, one requiring the cluster token and one open, each in its own
-processes on 127.0.0.1 over grpc; the bench process is the client of both. Each round measures
-both sides back to back, in an order that alternates between rounds, so a slow phase of the
-machine hits both alike:
+processes on 127.0.0.1 over grpc; the bench process is the client of both. Each round starts
+fresh server processes (new CPU placements) and measures both sides back to back, in an order
+that alternates, so a slow phase of the machine hits both alike:
 
 1. ``Session.get`` of an 8-byte array (400 round trips a round per side, in 10 alternating
    slices of 40; median latency);
@@ -99,16 +99,9 @@ def read_rate(dispatcher: str, dataset: data.Dataset, config: dict | None,
     return total / (time.perf_counter() - started)
 
 
-def measure(rounds: int) -> dict[str, dict[str, list[float]]]:
-    """Per measure, per side ("open", "token"): one value a round."""
-    import _data_workload as workload
-
-    directory = tempfile.mkdtemp(prefix="cw-bench-security-")
-    token_file = os.path.join(directory, "token")
-    with open(token_file, "w") as handle:
-        handle.write(secrets.token_hex(32))
-    configs = {"open": None, "token": {"auth_token_file": token_file}}
-    results: dict[str, dict[str, list[float]]] = {}
+@contextlib.contextmanager
+def servers(configs: dict[str, dict | None], token_file: str) -> Iterator[tuple[dict, dict]]:
+    """Fresh servers of both sides: a task with a session to it, and a data service."""
     with contextlib.ExitStack() as stack:
         sessions, dispatchers = {}, {}
         for side, config in configs.items():
@@ -120,30 +113,49 @@ def measure(rounds: int) -> dict[str, dict[str, list[float]]]:
             sessions[side] = session
             dispatchers[side] = stack.enter_context(data_service(
                 token_file if config else None))
-        # name -> (one sample of a side, samples a side per round: they alternate sides)
-        measures: dict[str, tuple[Callable[[str], float], int]] = {
-            "Session.get 8 B (us)": (lambda side: median_get(
-                sessions[side], "small", _SMALL_CALLS) * 1e6, _SMALL_SLICES),
-            "Session.get 64 MiB (ms)": (lambda side: median_get(
-                sessions[side], "big", 1) * 1e3, _BIG_GETS),
-            "data range(200k) (elements/s)": (lambda side: read_rate(
-                dispatchers[side], data.Dataset.range(200_000), configs[side],
-                lambda _: 1), 1),
-            "data 1 MiB elements (MiB/s)": (lambda side: read_rate(
-                dispatchers[side], data.Dataset.range(64).map(workload.fill_1m),
-                configs[side], lambda e: e.nbytes / (1 << 20)), 1),
-        }
-        for name, (run, slices) in measures.items():
-            run("open"), run("token")  # warm-up: connections, imports, first jobs
-            results[name] = {"open": [], "token": []}
-            for index in range(rounds):
+        yield sessions, dispatchers
+
+
+def measure(rounds: int) -> dict[str, dict[str, list[float]]]:
+    """Per measure, per side ("open", "token"): one value a round.
+
+    Every round starts fresh server processes: where the kernel places a pair of processes
+    holds for their life and moves an 8-byte round trip by more than the token costs, so
+    each round draws new placements (as bench_transports' forks do).
+    """
+    import _data_workload as workload
+
+    directory = tempfile.mkdtemp(prefix="cw-bench-security-")
+    token_file = os.path.join(directory, "token")
+    with open(token_file, "w") as handle:
+        handle.write(secrets.token_hex(32))
+    configs = {"open": None, "token": {"auth_token_file": token_file}}
+    results: dict[str, dict[str, list[float]]] = {}
+    for index in range(rounds):
+        with servers(configs, token_file) as (sessions, dispatchers):
+            # name -> (one sample of a side, samples a side per round: they alternate)
+            measures: dict[str, tuple[Callable[[str], float], int]] = {
+                "Session.get 8 B (us)": (lambda side: median_get(
+                    sessions[side], "small", _SMALL_CALLS) * 1e6, _SMALL_SLICES),
+                "Session.get 64 MiB (ms)": (lambda side: median_get(
+                    sessions[side], "big", 1) * 1e3, _BIG_GETS),
+                "data range(200k) (elements/s)": (lambda side: read_rate(
+                    dispatchers[side], data.Dataset.range(200_000), configs[side],
+                    lambda _: 1), 1),
+                "data 1 MiB elements (MiB/s)": (lambda side: read_rate(
+                    dispatchers[side], data.Dataset.range(64).map(workload.fill_1m),
+                    configs[side], lambda e: e.nbytes / (1 << 20)), 1),
+            }
+            for name, (run, slices) in measures.items():
+                run("open"), run("token")  # warm-up: connections, imports, first jobs
                 samples: dict[str, list[float]] = {"open": [], "token": []}
                 for turn in range(slices):
                     first = "open" if (index + turn) % 2 == 0 else "token"
                     for side in (first, "token" if first == "open" else "open"):
                         samples[side].append(run(side))
                 for side, values in samples.items():
-                    results[name][side].append(statistics.median(values))
+                    results.setdefault(name, {"open": [], "token": []})[side].append(
+                        statistics.median(values))
     return results
 
 
