@@ -9,6 +9,7 @@ loaded. Each hook returns typed records that are validated at load time.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.metadata
 import os
@@ -303,7 +304,11 @@ class PluginManager:
 
     def _missing(self, kind: str, name: str, installed: list[str]) -> NotFoundError:
         hint = PROVIDERS.get(name)
-        text = f"No {kind} registered for {name!r}. Installed: {', '.join(installed) or 'none'}."
+        text = f"No {kind} registered for {name!r}."
+        close = difflib.get_close_matches(name, [*installed, *PROVIDERS], n=1, cutoff=0.6)
+        if close and close[0] != name:
+            text += f" Did you mean {close[0]!r}?"
+        text += f" Installed: {', '.join(installed) or 'none'}."
         for plugin, (dist, error) in sorted(self._broken.items()):
             origin = f"distribution {dist.name} {dist.version}" if dist is not None else "-"
             text += f" Plugin {plugin!r} ({origin}) failed to load: {error}."

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -12,7 +13,7 @@ from conftest import TESTS_DIR
 
 from clusterwire import ResolverSpec, TransportSpec, hookimpl
 from clusterwire.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError
-from clusterwire.plugins import PluginManager, load_config
+from clusterwire.plugins import PluginManager, get_plugin_manager, load_config
 
 
 def write(path, text):
@@ -226,3 +227,15 @@ def test_a_broken_plugin_does_not_take_the_others_down(tmp_path):
                              capture_output=True, text=True, timeout=60, env=env,
                              cwd=tmp_path).stdout
     assert any(line.split()[:2] == ["broken", "broken"] for line in listing.splitlines())
+
+
+@pytest.mark.parametrize("typo, meant", [("grcp", "grpc"), ("grpc+loca", "grpc+local"),
+                                         ("gprc", "grpc")])
+def test_a_misspelt_protocol_suggests_the_closest_name(typo, meant):
+    with pytest.raises(NotFoundError, match=f"Did you mean '{re.escape(meant)}'"):
+        get_plugin_manager().transport(typo)
+
+
+def test_a_misspelt_resolver_suggests_the_closest_name():
+    with pytest.raises(NotFoundError, match="Did you mean 'slurm'"):
+        get_plugin_manager().resolver_spec("slrum")
