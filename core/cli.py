@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import signal
 import sys
@@ -71,14 +70,11 @@ def _resolve(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from clusterwire.data.cli import import_modules
     from clusterwire.local_cluster import READY_PREFIX
     from clusterwire.server import Server
 
-    for module in args.imports:
-        try:
-            importlib.import_module(module)
-        except ImportError as err:
-            raise SystemExit(f"clusterwire serve: cannot --import {module!r}: {err}") from None
+    import_modules("serve", args.imports)
     config = _json_arg(args.config, "--config") if args.config else None
     if args.resolver:
         if args.cluster:

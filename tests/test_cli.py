@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -89,3 +90,29 @@ def test_demo_trains_and_reports(tmp_path):
     assert "cluster up in" in result.stdout
     final = [line for line in result.stdout.splitlines() if line.startswith("final loss")]
     assert final and "MB/s" in final[0]
+
+
+def test_serve_imports_a_module_of_the_current_directory(tmp_path):
+    """The console script (unlike ``python -m``) has no current directory on its path;
+    ``--import`` looks there too."""
+    (tmp_path / "cw_cwd_module.py").write_text(
+        "import clusterwire\n\n@clusterwire.remote\ndef triple(x):\n    return 3 * x\n")
+    script = os.path.join(os.path.dirname(sys.executable), "clusterwire")
+    proc = subprocess.Popen(
+        [script, "serve", "--cluster", '{"w": ["127.0.0.1:0"]}', "--job-name", "w",
+         "--task-index", "0", "--import", "cw_cwd_module", "--quiet"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith(READY_PREFIX), proc.stderr.read()
+        with Session(line[len(READY_PREFIX):].strip()) as session:
+            assert session.call("cw_cwd_module.triple", 14) == 42
+    finally:
+        proc.kill()
+        proc.communicate(timeout=10)
+    missing = subprocess.run([script, "serve", "--cluster", '{"w": ["127.0.0.1:0"]}',
+                              "--import", "cw_no_such_module"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode != 0
+    assert "cannot --import 'cw_no_such_module'" in missing.stderr
+    assert str(tmp_path) in missing.stderr and "Traceback" not in missing.stderr

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 import threading
@@ -17,16 +18,21 @@ from typing import Any
 from clusterwire.local_cluster import READY_PREFIX, await_ready
 from clusterwire.security import security_fields
 
-__all__ = ["READY_PREFIX", "add_commands", "await_ready"]
+__all__ = ["READY_PREFIX", "add_commands", "await_ready", "import_modules"]
 
 
-def _imports(args: argparse.Namespace) -> None:
-    for module in args.imports:
+def import_modules(command: str, modules: list[str]) -> None:
+    """Import the ``--import`` modules, finding them in the current directory too (as
+    ``python -m`` does); SystemExit naming the module otherwise."""
+    if modules and os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    for module in modules:
         try:
             importlib.import_module(module)
         except ImportError as err:
-            raise SystemExit(f"clusterwire {args.command}: cannot --import {module!r}: "
-                             f"{err}") from None
+            raise SystemExit(f"clusterwire {command}: cannot --import {module!r}: {err} "
+                             f"(searched the current directory, {os.getcwd()}, and "
+                             "PYTHONPATH)") from None
 
 
 def _serve_until_signal(server: Any, target: str, what: str, args: argparse.Namespace) -> int:
@@ -46,7 +52,7 @@ def _serve_until_signal(server: Any, target: str, what: str, args: argparse.Name
 def _dispatcher(args: argparse.Namespace) -> int:
     from clusterwire.data import DispatcherConfig, DispatchServer
 
-    _imports(args)
+    import_modules(args.command, args.imports)
     config = DispatcherConfig(
         port=args.port, protocol=args.protocol, work_dir=args.work_dir,
         fault_tolerant_mode=args.fault_tolerant_mode, worker_addresses=args.worker_addresses,
@@ -65,7 +71,7 @@ def _dispatcher(args: argparse.Namespace) -> int:
 def _worker(args: argparse.Namespace) -> int:
     from clusterwire.data import WorkerConfig, WorkerServer
 
-    _imports(args)
+    import_modules(args.command, args.imports)
     config = WorkerConfig(
         dispatcher_address=args.dispatcher_address, worker_address=args.worker_address,
         port=args.port, protocol=args.protocol, heartbeat_interval_ms=args.heartbeat_interval_ms,
