@@ -116,3 +116,17 @@ def test_serve_imports_a_module_of_the_current_directory(tmp_path):
     assert missing.returncode != 0
     assert "cannot --import 'cw_no_such_module'" in missing.stderr
     assert str(tmp_path) in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_a_busy_port_is_one_clear_line_without_grpc_log_lines():
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = clusterwire("serve", "--cluster", json.dumps({"w": [f"127.0.0.1:{port}"]}),
+                             "--job-name", "w", "--task-index", "0")
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"Could not bind 127.0.0.1:{port}" in lines[0], result.stderr

@@ -8,9 +8,10 @@ from typing import Any
 
 from clusterwire.plugins import TransportSpec, hookimpl
 
-# Before grpc is first imported (by any of the gRPC-based transports): no INFO
-# log lines from the C core, e.g. for every refused TLS handshake.
-os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+# Before grpc is first imported (by any of the gRPC-based transports): no log lines
+# from the C core (e.g. for every refused TLS handshake, or a bind error that
+# clusterwire reports itself). GRPC_VERBOSITY=error (or debug) brings them back.
+os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
 
 def _factory(options: Mapping[str, Any]):
