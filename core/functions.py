@@ -9,6 +9,8 @@ registry, so a function must be imported (for ``clusterwire serve``:
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -22,8 +24,26 @@ _lock = threading.Lock()
 
 
 def qualified_name(fn: Callable[..., Any]) -> str:
-    """``module.qualname`` of a function, the name it is registered under by default."""
-    return f"{fn.__module__}.{fn.__qualname__}"
+    """``module.qualname`` of a function, the name it is registered under by default.
+
+    A function of the script being run (module ``__main__``) is named after the script's
+    importable module (``myscript.double``), which is what a task that imports the script
+    (``clusterwire serve --import myscript``) registers.
+    """
+    module = fn.__module__
+    if module == "__main__":
+        module = _main_module_name() or module
+    return f"{module}.{fn.__qualname__}"
+
+
+def _main_module_name() -> str | None:
+    """The name under which the running script's module can be imported, if it has one."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name and spec.name != "__main__":
+        return spec.name  # python -m package.module
+    path = getattr(main, "__file__", None)
+    return os.path.splitext(os.path.basename(path))[0] if path else None
 
 
 def remote(fn: F | None = None, *, name: str | None = None) -> F | Callable[[F], F]:

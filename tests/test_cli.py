@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -130,3 +131,32 @@ def test_a_busy_port_is_one_clear_line_without_grpc_log_lines():
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and f"Could not bind 127.0.0.1:{port}" in lines[0], result.stderr
+
+
+def test_a_remote_function_of_the_running_script_reaches_a_task_that_imports_it(tmp_path):
+    """``python myscript.py`` registers ``double`` as ``myscript.double`` (not
+    ``__main__.double``), the name a task started with ``--import myscript`` knows."""
+    (tmp_path / "cw_my_script.py").write_text(textwrap.dedent('''
+        import subprocess, sys
+        import clusterwire
+
+        @clusterwire.remote
+        def double(x):
+            return 2 * x
+
+        if __name__ == "__main__":
+            task = subprocess.Popen(
+                [sys.executable, "-m", "clusterwire", "serve", "--cluster",
+                 '{"w": ["127.0.0.1:0"]}', "--job-name", "w", "--task-index", "0",
+                 "--import", "cw_my_script", "--quiet"], stdout=subprocess.PIPE, text=True)
+            try:
+                target = task.stdout.readline().split("CLUSTERWIRE_READY", 1)[1].strip()
+                with clusterwire.Session(target) as session:
+                    print("RESULT", session.call(double, 21))
+            finally:
+                task.kill()
+                task.wait()
+    '''))
+    result = subprocess.run([sys.executable, "cw_my_script.py"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
+    assert "RESULT 42" in result.stdout, result.stderr
