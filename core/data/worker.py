@@ -270,14 +270,16 @@ class WorkerServer:
                 raise errors.CancelledError(
                     f"Attempt {spec.attempt} at split {spec.split_id} was superseded by a "
                     "later one of the same consumer.")
-            replaced = [self._streams.pop(k) for k in attempts]
-            running = [k for k, s in self._streams.items() if not s.finished]
-            mine = sum(k[:1] + k[2:3] == key[:1] + key[2:3] for k in running)
+            running = [k for k, s in self._streams.items()
+                       if not s.finished and k not in attempts]
+            mine = sum(k[0] == key[0] and k[2] == key[2] for k in running)
             if len(running) >= MAX_OPEN_STREAMS or mine >= MAX_STREAMS_PER_CONSUMER:
                 raise errors.ResourceExhaustedError(
                     f"This tf.data service worker runs {len(running)} streams, {mine} of them "
                     f"for this consumer of job {spec.job_id}; its limits are {MAX_OPEN_STREAMS} "
                     f"and {MAX_STREAMS_PER_CONSUMER} a consumer. Retry later or add workers.")
+            # Only once the new stream is admitted do the attempts it replaces go.
+            replaced = [self._streams.pop(k) for k in attempts]
             elements_iter = self._elements(pipe, spec)
             if spec.is_split and offset:
                 elements_iter = itertools.islice(elements_iter, offset, None)
