@@ -103,11 +103,15 @@ def _serve(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from clusterwire.session import Session
 
+    if args.all and args.task:
+        raise SystemExit("clusterwire status: give --task or --all, not both")
     with Session(args.target, timeout=args.timeout) as session:
-        status = session.status(task=args.task)
-    status["cluster"] = status["cluster"].as_dict()
-    print(json.dumps(status, indent=2))
-    return 0
+        statuses = session.cluster_status() if args.all else {"": session.status(task=args.task)}
+    for status in statuses.values():
+        if "cluster" in status:
+            status["cluster"] = status["cluster"].as_dict()
+    print(json.dumps(statuses if args.all else statuses[""], indent=2))
+    return 1 if any("error" in status for status in statuses.values()) else 0
 
 
 def _plugins(args: argparse.Namespace) -> int:
@@ -161,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     status = commands.add_parser("status", help="print a task's status as JSON")
     status.add_argument("target", help="e.g. grpc://127.0.0.1:2222")
     status.add_argument("--task", help="another task of the cluster, e.g. /job:ps/task:0")
+    status.add_argument("--all", action="store_true",
+                        help="every task of the target's cluster, asked concurrently; exits "
+                             "1 if any did not answer")
     status.add_argument("--timeout", type=float, default=10.0)
     status.set_defaults(run=_status)
 

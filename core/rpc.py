@@ -23,7 +23,8 @@ from clusterwire.security import Security
 from clusterwire.transport import Buffer, Channel, ConnectionFailed, Frame, HandshakeFailed
 
 # Methods that are safe to send twice when a connection broke after sending.
-IDEMPOTENT = frozenset({"status", "put", "get", "delete", "list", "barrier"})
+IDEMPOTENT = frozenset({"status", "put", "get", "delete", "list", "barrier", "barrier_arrive",
+                        "barrier_release", "barrier_withdraw"})
 
 DEFAULT_TIMEOUT = 30.0
 _BACKOFF_START, _BACKOFF_MAX = 0.02, 1.0

@@ -7,10 +7,13 @@ task's server unchanged (header and buffers as received).
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import threading
 import traceback
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,13 +21,18 @@ from google.protobuf.message import DecodeError
 
 from clusterwire import codec, errors, functions
 from clusterwire.addressing import split_host_port
+from clusterwire.barrier import Releases, Rounds
 from clusterwire.cluster_spec import ClusterSpec
 from clusterwire.protos.service_pb2 import Request, Response, TaskRef, TaskStatus
 from clusterwire.rpc import RequestClient
 from clusterwire.security import Security
+from clusterwire.thread_pool import parked
 from clusterwire.transport import Buffer, Frame
 
 _MAX_HOPS = 2
+#: Threads a coordinating task sends barrier releases from (its server threads never do).
+_RELEASE_SENDERS = 8
+_LOG = logging.getLogger("clusterwire")
 
 
 def value_response(value: Any) -> Frame:
@@ -51,42 +59,6 @@ class _Stored:
 def default_store_bytes() -> int:
     """Half of the machine's physical memory: the store's quota unless one is configured."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
-
-
-class _Barrier:
-    """Counts the tasks of a job arriving at named barriers (run on the job's first task)."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._state: dict[str, tuple[int, set[int]]] = {}
-        self._cancelled = False
-
-    def cancel(self) -> None:
-        """Wake every waiter with CancelledError (server stopping)."""
-        with self._cond:
-            self._cancelled = True
-            self._cond.notify_all()
-
-    def arrive(self, name: str, index: int, expected: set[int], timeout: float) -> None:
-        with self._cond:
-            generation, arrived = self._state.get(name, (0, set()))
-            arrived.add(index)
-            if arrived >= expected:
-                self._state[name] = (generation + 1, set())
-                self._cond.notify_all()
-                return
-            self._state[name] = (generation, arrived)
-            self._cond.wait_for(
-                lambda: self._state[name][0] != generation or self._cancelled, timeout=timeout)
-            if self._state[name][0] != generation:
-                return  # released: answered even if the server began stopping meanwhile
-            if self._cancelled:
-                raise errors.CancelledError(f"Barrier {name!r} cancelled: the server is stopping.")
-            missing = sorted(expected - self._state[name][1])
-            self._state[name][1].discard(index)
-            raise errors.DeadlineExceededError(
-                f"Barrier {name!r} timed out after {timeout:.3g} s waiting for task(s) "
-                f"{missing}.")
 
 
 def _no_args(_buffers: list[Buffer]) -> list:
@@ -125,7 +97,10 @@ class ClusterService:
         self._store_bytes = 0
         self._max_store_bytes = max_store_bytes or default_store_bytes()
         self._store_lock = threading.Lock()
-        self._barrier = _Barrier()
+        self._rounds = Rounds()  # barriers this task coordinates (lowest index of its job)
+        self._releases = Releases()  # rounds its own callers wait for
+        self._release_senders: ThreadPoolExecutor | None = None
+        self._release_lock = threading.Lock()
         # Peers are reached with this server's own credentials (its certificate
         # doubles as the client certificate under mutual TLS).
         self._peers = RequestClient(protocol, timeout=peer_timeout, security=security)
@@ -139,11 +114,15 @@ class ClusterService:
         callers with CancelledError (a function's thread cannot be killed; its result is
         dropped).
         """
-        self._barrier.cancel()
+        self._releases.cancel()
 
     def close(self) -> None:
         """Release peer connections."""
         self._peers.close()
+        with self._release_lock:
+            senders, self._release_senders = self._release_senders, None
+        if senders is not None:
+            senders.shutdown(wait=False, cancel_futures=True)
 
     def handle(self, frame: Frame) -> Frame:
         """Serve one request frame (the shell maps the errors it raises)."""
@@ -181,8 +160,9 @@ class ClusterService:
         timeout = None
         if request.method == "barrier" and request.timeout_seconds:
             timeout = request.timeout_seconds + self._peers.timeout
-        return self._peers.send_frame(
-            address, Frame(request.SerializeToString(), frame.buffers), request.method, timeout)
+        with parked():
+            return self._peers.send_frame(address, Frame(request.SerializeToString(),
+                                                         frame.buffers), request.method, timeout)
 
     def _prepare(self, request: Request) -> Serve | None:
         """What serves a request with this header, given its buffers, for the methods whose
@@ -221,8 +201,8 @@ class ClusterService:
         if method == "list":
             with self._store_lock:
                 return value_response(sorted(self._store))
-        if method == "barrier":
-            return self._barrier_arrive(request)
+        if method.startswith("barrier"):
+            return self._barrier_request(request)
         if method == "complete_cluster":
             self.complete_cluster(ClusterSpec(request.cluster))
             return value_response(None)
@@ -230,7 +210,8 @@ class ClusterService:
             return Frame(Response(task_status=self.status()).SerializeToString(), [])
         raise errors.UnimplementedError(
             f"Unknown method {method!r}; this server serves: status, put, get, delete, list, "
-            "call, barrier, complete_cluster.")
+            "call, barrier, complete_cluster (and, between tasks, barrier_arrive, "
+            "barrier_release, barrier_withdraw).")
 
     def _store_put(self, name: str, stored: _Stored) -> None:
         """Store ``stored`` as ``name`` (replacing it) within max_store_bytes."""
@@ -259,7 +240,13 @@ class ClusterService:
                 traceback.format_exc()) from None
         return value_response(result)
 
-    def _barrier_arrive(self, request: Request) -> Frame:
+    # -- barriers (see clusterwire.barrier) -------------------------------------------
+
+    def _barrier_request(self, request: Request) -> Frame:
+        method, name = request.method, request.name
+        if method == "barrier_release":
+            self._releases.release(name, request.round_id)
+            return value_response(None)
         job = request.from_task.job or self.job
         index = request.from_task.index if request.from_task.job else self.index
         try:
@@ -268,15 +255,91 @@ class ClusterService:
             raise errors.NotFoundError(f"No job {job!r} in the cluster for a barrier.") from None
         if index not in expected:
             raise errors.InvalidArgumentError(f"Task {index} is not in job {job!r}.")
-        coordinator = min(expected)
-        if (job, coordinator) != (self.job, self.index):
-            request.task.CopyFrom(TaskRef(job=job, index=coordinator))
-            request.has_task = True
-            request.from_task.CopyFrom(TaskRef(job=job, index=index))
-            return self._forward(request, Frame(b"", []))
+        coordinator = (job, min(expected))
+        if method == "barrier":
+            self._barrier(request, index, expected, coordinator)
+            return value_response(None)
+        if coordinator != (self.job, self.index):
+            raise errors.FailedPreconditionError(
+                f"{method} for job {job!r} goes to /job:{job}/task:{coordinator[1]}, not to "
+                f"/job:{self.job}/task:{self.index}.")
+        if method == "barrier_arrive":
+            waiter = (request.release_to.job, request.release_to.index)
+            return value_response(list(self._arrive(name, index, expected, waiter)))
+        if method == "barrier_withdraw":
+            return value_response(self._rounds.withdraw(name, request.round_id, index,
+                                                        expected))
+        raise errors.UnimplementedError(f"Unknown barrier method {method!r}.")
+
+    def _barrier(self, request: Request, index: int, expected: set[int],
+                 coordinator: tuple[str, int]) -> None:
+        """A caller arrives as task ``index``: count it on the coordinator, wait here."""
+        name = request.name
         timeout = request.timeout_seconds or self._peers.timeout
-        self._barrier.arrive(request.name, index, expected, timeout)
-        return value_response(None)
+        here = coordinator == (self.job, self.index)
+        arrival = TaskRef(job=coordinator[0], index=index)
+        if here:
+            round_id, released = self._arrive(name, index, expected, (self.job, self.index))
+        else:
+            round_id, released = self._ask_coordinator(coordinator, Request(
+                method="barrier_arrive", name=name, from_task=arrival,
+                release_to=TaskRef(job=self.job, index=self.index)))
+        if released:
+            self._releases.release(name, round_id)  # for other callers waiting here on it
+            return
+        if self._releases.wait(name, round_id, timeout):
+            return
+        withdraw = Request(method="barrier_withdraw", name=name, from_task=arrival,
+                           round_id=round_id)
+        try:
+            missing = (self._rounds.withdraw(name, round_id, index, expected) if here
+                       else self._ask_coordinator(coordinator, withdraw))
+        except errors.OpError as err:
+            raise errors.DeadlineExceededError(
+                f"Barrier {name!r} timed out after {timeout:.3g} s, and its coordinator "
+                f"/job:{coordinator[0]}/task:{coordinator[1]} could not say which tasks are "
+                f"missing: {err.message}") from None
+        if missing is None:
+            return  # released while this caller gave up
+        raise errors.DeadlineExceededError(
+            f"Barrier {name!r} timed out after {timeout:.3g} s waiting for task(s) {missing}.")
+
+    def _ask_coordinator(self, coordinator: tuple[str, int], request: Request) -> Any:
+        with parked():
+            response, buffers = self._peers.send(self._address_of(*coordinator), request)
+        return codec.decode(response.value, buffers)
+
+    def _arrive(self, name: str, index: int, expected: set[int],
+                waiter: tuple[str, int]) -> tuple[int, bool]:
+        """Count an arrival here (the coordinator); release the round if it completes it.
+        The waiter of the completing arrival learns it from the answer."""
+        round_id, waiters = self._rounds.arrive(name, index, expected, waiter)
+        if waiters is None:
+            return round_id, False
+        for task in waiters - {waiter}:
+            if task == (self.job, self.index):
+                self._releases.release(name, round_id)
+            else:
+                self._send_release(task, name, round_id)
+        return round_id, True
+
+    def _send_release(self, task: tuple[str, int], name: str, round_id: int) -> None:
+        with self._release_lock:
+            if self._release_senders is None:
+                self._release_senders = ThreadPoolExecutor(
+                    _RELEASE_SENDERS, thread_name_prefix="clusterwire-barrier-release")
+            senders = self._release_senders
+        request = Request(method="barrier_release", name=name, round_id=round_id)
+
+        def send() -> None:
+            try:
+                self._peers.send(self._address_of(*task), request)
+            except errors.OpError as err:  # its callers time out, naming no missing task
+                _LOG.warning("Could not release barrier %r at /job:%s/task:%d: %s", name,
+                             *task, err.message)
+
+        with contextlib.suppress(RuntimeError):  # the server is stopping: waits cancelled
+            senders.submit(send)
 
     def complete_cluster(self, cluster: ClusterSpec) -> None:
         """Learn the ports of tasks that were started with port 0.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from clusterwire import codec, errors, functions
@@ -14,6 +15,8 @@ from clusterwire.security import load_security
 from clusterwire.transport import Frame
 
 _requests = codec.HeaderCache()
+#: Tasks ``cluster_status`` asks at once.
+_STATUS_PARALLEL = 16
 
 
 class Session:
@@ -142,6 +145,30 @@ class Session:
             "devices": [{"name": d.name, "device_type": d.device_type} for d in status.devices],
             "transport": dict(status.transport_info),
         }
+
+    def cluster_status(self, timeout: float | None = None,
+                       parallel: int = _STATUS_PARALLEL) -> dict[str, dict[str, Any]]:
+        """``status()`` of every task of the target's cluster, asked ``parallel`` at a time.
+
+        Keys are the tasks (``"/job:worker/task:3"``) in the cluster's order. A task that
+        does not answer within ``timeout`` has ``{"error": "<ErrorClass>: message"}``
+        instead of its status, so one task down does not hide the others.
+        """
+        if not isinstance(parallel, int) or isinstance(parallel, bool) or parallel < 1:
+            raise errors.InvalidArgumentError(f"parallel must be an int >= 1, got {parallel!r}")
+        cluster = self.status(timeout=timeout)["cluster"]
+        tasks = [f"/job:{job}/task:{index}" for job in cluster.jobs
+                 for index in cluster.task_indices(job)]
+
+        def ask(task: str) -> dict[str, Any]:
+            try:
+                return self.status(task=task, timeout=timeout)
+            except errors.OpError as err:
+                return {"error": f"{type(err).__name__}: {err.message}"}
+
+        with ThreadPoolExecutor(min(parallel, len(tasks)),
+                                thread_name_prefix="clusterwire-status") as pool:
+            return dict(zip(tasks, pool.map(ask, tasks), strict=True))
 
     def complete_cluster(self, cluster: Any, task: str | None = None,
                          timeout: float | None = None) -> None:

@@ -55,6 +55,15 @@ def test_status_prints_json(serving):
     assert status["cluster"] == {"worker": [target.removeprefix("grpc://")]}
 
 
+def test_status_all_prints_every_task_of_the_cluster(serving):
+    _, target = serving
+    result = clusterwire("status", target, "--all")
+    assert result.returncode == 0, result.stderr
+    statuses = json.loads(result.stdout)
+    assert list(statuses) == ["/job:worker/task:0"]
+    assert statuses["/job:worker/task:0"]["target"] == target
+
+
 def test_status_of_a_dead_target_fails_in_bounded_time():
     result = clusterwire("status", "grpc://127.0.0.1:1", "--timeout", "1")
     assert result.returncode == 1

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from concurrent import futures
 
 import grpc
 
 from clusterwire import errors
 from clusterwire.addressing import join_host_port, split_host_port
 from clusterwire.security import Security
+from clusterwire.thread_pool import ElasticPool
 from clusterwire.transport import ListenOptions
 from clusterwire.transports._grpc_common.client import TOKEN_METADATA, message_size_args
 
@@ -89,7 +89,8 @@ class _TokenGate(grpc.ServerInterceptor):
 
 
 class ControlServer:
-    """A gRPC server on its own thread pool, bound (with TLS if configured) when created.
+    """A gRPC server on its own thread pool (an ``ElasticPool``), bound (with TLS if
+    configured) when created.
 
     ``limits``: the listener's options: its security, the connection limits it enforces
     (see ``connection_args``) and, unless ``max_workers`` is given, its thread count.
@@ -103,8 +104,9 @@ class ControlServer:
                  name: str, max_workers: int | None = None,
                  max_receive_bytes: int | None = None):
         security = limits.security
-        self.pool = futures.ThreadPoolExecutor(max_workers or limits.max_workers,
-                                               thread_name_prefix=f"clusterwire-{name}")
+        # Handlers that wait on other requests park (clusterwire.thread_pool.parked) and
+        # leave the max_workers threads to the requests that end their waits.
+        self.pool = ElasticPool(max_workers or limits.max_workers, f"clusterwire-{name}")
         self.server = grpc.server(
             self.pool, interceptors=[_TokenGate(security)] if security.token else None,
             options=[("grpc.so_reuseport", 0), *connection_args(limits),

@@ -1,0 +1,120 @@
+"""Barriers of a job: rounds counted on the job's first task, callers parked where they wait.
+
+An arrival never waits on the coordinating task (the job's lowest index): ``Rounds.arrive``
+records it and answers at once. The arrival that completes a round gets back the tasks where
+that round's callers wait, and the coordinator sends each of them one release, off its
+server threads. A caller waits on the task its request reached (``Releases.wait``), parked
+(``clusterwire.thread_pool``) so a wait never takes a thread that work needs. Per round the
+coordinator handles one arrival and one release per task and holds no thread for any; a task
+holds one parked wait per caller of its own.
+
+Rounds are named by random ids, not counters: a coordinator that restarted cannot make a
+new round look like one already released.
+"""
+
+from __future__ import annotations
+
+import collections
+import secrets
+import threading
+from dataclasses import dataclass, field
+
+from clusterwire import errors
+from clusterwire.thread_pool import parked
+
+Task = tuple[str, int]
+#: Releases remembered per barrier name: a release may arrive before the answer to the
+#: arrival it ends (the coordinator pushes it at once), so recent ones are kept.
+_RECENT_RELEASES = 64
+
+
+def _new_round_id() -> int:
+    return secrets.randbits(63) + 1
+
+
+@dataclass
+class _Round:
+    round_id: int = field(default_factory=_new_round_id)
+    # Task index -> the event number of its arrival, or of its withdrawal (its caller gave
+    # up): a caller that gives up counts as missing only the tasks that were not there
+    # at any time since it arrived.
+    arrived: dict[int, int] = field(default_factory=dict)
+    withdrawn: dict[int, int] = field(default_factory=dict)
+    waiters: set[Task] = field(default_factory=set)
+    events: int = 0
+
+    def event(self) -> int:
+        self.events += 1
+        return self.events
+
+
+class Rounds:
+    """The coordinator's view: the current round of each barrier of its job."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._rounds: dict[str, _Round] = {}
+
+    def arrive(self, name: str, index: int, expected: set[int],
+               waiter: Task) -> tuple[int, set[Task] | None]:
+        """Record task ``index``, whose caller waits on ``waiter``: the round's id, and the
+        tasks where its callers wait if this arrival completed it (else None)."""
+        with self._lock:
+            current = self._rounds.setdefault(name, _Round())
+            current.arrived.setdefault(index, current.event())
+            current.withdrawn.pop(index, None)
+            current.waiters.add(waiter)
+            if not current.arrived.keys() >= expected:
+                return current.round_id, None
+            self._rounds[name] = _Round()
+            return current.round_id, current.waiters
+
+    def withdraw(self, name: str, round_id: int, index: int,
+                 expected: set[int]) -> list[int] | None:
+        """Take task ``index`` out of round ``round_id`` (its caller gave up): the tasks
+        that never arrived, or None if that round was released meanwhile."""
+        with self._lock:
+            current = self._rounds.get(name)
+            if current is None or current.round_id != round_id:
+                return None
+            since = current.arrived.pop(index, 0)
+            current.withdrawn[index] = current.event()
+            return sorted(i for i in expected - current.arrived.keys()
+                          if current.withdrawn.get(i, 0) < since)
+
+
+class Releases:
+    """The released rounds this task's waiting callers look for."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._released: dict[str, collections.deque[int]] = {}
+        self._cancelled = False
+
+    def release(self, name: str, round_id: int) -> None:
+        """Round ``round_id`` of barrier ``name`` is complete: wake its callers."""
+        with self._changed:
+            recent = self._released.setdefault(name, collections.deque(maxlen=_RECENT_RELEASES))
+            if round_id not in recent:
+                recent.append(round_id)
+            self._changed.notify_all()
+
+    def wait(self, name: str, round_id: int, timeout: float) -> bool:
+        """True once round ``round_id`` is released; False after ``timeout`` seconds;
+        CancelledError if the server stops first."""
+        def released() -> bool:
+            return round_id in self._released.get(name, ())
+
+        with self._changed, parked():
+            self._changed.wait_for(lambda: released() or self._cancelled, timeout)
+            if released():
+                return True  # answered even if the server began stopping meanwhile
+            if self._cancelled:
+                raise errors.CancelledError(f"Barrier {name!r} cancelled: the server is stopping.")
+            return False
+
+    def cancel(self) -> None:
+        """Wake every waiter with CancelledError (the server is stopping)."""
+        with self._changed:
+            self._cancelled = True
+            self._changed.notify_all()

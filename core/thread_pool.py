@@ -1,0 +1,134 @@
+"""A server's handler threads: at most ``max_workers`` working, waits parked outside that count.
+
+A handler that waits on other requests (a barrier arrival waiting for the rest of its job,
+a forwarded request waiting for its peer) must not take a worker from the requests that
+would end its wait: with a fixed pool, as many waiters as workers deadlock the server.
+``ElasticPool`` is an ``Executor`` (gRPC's sync server and the transports run their
+handlers on it) whose limit counts *working* threads only: a handler that enters
+``parked()`` stops counting, and the pool starts (or wakes) another thread for the queued
+work, as Java's ``ForkJoinPool`` does for a ``ManagedBlocker``. A parked wait still sits on
+its own thread, because gRPC's sync server answers a call from the thread that took it; what
+the pool guarantees is that waits never starve work. How many calls may wait at once is the
+server's admission limit (``max_concurrent_calls``), not the pool's size. Threads beyond
+``max_workers`` end as soon as they find no work.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import Any
+
+_current = threading.local()  # .pool: the ElasticPool whose worker this thread is
+
+
+@contextlib.contextmanager
+def parked() -> Iterator[None]:
+    """Mark the enclosed wait as parked: on an ``ElasticPool`` worker, the pool may run
+    another thread meanwhile; elsewhere it changes nothing."""
+    pool: ElasticPool | None = getattr(_current, "pool", None)
+    if pool is None:
+        yield
+        return
+    pool._park()
+    try:
+        yield
+    finally:
+        pool._unpark()
+
+
+class ElasticPool(futures.Executor):
+    """Runs submitted calls on at most ``max_workers`` working (not parked) threads."""
+
+    def __init__(self, max_workers: int, thread_name_prefix: str = "clusterwire"):
+        if max_workers < 1:
+            raise ValueError(f"max_workers must be at least 1, got {max_workers}")
+        self._max_workers = max_workers
+        self._name = thread_name_prefix
+        self._lock = threading.Lock()
+        self._wakeup = threading.Condition(self._lock)  # idle threads wait here for work
+        self._exited = threading.Condition(self._lock)  # shutdown(wait=True) waits here
+        self._queue: collections.deque[tuple[futures.Future, Callable, tuple, dict]] = \
+            collections.deque()
+        self._threads = 0  # alive
+        self._working = 0  # running a call and not parked
+        self._idle = 0  # waiting for work, not signalled
+        self._signalled = 0  # started or woken for work, not yet looking for it
+        self._shutdown = False
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> futures.Future:
+        future: futures.Future = futures.Future()
+        with self._lock:
+            if self._shutdown:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            self._queue.append((future, fn, args, kwargs))
+            self._signal()
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._lock:
+            self._shutdown = True
+            if cancel_futures:
+                while self._queue:
+                    self._queue.popleft()[0].cancel()
+            self._signalled += self._idle
+            self._idle = 0
+            self._wakeup.notify_all()
+            if wait:
+                self._exited.wait_for(lambda: self._threads == 0)
+
+    @property
+    def threads(self) -> int:
+        """Threads alive (working, parked or idle)."""
+        return self._threads
+
+    def _signal(self) -> None:
+        """Under the lock: wake or start threads for queued work the working count allows."""
+        while (len(self._queue) > self._signalled
+               and self._working + self._signalled < self._max_workers):
+            self._signalled += 1
+            if self._idle:
+                self._idle -= 1
+                self._wakeup.notify()
+            else:
+                self._threads += 1
+                threading.Thread(target=self._work, name=f"{self._name}-{self._threads}",
+                                 daemon=True).start()
+
+    def _park(self) -> None:
+        with self._lock:
+            self._working -= 1
+            self._signal()
+
+    def _unpark(self) -> None:
+        with self._lock:
+            self._working += 1
+
+    def _work(self) -> None:
+        _current.pool = self
+        with self._lock:
+            while True:
+                self._signalled -= 1
+                while self._queue and self._working < self._max_workers:
+                    future, fn, args, kwargs = self._queue.popleft()
+                    self._working += 1
+                    self._lock.release()
+                    try:
+                        if future.set_running_or_notify_cancel():
+                            try:
+                                future.set_result(fn(*args, **kwargs))
+                            except BaseException as err:  # the submitter's to see, as
+                                future.set_exception(err)  # in ThreadPoolExecutor
+                    finally:
+                        del future, fn, args, kwargs
+                        self._lock.acquire()
+                        self._working -= 1
+                if (self._shutdown and not self._queue) or self._threads > self._max_workers:
+                    self._threads -= 1
+                    self._exited.notify_all()
+                    return
+                self._idle += 1
+                self._wakeup.wait()
