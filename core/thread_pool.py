@@ -11,6 +11,10 @@ its own thread, because gRPC's sync server answers a call from the thread that t
 the pool guarantees is that waits never starve work. How many calls may wait at once is the
 server's admission limit (``max_concurrent_calls``), not the pool's size. Threads beyond
 ``max_workers`` end as soon as they find no work.
+
+A transport with workers of its own (the zmq plugin's) makes its threads honour
+``parked()`` the same way: each worker calls ``serve_parking(host)`` once, with a host whose
+``park()``/``unpark()`` let it run another worker meanwhile.
 """
 
 from __future__ import annotations
@@ -20,24 +24,37 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from concurrent import futures
-from typing import Any
+from typing import Any, Protocol
 
-_current = threading.local()  # .pool: the ElasticPool whose worker this thread is
+_current = threading.local()  # .host: what this thread's parked() waits tell (a pool)
+
+
+class ParkingHost(Protocol):
+    """Threads whose waits can be parked: ``park`` before a wait, ``unpark`` after it."""
+
+    def park(self) -> None: ...
+
+    def unpark(self) -> None: ...
+
+
+def serve_parking(host: ParkingHost) -> None:
+    """Make the calling thread a worker of ``host``: its ``parked()`` waits tell ``host``."""
+    _current.host = host
 
 
 @contextlib.contextmanager
 def parked() -> Iterator[None]:
-    """Mark the enclosed wait as parked: on an ``ElasticPool`` worker, the pool may run
-    another thread meanwhile; elsewhere it changes nothing."""
-    pool: ElasticPool | None = getattr(_current, "pool", None)
-    if pool is None:
+    """Mark the enclosed wait as parked: on a worker of an ``ElasticPool`` (or of another
+    ``ParkingHost``), another thread may work meanwhile; elsewhere it changes nothing."""
+    host: ParkingHost | None = getattr(_current, "host", None)
+    if host is None:
         yield
         return
-    pool._park()
+    host.park()
     try:
         yield
     finally:
-        pool._unpark()
+        host.unpark()
 
 
 class ElasticPool(futures.Executor):
@@ -98,17 +115,19 @@ class ElasticPool(futures.Executor):
                 threading.Thread(target=self._work, name=f"{self._name}-{self._threads}",
                                  daemon=True).start()
 
-    def _park(self) -> None:
+    def park(self) -> None:
+        """The calling worker stops counting against ``max_workers`` (see ``parked()``)."""
         with self._lock:
             self._working -= 1
             self._signal()
 
-    def _unpark(self) -> None:
+    def unpark(self) -> None:
+        """The calling worker, back from a parked wait, counts again."""
         with self._lock:
             self._working += 1
 
     def _work(self) -> None:
-        _current.pool = self
+        serve_parking(self)
         with self._lock:
             while True:
                 self._signalled -= 1

@@ -6,6 +6,7 @@ that holds a server thread per waiting arrival on one task would hang here.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import threading
 import time
@@ -23,7 +24,11 @@ MAX_WORKERS = 2
 WAIT = 30  # every barrier's timeout; a working one takes a small fraction of it
 
 
-@pytest.fixture(params=["grpc", "grpc+local"])
+PROTOCOLS = ["grpc", "grpc+local"] + (
+    ["zmq"] if importlib.util.find_spec("clusterwire_zmq") is not None else [])
+
+
+@pytest.fixture(params=PROTOCOLS)
 def tasks(request) -> Iterator[list[Server]]:
     """TASKS in-process servers of one job, each with MAX_WORKERS threads."""
     servers: list[Server] = []

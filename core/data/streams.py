@@ -19,6 +19,7 @@ from typing import Any
 from clusterwire import errors
 from clusterwire.data.elements import Encoded
 from clusterwire.envelope import MAX_BUFFERS
+from clusterwire.thread_pool import parked
 
 # Two 8 MiB batches ahead keep a reader busy; buffering more lets elements go cold before the
 # transport copies them (64 MiB cost 5-15 % of 1 MiB-element throughput).
@@ -90,7 +91,8 @@ class Stream:
             last = self._claims.get(consumer)
             if last is not None and last[0] == seq:
                 return last[1], last[2]
-            self._cond.wait_for(lambda: self._ready or self._done or self._closed, wait)
+            with parked():  # a consumer's long poll must not take a thread from producers
+                self._cond.wait_for(lambda: self._ready or self._done or self._closed, wait)
             if self._closed:
                 raise errors.CancelledError("The stream was closed (job removed or worker "
                                             "stopping).")
@@ -121,8 +123,9 @@ class Stream:
             last = self._claims.get(consumer)
             if last is not None and last[0] == seq:
                 return last[1], last[2]
-            self._cond.wait_for(lambda: self._closed or self._done
-                                or self._base + len(self._ready) > position, wait)
+            with parked():
+                self._cond.wait_for(lambda: self._closed or self._done
+                                    or self._base + len(self._ready) > position, wait)
             if self._closed:
                 raise errors.CancelledError("The stream was closed (job removed or worker "
                                             "stopping).")

@@ -17,6 +17,7 @@ import zmq
 
 from clusterwire import errors
 from clusterwire.addressing import join_host_port
+from clusterwire.thread_pool import serve_parking
 from clusterwire.transport import Frame, Handler, Listener, ListenOptions
 from clusterwire_zmq import wire
 from clusterwire_zmq.auth import TokenGate, refuse_tls
@@ -81,6 +82,7 @@ class ZmqListener(Listener):
         self._calls: dict[int, list] = {}
         self._tokens = itertools.count()
         self._threads = self._idle = self._parked = self._wakeups = 0
+        self._waiting = 0  # workers in a handler's parked() wait: not counted as working
         self._started = self._stopping = False
         self._stopped = threading.Event()
 
@@ -124,14 +126,27 @@ class ZmqListener(Listener):
         if self._parked > self._wakeups:
             self._wakeups += 1
             self._wakeup.notify()
-        elif self._threads < self._max_workers:
+        elif self._threads - self._waiting < self._max_workers:
             self._threads += 1
             threading.Thread(target=self._work, name="clusterwire-zmq", daemon=True).start()
         else:
             return  # every worker is busy: requests wait in the socket's queue
         self._idle += 1
 
+    def park(self) -> None:
+        """A handler waits on other requests (clusterwire.thread_pool.parked): let another
+        worker take the socket meanwhile, beyond max_workers if need be."""
+        with self._lock:
+            self._waiting += 1
+            if self._idle == 0 and not self._stopping:
+                self._spawn()
+
+    def unpark(self) -> None:
+        with self._lock:
+            self._waiting -= 1
+
     def _work(self) -> None:
+        serve_parking(self)
         poller = self._router.poller()
         try:
             if poller is not None:  # None: the listener stopped before this thread began
@@ -164,6 +179,8 @@ class ZmqListener(Listener):
             if self._idle < _POLLERS:
                 self._idle += 1
                 return True
+            if self._threads - self._waiting > self._max_workers:
+                return False  # started while others waited parked: no longer needed
             self._parked += 1
             self._wakeup.wait_for(lambda: self._wakeups or self._stopping)
             self._parked -= 1
