@@ -1,12 +1,17 @@
 """Barriers of a job: rounds counted on the job's first task, callers parked where they wait.
 
-An arrival never waits on the coordinating task (the job's lowest index): ``Rounds.arrive``
-records it and answers at once. The arrival that completes a round gets back the tasks where
-that round's callers wait, and the coordinator sends each of them one release, off its
-server threads. A caller waits on the task its request reached (``Releases.wait``), parked
-(``clusterwire.thread_pool``) so a wait never takes a thread that work needs. Per round the
-coordinator handles one arrival and one release per task and holds no thread for any; a task
-holds one parked wait per caller of its own.
+A caller waits on the task its request reached (``Releases.wait``); that task reports the
+arrival to the coordinating task (the job's lowest index), where ``Rounds.arrive`` counts
+it. The coordinator answers an arrival in one of two ways:
+
+* held: it answers when the round is released (one small call per task and round, the
+  cheapest), parking the wait; at most ``max_held`` arrivals are held at once, so the
+  coordinator's threads do not grow with the job;
+* at once, beyond that: the arrival that completes the round gets back the tasks where such
+  callers wait, and the coordinator sends each of them one release from threads of its own.
+
+Every wait is parked (``clusterwire.thread_pool``), so it never takes a thread that work
+needs; a task holds one parked wait per caller of its own.
 
 Rounds are named by random ids, not counters: a coordinator that restarted cannot make a
 new round look like one already released.
@@ -48,26 +53,48 @@ class _Round:
         return self.events
 
 
+@dataclass
+class Arrival:
+    """What ``Rounds.arrive`` decided about one arrival."""
+
+    round_id: int
+    #: Set when the arrival completed the round: the tasks to send a release to (callers
+    #: of those tasks were answered at once); the coordinator's held arrivals and its own
+    #: callers are released locally.
+    release: set[Task] | None = None
+    held: bool = False  # answer when the round is released; call ``Rounds.unhold`` then
+
+
 class Rounds:
     """The coordinator's view: the current round of each barrier of its job."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_held: int) -> None:
         self._lock = threading.Lock()
         self._rounds: dict[str, _Round] = {}
+        self._max_held = max_held
+        self._held = 0
 
-    def arrive(self, name: str, index: int, expected: set[int],
-               waiter: Task) -> tuple[int, set[Task] | None]:
-        """Record task ``index``, whose caller waits on ``waiter``: the round's id, and the
-        tasks where its callers wait if this arrival completed it (else None)."""
+    def arrive(self, name: str, index: int, expected: set[int], waiter: Task,
+               hold: bool) -> Arrival:
+        """Record task ``index``, whose caller waits on task ``waiter``; held if ``hold``
+        and fewer than ``max_held`` arrivals are held."""
         with self._lock:
             current = self._rounds.setdefault(name, _Round())
             current.arrived.setdefault(index, current.event())
             current.withdrawn.pop(index, None)
+            if current.arrived.keys() >= expected:
+                self._rounds[name] = _Round()
+                return Arrival(current.round_id, release=current.waiters)
+            if hold and self._held < self._max_held:
+                self._held += 1
+                return Arrival(current.round_id, held=True)
             current.waiters.add(waiter)
-            if not current.arrived.keys() >= expected:
-                return current.round_id, None
-            self._rounds[name] = _Round()
-            return current.round_id, current.waiters
+            return Arrival(current.round_id)
+
+    def unhold(self) -> None:
+        """A held arrival was answered."""
+        with self._lock:
+            self._held -= 1
 
     def withdraw(self, name: str, round_id: int, index: int,
                  expected: set[int]) -> list[int] | None:

@@ -21,7 +21,7 @@ from google.protobuf.message import DecodeError
 
 from clusterwire import codec, errors, functions
 from clusterwire.addressing import split_host_port
-from clusterwire.barrier import Releases, Rounds
+from clusterwire.barrier import Arrival, Releases, Rounds
 from clusterwire.cluster_spec import ClusterSpec
 from clusterwire.protos.service_pb2 import Request, Response, TaskRef, TaskStatus
 from clusterwire.rpc import RequestClient
@@ -30,7 +30,10 @@ from clusterwire.thread_pool import parked
 from clusterwire.transport import Buffer, Frame
 
 _MAX_HOPS = 2
-#: Threads a coordinating task sends barrier releases from (its server threads never do).
+#: Barrier arrivals a coordinating task answers only once released (each a parked wait);
+#: beyond this many it answers at once and sends a release later, from _RELEASE_SENDERS
+#: threads of its own.
+_MAX_HELD_ARRIVALS = 64
 _RELEASE_SENDERS = 8
 _LOG = logging.getLogger("clusterwire")
 
@@ -59,6 +62,11 @@ class _Stored:
 def default_store_bytes() -> int:
     """Half of the machine's physical memory: the store's quota unless one is configured."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+def _barrier_timeout(name: str, timeout: float, missing: list[int]) -> errors.OpError:
+    return errors.DeadlineExceededError(
+        f"Barrier {name!r} timed out after {timeout:.3g} s waiting for task(s) {missing}.")
 
 
 def _no_args(_buffers: list[Buffer]) -> list:
@@ -97,7 +105,8 @@ class ClusterService:
         self._store_bytes = 0
         self._max_store_bytes = max_store_bytes or default_store_bytes()
         self._store_lock = threading.Lock()
-        self._rounds = Rounds()  # barriers this task coordinates (lowest index of its job)
+        # Barriers this task coordinates (it is the lowest index of its job).
+        self._rounds = Rounds(max_held=_MAX_HELD_ARRIVALS)
         self._releases = Releases()  # rounds its own callers wait for
         self._release_senders: ThreadPoolExecutor | None = None
         self._release_lock = threading.Lock()
@@ -264,8 +273,7 @@ class ClusterService:
                 f"{method} for job {job!r} goes to /job:{job}/task:{coordinator[1]}, not to "
                 f"/job:{self.job}/task:{self.index}.")
         if method == "barrier_arrive":
-            waiter = (request.release_to.job, request.release_to.index)
-            return value_response(list(self._arrive(name, index, expected, waiter)))
+            return value_response(self._coordinate(request, index, expected))
         if method == "barrier_withdraw":
             return value_response(self._rounds.withdraw(name, request.round_id, index,
                                                         expected))
@@ -276,14 +284,20 @@ class ClusterService:
         """A caller arrives as task ``index``: count it on the coordinator, wait here."""
         name = request.name
         timeout = request.timeout_seconds or self._peers.timeout
-        here = coordinator == (self.job, self.index)
+        me = (self.job, self.index)
         arrival = TaskRef(job=coordinator[0], index=index)
-        if here:
-            round_id, released = self._arrive(name, index, expected, (self.job, self.index))
+        if coordinator == me:
+            counted = self._rounds.arrive(name, index, expected, me, hold=False)
+            round_id, released = counted.round_id, counted.release is not None
+            if released:
+                self._release_round(name, counted, me)
         else:
-            round_id, released = self._ask_coordinator(coordinator, Request(
-                method="barrier_arrive", name=name, from_task=arrival,
-                release_to=TaskRef(job=self.job, index=self.index)))
+            answer = self._ask_coordinator(coordinator, Request(
+                method="barrier_arrive", name=name, from_task=arrival, timeout_seconds=timeout,
+                release_to=TaskRef(job=self.job, index=self.index)), timeout)
+            round_id, released = answer["round"], answer["released"]
+            if answer["missing"] is not None:
+                raise _barrier_timeout(name, timeout, answer["missing"])
         if released:
             self._releases.release(name, round_id)  # for other callers waiting here on it
             return
@@ -292,36 +306,52 @@ class ClusterService:
         withdraw = Request(method="barrier_withdraw", name=name, from_task=arrival,
                            round_id=round_id)
         try:
-            missing = (self._rounds.withdraw(name, round_id, index, expected) if here
-                       else self._ask_coordinator(coordinator, withdraw))
+            missing = (self._rounds.withdraw(name, round_id, index, expected)
+                       if coordinator == me else self._ask_coordinator(coordinator, withdraw))
         except errors.OpError as err:
             raise errors.DeadlineExceededError(
                 f"Barrier {name!r} timed out after {timeout:.3g} s, and its coordinator "
                 f"/job:{coordinator[0]}/task:{coordinator[1]} could not say which tasks are "
                 f"missing: {err.message}") from None
-        if missing is None:
-            return  # released while this caller gave up
-        raise errors.DeadlineExceededError(
-            f"Barrier {name!r} timed out after {timeout:.3g} s waiting for task(s) {missing}.")
+        if missing is not None:
+            raise _barrier_timeout(name, timeout, missing)
+        # else: released while this caller gave up
 
-    def _ask_coordinator(self, coordinator: tuple[str, int], request: Request) -> Any:
+    def _coordinate(self, request: Request, index: int, expected: set[int]) -> dict[str, Any]:
+        """Count an arrival another task reports; answer once released if it is held."""
+        name = request.name
+        waiter = (request.release_to.job, request.release_to.index)
+        counted = self._rounds.arrive(name, index, expected, waiter, hold=True)
+        answer = {"round": counted.round_id, "released": counted.release is not None,
+                  "missing": None}
+        if counted.release is not None:
+            self._release_round(name, counted, waiter)
+        if not counted.held:
+            return answer
+        try:
+            answer["released"] = self._releases.wait(
+                name, counted.round_id, request.timeout_seconds or self._peers.timeout)
+        finally:
+            self._rounds.unhold()
+        if not answer["released"]:
+            answer["missing"] = self._rounds.withdraw(name, counted.round_id, index, expected)
+            answer["released"] = answer["missing"] is None
+        return answer
+
+    def _ask_coordinator(self, coordinator: tuple[str, int], request: Request,
+                         wait: float = 0.0) -> Any:
         with parked():
-            response, buffers = self._peers.send(self._address_of(*coordinator), request)
+            response, buffers = self._peers.send(self._address_of(*coordinator), request,
+                                                 timeout=wait + self._peers.timeout)
         return codec.decode(response.value, buffers)
 
-    def _arrive(self, name: str, index: int, expected: set[int],
-                waiter: tuple[str, int]) -> tuple[int, bool]:
-        """Count an arrival here (the coordinator); release the round if it completes it.
-        The waiter of the completing arrival learns it from the answer."""
-        round_id, waiters = self._rounds.arrive(name, index, expected, waiter)
-        if waiters is None:
-            return round_id, False
-        for task in waiters - {waiter}:
-            if task == (self.job, self.index):
-                self._releases.release(name, round_id)
-            else:
-                self._send_release(task, name, round_id)
-        return round_id, True
+    def _release_round(self, name: str, counted: Arrival, completing: tuple[str, int]) -> None:
+        """Release a completed round: the arrivals held here and this task's own callers at
+        once, the other tasks' callers (answered at once) by a release sent to their task.
+        The caller of the ``completing`` arrival learns it from the answer."""
+        self._releases.release(name, counted.round_id)
+        for task in (counted.release or set()) - {completing, (self.job, self.index)}:
+            self._send_release(task, name, counted.round_id)
 
     def _send_release(self, task: tuple[str, int], name: str, round_id: int) -> None:
         with self._release_lock:

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from clusterwire import ClusterSpec, Server, Session
+from clusterwire import ClusterSpec, Server, Session, service
 from clusterwire.errors import CancelledError, DeadlineExceededError, UnavailableError
 from clusterwire.local_cluster import LocalCluster
 
@@ -24,18 +24,21 @@ MAX_WORKERS = 2
 WAIT = 30  # every barrier's timeout; a working one takes a small fraction of it
 
 
-PROTOCOLS = ["grpc", "grpc+local"] + (
-    ["zmq"] if importlib.util.find_spec("clusterwire_zmq") is not None else [])
+# (protocol, arrivals the coordinator may hold): with 4, most arrivals are answered at once
+# and released by a call from the coordinator, the path of jobs larger than the default.
+SETUPS = [("grpc", 64), ("grpc", 4), ("grpc+local", 64)] + (
+    [("zmq", 4)] if importlib.util.find_spec("clusterwire_zmq") is not None else [])
 
 
-@pytest.fixture(params=PROTOCOLS)
-def tasks(request) -> Iterator[list[Server]]:
+@pytest.fixture(params=SETUPS, ids=[f"{p}-hold{h}" for p, h in SETUPS])
+def tasks(request, monkeypatch) -> Iterator[list[Server]]:
     """TASKS in-process servers of one job, each with MAX_WORKERS threads."""
+    monkeypatch.setattr(service, "_MAX_HELD_ARRIVALS", request.param[1])
     servers: list[Server] = []
     try:
         for index in range(TASKS):
             servers.append(Server({"worker": ["127.0.0.1:0"] * TASKS}, job_name="worker",
-                                  task_index=index, protocol=request.param,
+                                  task_index=index, protocol=request.param[0],
                                   config={"max_workers": MAX_WORKERS,
                                           "small_call_reserve": 1}))
         spec = ClusterSpec({"worker": [s.target.split("://")[1] for s in servers]})
