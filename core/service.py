@@ -117,13 +117,16 @@ class ClusterService:
         self._prepared: dict[bytes, Serve] = {}
 
     def cancel_waits(self) -> None:
-        """Answer barrier waits with CancelledError (the server's shell is stopping).
+        """Answer the waits left with CancelledError (the server's shell is stopping):
+        barrier waits, and requests waiting on a peer (forwarded, or a barrier arrival held
+        by its coordinator), whose peer calls are cancelled.
 
         Remote calls still running are cancelled by the listener's stop, which answers their
         callers with CancelledError (a function's thread cannot be killed; its result is
         dropped).
         """
         self._releases.cancel()
+        self._peers.close()
 
     def close(self) -> None:
         """Release peer connections."""
@@ -364,6 +367,8 @@ class ClusterService:
         def send() -> None:
             try:
                 self._peers.send(self._address_of(*task), request)
+            except errors.CancelledError:
+                pass  # this server is stopping
             except errors.OpError as err:  # its callers time out, naming no missing task
                 _LOG.warning("Could not release barrier %r at /job:%s/task:%d: %s", name,
                              *task, err.message)
