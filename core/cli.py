@@ -177,8 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser(
         "demo", help="train a model parameter-server style on a local 3-process cluster")
     demo.add_argument("--protocol", default="grpc")
-    demo.add_argument("--steps", type=int, default=60)
-    demo.add_argument("--workers", type=int, default=2)
+    demo.add_argument("--steps", type=int, default=60,
+                      help="training steps of each worker (the ps counts steps x workers)")
+    demo.add_argument("--workers", type=int, default=2, help="worker tasks beside the ps")
     demo.add_argument("--chaos", action="store_true",
                       help="SIGKILL a worker a third of the way through and restart it")
     demo.set_defaults(run=_demo)
