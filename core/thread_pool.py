@@ -10,7 +10,8 @@ work, as Java's ``ForkJoinPool`` does for a ``ManagedBlocker``. A parked wait st
 its own thread, because gRPC's sync server answers a call from the thread that took it; what
 the pool guarantees is that waits never starve work. How many calls may wait at once is the
 server's admission limit (``max_concurrent_calls``), not the pool's size. Threads beyond
-``max_workers`` end as soon as they find no work.
+``max_workers`` end once they found no work for ``keep_alive`` seconds (so a job's next
+barrier round finds them waiting instead of starting them again).
 
 A transport with workers of its own (the zmq plugin's) makes its threads honour
 ``parked()`` the same way: each worker calls ``serve_parking(host)`` once, with a host whose
@@ -57,22 +58,31 @@ def parked() -> Iterator[None]:
         host.unpark()
 
 
+class _Idle:
+    """A thread waiting for work; woken alone, through a condition of its own."""
+
+    def __init__(self, lock: threading.Lock):
+        self.wakeup = threading.Condition(lock)
+        self.woken = False
+
+
 class ElasticPool(futures.Executor):
     """Runs submitted calls on at most ``max_workers`` working (not parked) threads."""
 
-    def __init__(self, max_workers: int, thread_name_prefix: str = "clusterwire"):
+    def __init__(self, max_workers: int, thread_name_prefix: str = "clusterwire",
+                 keep_alive: float = 60.0):
         if max_workers < 1:
             raise ValueError(f"max_workers must be at least 1, got {max_workers}")
         self._max_workers = max_workers
+        self._keep_alive = keep_alive
         self._name = thread_name_prefix
         self._lock = threading.Lock()
-        self._wakeup = threading.Condition(self._lock)  # idle threads wait here for work
         self._exited = threading.Condition(self._lock)  # shutdown(wait=True) waits here
         self._queue: collections.deque[tuple[futures.Future, Callable, tuple, dict]] = \
             collections.deque()
+        self._idle: collections.deque[_Idle] = collections.deque()  # most recent last
         self._threads = 0  # alive
         self._working = 0  # running a call and not parked
-        self._idle = 0  # waiting for work, not signalled
         self._signalled = 0  # started or woken for work, not yet looking for it
         self._shutdown = False
 
@@ -91,9 +101,8 @@ class ElasticPool(futures.Executor):
             if cancel_futures:
                 while self._queue:
                     self._queue.popleft()[0].cancel()
-            self._signalled += self._idle
-            self._idle = 0
-            self._wakeup.notify_all()
+            while self._idle:
+                self._wake(self._idle.pop())
             if wait:
                 self._exited.wait_for(lambda: self._threads == 0)
 
@@ -101,19 +110,6 @@ class ElasticPool(futures.Executor):
     def threads(self) -> int:
         """Threads alive (working, parked or idle)."""
         return self._threads
-
-    def _signal(self) -> None:
-        """Under the lock: wake or start threads for queued work the working count allows."""
-        while (len(self._queue) > self._signalled
-               and self._working + self._signalled < self._max_workers):
-            self._signalled += 1
-            if self._idle:
-                self._idle -= 1
-                self._wakeup.notify()
-            else:
-                self._threads += 1
-                threading.Thread(target=self._work, name=f"{self._name}-{self._threads}",
-                                 daemon=True).start()
 
     def park(self) -> None:
         """The calling worker stops counting against ``max_workers`` (see ``parked()``)."""
@@ -126,11 +122,29 @@ class ElasticPool(futures.Executor):
         with self._lock:
             self._working += 1
 
+    def _signal(self) -> None:
+        """Under the lock: wake or start threads for queued work the working count allows."""
+        while (len(self._queue) > self._signalled
+               and self._working + self._signalled < self._max_workers):
+            if self._idle:
+                self._wake(self._idle.pop())  # the most recent: the others may time out
+            else:
+                self._threads += 1
+                self._signalled += 1
+                threading.Thread(target=self._work, name=f"{self._name}-{self._threads}",
+                                 daemon=True).start()
+
+    def _wake(self, idle: _Idle) -> None:
+        idle.woken = True
+        self._signalled += 1
+        idle.wakeup.notify()
+
     def _work(self) -> None:
         serve_parking(self)
+        idle = _Idle(self._lock)
         with self._lock:
+            self._signalled -= 1  # started
             while True:
-                self._signalled -= 1
                 while self._queue and self._working < self._max_workers:
                     future, fn, args, kwargs = self._queue.popleft()
                     self._working += 1
@@ -145,9 +159,18 @@ class ElasticPool(futures.Executor):
                         del future, fn, args, kwargs
                         self._lock.acquire()
                         self._working -= 1
-                if (self._shutdown and not self._queue) or self._threads > self._max_workers:
-                    self._threads -= 1
-                    self._exited.notify_all()
-                    return
-                self._idle += 1
-                self._wakeup.wait()
+                if self._shutdown and not self._queue:
+                    break
+                surplus = self._threads > self._max_workers
+                idle.woken = False
+                self._idle.append(idle)
+                idle.wakeup.wait_for(lambda: idle.woken,
+                                     self._keep_alive if surplus else None)
+                if idle.woken:
+                    self._signalled -= 1
+                    continue
+                self._idle.remove(idle)  # keep_alive seconds without work
+                if self._threads > self._max_workers:
+                    break
+            self._threads -= 1
+            self._exited.notify_all()

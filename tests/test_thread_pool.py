@@ -52,7 +52,7 @@ def test_working_threads_never_exceed_max_workers():
 
 
 def test_threads_beyond_max_workers_end_after_a_burst_of_waits():
-    pool = ElasticPool(2)
+    pool = ElasticPool(2, keep_alive=0.05)
     go = threading.Event()
     waiting = threading.Semaphore(0)
 
