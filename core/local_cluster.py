@@ -1,72 +1,96 @@
 """LocalCluster: a multi-process cluster on this host, one process per task.
 
-Each task runs ``python -m clusterwire serve`` with port 0, so no port is
-guessed or raced for: the launcher reads every bound address back, then
-tells each task the completed cluster (``Session.complete_cluster``).
+Each task runs ``clusterwire serve`` with port 0, so no port is guessed or
+raced for: the launcher reads every bound address back, then tells each task
+the completed cluster (``Session.complete_cluster``, to several tasks at once).
+Tasks are forked from one warmed parent per cluster (``clusterwire.zygote``):
+a task skips the interpreter start and imports, and shares their memory with
+its siblings. That parent is started with exactly the tasks' environment
+(this process's plus ``env``), so variables read at interpreter start or at
+import (PYTHONPATH, GRPC_*, CLUSTERWIRE_PLUGINS...) reach the tasks as they
+would a process of their own; each task runs in the launcher's working
+directory of the moment it is started.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import signal
 import subprocess
-import sys
 import threading
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from clusterwire import errors
 from clusterwire.cluster_spec import ClusterSpec
 from clusterwire.security import security_fields
 from clusterwire.session import Session
+from clusterwire.task_launcher import TaskLauncher, TaskProcess
 
 READY_PREFIX = "CLUSTERWIRE_READY "
 
+#: At most this many ``complete_cluster`` calls are in flight at once.
+COMPLETE_CLUSTER_THREADS = 16
 
-def await_ready(process: subprocess.Popen, timeout: float) -> str | None:
+
+class _ReadyWatcher:
+    """Drains a process's stdout on a thread, keeping its ready line and whether it ended."""
+
+    def __init__(self, process: subprocess.Popen | TaskProcess):
+        self.target: str | None = None
+        self.ended = False
+        self._event = threading.Event()
+        threading.Thread(target=self._read, args=(process.stdout,), daemon=True).start()
+
+    def _read(self, stdout: Any) -> None:
+        try:
+            for line in stdout:
+                if self.target is None and line.startswith(READY_PREFIX):
+                    self.target = line[len(READY_PREFIX):].strip()
+                    self._event.set()
+        except (ValueError, OSError):
+            pass  # the pipe was closed
+        self.ended = True
+        self._event.set()
+
+    def wait(self, timeout: float) -> str | None:
+        self._event.wait(timeout)
+        return self.target
+
+
+def await_ready(process: subprocess.Popen | TaskProcess, timeout: float) -> str | None:
     """The target a server process prints on its ready line (None if none came in time).
 
     ``process`` must have been started with ``stdout=PIPE, text=True``; its
     output keeps being drained afterwards so it never blocks on a full pipe.
     """
-    found: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        try:
-            for line in process.stdout:  # type: ignore[union-attr]
-                if not found and line.startswith(READY_PREFIX):
-                    found.append(line[len(READY_PREFIX):].strip())
-                    ready.set()
-        except (ValueError, OSError):
-            pass  # the pipe was closed
-        ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    ready.wait(timeout)
-    return found[0] if found else None
+    return _ReadyWatcher(process).wait(timeout)
 
 
 class LocalCluster:
     """Start ``{job: num_tasks}`` as separate processes on ``host``; a context manager.
 
     ``imports`` are modules each task imports (to register ``@remote``
-    functions). ``targets[job][index]`` is each task's target.
+    functions). ``targets[job][index]`` is each task's target. ``env`` is added
+    to this process's environment for the tasks.
     """
 
     def __init__(self, jobs: Mapping[str, int], protocol: str = "grpc", host: str = "127.0.0.1",
                  imports: Sequence[str] = (), start_timeout: float = 30.0,
                  env: Mapping[str, str] | None = None, config: Mapping[str, Any] | None = None):
         self.protocol = protocol
-        self._processes: dict[tuple[str, int], subprocess.Popen] = {}
+        self._processes: dict[tuple[str, int], TaskProcess] = {}
         self._options = {"protocol": protocol, "imports": list(imports), "config": config,
-                         "env": {**os.environ, **(env or {})}, "timeout": start_timeout}
+                         "timeout": start_timeout}
+        self._launcher = TaskLauncher({**os.environ, **(env or {})})
         spec = {job: [f"{host}:0"] * count for job, count in jobs.items()}
         try:
-            for job, count in jobs.items():
-                for index in range(count):
-                    self._processes[job, index] = self._spawn(spec, job, index)
+            replies = {(job, index): self._launcher.start(self._argv(spec, job, index))
+                       for job, count in jobs.items() for index in range(count)}
+            for key, reply in replies.items():
+                self._processes[key] = self._launcher.started(reply, start_timeout)
             addresses = {key: self._await_ready(key, proc, start_timeout)
                          for key, proc in self._processes.items()}
             self.cluster_spec = ClusterSpec({
@@ -76,24 +100,32 @@ class LocalCluster:
             # The launcher presents the servers' own credentials (TLS files, token file).
             credentials = {k: v for k, v in (config or {}).items() if k in security_fields()}
             self.client_config = credentials or None
-            for target in (t for ts in self.targets.values() for t in ts):
-                with Session(target, config=self.client_config,
-                             timeout=start_timeout) as session:
-                    session.complete_cluster(self.cluster_spec)
+            self._complete_cluster(start_timeout)
         except BaseException:
             self.close()
             raise
 
-    def _spawn(self, cluster: Mapping[str, Any], job: str, index: int) -> subprocess.Popen:
+    def _argv(self, cluster: Mapping[str, Any], job: str, index: int) -> list[str]:
         options = self._options
-        command = [sys.executable, "-m", "clusterwire", "serve", "--cluster",
-                   json.dumps(cluster), "--job-name", job, "--task-index", str(index),
-                   "--protocol", options["protocol"], "--quiet"]
+        argv = ["serve", "--cluster", json.dumps(cluster), "--job-name", job, "--task-index",
+                str(index), "--protocol", options["protocol"], "--quiet"]
         if options["config"]:
-            command += ["--config", json.dumps(dict(options["config"]))]
+            argv += ["--config", json.dumps(dict(options["config"]))]
         for module in options["imports"]:
-            command += ["--import", module]
-        return subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=options["env"])
+            argv += ["--import", module]
+        return argv
+
+    def _complete_cluster(self, timeout: float) -> None:
+        """Tell every task the bound addresses; the first failure (in task order) is raised."""
+        def complete(target: str) -> None:
+            with Session(target, config=self.client_config, timeout=timeout) as session:
+                session.complete_cluster(self.cluster_spec)
+
+        targets = [t for ts in self.targets.values() for t in ts]
+        with ThreadPoolExecutor(max(1, min(len(targets), COMPLETE_CLUSTER_THREADS)),
+                                thread_name_prefix="clusterwire-complete") as pool:
+            for done in [pool.submit(complete, target) for target in targets]:
+                done.result()
 
     def restart(self, job: str, index: int = 0) -> None:
         """Kill one task (SIGKILL) and start it again on the same address.
@@ -101,19 +133,23 @@ class LocalCluster:
         The new process starts with an empty store, as a real restart would.
         """
         old = self._processes[job, index]
-        if old.poll() is None:
-            old.kill()
+        old.kill()
         old.wait()
         if old.stdout:
             old.stdout.close()
-        proc = self._spawn(self.cluster_spec.as_dict(), job, index)
+        proc = self._launcher.spawn(self._argv(self.cluster_spec.as_dict(), job, index),
+                                    self._options["timeout"])
         self._processes[job, index] = proc
         self._await_ready((job, index), proc, self._options["timeout"])
 
     @staticmethod
-    def _await_ready(key: tuple[str, int], proc: subprocess.Popen, timeout: float) -> str:
-        target = await_ready(proc, timeout)
+    def _await_ready(key: tuple[str, int], proc: TaskProcess, timeout: float) -> str:
+        watcher = _ReadyWatcher(proc)
+        target = watcher.wait(timeout)
         if target is None:
+            if watcher.ended:  # it closed its stdout: it is exiting, its status is on the way
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout)
             code = proc.poll()
             raise errors.UnavailableError(
                 f"Task /job:{key[0]}/task:{key[1]} did not start within {timeout} s "
@@ -124,15 +160,15 @@ class LocalCluster:
         """The target of one task."""
         return self.targets[job][index]
 
-    def process(self, job: str, index: int = 0) -> subprocess.Popen:
-        """The process of one task (for fault-injection tests)."""
+    def process(self, job: str, index: int = 0) -> TaskProcess:
+        """The process of one task (for fault-injection tests): ``pid``, ``poll()``,
+        ``wait()``, ``send_signal()``, ``terminate()`` and ``kill()`` as on a Popen."""
         return self._processes[job, index]
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop every task (SIGTERM, then SIGKILL after ``timeout``) and reap it."""
         for proc in self._processes.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+            proc.terminate()
         for proc in self._processes.values():
             try:
                 proc.wait(timeout)
@@ -141,6 +177,7 @@ class LocalCluster:
                 proc.wait()
             if proc.stdout:
                 proc.stdout.close()
+        self._launcher.close(timeout)
 
     def __enter__(self) -> LocalCluster:
         return self

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import difflib
 import importlib
-import importlib.metadata
 import os
 import re
 import sys
@@ -157,8 +156,10 @@ class PluginManager:
         self._pm = pluggy.PluginManager(PROJECT)
         self._pm.add_hookspecs(HookSpecs)
         self.config = PluginConfig()
-        self._transports: dict[str, tuple[TransportSpec, PluginInfo]] = {}
-        self._resolvers: dict[str, tuple[ResolverSpec, PluginInfo]] = {}
+        # name -> (record, plugin); a PluginInfo reads the distribution's metadata, so it is
+        # made only for listings and errors.
+        self._transports: dict[str, tuple[TransportSpec, object]] = {}
+        self._resolvers: dict[str, tuple[ResolverSpec, object]] = {}
         self._instances: dict[str, Any] = {}
         self._distributions: dict[str, Any] = {}  # plugin name -> importlib.metadata.Distribution
         self._broken: dict[str, tuple[Any, str]] = {}  # plugin name -> (distribution, error)
@@ -209,6 +210,8 @@ class PluginManager:
         A broken third-party plugin must not take the other transports down:
         its error is reported when its own protocol is asked for.
         """
+        import importlib.metadata  # only here: ``import clusterwire`` stays light
+
         for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
             if self._pm.is_blocked(entry.name) or self._pm.has_plugin(entry.name):
                 continue
@@ -220,16 +223,19 @@ class PluginManager:
             self._pm.register(plugin, name=entry.name)
             self._distributions[entry.name] = entry.dist
 
+    def _plugin_name(self, plugin: object) -> str:
+        return self._pm.get_name(plugin) or repr(plugin)
+
     def _info(self, kind: str, name: str, plugin: object, description: str) -> PluginInfo:
-        plugin_name = self._pm.get_name(plugin) or repr(plugin)
+        plugin_name = self._plugin_name(plugin)
         dist = self._distributions.get(plugin_name)
         dist_name, version = (dist.name, dist.version) if dist is not None else ("-", "-")
         module = getattr(plugin, "__name__", type(plugin).__module__)
         return PluginInfo(kind, name, plugin_name, module, dist_name, version, description)
 
     def _collect(self) -> None:
-        transports: dict[str, tuple[TransportSpec, PluginInfo]] = {}
-        resolvers: dict[str, tuple[ResolverSpec, PluginInfo]] = {}
+        transports: dict[str, tuple[TransportSpec, object]] = {}
+        resolvers: dict[str, tuple[ResolverSpec, object]] = {}
         for plugin in self._pm.get_plugins():
             for hook, record_type, table, key, pattern in (
                 ("clusterwire_add_transports", TransportSpec, transports, "protocol", _PROTOCOL),
@@ -254,15 +260,16 @@ class PluginManager:
             raise InvalidArgumentError(
                 f"Plugin {plugin_name!r} registers invalid {kind} name {name!r}: use lowercase "
                 "letters, digits, '_' or '-', with '+' between parts (e.g. 'grpc+verbs').")
-        info = self._info(kind, name, plugin, record.description)
         if name in table:
-            other = table[name][1]
+            other_record, other_plugin = table[name]
+            other = self._info(kind, name, other_plugin, other_record.description)
+            info = self._info(kind, name, plugin, record.description)
             raise AlreadyExistsError(
                 f"The {kind} {name!r} is registered twice: by plugin {other.plugin!r} "
                 f"(distribution {other.distribution} {other.version}) and by plugin "
                 f"{info.plugin!r} (distribution {info.distribution} {info.version}). "
                 f"Uninstall one, or block one in plugins.toml (block = [\"{info.plugin}\"]).")
-        table[name] = (record, info)
+        table[name] = (record, plugin)
 
     def protocols(self) -> list[str]:
         """Installed transport protocol strings, sorted."""
@@ -287,8 +294,10 @@ class PluginManager:
                                  dist.name if dist is not None else "-",
                                  dist.version if dist is not None else "-", error)
                       for plugin, (dist, error) in sorted(self._broken.items())]
-            return [info for _, info in self._transports.values()] + [
-                info for _, info in self._resolvers.values()] + broken
+            return [self._info(kind, name, plugin, record.description)
+                    for kind, table in (("transport", self._transports),
+                                        ("resolver", self._resolvers))
+                    for name, (record, plugin) in table.items()] + broken
 
     def options_for(self, plugin_name: str) -> dict[str, Any]:
         """The per-plugin options of plugins.toml for ``plugin_name``."""
@@ -326,8 +335,8 @@ class PluginManager:
                 return self._instances[protocol]
             if protocol not in self._transports:
                 raise self._missing("transport", protocol, sorted(self._transports))
-            spec, info = self._transports[protocol]
-            instance = spec.factory(self.options_for(info.plugin))
+            spec, plugin = self._transports[protocol]
+            instance = spec.factory(self.options_for(self._plugin_name(plugin)))
             self._instances[protocol] = instance
             return instance
 

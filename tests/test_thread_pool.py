@@ -32,20 +32,23 @@ def test_more_parked_waiters_than_workers_all_finish():
 def test_working_threads_never_exceed_max_workers():
     pool = ElasticPool(3)
     lock, running, peak = threading.Lock(), [0], [0]
-    release = threading.Event()
+    started, release = threading.Semaphore(0), threading.Event()
 
     def work() -> None:
         with lock:
             running[0] += 1
             peak[0] = max(peak[0], running[0])
+        started.release()
         release.wait(WAIT)
         with lock:
             running[0] -= 1
 
     futures = [pool.submit(work) for _ in range(10)]
-    started = [pool.submit(lambda: None)]  # queued behind the ten
+    for _ in range(3):
+        assert started.acquire(timeout=WAIT)
+    assert not started.acquire(timeout=0.2)  # the other seven wait for a working thread
     release.set()
-    for future in futures + started:
+    for future in futures:
         future.result(WAIT)
     pool.shutdown()
     assert peak[0] == 3

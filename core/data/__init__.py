@@ -4,19 +4,44 @@
 pipelines; a ``Dataset`` read through ``distribute(...)`` gets its elements
 from the workers in "parallel_epochs" or "distributed_epoch" mode. The names,
 arguments and errors are ``tf.data.experimental.service``'s.
+
+The names below are imported on first use, so importing one submodule (every
+``clusterwire`` command imports ``clusterwire.data.cli``) does not load the service.
 """
 
-from clusterwire.data.client import distribute, from_dataset_id, register_dataset
-from clusterwire.data.config import DispatcherConfig, WorkerConfig
-from clusterwire.data.dataset import Dataset
-from clusterwire.data.dispatcher import DispatchServer
-from clusterwire.data.modes import ShardingPolicy
-from clusterwire.data.permissions import function
-from clusterwire.data.pipeline import AUTOTUNE, INFINITE, UNKNOWN
-from clusterwire.data.worker import WorkerServer
+from __future__ import annotations
 
-INFINITE_CARDINALITY = INFINITE
-UNKNOWN_CARDINALITY = UNKNOWN
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from clusterwire.data.client import distribute, from_dataset_id, register_dataset
+    from clusterwire.data.config import DispatcherConfig, WorkerConfig
+    from clusterwire.data.dataset import Dataset
+    from clusterwire.data.dispatcher import DispatchServer
+    from clusterwire.data.modes import ShardingPolicy
+    from clusterwire.data.permissions import function
+    from clusterwire.data.pipeline import AUTOTUNE
+    from clusterwire.data.pipeline import INFINITE as INFINITE_CARDINALITY
+    from clusterwire.data.pipeline import UNKNOWN as UNKNOWN_CARDINALITY
+    from clusterwire.data.worker import WorkerServer
+
+# Each public name: (submodule, name there).
+_EXPORTS = {
+    "AUTOTUNE": ("pipeline", "AUTOTUNE"),
+    "INFINITE_CARDINALITY": ("pipeline", "INFINITE"),
+    "UNKNOWN_CARDINALITY": ("pipeline", "UNKNOWN"),
+    "Dataset": ("dataset", "Dataset"),
+    "DispatchServer": ("dispatcher", "DispatchServer"),
+    "DispatcherConfig": ("config", "DispatcherConfig"),
+    "ShardingPolicy": ("modes", "ShardingPolicy"),
+    "WorkerConfig": ("config", "WorkerConfig"),
+    "WorkerServer": ("worker", "WorkerServer"),
+    "distribute": ("client", "distribute"),
+    "from_dataset_id": ("client", "from_dataset_id"),
+    "function": ("permissions", "function"),
+    "register_dataset": ("client", "register_dataset"),
+}
 
 __all__ = [
     "AUTOTUNE",
@@ -33,3 +58,17 @@ __all__ = [
     "function",
     "register_dataset",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module, attribute = _EXPORTS[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), attribute)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
