@@ -564,6 +564,7 @@ def render(env: dict[str, Any], args: argparse.Namespace, results: list[dict[str
             lines.append(f"| {r['n']} | {name} | {b['rss']:.1f} | {b['pss']:.1f} | "
                          f"{b['uss']:.1f} | {b['threads']} |")
     lines += _growth_table(results, ns)
+    lines += _charts(results)
     if data_rows:
         lines += _data_table(args, data_rows)
     lines.append("")
@@ -618,6 +619,37 @@ def _growth_table(results: list[dict[str, Any]], ns: list[int]) -> list[str]:
         else:
             growth = _growth(points, unit, scale)
         lines.append(f"| {name} | {growth} |")
+    return lines
+
+
+def _charts(results: list[dict[str, Any]]) -> list[str]:
+    """How each measure grows with n, as Mermaid line charts (GitHub renders them)."""
+    if len(results) < 2:
+        return []
+    ns = [r["n"] for r in results]
+
+    def median_ms(values: Sequence[float] | None) -> float | None:
+        return round(statistics.median(values) * 1e3, 1) if values else None
+
+    charts = [
+        ("cluster up (s)", [round(statistics.median(r["up"]), 2) for r in results]),
+        ("barrier latency, median (ms)",
+         [None if r["barrier"]["failures"] else median_ms(r["barrier"]["seconds"])
+          for r in results]),
+        ("status of every task, concurrent (ms)",
+         [median_ms(r["status"]["seconds"].get("concurrent")) for r in results]),
+        ("tasks' total Pss (MiB)",
+         [round(r["memory"]["summary"]["pss"]["total"]) for r in results]),
+    ]
+    lines = ["", "## Growth with n", ""]
+    for title, values in charts:
+        if any(v is None for v in values):
+            continue
+        top = max(values) * 1.1 or 1
+        lines += ["```mermaid", "xychart-beta", f'    title "{title} against tasks n"',
+                  f"    x-axis [{', '.join(map(str, ns))}]",
+                  f'    y-axis "{title}" 0 --> {top:.3g}',
+                  f"    line [{', '.join(map(str, values))}]", "```", ""]
     return lines
 
 
