@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import signal
 import subprocess
 import sys
+import threading
 import time
 import zlib
 from collections import Counter
@@ -17,6 +20,7 @@ from cw_data_procs import ServerProcess
 
 from clusterwire import data, errors
 from clusterwire.data import dispatcher as dispatcher_module
+from clusterwire.data import reader
 from clusterwire.data.journal import JOURNAL_DIR, JOURNAL_FILE
 
 SLOW = {"CW_DATA_SLOW_S": "0.001"}
@@ -199,3 +203,134 @@ def test_unused_datasets_are_collected_with_their_payloads(tmp_path):
     with data.DispatchServer(config) as dispatcher:  # the journal no longer names it
         with pytest.raises(errors.NotFoundError, match="slices"):
             data.from_dataset_id("parallel_epochs", dispatcher.target, "slices")
+
+
+# ---- stalled workers (SIGSTOP): retried while the dispatcher lists them -----------------------
+
+class Stall:
+    """SIGSTOP a server process now; SIGCONT it after ``seconds`` (or at ``resume()``)."""
+
+    def __init__(self, server: ServerProcess, seconds: float | None):
+        self._pid = server.process.pid
+        os.kill(self._pid, signal.SIGSTOP)
+        self.resumes_at = time.monotonic() + (seconds or 0)
+        self._timer = threading.Timer(seconds, self.resume) if seconds else None
+        if self._timer is not None:
+            self._timer.start()
+
+    def resume(self) -> None:
+        with contextlib.suppress(ProcessLookupError):  # killed by the fixture meanwhile
+            os.kill(self._pid, signal.SIGCONT)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self.resume()
+
+
+def spy(monkeypatch, name: str) -> list:
+    """Record (first argument, time) of each call of ``JobReader.<name>``."""
+    calls: list = []
+    original = getattr(reader.JobReader, name)
+
+    def recorded(self, *args):
+        calls.append((args[0], time.monotonic()))
+        return original(self, *args)
+
+    monkeypatch.setattr(reader.JobReader, name, recorded)
+    return calls
+
+
+def read_with_stall(ds, victim: ServerProcess, after: int, seconds: float | None
+                    ) -> tuple[list[int], Stall]:
+    """The elements of ``ds``; ``victim`` stalls for ``seconds`` after ``after`` of them."""
+    seen, stall = [], None
+    try:
+        for element in ds:
+            seen.append(int(element))
+            if len(seen) == after:
+                stall = Stall(victim, seconds)
+    finally:
+        if stall is not None:
+            stall.close()
+    return seen, stall
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_distributed_epoch_waits_out_a_stalled_worker_and_uses_it_again(processes, monkeypatch,
+                                                                       workers):
+    """The issue: one worker stopped for longer than a read's timeout left the consumer
+    blocked for good. Its splits now wait for it (or move to the other worker), it is probed
+    until it answers, and then reads splits again: every element exactly once."""
+    monkeypatch.setattr(reader, "_READ_WAIT_S", 0.2)
+    monkeypatch.setattr(reader, "_READ_TIMEOUT_S", 2.0)
+    orphaned, placed = spy(monkeypatch, "_orphan"), spy(monkeypatch, "_read_split")
+    dispatcher = processes("dispatcher", "--port", "0")
+    servers = [processes("worker", *worker_args(dispatcher), env={"CW_DATA_SLOW_S": "0.0005"})
+               for _ in range(workers)]
+    count = 20_000
+    ds = data.Dataset.range(count).map(fns.slow_identity).apply(
+        data.distribute("distributed_epoch", dispatcher.target))
+    seen, stall = read_with_stall(ds, servers[0], after=500, seconds=4.0)
+    assert Counter(seen) == Counter(range(count))
+    victim = f"localhost:{servers[0].port}"
+    assert victim in {address for address, _ in orphaned}  # its reads did time out
+    assert any(address == victim and when > stall.resumes_at for address, when in placed)
+
+
+@pytest.mark.timeout(60)
+def test_distributed_epoch_fails_clearly_when_no_worker_serves_an_orphaned_split(
+        processes, monkeypatch):
+    monkeypatch.setattr(reader, "_READ_WAIT_S", 0.2)
+    monkeypatch.setattr(reader, "_READ_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(reader, "_STALLED_S", 2.0)
+    dispatcher = processes("dispatcher", "--port", "0")
+    worker = processes("worker", *worker_args(dispatcher))
+    ds = data.Dataset.range(10 ** 6).apply(data.distribute("distributed_epoch",
+                                                            dispatcher.target))
+    started = time.monotonic()
+    with pytest.raises(errors.UnavailableError,
+                       match=r"No tf.data service worker could read split .* for 2 s: "
+                             rf"worker\(s\) localhost:{worker.port} stopped answering"):
+        read_with_stall(ds, worker, after=100, seconds=None)
+    assert time.monotonic() - started < 20
+
+
+@pytest.mark.timeout(60)
+def test_parallel_epochs_waits_out_a_stalled_worker_instead_of_truncating(processes,
+                                                                         monkeypatch):
+    """The issue: the iteration ended normally after 1025 of 200000 elements. A worker the
+    dispatcher still lists is read again once it answers: nothing lost, nothing repeated.
+    (Before, a worker failing reads for 5 s was given up: here from 1 s + 5 s on.)"""
+    monkeypatch.setattr(reader, "_READ_WAIT_S", 0.2)
+    monkeypatch.setattr(reader, "_READ_TIMEOUT_S", 1.0)
+    dispatcher = processes("dispatcher", "--port", "0")
+    worker = processes("worker", *worker_args(dispatcher))
+    count = 100_000
+    ds = data.Dataset.range(count).apply(data.distribute("parallel_epochs", dispatcher.target))
+    seen, _ = read_with_stall(ds, worker, after=1000, seconds=8.0)
+    assert seen == list(range(count))
+
+
+@pytest.mark.timeout(60)
+def test_parallel_epochs_losing_a_worker_ends_with_data_loss_not_a_normal_end(
+        processes, caplog):
+    """As in TF, a dead worker's copy is given up and the other workers' elements keep
+    coming; but the end says so (DataLossError) and a warning names the worker at once."""
+    dispatcher = processes("dispatcher", "--port", "0", "--worker-timeout-ms", "1000")
+    victim, survivor = (processes("worker", *worker_args(dispatcher), env=SLOW)
+                        for _ in range(2))
+    count = 3000
+    ds = data.Dataset.range(count).map(fns.slow_identity).apply(
+        data.distribute("parallel_epochs", dispatcher.target))
+    seen: Counter = Counter()
+    with pytest.raises(errors.DataLossError, match=rf"localhost:{victim.port} \(\d+ of its "
+                                                   rf"{count} elements dropped\)"):
+        for element in ds:
+            seen[int(element)] += 1
+            if seen[int(element)] == 2 and victim.process.poll() is None:
+                victim.kill()  # both workers have delivered some: the victim's copy is partial
+    assert set(seen) == set(range(count)) and max(seen.values()) <= 2  # the survivor's copy
+    assert sum(seen.values()) < 2 * count
+    assert f"worker localhost:{victim.port}" in caplog.text and survivor.process.poll() is None

@@ -391,11 +391,17 @@ def test_the_dispatcher_notices_a_dead_worker_within_worker_timeout():
 
 
 def test_jobs_are_garbage_collected_after_the_timeout_without_consumers():
+    """A named job outlives its consumers for job_gc_timeout_ms (a later consumer may join
+    it, as in TF); an anonymous job goes with its one consumer's release."""
     config = data.DispatcherConfig(port=0, job_gc_check_interval_ms=20, job_gc_timeout_ms=100)
     with data.DispatchServer(config) as dispatcher:
         address = dispatcher.target.split("://")[1]
         with data.WorkerServer(port=0, dispatcher_address=address):
             ds = distributed(data.Dataset.range(5), "parallel_epochs", dispatcher.target)
+            assert len(list(ds)) == 5
+            assert dispatcher.num_jobs() == 0
+            ds = distributed(data.Dataset.range(5), "parallel_epochs", dispatcher.target,
+                             job_name="kept")
             assert len(list(ds)) == 5
             assert dispatcher.num_jobs() == 1
             wait_for(lambda: dispatcher.num_jobs() == 0, timeout=5, what="job GC")

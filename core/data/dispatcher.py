@@ -4,6 +4,20 @@ It never runs user code and never sees elements: workers produce them and
 consumers read them from the workers. In fault-tolerant mode every decision
 is journaled (fsync'd) in ``work_dir`` before it is answered, so a dispatcher
 restarted on the same port and work_dir continues where it died.
+
+A consumer that stops reading releases its job (``ClientHeartbeatRequest.release``):
+
+* an anonymous job has that one consumer (it alone holds the job's grant), so the job is
+  removed at once and the workers drop its streams (the consumer also releases them on the
+  workers directly; this is the backstop);
+* a named job stays for its other consumers and, as in TF, for job_gc_timeout_ms after its
+  last consumer left. The splits the consumer was reading go back to the pool, each with the
+  number of elements the consumer returned to its user, so another consumer resumes it there
+  without repeating any (what a consumer fetched of splits it had read to their end is its
+  own, as in TF). A released consumer gets no more splits.
+
+In distributed_epoch no consumer is told the splits have ended while another consumer still
+holds some: those may come back (a consumer stopping early or timing out) and must be read.
 """
 
 from __future__ import annotations
@@ -299,7 +313,8 @@ class DispatchServer:
             response.job.CopyFrom(job.info)
             response.job.workers.extend(self._workers_for(job))
             response.job.grant = grants.grant(self._state.grant_key, StreamSpec(
-                job_id=job.info.job_id, dataset_id=job.info.dataset_id), "")
+                job_id=job.info.job_id, dataset_id=job.info.dataset_id,
+                owner=job.info.owner), "")
         return response, []
 
     def _create_job(self, request, record, policy: ShardingPolicy) -> int:
@@ -330,7 +345,8 @@ class DispatchServer:
                     "processing_mode='parallel_epochs'.")
         info = JobInfo(job_id=self._state.new_job_id(), dataset_id=record.dataset_id,
                        sharding_policy=policy, num_consumers=request.num_consumers,
-                       compression=record.compression)
+                       compression=record.compression, cardinality=pipe.cardinality(),
+                       owner="" if request.named else request.consumer_id)
         if policy in STATIC_POLICIES:
             info.worker_order.extend(order)
         job = JournalJob(job=info, job_key=request.job_key, named=request.named)
@@ -358,29 +374,51 @@ class DispatchServer:
 
     def _seen(self, job: Job, consumer: str) -> None:
         now = time.monotonic()
-        job.consumers[consumer] = now
         job.last_active = now
+        if consumer not in job.released:  # a heartbeat overtaken by the release
+            job.consumers[consumer] = now
 
     def _on_client_heartbeat(self, request, _buffers):
         with self._cond:
             job = self._job(request.job_id)
-            if request.release:
-                job.consumers.pop(request.consumer_id, None)
-                job.released.add(request.consumer_id)
-                job.last_active = time.monotonic()
-            else:
-                self._seen(job, request.consumer_id)
             if (request.finished and not job.info.finished
                     and job.info.sharding_policy != ShardingPolicy.DYNAMIC):
                 self._commit(JournalEntry(finished_job=job.info.job_id))
+            if request.release:
+                self._release(job, request)
+            else:
+                self._seen(job, request.consumer_id)
             response = DataResponse()
             response.client_heartbeat.workers.extend(self._workers_for(job))
             response.client_heartbeat.job_finished = job.info.finished
         return response, []
 
+    def _release(self, job: Job, request) -> None:
+        """A consumer stopped: remove its anonymous job, or give a named job's splits it
+        held back to the pool at the offsets it reached. Call with the lock held."""
+        consumer = request.consumer_id
+        job.consumers.pop(consumer, None)
+        job.released.add(consumer)
+        job.last_active = time.monotonic()
+        if not job.named and job.info.owner in ("", consumer):
+            self._commit(JournalEntry(removed_job=job.info.job_id))
+            return
+        mine = sorted(s for s, c in job.assigned.items() if c == consumer)
+        if mine:
+            reached = {u.split_id: u.offset for u in request.unfinished}
+            offsets = [max(reached.get(s, 0), job.offsets.get(s, 0)) for s in mine]
+            self._commit(JournalEntry(returned=JournalSplitsDone(
+                job_id=job.info.job_id, consumer_id=consumer, split_ids=mine,
+                offsets=offsets)))
+
     def _on_get_split(self, request, _buffers):
         with self._cond:
             job = self._job(request.job_id)
+            if request.consumer_id in job.released:
+                raise errors.CancelledError(
+                    f"Consumer {request.consumer_id!r} released job {job.info.job_id}; a new "
+                    "iteration reads as a new consumer.")
+            self._expire_consumers(job, time.monotonic())
             self._seen(job, request.consumer_id)
             return self._next_split(job, request.consumer_id, set(request.held),
                                     list(request.done)), []
@@ -401,14 +439,16 @@ class DispatchServer:
             self._commit(JournalEntry(assign=JournalSplit(
                 job_id=job.info.job_id, split_id=split_id, consumer_id=consumer)))
         else:
-            if not any(c == consumer for c in job.assigned.values()):
-                result.end_of_splits = True
+            # Splits other consumers hold may come back to the pool (a consumer stopping
+            # early or timing out): the end is the end of all of them.
+            result.end_of_splits = job.all_splits_done
             if job.all_splits_done and not job.info.finished:
                 self._commit(JournalEntry(finished_job=job.info.job_id))
             return response
         result.has_split = True
         result.split.split_id = split_id
         result.split.unit_start, result.split.unit_end = job.split_range(split_id)
+        result.split.offset = job.offsets.get(split_id, 0)
         result.split.grant = grants.grant(self._state.grant_key, StreamSpec(
             job_id=job.info.job_id, dataset_id=job.info.dataset_id, is_split=True,
             split_id=split_id, unit_start=result.split.unit_start,
@@ -438,15 +478,19 @@ class DispatchServer:
             with self._cond:
                 self._collect(time.monotonic())
 
+    def _expire_consumers(self, job: Job, now: float) -> None:
+        """Give the splits of consumers unheard of for the client timeout back to the pool."""
+        for consumer, seen in list(job.consumers.items()):
+            if now - seen > self._client_timeout:
+                del job.consumers[consumer]
+                mine = [s for s, c in job.assigned.items() if c == consumer]
+                if mine:
+                    self._commit(JournalEntry(returned=JournalSplitsDone(
+                        job_id=job.info.job_id, consumer_id=consumer, split_ids=mine)))
+
     def _collect(self, now: float) -> None:
         for job in list(self._state.jobs.values()):
-            for consumer, seen in list(job.consumers.items()):
-                if now - seen > self._client_timeout:
-                    del job.consumers[consumer]
-                    mine = [s for s, c in job.assigned.items() if c == consumer]
-                    if mine:
-                        self._commit(JournalEntry(returned=JournalSplitsDone(
-                            job_id=job.info.job_id, consumer_id=consumer, split_ids=mine)))
+            self._expire_consumers(job, now)
             if (self._gc_timeout is not None and not job.consumers
                     and now - job.last_active > self._gc_timeout):
                 self._commit(JournalEntry(removed_job=job.info.job_id))

@@ -55,6 +55,8 @@ class Job:
     next_split: int = 0
     assigned: dict[int, str] = field(default_factory=dict)  # split id -> consumer id
     pool: list[int] = field(default_factory=list)  # splits given back, to hand out again
+    # split id -> elements of it already consumed (its consumer stopped early)
+    offsets: dict[int, int] = field(default_factory=dict)
     consumers: dict[str, float] = field(default_factory=dict)  # consumer -> last seen
     released: set[str] = field(default_factory=set)
     last_active: float = field(default_factory=time.monotonic)
@@ -126,12 +128,17 @@ class DispatcherState:
             record = getattr(entry, kind)
             job = self.jobs.get(record.job_id)
             if job is not None:
+                offsets = dict(zip(record.split_ids, record.offsets, strict=False))
                 for split in record.split_ids:
                     job.assigned.pop(split, None)
                     if kind == "returned":
                         job.pool.append(split)
-                    elif split in job.pool:
-                        job.pool.remove(split)
+                        if offsets.get(split):
+                            job.offsets[split] = offsets[split]
+                    else:
+                        job.offsets.pop(split, None)
+                        if split in job.pool:
+                            job.pool.remove(split)
         elif kind == "finished_job":
             job = self.jobs.get(entry.finished_job)
             if job is not None:
@@ -158,6 +165,7 @@ class DispatcherState:
                 job.next_split, job.pool = p.next_split, list(p.pool)
                 job.assigned = {a.split_id: a.consumer_id for a in p.assigned}
                 job.info.finished = p.finished
+                job.offsets = dict(p.offsets)
 
     def snapshot(self) -> list[JournalEntry]:
         """Entries that rebuild this state from nothing: what a compacted journal holds."""
@@ -173,7 +181,7 @@ class DispatcherState:
                 total_units=job.total_units, epochs=job.epochs)))
             entries.append(JournalEntry(progress=JournalJobProgress(
                 job_id=job.info.job_id, next_split=job.next_split, pool=job.pool,
-                finished=job.info.finished, assigned=[
+                finished=job.info.finished, offsets=job.offsets, assigned=[
                     JournalSplit(job_id=job.info.job_id, split_id=split, consumer_id=consumer)
                     for split, consumer in job.assigned.items()])))
         entries.extend(JournalEntry(worker=worker) for worker in self.workers.values())

@@ -27,12 +27,13 @@ def new_key() -> bytes:
 
 def grant(key: bytes, spec: StreamSpec, consumer_id: str) -> bytes:
     """The grant of ``spec``: a split's is bound to ``consumer_id``, a whole-dataset stream's
-    to its job only."""
+    to its job and, for an anonymous job, to the job's one consumer (``spec.owner``)."""
+    fields: tuple
     if spec.is_split:
         fields = ("split", spec.job_id, spec.dataset_id, spec.split_id, spec.unit_start,
                   spec.unit_end, consumer_id)
     else:
-        fields = ("job", spec.job_id, spec.dataset_id)
+        fields = ("job", spec.job_id, spec.dataset_id) + ((spec.owner,) if spec.owner else ())
     message = "\x00".join(str(f) for f in fields).encode()
     return hmac.new(key, message, hashlib.sha256).digest()
 

@@ -18,11 +18,41 @@ also of new splits, ask for whole batches.
 
 A heartbeat thread keeps the job alive at the dispatcher and learns which
 workers are alive (new workers join, dead ones are dropped).
+
+Workers that stop answering (a read times out after ``_READ_TIMEOUT_S`` or fails) are
+retried while the dispatcher lists them:
+
+* distributed_epoch: the worker's splits move to the other workers at once; the worker is
+  probed with backoff and, once it answers, reads splits again (orphaned ones first). A
+  split that no worker could take for ``_STALLED_S`` fails the iteration with an
+  UnavailableError: never a silent hang.
+* parallel_epochs (and static sharding): the read is repeated (same sequence number:
+  nothing lost) with backoff. A worker the dispatcher drops (or that does not answer for
+  ``_STALLED_S``) is given up, as in TF: the other workers' elements keep coming and a
+  warning names the worker and what is lost. If that leaves a partial copy of the data (or
+  a static shard incomplete), the iteration ends with a DataLossError, not a normal end: a
+  user counting on whole epochs must not mistake a truncated one for complete, while an
+  endless (repeated) training input goes on as in TF. A worker that delivered nothing is as
+  one that never joined (one copy fewer, none partial): a warning only.
+
+A worker refusing a stream over its stream limits (other consumers hold them) is asked again
+with backoff for up to ``_BUSY_S`` before its ResourceExhaustedError is raised.
+
+Stopping early (``close()``, a ``take``/``break``, or the reader collected) releases what
+the consumer held: its streams on every worker it read from (each named with the grant the
+consumer read it with, so nobody can release another consumer's streams) and its job at the
+dispatcher (which removes an anonymous job, or gives a named job's unfinished splits to its
+other consumers at the element this consumer returned last). As in TF, elements a consumer
+fetched are its own: those it buffered from splits it had read to their end, but never
+returned, are lost with it (as a TF iterator's prefetched ones; other consumers do not wait
+for a consumer's user to take what it fetched).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -38,6 +68,7 @@ from clusterwire.addressing import split_host_port
 from clusterwire.data import elements
 from clusterwire.data.modes import STATIC_POLICIES, ShardingPolicy
 from clusterwire.data.rpc import DispatcherClient, WorkerChannels
+from clusterwire.data.streams import OVER_LIMITS
 from clusterwire.protos.data_service_pb2 import (
     ClientHeartbeatRequest,
     DataRequest,
@@ -45,9 +76,13 @@ from clusterwire.protos.data_service_pb2 import (
     GetOrCreateJobRequest,
     GetSplitRequest,
     JobInfo,
+    ReleaseStreamsRequest,
+    SplitOffset,
     StreamSpec,
     WorkerInfo,
 )
+
+log = logging.getLogger(__name__)
 
 SLOTS_PER_WORKER = 2
 HEARTBEAT_S = 0.5
@@ -56,9 +91,19 @@ _READ_WAIT_S = 1.0
 _READ_TIMEOUT_S = 15.0
 _MAX_ELEMENTS = 1024
 _MAX_BYTES = 8 << 20
+# Backoff between attempts at a failed or busy worker: doubling from _RETRY_S to _RETRY_MAX_S.
 _RETRY_S = 0.05
-# A parallel_epochs worker unreachable this long is given up even while the dispatcher lists it.
-_WORKER_GONE_S = 5.0
+_RETRY_MAX_S = 2.0
+# How long a worker refusing a stream over its stream limits is asked again.
+_BUSY_S = 60.0
+# How long a worker may fail every read (and every probe) before its elements are given up
+# (parallel_epochs), and how long an orphaned split may find no worker (distributed_epoch).
+# Twice the dispatcher's default worker timeout: a worker restarted in its place is waited for.
+_STALLED_S = 120.0
+_PROBE_TIMEOUT_S = 2.0
+_RELEASE_TIMEOUT_S = 2.0
+# close() waits this long for the releases; they go on in the background after that.
+_RELEASE_WAIT_S = 2.0
 _WORKER_FAILURES = (errors.UnavailableError, errors.DeadlineExceededError, errors.CancelledError)
 _END = object()
 # Threads decoding (decompressing) received batches while the readers fetch the next ones.
@@ -86,8 +131,20 @@ class _Split:
     unit_start: int
     unit_end: int
     grant: bytes
-    received: int = 0
+    received: int = 0  # elements read from workers: where a new attempt starts
+    consumed: int = 0  # elements returned by __next__: where another consumer resumes
     attempt: int = 0
+    orphaned_at: float = 0.0
+    address: str = ""  # the worker reading it
+
+
+@dataclass
+class _Failure:
+    """A distributed_epoch worker that failed a read, probed with backoff."""
+
+    delay: float = _RETRY_S
+    next_try: float = 0.0
+    probing: bool = False
 
 
 @dataclass
@@ -105,14 +162,21 @@ class _Batch:
         return elements.decode_all(self.headers, self.buffers)
 
 
-
 def _is_local(address: str) -> bool:
     host = split_host_port(address)[0]
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
+def _backoff(delay: float) -> float:
+    return min(delay * 2, _RETRY_MAX_S)
+
+
 class JobReader(Iterator[Any]):
-    """Iterates over the elements of one job (created or joined on construction)."""
+    """Iterates over the elements of one job (created or joined on construction).
+
+    ``close()`` (also reached by a ``take``, a ``break`` or garbage collection) releases the
+    consumer's streams on the workers and its job at the dispatcher; see the module docstring.
+    """
 
     def __init__(self, dispatcher: DispatcherClient, options: ReadOptions, iteration: int):
         self._dispatcher = dispatcher
@@ -122,31 +186,37 @@ class JobReader(Iterator[Any]):
         self._decoder = ThreadPoolExecutor(_DECODERS, "clusterwire-data-decode")
         self._queue: queue.Queue = queue.Queue(maxsize=16)
         self._batch: deque = deque()
+        self._credits: deque[list] = deque()  # [split, elements of it still in _batch]
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._split_lock = threading.Lock()
         self._seq = itertools.count(1)
         self._attempts = itertools.count(1)
         self._workers: dict[str, WorkerInfo] = {}
-        self._failed: set[str] = set()
+        self._failed: dict[str, _Failure] = {}
         self._started: dict[str, int] = {}  # worker -> running reader threads
+        self._opened: dict[str, dict[Any, StreamSpec]] = {}  # worker -> streams not ended
+        self._dropped: dict[str, str] = {}  # parallel_epochs worker given up -> what was lost
         self._running = 0
         self._orphans: list[_Split] = []
         self._held: dict[int, _Split] = {}
         self._done_splits: list[int] = []
         self._end_of_splits = False
+        self._ended = False
+        self._stalled = False
         self._round_robin_started = False
         self._finished = False
+        self._released = False
         self._delivered = False  # a batch was read (later splits start with a whole batch)
         named = options.job_name is not None
         key = f"{options.job_name}/{iteration}" if named else f"anonymous/{self._consumer}"
         response, _ = dispatcher.call(DataRequest(get_or_create_job=GetOrCreateJobRequest(
             dataset_id=options.dataset_id, sharding_policy=options.policy, job_key=key,
             named=named, num_consumers=options.num_consumers,
-            target_workers=options.target_workers)))
+            target_workers=options.target_workers, consumer_id=self._consumer)))
         self._job: JobInfo = response.job
         if self._job.finished:
-            self._finished = True
+            self._finished = self._released = True
             return
         self._update_workers(list(self._job.workers))
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True,
@@ -162,7 +232,7 @@ class JobReader(Iterator[Any]):
         while not self._batch:
             if self._finished:
                 raise StopIteration
-            kind, payload = self._queue.get()
+            kind, payload, split = self._queue.get()
             if kind is _END:
                 self._finish()
                 raise StopIteration
@@ -170,43 +240,92 @@ class JobReader(Iterator[Any]):
                 self.close()
                 raise payload
             try:
-                self._batch.extend(payload.result())
+                decoded = payload.result()
             except errors.OpError:
                 self.close()
                 raise
+            self._batch.extend(decoded)
+            if split is not None and decoded:
+                self._credits.append([split, len(decoded)])
+        if self._credits:
+            credit = self._credits[0]
+            credit[0].consumed += 1
+            credit[1] -= 1
+            if not credit[1]:
+                self._credits.popleft()
         return self._batch.popleft()
 
     def _finish(self) -> None:
-        self._finished = True
         self._release(finished=True)
+        if self._dropped:
+            raise errors.DataLossError(
+                "The parallel_epochs iteration ended without the rest of the elements of "
+                f"{len(self._dropped)} worker(s): "
+                + "; ".join(f"{a} ({lost})" for a, lost in sorted(self._dropped.items()))
+                + ". Each worker's copy of the data is its own (as in TF); keep workers up "
+                "(or raise the dispatcher's worker_timeout_ms), or use distributed_epoch, "
+                "which moves a lost worker's splits to the others.")
 
     def close(self) -> None:
-        """Stop reading; the job is released at the dispatcher (idempotent)."""
-        if not self._stop.is_set() and not self._finished:
-            self._release(finished=False)
-        self._finished = True
+        """Stop reading and release the consumer's streams and its job (idempotent).
+
+        Waits up to ``_RELEASE_WAIT_S`` for the workers and the dispatcher to confirm; the
+        releases go on in the background after that.
+        """
+        self._release(finished=False)
 
     def __del__(self) -> None:
         if hasattr(self, "_job"):
-            self.close()
+            self._release(finished=False, wait=False)
 
-    def _release(self, finished: bool) -> None:
-        self._stop.set()
+    def _release(self, finished: bool, wait: bool = True) -> None:
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+            self._finished = True
+            self._stop.set()
+            unfinished = [SplitOffset(split_id=s.split_id, offset=s.consumed)
+                          for s in self._held.values()]
+            streams = {a: list(specs.values()) for a, specs in self._opened.items() if specs}
         self._decoder.shutdown(wait=False, cancel_futures=True)
         request = DataRequest(client_heartbeat=ClientHeartbeatRequest(
             job_id=self._job.job_id, consumer_id=self._consumer, finished=finished,
-            release=True))
-        threading.Thread(target=self._send_quietly, args=(request,), daemon=True).start()
+            release=True, unfinished=unfinished))
+        sender = threading.Thread(target=self._send_releases, args=(request, streams),
+                                  daemon=True, name="clusterwire-data-release")
+        sender.start()
+        if wait:
+            sender.join(_RELEASE_WAIT_S)
 
-    def _send_quietly(self, request: DataRequest) -> None:
+    def _send_releases(self, request: DataRequest, streams: dict[str, list[StreamSpec]]
+                       ) -> None:
+        """Release the streams on each worker (in parallel) and the job at the dispatcher."""
         try:
-            self._dispatcher.call(request)
-        except errors.OpError:
-            pass  # best effort: the job is collected after job_gc_timeout_ms anyway
+            workers = [threading.Thread(target=self._release_streams, args=item, daemon=True)
+                       for item in streams.items()]
+            for thread in workers:
+                thread.start()
+            with contextlib.suppress(errors.OpError):  # else collected after job_gc_timeout
+                self._dispatcher.call(request)
+            for thread in workers:
+                thread.join()
         finally:
             self._channels.close()
+            self._dispatcher.close()
 
-    def _put(self, kind: Any, payload: Any = None) -> None:
+    def _release_streams(self, address: str, specs: list[StreamSpec]) -> None:
+        endpoint = self._endpoint(address)
+        if endpoint is None:
+            return  # the worker left: its streams went with it or go with the job
+        request = DataRequest(release_streams=ReleaseStreamsRequest(
+            consumer_id=self._consumer, streams=specs))
+        try:
+            self._channels.call(*endpoint, request, _RELEASE_TIMEOUT_S)
+        except errors.OpError as err:
+            log.debug("Releasing %d streams on worker %s failed: %s", len(specs), address, err)
+
+    def _put(self, kind: Any, payload: Any = None, split: _Split | None = None) -> None:
         if kind == "batch":
             try:
                 payload = self._decoder.submit(payload.decode)
@@ -214,10 +333,14 @@ class JobReader(Iterator[Any]):
                 return
         while not self._stop.is_set():
             try:
-                self._queue.put((kind, payload), timeout=0.1)
+                self._queue.put((kind, payload, split), timeout=0.1)
                 return
             except queue.Full:
                 continue
+
+    def _fail(self, err: errors.OpError) -> None:
+        """Hand ``err`` to ``__next__`` without blocking the caller on a full queue."""
+        threading.Thread(target=self._put, args=("error", err), daemon=True).start()
 
     # ---- workers ----
 
@@ -233,34 +356,84 @@ class JobReader(Iterator[Any]):
                 self._put("error", err)
                 return
             self._update_workers(list(response.client_heartbeat.workers))
+            if self._job.sharding_policy == ShardingPolicy.DYNAMIC:
+                self._revive()
 
     def _update_workers(self, workers: list[WorkerInfo]) -> None:
         if self._options.target_workers == "LOCAL":
             workers = [w for w in workers if _is_local(w.address)]
+        dynamic = self._job.sharding_policy == ShardingPolicy.DYNAMIC
         with self._lock:
             self._workers = {w.address: w for w in workers}
-            self._failed &= set(self._workers)
-            new = [w for w in workers if w.address not in self._started]
-            for worker in new:
-                self._started[worker.address] = 0
+            for address in [a for a in self._failed if a not in self._workers]:
+                del self._failed[address]  # listed again later: a fresh start
+            new = [w.address for w in workers if w.address not in self._started]
+            if dynamic:
+                slots = self._reserve_slots(new) or self._reserve_poller()
+            else:
+                for address in new:
+                    self._started[address] = 0
+        if self._stop.is_set():
+            return
         if self._options.num_consumers:
             if new and not self._round_robin_started:
                 self._round_robin_started = True
-                self._spawn(self._round_robin, new[0].address)
-            return
-        for worker in new:
-            if self._job.sharding_policy == ShardingPolicy.DYNAMIC:
-                for _ in range(SLOTS_PER_WORKER):
-                    self._spawn(self._split_slot, worker.address)
-            else:
-                self._spawn(self._stream_reader, worker.address)
+                self._spawn(self._round_robin, new[0])
+        elif dynamic:
+            self._start_slots(slots)
+        else:
+            for address in new:
+                self._spawn(self._stream_reader, address)
 
     def _spawn(self, target: Any, address: str) -> None:
         with self._lock:
-            self._running += 1
-            self._started[address] = self._started.get(address, 0) + 1
+            self._reserve(address)
+        self._start(target, address)
+
+    def _reserve(self, address: str, threads: int = 1) -> None:
+        """Count reader threads about to start (call with the lock held)."""
+        self._running += threads
+        self._started[address] = self._started.get(address, 0) + threads
+
+    def _start(self, target: Any, address: str) -> None:
         threading.Thread(target=self._run, args=(target, address), daemon=True,
                          name="clusterwire-data-read").start()
+
+    # ---- split slots (distributed_epoch) ----
+
+    def _reserve_slots(self, addresses: list[str]) -> list[str]:
+        """Reserve split slots up to ``SLOTS_PER_WORKER`` on each listed, unfailed worker of
+        ``addresses`` while splits may come; the addresses to start them on (lock held)."""
+        if self._end_of_splits and not self._orphans:
+            return []
+        slots = []
+        for address in addresses:
+            missing = SLOTS_PER_WORKER - self._started.get(address, 0)
+            if address in self._workers and address not in self._failed and missing > 0:
+                self._reserve(address, missing)
+                slots += [address] * missing
+        return slots
+
+    def _reserve_poller(self) -> list[str]:
+        """With no slot running and the splits not ended, one slot asks the dispatcher again
+        (another consumer may give splits back); lock held."""
+        if self._running or (self._end_of_splits and not self._orphans):
+            return []
+        idle = [a for a in self._workers if a not in self._failed]
+        if idle:
+            self._reserve(idle[0])
+        return idle[:1]
+
+    def _start_slots(self, addresses: list[str]) -> None:
+        for address in addresses:
+            self._start(self._split_slot, address)
+
+    def _fill_idle_workers(self) -> None:
+        """A split came (more may follow): every listed worker gets its slots again."""
+        with self._lock:
+            slots = self._reserve_slots(list(self._workers))
+        if not self._stop.is_set():
+            self._start_slots(slots)
 
     def _run(self, target: Any, address: str) -> None:
         try:
@@ -273,8 +446,9 @@ class JobReader(Iterator[Any]):
             with self._lock:
                 self._running -= 1
                 self._started[address] -= 1
-                ended = self._running == 0 and not self._orphans and (
+                ended = not self._ended and self._running == 0 and not self._orphans and (
                     self._job.sharding_policy != ShardingPolicy.DYNAMIC or self._end_of_splits)
+                self._ended = self._ended or ended
             if ended:
                 self._put(_END)
 
@@ -288,8 +462,17 @@ class JobReader(Iterator[Any]):
             return worker.transfer_protocol, worker.transfer_address
         return worker.protocol, worker.address
 
+    def _track(self, address: str, key: Any, spec: StreamSpec, ended: bool) -> None:
+        """Remember the streams this consumer has open on each worker (to release them)."""
+        with self._lock:
+            specs = self._opened.setdefault(address, {})
+            if ended:
+                specs.pop(key, None)
+            else:
+                specs[key] = spec
+
     def _read(self, address: str, spec: StreamSpec, seq: int, offset: int = 0,
-              first: bool = False, position: int = 0) -> tuple[_Batch | list[Any], bool]:
+              first: bool = False, position: int = 0) -> tuple[_Batch, bool]:
         """One batch from a worker (a single element when ``first``, to start fast).
 
         A retry must repeat ``seq``: the worker then answers with the same
@@ -299,16 +482,40 @@ class JobReader(Iterator[Any]):
             stream=spec, consumer_id=self._consumer, request_seq=seq, offset=offset,
             max_elements=1 if first else self._options.max_elements, max_bytes=_MAX_BYTES,
             wait_seconds=_READ_WAIT_S, position=position))
-        endpoint = self._endpoint(address)
-        if endpoint is None:
-            raise errors.UnavailableError(f"Worker {address} left the job.")
-        response, buffers = self._channels.call(*endpoint, request, _READ_TIMEOUT_S)
-        return _Batch(response.get_elements.elements, buffers), response.get_elements.end_of_stream
+        key = spec.split_id if spec.is_split else "job"
+        self._track(address, key, spec, ended=False)
+        response, buffers = self._call_when_not_busy(address, request)
+        end = response.get_elements.end_of_stream
+        if end:
+            self._track(address, key, spec, ended=True)
+        return _Batch(response.get_elements.elements, buffers), end
+
+    def _call_when_not_busy(self, address: str, request: DataRequest) -> tuple[Any, list]:
+        """Call the worker; while it refuses the stream over its stream limits, call again
+        with backoff for up to ``_BUSY_S``."""
+        deadline, delay = None, _RETRY_S
+        while True:
+            endpoint = self._endpoint(address)
+            if endpoint is None:
+                raise errors.UnavailableError(f"Worker {address} left the job.")
+            try:
+                return self._channels.call(*endpoint, request, _READ_TIMEOUT_S)
+            except errors.ResourceExhaustedError as err:
+                if OVER_LIMITS not in err.message:
+                    raise
+                deadline = deadline or time.monotonic() + _BUSY_S
+                if time.monotonic() + delay > deadline:
+                    raise errors.ResourceExhaustedError(
+                        f"{err.message} (asked again for {_BUSY_S:g} s)") from None
+            if self._stop.wait(delay):
+                raise errors.CancelledError("The reader was closed.")
+            delay = _backoff(delay)
 
     def _spec(self) -> StreamSpec:
         return StreamSpec(job_id=self._job.job_id, dataset_id=self._job.dataset_id,
                           sharding_policy=self._job.sharding_policy,
-                          compression=self._compression(), grant=self._job.grant)
+                          compression=self._compression(), grant=self._job.grant,
+                          owner=self._job.owner)
 
     def _compression(self) -> str:
         wanted, registered = self._options.compression, self._job.compression
@@ -321,20 +528,25 @@ class JobReader(Iterator[Any]):
         order = list(self._job.worker_order)
         if self._job.sharding_policy in STATIC_POLICIES and address in order:
             spec.shard_index, spec.num_shards = order.index(address), len(order)
-        first = True
+        first, received = True, 0
         while not self._stop.is_set():
-            batch, end = self._read_retrying(address, spec, first=first)
+            read = self._read_retrying(address, spec, first=first)
+            if read is None:
+                self._drop(address, spec, received)
+                return
+            batch, end = read
             first = False
+            received += len(batch)
             if batch:
                 self._put("batch", batch)
             if end:
                 return
 
     def _read_retrying(self, address: str, spec: StreamSpec, **read: Any
-                       ) -> tuple[_Batch | list[Any], bool]:
-        """``_read`` retried (same sequence number) while the worker is listed and was
-        reachable within ``_WORKER_GONE_S``; an empty end when it is given up."""
-        seq, failing_since = next(self._seq), None
+                       ) -> tuple[_Batch, bool] | None:
+        """``_read`` repeated (same sequence number, backoff) while the worker fails but the
+        dispatcher lists it, for up to ``_STALLED_S``; None when the worker is given up."""
+        seq, failing_since, delay = next(self._seq), None, _RETRY_S
         while not self._stop.is_set():
             try:
                 return self._read(address, spec, seq, **read)
@@ -343,10 +555,32 @@ class JobReader(Iterator[Any]):
                 failing_since = failing_since or now
                 with self._lock:
                     gone = address not in self._workers
-                if gone or now - failing_since > _WORKER_GONE_S:
-                    return [], True  # the worker died: its copy of the data is lost, as in TF
-                self._stop.wait(_RETRY_S)
-        return [], True
+                if gone or now - failing_since > _STALLED_S:
+                    return None
+                self._stop.wait(delay)
+                delay = _backoff(delay)
+        return _Batch([], []), True
+
+    def _drop(self, address: str, spec: StreamSpec, received: int) -> None:
+        """Give up a worker's remaining elements, loudly: a warning now and, if that leaves
+        a partial copy of the data (or a static shard incomplete), a DataLossError at the end
+        of the iteration. A parallel_epochs worker that delivered nothing is as one that never
+        joined: the iteration has one copy fewer, none of them partial."""
+        if self._stop.is_set():
+            return
+        with self._lock:
+            why = ("the dispatcher no longer lists it" if address not in self._workers
+                   else f"it did not answer for {_STALLED_S:g} s")
+        cardinality = self._job.cardinality
+        lost = (f"{cardinality - received} of its {cardinality} elements dropped"
+                if cardinality > 0 and not spec.num_shards
+                else f"its elements after the first {received} dropped")
+        partial = received > 0 or spec.num_shards > 0
+        if partial:
+            self._dropped[address] = lost
+        log.warning("tf.data service worker %s of job %d stopped answering and %s: %s. The "
+                    "iteration goes on with the other workers%s.", address, self._job.job_id,
+                    why, lost, " and will end with a DataLossError" if partial else "")
 
     # ---- round-robin reads ----
 
@@ -359,12 +593,13 @@ class JobReader(Iterator[Any]):
         for round_ in itertools.count():
             address = workers[round_ % len(workers)]
             position = (round_ // len(workers)) * consumers + (self._options.consumer_index or 0)
-            batch: _Batch | list[Any] = []
+            batch: _Batch | None = None
             while not batch and not self._stop.is_set():
-                batch, end = self._read_retrying(address, spec, position=position)
-                if end:
+                read = self._read_retrying(address, spec, position=position)
+                if read is None or read[1]:
                     raise errors.UnavailableError(
                         f"Round-robin reads lost worker {address} (or its stream ended).")
+                batch = read[0]
             if self._stop.is_set():
                 return
             self._put("batch", batch)
@@ -399,13 +634,15 @@ class JobReader(Iterator[Any]):
                 if not result.has_split:
                     return None
                 split = _Split(result.split.split_id, result.split.unit_start,
-                               result.split.unit_end, result.split.grant)
+                               result.split.unit_end, result.split.grant,
+                               received=result.split.offset, consumed=result.split.offset)
                 self._held[split.split_id] = split
-                return split
+        self._fill_idle_workers()
+        return split
 
     def _read_split(self, address: str, split: _Split) -> bool:
         """Read ``split`` from ``address`` to its end; False if the worker failed."""
-        split.attempt = next(self._attempts)
+        split.attempt, split.address = next(self._attempts), address
         spec = self._spec()
         spec.is_split, spec.split_id, spec.attempt = True, split.split_id, split.attempt
         spec.unit_start, spec.unit_end, spec.grant = split.unit_start, split.unit_end, split.grant
@@ -420,7 +657,7 @@ class JobReader(Iterator[Any]):
             split.received += len(batch)
             if batch:
                 self._delivered = True
-                self._put("batch", batch)
+                self._put("batch", batch, split)
             if end:
                 with self._lock:
                     del self._held[split.split_id]
@@ -429,11 +666,70 @@ class JobReader(Iterator[Any]):
         return False
 
     def _orphan(self, address: str, split: _Split) -> None:
-        """Move ``split`` off a failed worker; another worker resumes at its offset."""
+        """Move ``split`` off a failed worker; another worker resumes at its offset. The
+        failed one is probed (``_revive``) until it answers again."""
+        if self._stop.is_set():
+            return
         with self._lock:
-            self._failed.add(address)
+            self._failed.setdefault(address, _Failure(next_try=time.monotonic() + _RETRY_S))
+            split.orphaned_at = time.monotonic()
             self._orphans.append(split)
             alive = [a for a in self._workers if a not in self._failed]
             target = min(alive, key=lambda a: self._started.get(a, 0)) if alive else None
         if target is not None:
             self._spawn(self._split_slot, target)
+
+    def _revive(self) -> None:
+        """Probe the failed workers the dispatcher still lists (with backoff); fail the
+        iteration if an orphaned split found no worker for ``_STALLED_S``."""
+        now = time.monotonic()
+        with self._lock:
+            due = [a for a, f in self._failed.items()
+                   if a in self._workers and not f.probing and f.next_try <= now]
+            for address in due:
+                self._failed[address].probing = True
+            stuck = [s for s in self._orphans if now - s.orphaned_at > _STALLED_S]
+            failed = sorted(self._failed)
+        if stuck and not self._stalled:
+            self._stalled = True
+            who = f"worker(s) {', '.join(failed)}" if failed else "its worker(s)"
+            self._fail(errors.UnavailableError(
+                f"No tf.data service worker could read split {stuck[0].split_id} of job "
+                f"{self._job.job_id} for {_STALLED_S:g} s: {who} stopped answering and no "
+                "other worker is available. Check those workers, or add workers; the "
+                "elements returned so far are complete and unrepeated."))
+        for address in due:
+            threading.Thread(target=self._probe, args=(address,), daemon=True,
+                             name="clusterwire-data-probe").start()
+
+    def _probe(self, address: str) -> None:
+        """Release this consumer's stale split streams on a failed worker (those it reads
+        elsewhere now): answered, the worker reads splits again."""
+        with self._lock:
+            opened = self._opened.get(address, {})
+            stale = {key: spec for key, spec in opened.items()
+                     if key not in self._held or self._held[key].address != address}
+        endpoint = self._endpoint(address)
+        answered = endpoint is not None
+        if answered:
+            try:
+                self._channels.call(*endpoint, DataRequest(release_streams=ReleaseStreamsRequest(
+                    consumer_id=self._consumer, streams=stale.values())), _PROBE_TIMEOUT_S)
+            except errors.OpError:
+                answered = False
+        with self._lock:
+            failure = self._failed.get(address)
+            if failure is None:
+                return
+            slots = []
+            if answered:
+                for key in stale:
+                    opened.pop(key, None)
+                del self._failed[address]
+                slots = self._reserve_slots([address])
+            else:
+                failure.probing = False
+                failure.next_try = time.monotonic() + failure.delay
+                failure.delay = _backoff(failure.delay)
+        if not self._stop.is_set():
+            self._start_slots(slots)

@@ -25,6 +25,9 @@ from clusterwire.thread_pool import parked
 # transport copies them (64 MiB cost 5-15 % of 1 MiB-element throughput).
 MAX_BUFFERED_BYTES = 16 << 20
 MAX_BUFFERED_ELEMENTS = 8192
+#: In a worker's ResourceExhaustedError when it cannot open another stream now; a consumer
+#: seeing it retries with backoff (other consumers' streams end or are released).
+OVER_LIMITS = "over its stream limits"
 
 
 def pipeline_error(err: BaseException) -> errors.OpError:
@@ -51,6 +54,8 @@ class Stream:
         self._closed = False
         self._error: errors.OpError | None = None
         self._claims: dict[str, tuple[int, list[Encoded], bool]] = {}
+        self._released: set[str] = set()  # consumers that stopped reading it
+        self._reader_left = False  # one of them had read it
         self.last_used = time.monotonic()
         self._thread = threading.Thread(target=self._produce, args=(elements, encode),
                                         daemon=True, name="clusterwire-data-stream")
@@ -91,11 +96,11 @@ class Stream:
             last = self._claims.get(consumer)
             if last is not None and last[0] == seq:
                 return last[1], last[2]
+            self._check_open(consumer)
             with parked():  # a consumer's long poll must not take a thread from producers
-                self._cond.wait_for(lambda: self._ready or self._done or self._closed, wait)
-            if self._closed:
-                raise errors.CancelledError("The stream was closed (job removed or worker "
-                                            "stopping).")
+                self._cond.wait_for(lambda: self._ready or self._done or self._closed
+                                    or consumer in self._released, wait)
+            self._check_open(consumer)
             taken: list[Encoded] = []
             size = buffers = 0
             while self._ready and len(taken) < max_elements and (not taken or (
@@ -123,12 +128,12 @@ class Stream:
             last = self._claims.get(consumer)
             if last is not None and last[0] == seq:
                 return last[1], last[2]
+            self._check_open(consumer)
             with parked():
                 self._cond.wait_for(lambda: self._closed or self._done
+                                    or consumer in self._released
                                     or self._base + len(self._ready) > position, wait)
-            if self._closed:
-                raise errors.CancelledError("The stream was closed (job removed or worker "
-                                            "stopping).")
+            self._check_open(consumer)
             if position < self._base or position in self._taken:
                 raise errors.FailedPreconditionError(
                     f"Element {position} of this round-robin stream was read already: two "
@@ -146,6 +151,28 @@ class Stream:
             self._claims[consumer] = (seq, [element], False)
             self._cond.notify_all()
             return [element], False
+
+    def forget(self, consumer: str) -> None:
+        """``consumer`` stopped reading: drop the batch remembered for its retry, and take
+        no more elements for it (a read of it racing the release would lose them)."""
+        with self._cond:
+            if self._claims.pop(consumer, None) is not None:
+                self._reader_left = True
+            self._released.add(consumer)
+            self._cond.notify_all()
+
+    @property
+    def abandoned(self) -> bool:
+        """Every consumer that read this stream released it (none read it since)."""
+        with self._cond:
+            return self._reader_left and not self._claims
+
+    def _check_open(self, consumer: str) -> None:
+        if self._closed:
+            raise errors.CancelledError("The stream was closed (job removed or worker "
+                                        "stopping).")
+        if consumer in self._released:
+            raise errors.CancelledError(f"Consumer {consumer!r} released this stream.")
 
     @property
     def finished(self) -> bool:

@@ -3,6 +3,21 @@
 A worker registers with the dispatcher and heartbeats; it learns datasets
 from the dispatcher on first use and starts a stream when a consumer first
 asks for one (a whole dataset, a static shard, or one split of the source).
+
+A consumer that stops reading releases its streams (``ReleaseStreamsRequest``, each stream
+named with the grant the consumer read it with), so they stop counting against the stream
+limits at once rather than when the job is collected:
+
+* a split stream is its consumer's alone (its grant names the consumer): closed;
+* an anonymous job's stream is its one consumer's (the grant names it, ``StreamSpec.owner``):
+  closed;
+* a named job's stream is shared: it stays for the job's other consumers (and, as in TF, for
+  consumers joining the job later). Once every consumer that read it has released it, it is
+  *abandoned*; an abandoned stream is closed only when another stream could not start
+  otherwise, and a consumer reading it later gets a FailedPreconditionError.
+
+A released stream is not opened again by a read of the same attempt (a read racing the
+release would otherwise start one nobody releases); a later attempt at a split may open it.
 """
 
 from __future__ import annotations
@@ -30,11 +45,13 @@ from clusterwire.data.modes import COMPRESSION_SNAPPY, ShardingPolicy
 from clusterwire.data.permissions import WorkerPermissions
 from clusterwire.data.pipeline import FilesSource, Pipeline, split_plan
 from clusterwire.data.rpc import DispatcherClient, serve
-from clusterwire.data.streams import Stream
+from clusterwire.data.streams import OVER_LIMITS, Stream
 from clusterwire.protos.data_service_pb2 import (
     DataRequest,
     DataResponse,
     GetDatasetRequest,
+    GetElementsRequest,
+    ReleaseStreamsRequest,
     StreamSpec,
     WorkerHeartbeatRequest,
     WorkerInfo,
@@ -115,6 +132,9 @@ class WorkerServer:
         self._heartbeat_s = runtime_ms(config.heartbeat_interval_ms, HEARTBEAT_INTERVAL_MS) / 1000
         self._lock = threading.Lock()
         self._streams: dict[tuple[int, int, str, int], Stream] = {}
+        # (job, consumer, split or -1) -> (the last attempt released, when)
+        self._released: dict[tuple[int, str, int], tuple[int, float]] = {}
+        self._evicted: dict[int, float] = {}  # jobs whose abandoned shared stream was closed
         self._datasets: dict[str, Pipeline] = {}
         self._dataset_locks: dict[str, threading.Lock] = {}
         self._stopping = threading.Event()
@@ -203,6 +223,10 @@ class WorkerServer:
                     or (key[1] >= 0 and stream.finished
                         and now - stream.last_used > _FINISHED_STREAM_S)]
             streams = [self._streams.pop(key) for key in dead]
+            self._released = {k: r for k, r in self._released.items()
+                              if k[0] in live_jobs and now - r[1] < _IDLE_STREAM_S}
+            self._evicted = {j: t for j, t in self._evicted.items()
+                             if j in live_jobs and now - t < _IDLE_STREAM_S}
         for stream in streams:
             stream.close()
 
@@ -227,22 +251,65 @@ class WorkerServer:
     # ---- serving ----
 
     def _handle(self, request: DataRequest, _buffers: list[Any]) -> tuple[DataResponse, list]:
-        if request.WhichOneof("kind") != "get_elements":
+        kind = request.WhichOneof("kind")
+        if kind not in ("get_elements", "release_streams"):
             raise errors.UnimplementedError(
-                f"A tf.data service worker serves element reads, not "
-                f"{request.WhichOneof('kind')!r} (is this the dispatcher's address?).")
-        read = request.get_elements
-        spec = read.stream
+                f"A tf.data service worker serves element reads, not {kind!r} (is this the "
+                "dispatcher's address?).")
         if not self._grant_key:
             raise errors.UnavailableError(
                 "This tf.data service worker has not registered with its dispatcher yet.")
-        grants.check(self._grant_key, spec, read.consumer_id)
+        if kind == "release_streams":
+            return self._release_streams(request.release_streams), []
+        return self._get_elements(request.get_elements)
+
+    def _check_grant(self, spec: StreamSpec, consumer_id: str) -> None:
+        grants.check(self._grant_key, spec, consumer_id)
+        if not spec.is_split and spec.owner and spec.owner != consumer_id:
+            raise errors.PermissionDeniedError(
+                f"Job {spec.job_id} is another consumer's anonymous job: only it reads or "
+                "releases its streams. Read your own job through distribute() or "
+                "from_dataset_id().")
+
+    def _release_streams(self, request: ReleaseStreamsRequest) -> DataResponse:
+        """Close the consumer's own streams; a named job's shared stream only forgets it.
+
+        Every grant is checked before anything is closed: a release naming one stream the
+        consumer was not granted closes nothing.
+        """
+        consumer = request.consumer_id
+        for spec in request.streams:
+            self._check_grant(spec, consumer)
+        now, closed = time.monotonic(), []
+        with self._lock:
+            for spec in request.streams:
+                if not spec.is_split and not spec.owner:
+                    shared = self._streams.get((spec.job_id, -1, "", 0))
+                    if shared is not None:
+                        shared.forget(consumer)
+                    continue
+                split = spec.split_id if spec.is_split else -1
+                last = self._released.get((spec.job_id, consumer, split), (-1, now))[0]
+                self._released[(spec.job_id, consumer, split)] = (max(last, spec.attempt), now)
+                closed += [self._streams.pop(key) for key in list(self._streams)
+                           if key[0] == spec.job_id and (
+                               key[1:3] == (split, consumer) and key[3] <= spec.attempt
+                               if spec.is_split else key[1] == -1)]
+        for stream in closed:
+            stream.close()
+        response = DataResponse()
+        response.release_streams.closed = len(closed)
+        return response
+
+    def _get_elements(self, read: GetElementsRequest) -> tuple[DataResponse, list]:
+        spec = read.stream
+        self._check_grant(spec, read.consumer_id)
         key = ((spec.job_id, spec.split_id, read.consumer_id, spec.attempt) if spec.is_split
                else (spec.job_id, -1, "", 0))
         with self._lock:
             stream = self._streams.get(key)
         if stream is None:
-            stream = self._open(spec, read.offset, key)
+            stream = self._open(spec, read.offset, key, read.consumer_id)
         if spec.num_consumers:
             taken, end = stream.fetch_at(read.consumer_id, read.request_seq, read.position,
                                          read.wait_seconds)
@@ -255,7 +322,7 @@ class WorkerServer:
         response.get_elements.end_of_stream = end
         return response, [b for e in taken for b in e.buffers]
 
-    def _open(self, spec: StreamSpec, offset: int, key: tuple) -> Stream:
+    def _open(self, spec: StreamSpec, offset: int, key: tuple, consumer_id: str) -> Stream:
         if spec.compression == COMPRESSION_SNAPPY:
             compression.require()
         mode = spec.compression if compression.available() else ""
@@ -264,22 +331,14 @@ class WorkerServer:
             stream = self._streams.get(key)
             if stream is not None:
                 return stream
+            self._check_openable(spec, consumer_id)
             # A new attempt at a split replaces the consumer's earlier ones.
             attempts = [k for k in self._streams if spec.is_split and k[:3] == key[:3]]
             if any(k[3] > key[3] for k in attempts):
                 raise errors.CancelledError(
                     f"Attempt {spec.attempt} at split {spec.split_id} was superseded by a "
                     "later one of the same consumer.")
-            running = [k for k, s in self._streams.items()
-                       if not s.finished and k not in attempts]
-            mine = sum(k[0] == key[0] and k[2] == key[2] for k in running)
-            if len(running) >= MAX_OPEN_STREAMS or mine >= MAX_STREAMS_PER_CONSUMER:
-                raise errors.ResourceExhaustedError(
-                    f"This tf.data service worker runs {len(running)} streams, {mine} of them "
-                    f"for this consumer of job {spec.job_id}; its limits are {MAX_OPEN_STREAMS} "
-                    f"and {MAX_STREAMS_PER_CONSUMER} a consumer. Retry later or add workers.")
-            # Only once the new stream is admitted do the attempts it replaces go.
-            replaced = [self._streams.pop(k) for k in attempts]
+            replaced = self._admit(spec, key, attempts)
             elements_iter = self._elements(pipe, spec)
             if spec.is_split and offset:
                 elements_iter = itertools.islice(elements_iter, offset, None)
@@ -288,6 +347,44 @@ class WorkerServer:
         for old in replaced:
             old.close()
         return stream
+
+    def _check_openable(self, spec: StreamSpec, consumer_id: str) -> None:
+        """Refuse streams of a released consumer and of a job whose shared stream was
+        evicted; call with the lock held."""
+        released = self._released.get(
+            (spec.job_id, consumer_id, spec.split_id if spec.is_split else -1))
+        if released is not None and spec.attempt <= released[0]:
+            raise errors.CancelledError(
+                f"Consumer {consumer_id!r} released this stream of job {spec.job_id}.")
+        if not spec.is_split and not spec.owner and spec.job_id in self._evicted:
+            raise errors.FailedPreconditionError(
+                f"This tf.data service worker closed job {spec.job_id}'s stream after every "
+                "consumer that read it had released it, to serve other jobs. A consumer "
+                "joining that job later cannot continue it: start a new iteration or use "
+                "another job_name.")
+
+    def _admit(self, spec: StreamSpec, key: tuple, attempts: list[tuple]) -> list[Stream]:
+        """Room for a new stream under the limits (evicting abandoned shared streams if
+        need be), or ResourceExhaustedError; returns the streams it replaces (popped).
+        Call with the lock held."""
+        running = [k for k, s in self._streams.items() if not s.finished and k not in attempts]
+        mine = sum(k[0] == key[0] and k[2] == key[2] for k in running)
+        evicted = []
+        if len(running) >= MAX_OPEN_STREAMS and mine < MAX_STREAMS_PER_CONSUMER:
+            abandoned = sorted((k for k in running if k[1] == -1 and self._streams[k].abandoned),
+                               key=lambda k: self._streams[k].last_used)
+            evicted = abandoned[:len(running) - MAX_OPEN_STREAMS + 1]
+        if len(running) - len(evicted) >= MAX_OPEN_STREAMS or mine >= MAX_STREAMS_PER_CONSUMER:
+            raise errors.ResourceExhaustedError(
+                f"This tf.data service worker is {OVER_LIMITS}: it runs {len(running)} "
+                f"streams, {mine} of them for this consumer of job {spec.job_id}; its limits "
+                f"are {MAX_OPEN_STREAMS} and {MAX_STREAMS_PER_CONSUMER} a consumer. Retry later "
+                "or add workers.")
+        now = time.monotonic()
+        for k in evicted:
+            self._evicted[k[0]] = now
+        # Only once the new stream is admitted do the attempts it replaces go.
+        return [self._streams.pop(k) for k in [*attempts, *evicted]]
 
     @staticmethod
     def _elements(pipe: Pipeline, spec: StreamSpec):
