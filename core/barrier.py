@@ -2,11 +2,13 @@
 
 A caller waits on the task its request reached (``Releases.wait``); that task reports the
 arrival to the coordinating task (the job's lowest index), where ``Rounds.arrive`` counts
-it. The coordinator answers an arrival in one of two ways:
+it. A ``Session`` of a job of at most ``MAX_HELD_ARRIVALS`` tasks sends its arrival to the
+coordinator itself when it can reach it, which saves that hop. The coordinator answers an
+arrival in one of two ways:
 
 * held: it answers when the round is released (one small call per task and round, the
-  cheapest), parking the wait; at most ``max_held`` arrivals are held at once, so the
-  coordinator's threads do not grow with the job;
+  cheapest), parking the wait; at most ``MAX_HELD_ARRIVALS`` arrivals are held at once, so
+  the coordinator's threads do not grow with the job;
 * at once, beyond that: the arrival that completes the round gets back the tasks where such
   callers wait, and the coordinator sends each of them one release from threads of its own.
 
@@ -28,6 +30,10 @@ from clusterwire import errors
 from clusterwire.thread_pool import parked
 
 Task = tuple[str, int]
+#: Arrivals a coordinator holds (answers once released, each a parked wait) at once; more
+#: are answered at once and released by a call. Jobs of at most this many tasks also have
+#: their clients arrive at the coordinator itself (``Session.barrier``).
+MAX_HELD_ARRIVALS = 64
 #: Releases remembered per barrier name: a release may arrive before the answer to the
 #: arrival it ends (the coordinator pushes it at once), so recent ones are kept.
 _RECENT_RELEASES = 64

@@ -19,7 +19,7 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from clusterwire import codec, errors, functions
+from clusterwire import barrier, codec, errors, functions
 from clusterwire.addressing import split_host_port
 from clusterwire.barrier import Arrival, Releases, Rounds
 from clusterwire.cluster_spec import ClusterSpec
@@ -30,10 +30,7 @@ from clusterwire.thread_pool import parked
 from clusterwire.transport import Buffer, Frame
 
 _MAX_HOPS = 2
-#: Barrier arrivals a coordinating task answers only once released (each a parked wait);
-#: beyond this many it answers at once and sends a release later, from _RELEASE_SENDERS
-#: threads of its own.
-_MAX_HELD_ARRIVALS = 64
+#: Threads a coordinating task sends barrier releases from (its server threads never do).
 _RELEASE_SENDERS = 8
 _LOG = logging.getLogger("clusterwire")
 
@@ -106,7 +103,7 @@ class ClusterService:
         self._max_store_bytes = max_store_bytes or default_store_bytes()
         self._store_lock = threading.Lock()
         # Barriers this task coordinates (it is the lowest index of its job).
-        self._rounds = Rounds(max_held=_MAX_HELD_ARRIVALS)
+        self._rounds = Rounds(max_held=barrier.MAX_HELD_ARRIVALS)
         self._releases = Releases()  # rounds its own callers wait for
         self._release_senders: ThreadPoolExecutor | None = None
         self._release_lock = threading.Lock()

@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from clusterwire import codec, errors, functions
+from clusterwire import barrier, codec, errors, functions
 from clusterwire.addressing import parse_device, split_host_port, split_target
 from clusterwire.cluster_spec import ClusterSpec
 from clusterwire.protos.service_pb2 import Request, TaskRef
@@ -15,6 +15,8 @@ from clusterwire.security import load_security
 from clusterwire.transport import Frame
 
 _requests = codec.HeaderCache()
+#: How long a Session tries a barrier's coordinator before arriving through its target.
+_COORDINATOR_PROBE_S = 1.0
 #: Tasks ``cluster_status`` asks at once.
 _STATUS_PARALLEL = 16
 
@@ -41,6 +43,10 @@ class Session:
         if config is not None and not isinstance(config, Mapping):
             raise TypeError(f"config must be a dict of security options, got {config!r}")
         self._address = address
+        # Barrier routing (see barrier()): the target's cluster and task, once asked, and
+        # whether this client reaches a coordinator.
+        self._view: tuple[ClusterSpec, tuple[str, int]] | None = None
+        self._reachable: dict[str, bool] = {}
         self._client = RequestClient(protocol, timeout=float(timeout),
                                      security=load_security(config))
 
@@ -186,9 +192,44 @@ class Session:
         A barrier name can be reused: each release starts a new round.
         """
         request = Request(method="barrier", name=self._check_name(name))
-        if task is not None:
-            job, index = parse_device(task)
-            request.from_task.CopyFrom(TaskRef(job=job, index=index))
+        arriving = parse_device(task) if task is not None else None
+        if arriving is not None:
+            request.from_task.CopyFrom(TaskRef(job=arriving[0], index=arriving[1]))
         wait = DEFAULT_TIMEOUT if timeout is None else timeout
-        request.timeout_seconds = wait
-        self._value(request, (), wait + self._client.timeout)
+        request.timeout_seconds = self._timeout(wait)
+        address, own = self._barrier_route(arriving, min(wait, _COORDINATOR_PROBE_S))
+        if address != self._address and own is not None:
+            request.from_task.CopyFrom(TaskRef(job=own[0], index=own[1]))
+        frame = Frame(request.SerializeToString(), ())
+        response_value(self._client.send_frame(address, frame, "barrier",
+                                               wait + self._client.timeout))
+
+    def _barrier_route(self, arriving: tuple[str, int] | None, probe_timeout: float
+                       ) -> tuple[str, tuple[str, int] | None]:
+        """Where to send a barrier arrival: the job's coordinator itself when the job has at
+        most ``MAX_HELD_ARRIVALS`` tasks and this client reaches it (checked once per
+        coordinator), else the target; and the target's own task, when the arrival is its."""
+        if self._view is None:
+            status = self.status()
+            self._view = (status["cluster"], (status["job"], status["task_index"]))
+        cluster, own = self._view
+        job, _ = arriving or own
+        try:
+            indices = cluster.task_indices(job)
+            address = cluster.task_address(job, min(indices))
+        except ValueError:
+            return self._address, None  # the target names the unknown job
+        if (len(indices) > barrier.MAX_HELD_ARRIVALS or address == self._address
+                or split_host_port(address)[1] == 0):
+            return self._address, None
+        reachable = self._reachable.get(address)
+        if reachable is None:
+            try:
+                self._client.send(address, Request(method="status"), timeout=probe_timeout)
+                reachable = True
+            except errors.OpError:
+                reachable = False
+            self._reachable[address] = reachable
+        if not reachable:
+            return self._address, None
+        return address, None if arriving else own

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from clusterwire import ClusterSpec, Server, Session, service
+from clusterwire import ClusterSpec, Server, Session, barrier
 from clusterwire.errors import CancelledError, DeadlineExceededError, UnavailableError
 from clusterwire.local_cluster import LocalCluster
 
@@ -24,8 +24,9 @@ MAX_WORKERS = 2
 WAIT = 30  # every barrier's timeout; a working one takes a small fraction of it
 
 
-# (protocol, arrivals the coordinator may hold): with 4, most arrivals are answered at once
-# and released by a call from the coordinator, the path of jobs larger than the default.
+# (protocol, arrivals the coordinator may hold): with 64, clients arrive at the coordinator
+# itself and wait there; with 4 (the path of jobs larger than 64 tasks) they arrive through
+# their own task, which the coordinator answers at once and releases by a call.
 SETUPS = [("grpc", 64), ("grpc", 4), ("grpc+local", 64)] + (
     [("zmq", 4)] if importlib.util.find_spec("clusterwire_zmq") is not None else [])
 
@@ -33,7 +34,7 @@ SETUPS = [("grpc", 64), ("grpc", 4), ("grpc+local", 64)] + (
 @pytest.fixture(params=SETUPS, ids=[f"{p}-hold{h}" for p, h in SETUPS])
 def tasks(request, monkeypatch) -> Iterator[list[Server]]:
     """TASKS in-process servers of one job, each with MAX_WORKERS threads."""
-    monkeypatch.setattr(service, "_MAX_HELD_ARRIVALS", request.param[1])
+    monkeypatch.setattr(barrier, "MAX_HELD_ARRIVALS", request.param[1])
     servers: list[Server] = []
     try:
         for index in range(TASKS):
@@ -128,6 +129,8 @@ def missing_tasks(session: Session, name: str) -> list[int]:
 
 
 def test_a_stopping_server_cancels_its_parked_waits(tasks):
+    # Small jobs' clients wait on the coordinator (task 0), larger ones' on their own task.
+    parked_at = 0 if TASKS <= barrier.MAX_HELD_ARRIVALS else 3
     outcome: list[BaseException] = []
 
     def wait() -> None:
@@ -139,11 +142,11 @@ def test_a_stopping_server_cancels_its_parked_waits(tasks):
 
     waiter = threading.Thread(target=wait)
     waiter.start()
-    with Session(tasks[0].target) as probe:
+    with Session(tasks[1].target) as probe:
         for _ in range(50):  # until task 3's arrival is counted (its caller parked)
             if 3 not in missing_tasks(probe, "never"):
                 break
-    tasks[3].stop(grace=0.2)
+    tasks[parked_at].stop(grace=0.2)
     waiter.join(WAIT)
     assert not waiter.is_alive()
     assert [type(err) for err in outcome] == [CancelledError]
