@@ -76,6 +76,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+from _machine import cpu_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -385,13 +386,7 @@ def data_round(target: str, mode: str, args: argparse.Namespace, tmp: str) -> di
             reports.append(json.loads(out.strip().splitlines()[-1]))
     finally:
         for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            for pipe in (proc.stdin, proc.stdout):
-                if pipe is not None:
-                    with contextlib.suppress(OSError):
-                        pipe.close()
+            stop_process(proc)
     received = [np.load(out) for out in outs]
     for out in outs:
         os.unlink(out)
@@ -439,12 +434,7 @@ def measure_data(args: argparse.Namespace, step: Callable[[str], None]) -> list[
 def environment(argv: Sequence[str]) -> dict[str, Any]:
     import grpc
 
-    model = "?"
-    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as handle:
-        for line in handle:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+    model = cpu_model()
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True,
                               capture_output=True, text=True).stdout.strip()

@@ -63,6 +63,7 @@ sys.path.insert(0, HERE)
 import _baselines  # noqa: E402
 import _tf_baseline  # noqa: E402
 from _bench_remote import ECHO  # noqa: E402
+from _machine import cpu_model  # noqa: E402
 
 MIB = 1 << 20
 REMOTE_TASK = "/job:worker/task:1"
@@ -434,15 +435,7 @@ def machine() -> dict[str, str]:
     import google.protobuf
     import grpc
 
-    model = "?"
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    model = cpu_model()
     return {
         "cpus": f"os.cpu_count() = {os.cpu_count()}, this run on CPUs "
                 f"{sorted(os.sched_getaffinity(0))}",

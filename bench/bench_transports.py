@@ -65,6 +65,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from _machine import cpu_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -564,12 +565,7 @@ class Results:
 
 
 def machine() -> dict[str, str]:
-    model = "?"
-    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as handle:
-        for line in handle:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+    model = cpu_model()
     versions = []
     for dist in ("grpcio", "protobuf", "numpy", "pyzmq", "ucxx-cu12", "libucx-cu12",
                  "clusterwire", "clusterwire-zmq"):

@@ -22,6 +22,15 @@ def child_env() -> dict[str, str]:
     return {"PYTHONPATH": TESTS_DIR + (os.pathsep + path if path else "")}
 
 
+def tampered(message, **changes):
+    """A copy of protobuf ``message`` with ``changes`` (a peer's tampered request)."""
+    copy = type(message)()
+    copy.CopyFrom(message)
+    for name, value in changes.items():
+        setattr(copy, name, value)
+    return copy
+
+
 @pytest.fixture
 def processes():
     """Start data-service server processes with ``start(...)``; each is killed at the end."""

@@ -11,6 +11,7 @@ import threading
 from collections import Counter
 
 import pytest
+from conftest import tampered
 
 from clusterwire import data, errors
 from clusterwire.data import reader, worker
@@ -235,14 +236,6 @@ def peers(service):
         peer.close()
 
 
-def _with(spec: StreamSpec, **changes) -> StreamSpec:
-    forged = StreamSpec()
-    forged.CopyFrom(spec)
-    for name, value in changes.items():
-        setattr(forged, name, value)
-    return forged
-
-
 def test_nobody_releases_another_consumers_split_or_anonymous_stream(peers):
     dispatcher, (alice, mallory) = peers
     dataset_id = data.register_dataset(dispatcher.target, data.Dataset.range(10 ** 6))
@@ -253,22 +246,22 @@ def test_nobody_releases_another_consumers_split_or_anonymous_stream(peers):
     assert alice.read(split, 1) == alice.read(whole, 1) == 10
     forgeries = [
         split,                                   # alice's split grant, another consumer
-        _with(split, grant=b""),
+        tampered(split, grant=b""),
         whole,                                   # alice's job, another consumer
-        _with(whole, owner="mallory"),           # the grant names the owner
-        _with(whole, owner=""),                  # nor is it a named job's shared stream
+        tampered(whole, owner="mallory"),           # the grant names the owner
+        tampered(whole, owner=""),                  # nor is it a named job's shared stream
     ]
     for forged in forgeries:
         with pytest.raises(errors.PermissionDeniedError):
             mallory.release(forged)
     with pytest.raises(errors.PermissionDeniedError):  # one forged spec: nothing released
-        alice.release(split, _with(whole, owner="mallory"))
+        alice.release(split, tampered(whole, owner="mallory"))
     assert alice.read(split, 2) == alice.read(whole, 2) == 10
     assert alice.release(split, whole) == 2
     for spec in (split, whole):  # released: not reopened by a late read
         with pytest.raises(errors.CancelledError, match="released"):
             alice.read(spec, 3)
-    assert alice.read(_with(split, attempt=2), 4) == 10  # a later attempt may open it
+    assert alice.read(tampered(split, attempt=2), 4) == 10  # a later attempt may open it
 
 
 def test_a_named_jobs_member_cannot_close_the_shared_stream(peers):
@@ -280,7 +273,7 @@ def test_a_named_jobs_member_cannot_close_the_shared_stream(peers):
     assert alice.read(shared, 1) == mallory.read(shared, 1) == 10
     assert mallory.release(shared) == 0
     with pytest.raises(errors.PermissionDeniedError):
-        mallory.release(_with(shared, owner="mallory"))
+        mallory.release(tampered(shared, owner="mallory"))
     assert alice.read(shared, 2) == 10
 
 

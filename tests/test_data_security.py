@@ -15,6 +15,7 @@ import sys
 import cw_data_functions as fns
 import numpy as np
 import pytest
+from conftest import tampered
 
 from clusterwire import data, errors
 from clusterwire.data.permissions import WorkerPermissions
@@ -227,11 +228,11 @@ def test_a_worker_serves_only_granted_streams():
 
         forgeries = {
             "another consumer": (spec, "mallory"),
-            "a wider range": (_with(spec, unit_end=spec.unit_end + 1000), "alice"),
-            "an invented split": (_with(spec, split_id=77, grant=b"\0" * 32), "alice"),
-            "no grant": (_with(spec, grant=b""), "alice"),
-            "the job's grant for a split": (_with(spec, grant=job.grant), "alice"),
-            "another dataset": (_with(StreamSpec(job_id=job.job_id, dataset_id="other"),
+            "a wider range": (tampered(spec, unit_end=spec.unit_end + 1000), "alice"),
+            "an invented split": (tampered(spec, split_id=77, grant=b"\0" * 32), "alice"),
+            "no grant": (tampered(spec, grant=b""), "alice"),
+            "the job's grant for a split": (tampered(spec, grant=job.grant), "alice"),
+            "another dataset": (tampered(StreamSpec(job_id=job.job_id, dataset_id="other"),
                                       grant=job.grant), "alice"),
         }
         for forged, consumer in forgeries.values():
@@ -240,14 +241,6 @@ def test_a_worker_serves_only_granted_streams():
     finally:
         worker.stop()
         dispatcher.stop()
-
-
-def _with(spec: StreamSpec, **changes) -> StreamSpec:
-    forged = StreamSpec()
-    forged.CopyFrom(spec)
-    for name, value in changes.items():
-        setattr(forged, name, value)
-    return forged
 
 
 def _rss_mib(pid: int) -> float:
