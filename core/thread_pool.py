@@ -13,9 +13,10 @@ server's admission limit (``max_concurrent_calls``), not the pool's size. Thread
 ``max_workers`` end once they found no work for ``keep_alive`` seconds (so a job's next
 barrier round finds them waiting instead of starting them again).
 
-A transport with workers of its own (the zmq plugin's) makes its threads honour
-``parked()`` the same way: each worker calls ``serve_parking(host)`` once, with a host whose
-``park()``/``unpark()`` let it run another worker meanwhile.
+A transport with workers of its own (grpc+verbs' UCX engine, the zmq plugin's listener)
+makes its threads honour ``parked()`` the same way: each worker calls
+``serve_parking(host)`` once, with a host whose ``park()``/``unpark()`` let it run another
+worker meanwhile.
 """
 
 from __future__ import annotations

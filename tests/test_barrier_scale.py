@@ -28,7 +28,8 @@ WAIT = 30  # every barrier's timeout; a working one takes a small fraction of it
 # itself and wait there; with 4 (the path of jobs larger than 64 tasks) they arrive through
 # their own task, which the coordinator answers at once and releases by a call.
 SETUPS = [("grpc", 64), ("grpc", 4), ("grpc+local", 64)] + (
-    [("zmq", 4)] if importlib.util.find_spec("clusterwire_zmq") is not None else [])
+    [("zmq", 4)] if importlib.util.find_spec("clusterwire_zmq") is not None else []) + (
+    [("grpc+verbs", 64)] if importlib.util.find_spec("ucxx") is not None else [])
 
 
 @pytest.fixture(params=SETUPS, ids=[f"{p}-hold{h}" for p, h in SETUPS])

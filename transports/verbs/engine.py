@@ -45,6 +45,7 @@ import numpy as np
 
 from clusterwire import errors
 from clusterwire.buffers import receive_buffers
+from clusterwire.thread_pool import serve_parking
 
 #: What ``exchange`` did.
 NOT_SENT, REPLIED, NO_REPLY_YET, RECEIVING = range(4)
@@ -506,7 +507,22 @@ class UcxEngine:
         thread.start()
         return True
 
+    def park(self) -> None:
+        """A job waits on other requests (clusterwire.thread_pool.parked): allow one more
+        job at once meanwhile, on a new serving thread if none is free."""
+        with self._state:
+            self._max_jobs += 1
+            if not self._free:
+                self._spawn()
+            if self._jobs:
+                _signal(self._serve_w)
+
+    def unpark(self) -> None:
+        with self._state:
+            self._max_jobs -= 1
+
     def _serve_loop(self) -> None:
+        serve_parking(self)
         me = threading.get_ident()
         with self._state:
             while not self._stopping:
