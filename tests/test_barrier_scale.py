@@ -169,3 +169,26 @@ def test_cluster_status_asks_every_task_at_once_and_names_the_ones_down(tasks):
             assert (status["job"], status["task_index"]) == ("worker", index)
     # Asked one after another, the six tasks down would take 6 s (1 s each).
     assert elapsed < 4.0, elapsed
+
+
+def test_a_client_that_cannot_reach_the_coordinator_arrives_through_its_target():
+    servers = [Server({"w": ["127.0.0.1:0"] * 2}, job_name="w", task_index=i, protocol="grpc")
+               for i in range(2)]
+    try:
+        spec = ClusterSpec({"w": [s.target.split("://")[1] for s in servers]})
+        for server in servers:
+            with Session(server.target) as session:
+                session.complete_cluster(spec)
+        with Session(servers[0].target) as first, Session(servers[1].target) as second:
+            # What this client was told of the cluster names a coordinator it cannot reach
+            # (here: a closed port); the tasks themselves reach it.
+            second._view = (ClusterSpec({"w": ["127.0.0.1:1", spec.task_address("w", 1)]}),
+                            ("w", 1))
+            waiter = threading.Thread(target=first.barrier, args=("b",), kwargs={"timeout": WAIT})
+            waiter.start()
+            second.barrier("b", timeout=WAIT)
+            waiter.join(WAIT)
+            assert not waiter.is_alive()  # released by the arrival that went through task 1
+    finally:
+        for server in servers:
+            server.stop()
