@@ -8,6 +8,7 @@ matching clusterwire error.
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -27,6 +28,9 @@ IDEMPOTENT = frozenset({"status", "put", "get", "delete", "list", "barrier", "ba
                         "barrier_release", "barrier_withdraw"})
 
 DEFAULT_TIMEOUT = 30.0
+#: A retry loop with more time than this left says at once that the task is unreachable.
+_QUIET_RETRY_S = 1.0
+_LOG = logging.getLogger("clusterwire")
 _BACKOFF_START, _BACKOFF_MAX = 0.02, 1.0
 # Our own generator: retries must not consume (or race on) the user's seeded global one.
 _JITTER = random.Random()
@@ -143,6 +147,10 @@ class RequestClient:
                     raise errors.UnavailableError(
                         f"Task at {address} ({self.protocol}) is unavailable after "
                         f"{budget:.3g} s: {err.message}") from None
+                if delay == _BACKOFF_START and remaining > _QUIET_RETRY_S:
+                    _LOG.warning("clusterwire: the task at %s (%s) is unreachable (%s); retrying "
+                                 "until the deadline, %.3g s from now.", address,
+                                 self.protocol, err.message, remaining)
                 if self._closing.wait(min(jittered(delay), remaining)):
                     raise errors.CancelledError("This client was closed.") from None
                 delay = min(delay * 2, _BACKOFF_MAX)

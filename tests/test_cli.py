@@ -70,6 +70,14 @@ def test_status_of_a_dead_target_fails_in_bounded_time():
     assert "UnavailableError" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_status_of_a_dead_target_says_so_before_its_deadline():
+    result = clusterwire("status", "grpc://127.0.0.1:1", "--timeout", "2")
+    assert result.returncode == 1
+    first = result.stderr.splitlines()[0]
+    assert "the task at 127.0.0.1:1 (grpc) is unreachable" in first
+    assert "retrying until the deadline" in first
+
+
 def test_plugins_lists_grpc_with_module_distribution_and_version():
     result = clusterwire("plugins")
     assert result.returncode == 0

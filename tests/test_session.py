@@ -225,6 +225,22 @@ def test_peer_down_is_unavailable_within_the_deadline():
     assert time.monotonic() - started < 3
 
 
+def test_an_unreachable_task_is_reported_at_once_while_retries_go_on(caplog):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    caplog.set_level("WARNING", logger="clusterwire")
+    started = time.time()  # the clock of LogRecord.created
+    with Session(f"grpc://127.0.0.1:{port}", timeout=2.0) as session:
+        with pytest.raises(UnavailableError):
+            session.get("x")
+    said = [r for r in caplog.records if "is unreachable" in r.getMessage()]
+    assert len(said) == 1, caplog.text
+    assert f"127.0.0.1:{port} (grpc)" in said[0].getMessage()
+    assert "retrying until the deadline" in said[0].getMessage()
+    assert said[0].created - started < 1.0  # said when it began, not at the deadline
+
+
 def test_retries_until_a_late_server_comes_up():
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
