@@ -77,12 +77,16 @@ class Session:
             raise errors.InvalidArgumentError(f"timeout must be > 0 seconds, got {timeout!r}")
         return timeout
 
-    def _value(self, request: Request, buffers=(), timeout: float | None = None) -> Any:
+    def _value(self, request: Request, buffers=(), timeout: float | None = None,
+               address: str | None = None) -> Any:
         frame = Frame(request.SerializeToString(), buffers)
-        return self._value_of(frame, request.method, timeout)
+        return self._value_of(frame, request.method, timeout, address)
 
-    def _value_of(self, frame: Frame, method: str, timeout: float | None) -> Any:
-        frame = self._client.send_frame(self._address, frame, method, self._timeout(timeout))
+    def _value_of(self, frame: Frame, method: str, timeout: float | None,
+                  address: str | None = None) -> Any:
+        """The value of ``frame``'s response from ``address`` (default: the target)."""
+        frame = self._client.send_frame(address or self._address, frame, method,
+                                        self._timeout(timeout))
         return response_value(frame)
 
     def _cached(self, method: str, task: str | None, name: str, value: Any = None,
@@ -200,9 +204,7 @@ class Session:
         address, own = self._barrier_route(arriving, min(wait, _COORDINATOR_PROBE_S))
         if address != self._address and own is not None:
             request.from_task.CopyFrom(TaskRef(job=own[0], index=own[1]))
-        frame = Frame(request.SerializeToString(), ())
-        response_value(self._client.send_frame(address, frame, "barrier",
-                                               wait + self._client.timeout))
+        self._value(request, (), wait + self._client.timeout, address)
 
     def _barrier_route(self, arriving: tuple[str, int] | None, probe_timeout: float
                        ) -> tuple[str, tuple[str, int] | None]:
