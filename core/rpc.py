@@ -17,7 +17,7 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from clusterwire import codec, errors
+from clusterwire import codec, errors, in_process
 from clusterwire.plugins import get_plugin_manager
 from clusterwire.protos.service_pb2 import Request, Response
 from clusterwire.security import Security
@@ -79,13 +79,18 @@ def response_value(frame: Frame) -> Any:
 
 
 class RequestClient:
-    """Sends requests to addresses over one protocol, reusing one channel per address."""
+    """Sends requests to addresses over one protocol, reusing one channel per address.
+
+    A server of this process is reached without the transport (``clusterwire.in_process``)
+    unless ``in_process`` is False.
+    """
 
     def __init__(self, protocol: str, timeout: float = DEFAULT_TIMEOUT,
-                 security: Security | None = None):
+                 security: Security | None = None, in_process: bool = True):
         self.protocol = protocol
         self.timeout = timeout
         self.security = security or Security()
+        self.in_process = in_process
         self._transport = get_plugin_manager().transport(protocol)
         self._channels: dict[str, Channel] = {}
         self._lock = threading.Lock()
@@ -116,13 +121,14 @@ class RequestClient:
 
     def send_frame(self, address: str, frame: Frame, method: str,
                    timeout: float | None = None, *, idempotent: bool | None = None,
-                   attempt_timeout: float | None = None) -> Frame:
+                   attempt_timeout: float | None = None, relay: bool = False) -> Frame:
         """Send a ready frame, retrying while ``address`` is unreachable, until the deadline.
 
         A request is sent again after a broken connection only if it is ``idempotent``
         (default: by its method); one never sent is always retried. Each attempt gets the
         time left, or at most ``attempt_timeout``. ``close()`` ends the retrying with
-        CancelledError.
+        CancelledError. With ``relay``, the response is only passed on through a listener
+        of this protocol (``Channel.call_relayed``).
         """
         budget = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + budget
@@ -134,7 +140,13 @@ class RequestClient:
             if attempt_timeout is not None:
                 remaining = min(remaining, attempt_timeout)
             try:
-                return self._channel(address).call(frame, timeout=max(remaining, 0.001))
+                shell = in_process.lookup(self.protocol, address) if self.in_process else None
+                if shell is not None and shell.takes_in_process(self.security):
+                    return shell.call_in_process(frame, max(remaining, 0.001), self.security,
+                                                 self._closing)
+                channel = self._channel(address)
+                send = channel.call_relayed if relay else channel.call
+                return send(frame, timeout=max(remaining, 0.001))
             except errors.UnavailableError as err:
                 retryable = not isinstance(err, HandshakeFailed) and (
                     isinstance(err, ConnectionFailed) or idempotent)

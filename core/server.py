@@ -88,7 +88,8 @@ class Server:
         try:
             self._shell = Shell(sd.protocol, join_host_port(bind_host, port),
                                 self._service.handle, name, shell_options,
-                                self._service.cancel_waits, options.send_tracebacks)
+                                self._service.cancel_waits, options.send_tracebacks,
+                                self._service.serves_at_once)
         except BaseException:
             self._service.close()
             raise
@@ -162,6 +163,7 @@ class Server:
                     "This server was stopped; create a new Server to serve again.")
             if not self._started:
                 self._shell.start()
+                self._shell.reachable_at(join_host_port(self._host, self._port))
                 self._started = True
 
     def join(self, timeout: float | None = None) -> bool:

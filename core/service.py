@@ -19,7 +19,7 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from clusterwire import barrier, codec, errors, functions
+from clusterwire import barrier, codec, errors, functions, in_process
 from clusterwire.addressing import split_host_port
 from clusterwire.barrier import Arrival, Releases, Rounds
 from clusterwire.cluster_spec import ClusterSpec
@@ -30,6 +30,8 @@ from clusterwire.thread_pool import parked
 from clusterwire.transport import Buffer, Frame
 
 _MAX_HOPS = 2
+#: Methods served from this task's own state without waiting for anything.
+_AT_ONCE = frozenset({"get", "put", "delete", "list", "status"})
 #: Threads a coordinating task sends barrier releases from (its server threads never do).
 _RELEASE_SENDERS = 8
 _LOG = logging.getLogger("clusterwire")
@@ -110,8 +112,9 @@ class ClusterService:
         # Peers are reached with this server's own credentials (its certificate
         # doubles as the client certificate under mutual TLS).
         self._peers = RequestClient(protocol, timeout=peer_timeout, security=security)
-        # Request header -> what serves it (see _prepare).
+        # Request header -> what serves it (see _prepare); whether it waits (serves_at_once).
         self._prepared: dict[bytes, Serve] = {}
+        self._at_once: dict[bytes, bool] = {}
 
     def cancel_waits(self) -> None:
         """Answer the waits left with CancelledError (the server's shell is stopping):
@@ -152,6 +155,20 @@ class ClusterService:
                 codec.remember(self._prepared, header, serve)
         return serve(list(frame.buffers))
 
+    def serves_at_once(self, frame: Frame) -> bool:
+        """True for a request answered without waiting for other requests: a get, put,
+        delete, list or status, here or forwarded (not a call or a barrier)."""
+        header = frame.header if type(frame.header) is bytes else bytes(frame.header)
+        at_once = self._at_once.get(header)
+        if at_once is None:
+            try:
+                at_once = Request.FromString(header).method in _AT_ONCE
+            except DecodeError:
+                return True  # answered at once: malformed
+            if len(header) <= codec.PLAN_KEY_MAX:
+                codec.remember(self._at_once, header, at_once)
+        return at_once
+
     def _address_of(self, job: str, index: int) -> str:
         try:
             return self.cluster.task_address(job, index)
@@ -169,9 +186,17 @@ class ClusterService:
         timeout = None
         if request.method == "barrier" and request.timeout_seconds:
             timeout = request.timeout_seconds + self._peers.timeout
+        left = in_process.time_left()  # a caller of this process waits for this long
+        if left is not None:
+            timeout = min(timeout or self._peers.timeout, left)
         with parked():
-            return self._peers.send_frame(address, Frame(request.SerializeToString(),
-                                                         frame.buffers), request.method, timeout)
+            # A caller of this process takes the buffers themselves; for one on the wire,
+            # they may stream through this task's listener as they arrive (cut-through).
+            reply = self._peers.send_frame(
+                address, Frame(request.SerializeToString(), frame.buffers), request.method,
+                timeout, relay=not in_process.serving())
+        # Received for this request alone: an in-process caller may share them.
+        return Frame(reply.header, reply.buffers, frozen=True)
 
     def _prepare(self, request: Request) -> Serve | None:
         """What serves a request with this header, given its buffers, for the methods whose
@@ -192,7 +217,7 @@ class ClusterService:
         if stored is None:
             raise errors.NotFoundError(
                 f"No tensor named {name!r} on /job:{self.job}/task:{self.index}.")
-        return Frame(stored.header, stored.buffers)
+        return Frame(stored.header, stored.buffers, frozen=True)  # the store never writes
 
     def _serve(self, request: Request, buffers: list[Buffer]) -> Frame:
         method = request.method

@@ -30,10 +30,14 @@ class Session:
     has a deadline (``timeout`` seconds, default 30; per call overridable);
     while the task is unreachable it is retried with backoff until then, then
     raises UnavailableError.
+
+    A target server of this process is reached without its transport (no socket, no
+    copy of a stored tensor; see ``clusterwire.in_process``): values it returns are then
+    read-only arrays. ``in_process=False`` always goes through the transport.
     """
 
     def __init__(self, target: str, config: Mapping[str, Any] | None = None,
-                 timeout: float = DEFAULT_TIMEOUT):
+                 timeout: float = DEFAULT_TIMEOUT, in_process: bool = True):
         self.target = target
         self.config = config
         protocol, address = split_target(target)
@@ -48,7 +52,7 @@ class Session:
         self._view: tuple[ClusterSpec, tuple[str, int]] | None = None
         self._reachable: dict[str, bool] = {}
         self._client = RequestClient(protocol, timeout=float(timeout),
-                                     security=load_security(config))
+                                     security=load_security(config), in_process=in_process)
 
     def __enter__(self) -> Session:
         return self

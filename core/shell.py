@@ -13,22 +13,28 @@ new server, port or request type gets it for free:
   the listener stops, freeing the port;
 * errors: a handler's ``OpError`` becomes the response status (a remote function's
   traceback only with ``send_tracebacks``); any other exception becomes ``InternalError``
-  and is logged here, so no server paths or internals leak to clients.
+  and is logged here, so no server paths or internals leak to clients;
+* callers in this process, which reach the shell without the transport
+  (``clusterwire.in_process``) and get all of the above too.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import fields, replace
 from typing import Any
 
-from clusterwire import errors
+from clusterwire import errors, in_process
 from clusterwire.addressing import is_loopback, split_host_port
+from clusterwire.envelope import check_total
 from clusterwire.plugins import get_plugin_manager
 from clusterwire.protos.service_pb2 import Response
-from clusterwire.transport import Frame, Handler, ListenOptions, Transport
+from clusterwire.security import Security
+from clusterwire.thread_pool import ElasticPool
+from clusterwire.transport import ConnectionFailed, Frame, Handler, ListenOptions, Transport
 
 log = logging.getLogger("clusterwire")
 
@@ -36,6 +42,8 @@ log = logging.getLogger("clusterwire")
 _FLUSH_GRACE = 1.0
 #: After waits are cancelled, how long their answers get to go out.
 _CANCEL_ANSWER = 0.5
+#: How often an in-process caller waiting for a response checks its client and the server.
+_IN_PROCESS_POLL = 0.05
 
 
 def error_response(err: errors.OpError, send_traceback: bool = False) -> Frame:
@@ -87,12 +95,20 @@ class Shell:
 
     def __init__(self, protocol: str, address: str, handler: Handler, name: str,
                  options: ListenOptions, cancel_waits: Callable[[], None] | None = None,
-                 send_tracebacks: bool = False):
+                 send_tracebacks: bool = False,
+                 serves_at_once: Callable[[Frame], bool] | None = None):
+        """``serves_at_once(request)`` says the handler answers ``request`` without waiting
+        for anything (an in-process caller's thread may run it); default: never."""
         self.name = name
+        self.protocol = protocol
         self._send_tracebacks = send_tracebacks
         self._handler = handler
         self._cancel_waits = cancel_waits
+        self._serves_at_once = serves_at_once or (lambda _frame: False)
+        self._options = options
         self._max_in_flight = options.max_concurrent_calls
+        self._serving = False
+        self._waiting_calls: ElasticPool | None = None  # in-process requests that may wait
         # _handle takes the plain lock (cheap); drain waits on a condition of it.
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -106,6 +122,14 @@ class Shell:
     def start(self) -> None:
         """Start serving (idempotent)."""
         self._listener.start()
+        with self._lock:
+            self._serving = not self._draining
+        if self._serving:
+            self.reachable_at(self.address)
+
+    def reachable_at(self, address: str) -> None:
+        """Serve callers of this process that name this shell by ``address`` directly."""
+        in_process.register(self.protocol, address, self)
 
     def stop(self, grace: float | None = None) -> None:
         """Refuse new requests, let in-flight ones finish for ``grace`` s, cancel the waits
@@ -118,7 +142,92 @@ class Shell:
             self._cancel_waits()
             with self._idle:
                 self._idle.wait_for(lambda: self._in_flight == 0, timeout=_CANCEL_ANSWER)
+        with self._lock:
+            self._serving = False
+            waiting, self._waiting_calls = self._waiting_calls, None
+        in_process.unregister(self)
+        if waiting is not None:
+            waiting.shutdown(wait=False, cancel_futures=True)
         self._listener.stop(_FLUSH_GRACE)
+
+    def call_in_process(self, frame: Frame, timeout: float | None, security: Security,
+                        closing: threading.Event) -> Frame:
+        """Serve ``frame`` from a caller of this process (see ``clusterwire.in_process``)
+        that ``takes_in_process``: the shell's policy without the transport. ``closing`` is
+        the caller's client closing, which ends the wait with CancelledError."""
+        if closing.is_set():
+            raise errors.CancelledError("The client was closed.")
+        self._options.security.check_token(security.token)
+        if not self._serving:
+            raise ConnectionFailed(f"{self.name} at {self.address} is not serving.")
+        check_total(frame.payload_bytes, self._options.max_message_bytes)
+        request = Frame(frame.header,
+                        in_process.hand_over(frame.buffers, keep=self.transport.keep))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._serves_at_once(request):
+            response = self._handle_for_caller(request, deadline)
+        else:
+            response = self._wait_for(request, deadline, closing)
+        return Frame(response.header, in_process.hand_over(response.buffers, response.frozen))
+
+    def _handle_for_caller(self, request: Frame, deadline: float | None) -> Frame:
+        with in_process.serving_until(deadline):
+            return self._handle(request)
+
+    def takes_in_process(self, security: Security) -> bool:
+        """Whether a caller of this process with ``security`` skips the transport: always
+        without TLS; under TLS only with the server's own credentials (the server's own
+        process), else the TLS handshake decides, as for any client."""
+        own = self._options.security.tls
+        return own is None or security.tls == own
+
+    def _handle_for_caller(self, request: Frame, deadline: float | None) -> Frame:
+        with in_process.serving_until(deadline):
+            return self._handle(request)
+
+    def _check_caller(self, security: Security) -> None:
+        """A caller's security settings must be ones the transport would accept."""
+        own = self._options.security
+        own.check_token(security.token)
+        if own.tls is None:
+            return
+        if security.tls is None:
+            raise errors.UnauthenticatedError(
+                f"{self.name} requires TLS; configure this client for TLS (tls_ca_file).")
+        if own.tls.require_client_auth and security.tls.certificate_chain is None:
+            raise errors.UnauthenticatedError(
+                f"{self.name} requires a client certificate (mutual TLS); give this client "
+                "tls_cert_file and tls_key_file.")
+
+    def _wait_for(self, request: Frame, deadline: float | None,
+                  closing: threading.Event) -> Frame:
+        """Run ``request`` on the shell's threads; wait until its answer, the deadline, the
+        caller's ``closing`` or the server's stop."""
+        with self._lock:
+            if self._waiting_calls is None and self._serving:
+                self._waiting_calls = ElasticPool(self._options.max_workers,
+                                                  f"clusterwire-in-process-{self.port}")
+            pool = self._waiting_calls
+        try:
+            if pool is None:
+                raise RuntimeError
+            future = pool.submit(self._handle_for_caller, request, deadline)
+        except RuntimeError:  # the shell stopped meanwhile
+            raise errors.CancelledError(f"{self.name} stopped.") from None
+        answered = threading.Event()
+        future.add_done_callback(lambda _future: answered.set())
+        while True:
+            left = _IN_PROCESS_POLL if deadline is None else deadline - time.monotonic()
+            if answered.wait(min(max(left, 0), _IN_PROCESS_POLL)):
+                if future.cancelled():  # queued when the shell stopped
+                    raise errors.CancelledError(f"{self.name} stopped.")
+                return future.result()
+            if closing.is_set():
+                raise errors.CancelledError("The client was closed.")
+            if not self._serving:
+                raise errors.CancelledError(f"{self.name} stopped.")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise errors.DeadlineExceededError(f"{self.name} did not answer in time.")
 
     def _handle(self, frame: Frame) -> Frame:
         with self._lock:

@@ -64,6 +64,9 @@ class Frame:
 
     header: bytes
     buffers: Sequence[Buffer] = field(default_factory=list)
+    #: The buffers are never written again by anyone (a stored tensor): a receiver in this
+    #: process may share them read-only instead of copying (``clusterwire.in_process``).
+    frozen: bool = False
 
     @property
     def payload_bytes(self) -> int:
@@ -125,6 +128,17 @@ class Channel(abc.ABC):
     def call(self, frame: Frame, timeout: float | None = None) -> Frame:
         """Send ``frame`` and return the response frame."""
 
+    def call_relayed(self, frame: Frame, timeout: float | None = None) -> Frame:
+        """``call``, for a caller that only passes the response on through a listener of
+        the same transport (a task forwarding a request for another task).
+
+        A transport may return the response's buffers before they arrived, as objects
+        only its own listeners can send: they then stream from the peer to the next
+        receiver as they arrive (cut-through), with bounded buffering. The default
+        receives them whole, as ``call``.
+        """
+        return self.call(frame, timeout)
+
     @abc.abstractmethod
     def close(self) -> None:
         """Release the connection (idempotent)."""
@@ -151,6 +165,13 @@ class Transport(abc.ABC):
     def info(self) -> dict[str, str]:
         """Facts about the transport for ``status`` (e.g. the data path in use)."""
         return {}
+
+    def keep(self, buffer: Buffer) -> Buffer | None:
+        """The read-only buffer a server of this protocol keeps for ``buffer``, received from
+        a caller of its own process (``clusterwire.in_process``): a copy in memory of the
+        transport's choosing, e.g. a shared-memory segment later sends pass by descriptor.
+        None (the default) lets the core share read-only memory and copy writable memory."""
+        return None
 
 
 class ConnectionFailed(UnavailableError):

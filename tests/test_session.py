@@ -67,10 +67,21 @@ def test_256_mib_round_trip(session):
     assert np.array_equal(result, array)
 
 
-def test_received_arrays_are_writable(session):
+def test_arrays_received_over_the_wire_are_writable(local_server):
+    with Session(local_server.target, in_process=False) as session:
+        session.put("x", np.arange(4))
+        result = session.get("x")
+        result[0] = 9
+        assert session.get("x")[0] == 0
+
+
+def test_arrays_from_a_server_of_this_process_are_read_only(session):
     session.put("x", np.arange(4))
     result = session.get("x")
-    result[0] = 9
+    with pytest.raises(ValueError, match="read-only"):
+        result[0] = 9
+    changed = result.copy()
+    changed[0] = 9
     assert session.get("x")[0] == 0
 
 

@@ -14,8 +14,11 @@ reply, together with the reply's fetch id. The exchange on a connection,
 repeated any number of times::
 
     client -> server   fetch id u64
-    server -> client   "CWB1" | status u8 (0: ok, 1: unknown id) | total length u64 |
-                       the bytes
+    server -> client   "CWB1" | status u8 (0: ok, 1: unknown id, 2: the task the response
+                       is forwarded from failed to send it) | total length u64 | the bytes
+
+A forwarded response (``relay``) is sent as it arrives from the task that owns it; if
+that task fails midway, the connection closes before the announced length.
 
 The fetch id is an unguessable single-use ticket that the client received
 over the (token-checked) gRPC reply, so it is the only credential the plane
@@ -39,7 +42,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -48,11 +51,12 @@ from clusterwire.addressing import split_host_port
 from clusterwire.buffers import MIN_POOLED_BYTES, receive_buffers, split
 from clusterwire.pending import PendingConnections
 from clusterwire.transport import ListenOptions
+from clusterwire.transports.grpc.relay import Incoming, Relay, splice
 
 _TICKET = struct.Struct("<Q")
 _STATUS = struct.Struct("<4sBQ")
 _MAGIC = b"CWB1"
-_OK, _UNKNOWN = 0, 1
+_OK, _UNKNOWN, _UPSTREAM_FAILED = 0, 1, 2
 #: A connection that sends no further fetch id for this long is closed (its client reconnects).
 IDLE_SECONDS = 300.0
 _SEND_BATCH = 256  # buffers per sendmsg (well under IOV_MAX)
@@ -76,7 +80,7 @@ class Unreachable(Exception):
 class BulkServer:
     """Serves announced responses on a TCP port of the listener's host."""
 
-    def __init__(self, host: str, take: Callable[[int], Sequence[memoryview] | None],
+    def __init__(self, host: str, take: Callable[[int], Sequence[memoryview] | Relay | None],
                  limits: ListenOptions):
         self._take = take
         self._limits = limits
@@ -167,13 +171,18 @@ class BulkServer:
                     and self._admit(connection)):
                 return  # silent, too slow, pushed out, or over the limit: the id stays unread
             while True:
-                views = self._take(_TICKET.unpack(ticket)[0])
-                if views is None:  # expired, fetched already, or a stranger's guess
+                source = self._take(_TICKET.unpack(ticket)[0])
+                if source is None:  # expired, fetched already, or a stranger's guess
                     connection.sendall(_STATUS.pack(_MAGIC, _UNKNOWN, 0))
                     return
                 connection.settimeout(self._limits.message_idle_timeout_seconds)
-                connection.sendall(_STATUS.pack(_MAGIC, _OK, sum(v.nbytes for v in views)))
-                _send_views(connection, list(views))
+                if isinstance(source, Relay):
+                    if not _send_relay(connection, source,
+                                       self._limits.message_idle_timeout_seconds):
+                        return
+                else:
+                    connection.sendall(_STATUS.pack(_MAGIC, _OK, sum(v.nbytes for v in source)))
+                    _send_views(connection, list(source))
                 connection.settimeout(IDLE_SECONDS)
                 if not _receive_into(connection, memoryview(ticket)):
                     return
@@ -201,6 +210,25 @@ class BulkClient:
     def fetch(self, port: int, fetch_id: int, lengths: Sequence[int],
               deadline: float | None) -> list:
         """The announced buffers of ``lengths``; ``Unreachable`` if the port cannot be reached."""
+        connection = self._open_fetch(port, fetch_id, lengths, deadline)
+        try:
+            buffers = _receive_buffers(connection, lengths, deadline)
+        except BaseException as err:
+            self._discard(connection)
+            raise self._error(err) from None
+        self._keep(port, connection)
+        return buffers
+
+    def open_incoming(self, port: int, fetch_id: int, lengths: Sequence[int],
+                      deadline: float | None, chunk_bytes: int) -> Incoming:
+        """The announced response, answered and ready to read (see ``relay``); chunks of
+        at most ``chunk_bytes``. ``Unreachable`` as ``fetch``."""
+        connection = self._open_fetch(port, fetch_id, lengths, deadline)
+        return _BulkIncoming(self, port, connection, sum(lengths), deadline, chunk_bytes)
+
+    def _open_fetch(self, port: int, fetch_id: int, lengths: Sequence[int],
+                    deadline: float | None) -> socket.socket:
+        """A connection on which ``fetch_id`` was answered OK, its bytes next."""
         connection = None
         try:
             for reuse in (True, False):
@@ -215,6 +243,10 @@ class BulkClient:
                         raise Unreachable(f"{self._host}:{port} is at its connection limit",
                                           lasting=False) from None
                     # else the server had closed this idle connection: retry on a new one
+            if code == _UPSTREAM_FAILED:
+                raise errors.UnavailableError(
+                    f"{self._address} forwarded this response from another task, which "
+                    "failed to send it.")
             if code != _OK:
                 raise errors.NotFoundError(
                     f"No pending response {fetch_id} at {self._address}: it expired or was "
@@ -223,11 +255,14 @@ class BulkClient:
                 raise errors.DataLossError(
                     f"{self._address} sent {total} bytes for a response announced as "
                     f"{sum(lengths)}.")
-            buffers = _receive_buffers(connection, lengths, deadline)
         except BaseException as err:
             if connection is not None:
                 self._discard(connection)
             raise self._error(err) from None
+        return connection
+
+    def _keep(self, port: int, connection: socket.socket) -> None:
+        """Keep a connection whose exchange ended for the next fetch (or close it)."""
         with self._lock:
             idle = self._idle.setdefault(port, [])
             kept = not self._closed and len(idle) < _MAX_IDLE
@@ -237,7 +272,6 @@ class BulkClient:
                 self._open.discard(connection)
         if not kept:
             connection.close()
-        return buffers
 
     def close(self) -> None:
         """Close every connection, cutting fetches in flight (they raise CancelledError)."""
@@ -378,6 +412,56 @@ def _send_views(connection: socket.socket, views: list[memoryview]) -> None:
             first += 1
         if sent:
             views[first] = views[first][sent:]
+
+
+class _BulkIncoming(Incoming):
+    """A response being read from a bulk connection (the fetch id was answered OK)."""
+
+    def __init__(self, client: BulkClient, port: int, connection: socket.socket, total: int,
+                 deadline: float | None, chunk_bytes: int):
+        self._client, self._port, self._connection = client, port, connection
+        self._left, self._deadline, self._chunk_bytes = total, deadline, chunk_bytes
+
+    def chunks(self) -> Iterator[memoryview]:
+        chunk = memoryview(bytearray(min(self._chunk_bytes, self._left)))
+        try:
+            while self._left:
+                view = chunk[:min(self._left, chunk.nbytes)]
+                _receive_exactly(self._connection, view, self._deadline)
+                self._left -= view.nbytes
+                yield view
+        except (OSError, TimeoutError) as err:
+            raise self._client._error(err) from None
+
+    def send_to(self, connection: socket.socket, idle: float) -> None:
+        try:
+            splice(self._connection, connection, self._left, self._deadline, idle)
+        except TimeoutError:
+            raise errors.DeadlineExceededError("A forwarded response stalled.") from None
+        self._left = 0
+
+    def close(self) -> None:
+        if self._left:  # the rest is unread: the connection cannot serve another fetch
+            self._client._discard(self._connection)
+        else:
+            self._client._keep(self._port, self._connection)
+
+
+def _send_relay(connection: socket.socket, relay: Relay, idle: float) -> bool:
+    """Send a forwarded response as it arrives; False if its owner could not send it (the
+    client was told so)."""
+    try:
+        incoming = relay.open()
+    except errors.OpError:
+        connection.sendall(_STATUS.pack(_MAGIC, _UPSTREAM_FAILED, 0))
+        return False
+    with incoming:
+        connection.sendall(_STATUS.pack(_MAGIC, _OK, relay.nbytes))
+        try:
+            incoming.send_to(connection, idle)
+        except errors.OpError as err:  # the owner failed midway: cut the client off
+            raise ConnectionAbortedError(err.message) from None
+    return True
 
 
 def _shutdown(connection: socket.socket, how: int) -> None:

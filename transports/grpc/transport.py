@@ -29,6 +29,7 @@ bulk port applies the same limits itself (``bulk``).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import queue
@@ -53,6 +54,7 @@ from clusterwire.transports._grpc_common.server import ControlServer
 from clusterwire.transports._grpc_common.status import grpc_error, status_code
 from clusterwire.transports.grpc import framing
 from clusterwire.transports.grpc.bulk import BulkClient, BulkServer, Unreachable
+from clusterwire.transports.grpc.relay import Incoming, Relay, RelayPart, relay_of
 
 SERVICE = "clusterwire.Transport"
 _CALL, _UPLOAD, _FETCH = (f"/{SERVICE}/{m}" for m in ("Call", "Upload", "Fetch"))
@@ -77,10 +79,10 @@ class _Pending:
 
     def __init__(self, ttl: float):
         self._ttl = ttl
-        self._items: dict[int, tuple[float, list[memoryview]]] = {}
+        self._items: dict[int, tuple[float, list[memoryview] | Relay]] = {}
         self._lock = threading.Lock()
 
-    def add(self, views: list[memoryview]) -> int:
+    def add(self, views: list[memoryview] | Relay) -> int:
         now = time.monotonic()
         with self._lock:
             for key in [k for k, (expiry, _) in self._items.items() if expiry < now]:
@@ -89,7 +91,7 @@ class _Pending:
             self._items[key] = (now + self._ttl, views)
             return key
 
-    def take(self, key: int) -> list[memoryview] | None:
+    def take(self, key: int) -> list[memoryview] | Relay | None:
         with self._lock:
             item = self._items.pop(key, None)
         return None if item is None else item[1]
@@ -157,6 +159,12 @@ class GrpcListener(Listener):
         self._pending.clear()
 
     def _respond(self, response: Frame) -> bytes:
+        relay = relay_of(response.buffers)
+        if relay is not None:  # a forwarded response, passed on as it arrives
+            if relay.nbytes > self._inline_response_bytes:
+                return framing.encode_bulk(response.header, relay.lengths,
+                                           self._pending.add(relay), self.bulk_port or 0)
+            response = Frame(response.header, relay.read_all())
         views = framing.buffer_views(response.buffers) if response.buffers else []
         if sum(map(len, views)) <= self._inline_response_bytes:
             return framing.encode_inline(response.header, views)
@@ -206,11 +214,20 @@ class GrpcListener(Listener):
     def _fetch(self, message: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         self._admit(context)
         key = int.from_bytes(message[:8], "little") if len(message) == 8 else 0
-        views = self._pending.take(key)
-        if views is None:
+        source = self._pending.take(key)
+        if source is None:
             context.abort(grpc.StatusCode.NOT_FOUND,
                           f"No pending response {key}: it expired or was fetched already.")
-        yield from framing.chunks(views, self._transport.chunk_bytes)
+        if not isinstance(source, Relay):
+            yield from framing.chunks(source, self._transport.chunk_bytes)
+            return
+        try:
+            with source.open() as incoming:
+                for chunk in incoming.chunks():
+                    yield bytes(chunk)
+        except errors.OpError as err:
+            context.abort(grpc.StatusCode(status_code(err.error_code)),
+                          f"The task this response is forwarded from failed: {err.message}")
 
 
 class GrpcChannel(Channel):
@@ -238,8 +255,18 @@ class GrpcChannel(Channel):
 
     def call(self, frame: Frame, timeout: float | None = None) -> Frame:
         deadline = None if timeout is None else time.monotonic() + timeout
+        envelope = self._reply(frame, timeout)
+        if BULK not in envelope.kinds:
+            return Frame(envelope.header, split_inline(envelope))
+        with self._errors():
+            return Frame(envelope.header, interleave(
+                envelope.kinds, split_inline(envelope), self._fetched(envelope, deadline)))
+
+    def _reply(self, frame: Frame, timeout: float | None) -> Envelope:
+        """Send ``frame``; the reply's envelope (its bulk buffers, if any, not fetched)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         views = framing.buffer_views(frame.buffers) if frame.buffers else []
-        try:
+        with self._errors():
             if sum(map(len, views)) <= self._transport.inline_bytes:
                 reply = self._unary(framing.encode_inline(frame.header, views), timeout=timeout,
                                     metadata=self._metadata)
@@ -248,15 +275,49 @@ class GrpcChannel(Channel):
                 reply = self._streamed(lambda remaining: self._upload(
                     itertools.chain([first], framing.chunks(views, self._transport.chunk_bytes)),
                     timeout=remaining, metadata=self._metadata), deadline)
-            envelope = framing.LAYOUT.decode(reply, _CLIENT_LIMIT)
-            if BULK not in envelope.kinds:
-                return Frame(envelope.header, split_inline(envelope))
-            return Frame(envelope.header, interleave(
-                envelope.kinds, split_inline(envelope), self._fetched(envelope, deadline)))
+            return framing.LAYOUT.decode(reply, _CLIENT_LIMIT)
+
+    @contextlib.contextmanager
+    def _errors(self) -> Iterator[None]:
+        """grpcio's exceptions as clusterwire errors."""
+        try:
+            yield
         except grpc.RpcError as err:
             raise grpc_error(err, self._address, self._security) from None
         except ValueError as err:  # grpc raises it for a closed channel
             raise errors.CancelledError(f"Channel to {self._address} is closed: {err}") from None
+
+    def call_relayed(self, frame: Frame, timeout: float | None = None) -> Frame:
+        """``call``, with a bulk response returned as a ``Relay`` (see ``relay``): fetched
+        only when a listener of this transport sends it on, within ``timeout`` from then."""
+        reply = self._reply(frame, timeout)
+        if BULK not in reply.kinds:
+            return Frame(reply.header, split_inline(reply))
+        lengths = bulk_lengths(reply)
+        budget = self._transport.fetch_ttl if timeout is None else timeout
+        relay = Relay(lengths, lambda: self._incoming(reply, time.monotonic() + budget))
+        return Frame(reply.header, [RelayPart(relay, index) for index in range(len(lengths))])
+
+    def _incoming(self, envelope: Envelope, deadline: float) -> Incoming:
+        """The announced response of ``envelope``, answered: from the bulk port, else a
+        fetch stream."""
+        (bulk_port, fetch_id), lengths = envelope.fields, bulk_lengths(envelope)
+        if bulk_port and time.monotonic() >= self._bulk_after:
+            try:
+                return self._bulk.open_incoming(bulk_port, fetch_id, lengths, deadline,
+                                                self._transport.chunk_bytes)
+            except Unreachable as err:
+                self._unreachable(err)
+        ticket = fetch_id.to_bytes(8, "little")
+        with self._errors():
+            return _StreamIncoming(self._streamed(lambda remaining: _started(
+                self._fetch(ticket, timeout=remaining, metadata=self._metadata)), deadline),
+                self._errors)
+
+    def _unreachable(self, err: Unreachable) -> None:
+        if err.lasting:
+            _LOG.warning("Fetching over gRPC for %.0f s: %s", _BULK_RETRY_S, err)
+            self._bulk_after = time.monotonic() + _BULK_RETRY_S
 
     def _fetched(self, envelope: Envelope, deadline: float | None) -> list:
         """The BULK buffers an envelope announced: from the bulk port, else a fetch stream."""
@@ -265,9 +326,7 @@ class GrpcChannel(Channel):
             try:
                 return self._bulk.fetch(bulk_port, fetch_id, lengths, deadline)
             except Unreachable as err:
-                if err.lasting:
-                    _LOG.warning("Fetching over gRPC for %.0f s: %s", _BULK_RETRY_S, err)
-                    self._bulk_after = time.monotonic() + _BULK_RETRY_S
+                self._unreachable(err)
         ticket = fetch_id.to_bytes(8, "little")
         return self._streamed(lambda remaining: framing.assemble(
             iter(self._fetch(ticket, timeout=remaining, metadata=self._metadata)), lengths),
@@ -342,6 +401,31 @@ def _stream_slots(options: ListenOptions) -> int:
             f"max_workers ({options.max_workers}), so streamed requests get a thread: lower "
             "small_call_reserve or raise max_workers.")
     return slots
+
+
+class _StreamIncoming(Incoming):
+    """A response being read from a gRPC fetch stream."""
+
+    def __init__(self, messages: Iterator[bytes],
+                 errors_of: Callable[[], contextlib.AbstractContextManager]):
+        self._messages, self._errors_of = messages, errors_of
+
+    def chunks(self) -> Iterator[bytes]:
+        with self._errors_of():
+            yield from self._messages
+
+    def close(self) -> None:
+        cancel = getattr(self._messages, "cancel", None)
+        if cancel is not None:
+            cancel()
+
+
+def _started(messages: Iterator[bytes]) -> Iterator[bytes]:
+    """``messages`` with the first one already received (so a refusal of the streamed call
+    surfaces here, where ``_streamed`` retries it)."""
+    messages = iter(messages)
+    first = next(messages, None)
+    return messages if first is None else itertools.chain([first], messages)
 
 
 def _paced(messages: Iterator[bytes], idle: float) -> Iterator[bytes]:

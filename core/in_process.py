@@ -1,0 +1,134 @@
+"""Requests to a server of this process, served without its transport.
+
+A worker process that opens a ``Session`` on its own server (TensorFlow's ``LocalMaster``
+case), a task forwarding to a task of the same process, or a data consumer beside its
+worker reach that server's ``Shell`` directly: no socket, no serialization of tensor bytes,
+no transport threads. Every ``RequestClient`` looks here first, by protocol and address.
+
+What stays the same as over the wire:
+
+* the listener shell's policy: admission (``max_concurrent_calls``), drain and stop, error
+  mapping; ``max_message_bytes``;
+* security: the cluster token is checked (constant time) as on the wire. Under TLS, only
+  a caller with the server's own credentials (certificate, key and CA: the server's own
+  process, e.g. its forwarding or a Session given the server's configuration) skips the
+  transport; any other caller goes through it and its TLS handshake;
+* deadlines and cancellation: a request that may wait (a remote function, a barrier, a
+  forwarded request, a data-service long poll) runs on the shell's own threads while the
+  caller waits for its deadline, its client's ``close()`` or the server's stop;
+  a request the handler says is served at once (a get or put of the task's own store) runs
+  in the caller's thread;
+* buffer ownership: neither side may change the other's data. A request's writable
+  buffers are copied once, read-only ones are shared; a response's buffers are shared
+  read-only when the handler marks them frozen (a stored tensor: a 64 MiB get copies
+  nothing), else copied like a request's.
+
+Values received this way are read-only arrays; ``.copy()`` one to modify it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from clusterwire.transport import Buffer
+
+if TYPE_CHECKING:
+    from clusterwire.shell import Shell
+
+_shells: dict[tuple[str, str], Shell] = {}
+_lock = threading.Lock()
+_caller = threading.local()  # .deadline: of the in-process request this thread serves
+
+
+def register(protocol: str, address: str, shell: Shell) -> None:
+    """Make ``shell`` the in-process server of ``protocol://address``."""
+    with _lock:
+        _shells[protocol, address] = shell
+
+
+def unregister(shell: Shell) -> None:
+    """Forget every address ``shell`` was registered under."""
+    with _lock:
+        for key in [key for key, known in _shells.items() if known is shell]:
+            del _shells[key]
+
+
+def lookup(protocol: str, address: str) -> Shell | None:
+    """The shell serving ``protocol://address`` in this process, if any."""
+    return _shells.get((protocol, address))
+
+
+@contextlib.contextmanager
+def serving_until(deadline: float | None) -> Iterator[None]:
+    """Mark this thread as serving an in-process caller whose deadline (``time.monotonic``)
+    is ``deadline``: requests it sends on ask for no more than the time left."""
+    _caller.serving, _caller.deadline = True, deadline
+    try:
+        yield
+    finally:
+        _caller.serving, _caller.deadline = False, None
+
+
+def serving() -> bool:
+    """True while this thread serves a caller of this process (``serving_until``)."""
+    return getattr(_caller, "serving", False)
+
+
+def time_left() -> float | None:
+    """Seconds left for the in-process caller this thread serves; None if it serves none
+    (or the caller has no deadline)."""
+    deadline = getattr(_caller, "deadline", None)
+    return None if deadline is None else max(deadline - time.monotonic(), 0.001)
+
+
+def is_immutable(buffer: Any) -> bool:
+    """True when no one can write the memory behind ``buffer`` (safe to share, not copy).
+
+    A buffer type whose memory is read-only by construction (e.g. a sealed shared-memory
+    mapping) says so with a true class attribute ``clusterwire_immutable``.
+    """
+    base = buffer
+    while base is not None:
+        if isinstance(base, bytes) or getattr(type(base), "clusterwire_immutable", False):
+            return True
+        if isinstance(base, memoryview):
+            if not base.readonly:
+                return False
+            base = base.obj
+        elif isinstance(base, np.ndarray):
+            if base.flags.writeable:
+                return False
+            if base.base is None:  # a read-only array owning its memory
+                return True
+            base = base.base
+        else:
+            return False
+    return False
+
+
+def frozen_copy(buffer: Buffer) -> np.ndarray:
+    """A read-only private copy of ``buffer``."""
+    copy = np.frombuffer(memoryview(buffer).cast("B"), np.uint8).copy()
+    copy.flags.writeable = False
+    return copy
+
+
+def hand_over(buffers: Sequence[Buffer], frozen: bool = False,
+              keep: Callable[[Buffer], Buffer | None] | None = None) -> list[Buffer]:
+    """``buffers`` as another party of this process may hold them: what ``keep`` (a
+    transport's ``Transport.keep``) makes of one, else read-only views of memory no one
+    writes (all of it when ``frozen``) and private copies of the rest."""
+    held = []
+    for buffer in buffers:
+        kept = keep(buffer) if keep is not None else None
+        if kept is None:
+            kept = (memoryview(buffer).toreadonly() if frozen or is_immutable(buffer)
+                    else frozen_copy(buffer))
+        held.append(kept)
+    return held
