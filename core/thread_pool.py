@@ -175,3 +175,65 @@ class ElasticPool(futures.Executor):
                     break
             self._threads -= 1
             self._exited.notify_all()
+
+
+class WorkSlots:
+    """At most ``limit`` threads of one's own working at once; a ``ParkingHost``.
+
+    For a transport whose connections have a thread each (grpc+local's Unix call
+    connections): such a thread calls ``serve_parking(slots)`` once, then holds a slot
+    (``acquire``/``release``) around each request it serves. A handler's ``parked()`` wait
+    gives the slot back, so waits never starve the work that would end them; after the
+    wait the thread counts again at once, as an ``ElasticPool`` worker does (briefly more
+    than ``limit`` may work, rather than a finished wait queueing behind new work).
+    """
+
+    def __init__(self, limit: int):
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, got {limit}")
+        self._limit = limit
+        self._working = 0
+        self._waiting = 0
+        self._closed = False
+        self._cond = threading.Condition(threading.Lock())
+
+    @property
+    def working(self) -> int:
+        """Threads holding a slot and not parked."""
+        return self._working
+
+    def acquire(self) -> bool:
+        """Wait for a free slot and take it; False (nothing taken) once ``close()`` ran."""
+        with self._cond:
+            while self._working >= self._limit and not self._closed:
+                self._waiting += 1
+                try:
+                    self._cond.wait()
+                finally:
+                    self._waiting -= 1
+            if self._closed:
+                return False
+            self._working += 1
+            return True
+
+    def release(self) -> None:
+        """Give back the calling thread's slot."""
+        with self._cond:
+            self._working -= 1
+            if self._waiting and self._working < self._limit:
+                self._cond.notify()
+
+    def park(self) -> None:
+        """The calling thread's slot is free while it waits (see ``parked()``)."""
+        self.release()
+
+    def unpark(self) -> None:
+        """The calling thread, back from a parked wait, counts again."""
+        with self._cond:
+            self._working += 1
+
+    def close(self) -> None:
+        """Wake every thread waiting for a slot; their ``acquire`` returns False."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
