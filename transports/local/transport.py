@@ -44,6 +44,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -1048,6 +1049,15 @@ class LocalChannel(Channel):
         self._closed = threading.Event()
         self._idle: list[_ClientConnection] = []  # call connections, most recently used last
         self._open: set[_ClientConnection] = set()  # idle and in use
+        _channels.add(self)
+
+    def _after_fork(self) -> None:
+        """In a forked child: forget the parent's call connections (closing only the
+        child's copies), so that the two processes never share one."""
+        self._lock = threading.Lock()  # another thread may have held it at the fork
+        connections, self._open, self._idle = self._open, set(), []
+        for connection in connections:
+            connection.sock.close()
 
     # -- calls over Unix call connections (no TLS) ----------------------------------
 
@@ -1324,6 +1334,17 @@ class LocalChannel(Channel):
             peer.close()
         if channel is not None:
             channel.close()
+
+
+_channels: weakref.WeakSet[LocalChannel] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for channel in list(_channels):
+        channel._after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class LocalTransport(Transport):
