@@ -69,10 +69,8 @@ def test_same_process_put_copies_writable_memory(server):
 def test_same_process_put_seals_large_values_once(server):
     frozen = np.ones(MiB, np.uint8)
     frozen.flags.writeable = False
-    # Through the transport's own same-process path (core's in-process targets share an
-    # immutable buffer instead: tests/test_in_process.py).
-    with Session(server.target, in_process=False) as session:
-        session.put("frozen", frozen)  # copied once into a sealed segment ...
+    with Session(server.target) as session:  # in-process: LocalTransport.keep seals it ...
+        session.put("frozen", frozen)
         first, again = session.get("frozen"), session.get("frozen")
     assert not np.shares_memory(first, frozen)
     assert sealed.locate(first) is not None and np.shares_memory(first, again)  # ... then shared

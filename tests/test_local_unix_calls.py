@@ -1,9 +1,9 @@
 """grpc+local calls over Unix SOCK_SEQPACKET call connections (issue 16, same-host small calls).
 
 A channel in another process reaches a listener over its Unix socket. Most checks here run
-the channel in this process instead, with the listener hidden from the in-process shortcut
-(``unix_only``), so they exercise the same connections; ``listener.unix_calls`` counts the
-calls served over them.
+the channel in this process instead: a channel of the transport itself always takes the
+connections (only the core's ``clusterwire.in_process`` skips them), so they exercise the same
+connections; ``listener.unix_calls`` counts the calls served over them.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def transport():
 
 
 @pytest.fixture
-def listen(transport, monkeypatch) -> Iterator:
+def listen(transport) -> Iterator:
     """Start listeners (echo by default) that this process's channels reach over Unix."""
     started = []
 
@@ -47,7 +47,6 @@ def listen(transport, monkeypatch) -> Iterator:
         listener = transport.listen("127.0.0.1:0", handler, ListenOptions(**options))
         listener.start()
         started.append(listener)
-        unix_only(monkeypatch, listener)
         return listener
 
     yield start
@@ -66,13 +65,6 @@ def channels(transport) -> Iterator:
     yield connect
     for channel in opened:
         channel.close()
-
-
-def unix_only(monkeypatch, listener) -> None:
-    """Channels of this process reach ``listener`` as another process's do: over Unix."""
-    registry = getattr(local_transport, "_in_process", None)
-    if registry is not None:
-        monkeypatch.delitem(registry, listener.address, raising=False)
 
 
 def echo(channel, header: bytes, buffers, timeout: float = 30) -> Frame:

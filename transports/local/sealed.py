@@ -33,6 +33,10 @@ def raise_fd_limit() -> None:
 class SealedMapping(mmap.mmap):
     """A read-only mapping of a sealed segment that remembers its descriptor (for re-sending)."""
 
+    #: Nobody can write a sealed segment: the core shares it instead of copying
+    #: (``clusterwire.in_process.is_immutable``).
+    clusterwire_immutable = True
+
     fd: int
     address: int  # where the mapping starts in this process's memory
 
@@ -101,31 +105,3 @@ def locate(buffer: Any) -> tuple[SealedMapping, int] | None:
             return base, start.__array_interface__["data"][0] - base.address
         base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
     return None
-
-
-def is_immutable(buffer: Any) -> bool:
-    """True when no one can write the memory behind ``buffer`` (safe to share, not copy)."""
-    base = buffer
-    while base is not None:
-        if isinstance(base, (bytes, SealedMapping)):
-            return True
-        if isinstance(base, memoryview):
-            if not base.readonly:
-                return False
-            base = base.obj
-        elif isinstance(base, np.ndarray):
-            if base.flags.writeable:
-                return False
-            if base.base is None:  # a read-only array owning its memory
-                return True
-            base = base.base
-        else:
-            return False
-    return False
-
-
-def frozen_copy(buffer: Any) -> np.ndarray:
-    """A read-only private copy of ``buffer``."""
-    copy = np.frombuffer(memoryview(buffer).cast("B"), np.uint8).copy()
-    copy.flags.writeable = False
-    return copy

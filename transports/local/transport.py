@@ -1,9 +1,8 @@
 """The "grpc+local" transport: Unix-socket calls, shared-memory data plane, same host only.
 
-* Same process: a channel whose listener lives in this process calls the
-  handler directly. Read-only (immutable) buffers are handed over as they
-  are, writable ones are copied once into read-only memory, so neither side
-  can change the other's data; a stored tensor is returned without any copy.
+* Same process: the core reaches a server of its own process without the transport
+  (``clusterwire.in_process``); ``LocalTransport.keep`` puts a large buffer it stores in
+  a sealed segment, so later sends of it to other processes pass a descriptor.
 * Other process on this host (no TLS): a call travels entirely over a Unix
   SOCK_SEQPACKET *call connection* to the listener's abstract Unix name: the
   control message (header and small buffers) and the descriptors of its sealed
@@ -52,7 +51,7 @@ import grpc
 
 from clusterwire import errors
 from clusterwire.addressing import split_host_port
-from clusterwire.envelope import BULK, INLINE, INLINE_BUDGET, Envelope, check_total, inline_kinds
+from clusterwire.envelope import BULK, INLINE, INLINE_BUDGET, Envelope, inline_kinds
 from clusterwire.pending import PendingConnections
 from clusterwire.security import Security
 from clusterwire.thread_pool import WorkSlots, serve_parking
@@ -82,8 +81,6 @@ _CONTROL_LIMIT = wire.LAYOUT.max_bytes(INLINE_BUDGET)
 _IDLE_CONNECTION_S = 30.0
 #: Socket buffer wanted on call connections: a SEQPACKET message must fit the sender's.
 _SOCKET_BUFFER = 4 * wire.MAX_PACKET
-_in_process: dict[str, LocalListener] = {}
-_in_process_lock = threading.Lock()
 
 
 def _unix_name(address: str) -> str:
@@ -500,31 +497,6 @@ def _received(control: Envelope, fds: list[int]) -> list[Any]:
     return buffers
 
 
-def _frozen(buffers: Sequence[Any], threshold: int, seal_immutable: bool) -> list[Any]:
-    """Buffers safe to hand to another party in this process: sealed, shared or copied.
-
-    Large mutable buffers are copied into a sealed segment rather than private
-    memory: the same one copy, and a later cross-process send of the buffer
-    passes its descriptor. With ``seal_immutable`` (requests, whose buffers
-    the server may store) large immutable buffers are sealed too, so every
-    later cross-process get of a stored tensor passes a descriptor instead of
-    copying; otherwise immutable buffers are shared.
-    """
-    frozen = []
-    for buffer in buffers:
-        large = memoryview(buffer).nbytes >= threshold
-        shareable = sealed.is_immutable(buffer) and not (large and seal_immutable)
-        if shareable or sealed.locate(buffer) is not None:
-            frozen.append(memoryview(buffer).toreadonly())
-        elif large:
-            view = memoryview(buffer).cast("B")
-            fd, _ = sealed.create_packed([view])
-            frozen.append(sealed.open_segment(fd)[:view.nbytes])  # the segment is padded
-        else:
-            frozen.append(sealed.frozen_copy(buffer))
-    return frozen
-
-
 class _CallConnection:
     """The listener's side of one call connection: a thread of its own reads a call, runs
     the handler inline under a work slot and answers on the same connection, one call at
@@ -745,8 +717,6 @@ class LocalListener(Listener):
         self._started = True
         self._control.start()
         self._acceptor.start()
-        with _in_process_lock:
-            _in_process[self._address] = self
 
     def _accept(self) -> None:
         """Accept Unix connections and read each one's HELLO on this one thread.
@@ -892,9 +862,6 @@ class LocalListener(Listener):
             old.close()
 
     def stop(self, grace: float | None = None) -> None:
-        with _in_process_lock:
-            if _in_process.get(self._address) is self:
-                del _in_process[self._address]
         self._stopped.set()
         deadline = time.monotonic() + (grace or 0.0)
         # The gRPC port drains (for the same grace) while the call connections do.
@@ -956,42 +923,6 @@ class LocalListener(Listener):
             context.abort(grpc.StatusCode(status_code(err.error_code)), err.message)
         except OSError as err:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"shared-memory connection failed: {err}")
-
-    @property
-    def shortcut_allowed(self) -> bool:
-        """In-process calls skip the wire; not under TLS, whose handshake must decide."""
-        return self._security.tls is None
-
-    def call_in_process(self, frame: Frame, timeout: float | None,
-                        cancelled: threading.Event, security: Security) -> Frame:
-        """Serve ``frame`` from this process, zero-copy for immutable buffers."""
-        self._security.check_token(security.token)
-        if self._stopped.is_set():
-            raise ConnectionFailed(f"The server at {self._address} is stopped.")
-        check_total(frame.payload_bytes, self._limit)
-        request = Frame(frame.header,
-                        _frozen(frame.buffers, self._transport.segment_bytes, True))
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            future = self._pool.submit(self._handler, request)
-        except RuntimeError:  # the pool shut down
-            raise errors.CancelledError(f"The server at {self._address} stopped.") from None
-        finished = threading.Event()
-        future.add_done_callback(lambda _: finished.set())
-        # Wake at once on completion; check for close/stop/deadline between short waits.
-        while not finished.wait(0.05):
-            if self._stopped.is_set():
-                raise errors.CancelledError(f"The server at {self._address} stopped.")
-            if cancelled.is_set():
-                raise errors.CancelledError("The channel was closed.")
-            if deadline is not None and time.monotonic() > deadline:
-                raise errors.DeadlineExceededError(f"No response within {timeout} s.")
-        try:
-            response = future.result()
-        except Exception as err:
-            raise errors.InternalError(f"Handler failed: {type(err).__name__}: {err}") from None
-        return Frame(response.header,
-                     _frozen(response.buffers, self._transport.segment_bytes, False))
 
 
 class _ClientConnection:
@@ -1308,12 +1239,8 @@ class LocalChannel(Channel):
     # -- the Channel interface ----------------------------------------------------------
 
     def call(self, frame: Frame, timeout: float | None = None) -> Frame:
-        with _in_process_lock:
-            local = _in_process.get(self._address)
         if self._closed.is_set():
             raise errors.CancelledError(f"Channel to {self._address} is closed.")
-        if local is not None and local.shortcut_allowed:
-            return local.call_in_process(frame, timeout, self._closed, self._security)
         if self._tls:  # the TLS handshake decides who may call: calls go through gRPC
             return self._call_grpc(frame, timeout)
         return self._call_unix(frame, timeout)
@@ -1357,6 +1284,18 @@ class LocalTransport(Transport):
         self.segment_bytes = reader.positive("segment_bytes", 64 << 10, integer=True)
         reader.finish()
         sealed.raise_fd_limit()
+
+    def keep(self, buffer: Any) -> Any:
+        """A large buffer from a caller of the server's own process is kept in a sealed
+        segment (one copy, also of an immutable one): every later send of it to another
+        process passes the segment's descriptor instead of copying it again."""
+        if memoryview(buffer).nbytes < self.segment_bytes:
+            return None
+        if sealed.locate(buffer) is not None:
+            return memoryview(buffer).toreadonly()
+        view = memoryview(buffer).cast("B")
+        fd, _ = sealed.create_packed([view])
+        return sealed.open_segment(fd)[:view.nbytes]  # the segment is padded
 
     def listen(self, address: str, handler: Handler, options: ListenOptions) -> Listener:
         return LocalListener(self, address, handler, options)
