@@ -16,8 +16,9 @@ What stays the same as over the wire:
 * deadlines and cancellation: a request that may wait (a remote function, a barrier, a
   forwarded request, a data-service long poll) runs on the shell's own threads while the
   caller waits for its deadline, its client's ``close()`` or the server's stop;
-  a request the handler says is served at once (a get or put of the task's own store) runs
-  in the caller's thread;
+  a request the handler says is served at once (a get, put, delete, list or status, also
+  one forwarded to another task, whose forward is given the caller's deadline) runs in the
+  caller's thread;
 * buffer ownership: neither side may change the other's data. A request's writable
   buffers are copied once, read-only ones are shared; a response's buffers are shared
   read-only when the handler marks them frozen (a stored tensor: a 64 MiB get copies
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 
 _shells: dict[tuple[str, str], Shell] = {}
 _lock = threading.Lock()
-_caller = threading.local()  # .deadline: of the in-process request this thread serves
+_caller = threading.local()  # .serving, .deadline: the in-process caller this thread serves
 
 
 def register(protocol: str, address: str, shell: Shell) -> None:

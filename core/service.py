@@ -30,7 +30,7 @@ from clusterwire.thread_pool import parked
 from clusterwire.transport import Buffer, Frame
 
 _MAX_HOPS = 2
-#: Methods served from this task's own state without waiting for anything.
+#: Methods answered without waiting for other requests (here, or forwarded to their task).
 _AT_ONCE = frozenset({"get", "put", "delete", "list", "status"})
 #: Threads a coordinating task sends barrier releases from (its server threads never do).
 _RELEASE_SENDERS = 8

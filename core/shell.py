@@ -181,24 +181,6 @@ class Shell:
         own = self._options.security.tls
         return own is None or security.tls == own
 
-    def _handle_for_caller(self, request: Frame, deadline: float | None) -> Frame:
-        with in_process.serving_until(deadline):
-            return self._handle(request)
-
-    def _check_caller(self, security: Security) -> None:
-        """A caller's security settings must be ones the transport would accept."""
-        own = self._options.security
-        own.check_token(security.token)
-        if own.tls is None:
-            return
-        if security.tls is None:
-            raise errors.UnauthenticatedError(
-                f"{self.name} requires TLS; configure this client for TLS (tls_ca_file).")
-        if own.tls.require_client_auth and security.tls.certificate_chain is None:
-            raise errors.UnauthenticatedError(
-                f"{self.name} requires a client certificate (mutual TLS); give this client "
-                "tls_cert_file and tls_key_file.")
-
     def _wait_for(self, request: Frame, deadline: float | None,
                   closing: threading.Event) -> Frame:
         """Run ``request`` on the shell's threads; wait until its answer, the deadline, the
