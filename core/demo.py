@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Any
 
 import numpy as np
 
@@ -19,63 +20,70 @@ from clusterwire.functions import remote
 from clusterwire.session import Session
 
 PS = "/job:ps/task:0"
+#: The loss must fall by at least this factor for the demo to pass.
+LOSS_FACTOR = 100
 _lock = threading.Lock()
-_state: dict[str, object] = {}
+_state: dict[str, Any] = {}
 
 
 @remote
-def ps_init(dim: int) -> None:
-    """Reset the parameter server's weights to zeros."""
+def ps_init(dim: int, workers: int) -> None:
+    """Reset the parameter server: zero weights, no steps, nothing moved."""
     with _lock:
-        _state.update(weights=np.zeros(dim, np.float32), step=0, loss=float("nan"))
+        _state.update(weights=np.zeros(dim, np.float32), step=0, loss=float("nan"),
+                      steps_of=[0] * workers, moved=0)
 
 
 @remote
 def ps_pull() -> np.ndarray:
-    """The current weights."""
+    """The current weights (counted as moved)."""
     with _lock:
+        _state["moved"] += _state["weights"].nbytes
         return _state["weights"]
 
 
 @remote
-def ps_push(gradient: np.ndarray, loss: float, learning_rate: float) -> int:
-    """Apply one worker's gradient; returns the global step."""
+def ps_push(gradient: np.ndarray, loss: float, learning_rate: float, worker: int) -> int:
+    """Apply one worker's gradient (counted as moved); returns the global step."""
     with _lock:
         _state["weights"] = _state["weights"] - learning_rate * gradient
         _state["step"] += 1
+        _state["steps_of"][worker] += 1
         _state["loss"] = loss
+        _state["moved"] += gradient.nbytes
         return _state["step"]
 
 
 @remote
-def ps_progress() -> tuple[int, float]:
-    """(global step, last reported loss)."""
+def ps_progress() -> dict[str, Any]:
+    """Global step, last loss, each worker's steps and the bytes pulled and pushed."""
     with _lock:
-        return _state["step"], _state["loss"]
+        return {"step": _state["step"], "loss": _state["loss"],
+                "steps_of": list(_state["steps_of"]), "moved": _state["moved"]}
 
 
 @remote
-def worker_train(own_target: str, steps: int, learning_rate: float) -> int:
-    """Run ``steps`` pull/compute/push rounds on this worker's shard; returns bytes moved."""
-    moved = 0
+def worker_train(own_target: str, steps: int, learning_rate: float, worker: int) -> None:
+    """Run ``steps`` pull/compute/push rounds on this worker's shard."""
     with Session(own_target) as session:
         features, labels = session.get("features"), session.get("labels")
         for _ in range(steps):
             weights = session.call(ps_pull, task=PS)
             error = features @ weights - labels
             gradient = features.T @ error / len(labels)
-            session.call(ps_push, gradient, float(np.mean(error ** 2)), learning_rate, task=PS)
-            moved += weights.nbytes + gradient.nbytes
-    return moved
+            session.call(ps_push, gradient, float(np.mean(error ** 2)), learning_rate, worker,
+                         task=PS)
 
 
 def run_demo(protocol: str = "grpc", steps: int = 60, workers: int = 2, dim: int = 2048,
              samples_per_worker: int = 6144, chaos: bool = False, out=sys.stdout) -> int:
-    """Train on a local cluster of 1 ps + ``workers`` workers; 0 if the loss fell 100x.
+    """Train on a local cluster of 1 ps + ``workers`` workers, ``steps`` steps each; print
+    progress and one verdict line; 0 if the loss fell ``LOSS_FACTOR``x, every step ran and
+    every process stopped cleanly, else 1.
 
-    With ``chaos``, the last worker is SIGKILLed a third of the way through and
-    restarted on the same port; its shard is sent again and it trains again,
-    while the ps keeps its state.
+    With ``chaos``, the last worker is SIGKILLed a third of the way through and restarted
+    on the same port; its shard is sent again and it trains its remaining steps, while the
+    ps keeps its state.
     """
     from clusterwire.local_cluster import LocalCluster
 
@@ -87,26 +95,52 @@ def run_demo(protocol: str = "grpc", steps: int = 60, workers: int = 2, dim: int
         features = rng.standard_normal((samples_per_worker, dim), np.float32)
         shards.append((features, features @ true_weights))
     initial_loss = float(np.mean(shards[-1][1] ** 2))
-    with LocalCluster({"ps": 1, "worker": workers}, protocol=protocol,
-                      imports=["clusterwire.demo"]) as cluster:
+    cluster = LocalCluster({"ps": 1, "worker": workers}, protocol=protocol,
+                           imports=["clusterwire.demo"])
+    with cluster:
         print(f"cluster up in {time.perf_counter() - started:.2f} s ({protocol}): "
               f"{cluster.cluster_spec}", file=out, flush=True)
         with Session(cluster.target("ps")) as session:
-            session.call(ps_init, dim)
-            moved = sum(_send_shard(session, i, shards[i]) for i in range(workers))
+            session.call(ps_init, dim, workers)
             t0 = time.perf_counter()
-            moved += _train(session, cluster, steps, chaos, shards, out)
-            elapsed = time.perf_counter() - t0
-            step, loss = session.call(ps_progress)
+            uploaded = sum(_send_shard(session, i, shards[i]) for i in range(workers))
+            upload_s = time.perf_counter() - t0
+            print(f"shards uploaded: {uploaded / 1e6:.1f} MB in {upload_s:.2f} s = "
+                  f"{uploaded / upload_s / 1e6:.1f} MB/s", file=out, flush=True)
+            t0 = time.perf_counter()
+            _train(session, cluster, steps, chaos, shards, out)
+            train_s = time.perf_counter() - t0
+            progress = session.call(ps_progress)
             weights = session.call(ps_pull)
-    print(f"final loss {loss:.3e} (initial {initial_loss:.4f}) after {step} steps; "
-          f"{moved / 1e6:.1f} MB moved in {elapsed:.2f} s = {moved / elapsed / 1e6:.1f} MB/s",
-          file=out, flush=True)
-    intact = bool(np.isfinite(weights).all()) and step >= steps * workers
-    if chaos:
-        print(f"ps state intact: {intact} (step {step} >= {steps * workers}, weights finite)",
-              file=out, flush=True)
-    return 0 if intact and loss < initial_loss / 100 else 1
+    stopped = {f"/job:{job}/task:{i}": cluster.process(job, i).poll()
+               for job, count in (("ps", 1), ("worker", workers)) for i in range(count)}
+    step, loss, moved = progress["step"], progress["loss"], progress["moved"]
+    print(f"training: {step} steps, {moved / 1e6:.1f} MB of weights pulled and gradients "
+          f"pushed in {train_s:.2f} s = {moved / train_s / 1e6:.1f} MB/s", file=out, flush=True)
+    print(f"final loss {loss:.3e} (initial {initial_loss:.4f})", file=out, flush=True)
+    return _verdict(initial_loss, loss, step, steps * workers, weights, stopped, out)
+
+
+def _verdict(initial_loss: float, loss: float, step: int, total: int, weights: np.ndarray,
+             stopped: dict[str, int | None], out) -> int:
+    """Print one line saying whether the job did what it should; its exit status."""
+    factor = initial_loss / loss if loss > 0 else float("inf")
+    failures = []
+    if not (np.isfinite(loss) and factor >= LOSS_FACTOR):
+        failures.append(f"the loss fell {factor:.3g}x, not the {LOSS_FACTOR}x expected")
+    if step != total:
+        failures.append(f"{step} of {total} steps ran")
+    if not np.isfinite(weights).all():
+        failures.append("the weights are not finite")
+    unclean = {task: code for task, code in stopped.items() if code != 0}
+    if unclean:
+        failures.append(f"processes did not stop cleanly (exit status): {unclean}")
+    if failures:
+        print(f"verdict: FAILED: {'; '.join(failures)}", file=out, flush=True)
+        return 1
+    print(f"verdict: OK: the loss fell {factor:.3g}x (>= {LOSS_FACTOR}x), {step}/{total} steps "
+          f"ran, all {len(stopped)} processes stopped cleanly", file=out, flush=True)
+    return 0
 
 
 def _send_shard(session: Session, index: int, shard: tuple[np.ndarray, np.ndarray]) -> int:
@@ -116,40 +150,49 @@ def _send_shard(session: Session, index: int, shard: tuple[np.ndarray, np.ndarra
     return shard[0].nbytes + shard[1].nbytes
 
 
-def _train(session: Session, cluster, steps: int, chaos: bool, shards, out) -> int:
-    """Run every worker's training loop (restarting one mid-way with ``chaos``); bytes moved."""
+def _train(session: Session, cluster, steps: int, chaos: bool, shards, out) -> None:
+    """Run every worker's training loop, printing progress when the step moves; with
+    ``chaos``, kill the last worker a third of the way in, restart it and let it train its
+    remaining steps."""
     from clusterwire.errors import UnavailableError
 
     workers = len(shards)
     total = steps * workers
-    moved = 0
 
-    def launch(pool: ThreadPoolExecutor, index: int) -> Future:
-        return pool.submit(session.call, worker_train, cluster.target("worker", index), steps,
-                           0.4, task=f"/job:worker/task:{index}", timeout=600)
+    def launch(pool: ThreadPoolExecutor, index: int, count: int) -> Future:
+        return pool.submit(session.call, worker_train, cluster.target("worker", index), count,
+                           0.4, index, task=f"/job:worker/task:{index}", timeout=600)
 
     with ThreadPoolExecutor(workers) as pool:
-        runs = {i: launch(pool, i) for i in range(workers)}
+        runs = {i: launch(pool, i, steps) for i in range(workers)}
         victim = workers - 1 if chaos else None
-        last_report = 0.0
+        shown = 0
         while runs:
             # Poll often while the chaos kill is pending, so it lands mid-run.
             done, _ = wait(list(runs.values()), timeout=0.05 if victim is not None else 0.5,
                            return_when=FIRST_COMPLETED)
+            progress = session.call(ps_progress)
             for index in [i for i, run in runs.items() if run in done]:
                 run = runs.pop(index)
                 if isinstance(run.exception(), UnavailableError) and index == victim:
-                    moved += _send_shard(session, index, shards[index])
-                    runs[index] = launch(pool, index)  # the restarted worker trains again
+                    left = steps - progress["steps_of"][index]
+                    _send_shard(session, index, shards[index])
+                    print(f"  chaos: worker {index} is back; its shard was sent again and it "
+                          f"trains its remaining {left} of {steps} steps", file=out, flush=True)
+                    runs[index] = launch(pool, index, left)
                     victim = None
                 else:
-                    moved += run.result()
-            step, loss = session.call(ps_progress)
-            if done or time.monotonic() - last_report >= 0.5:
-                last_report = time.monotonic()
-                print(f"  step {step:4d}/{total}  loss {loss:.3e}", file=out, flush=True)
-            if victim is not None and step >= total // 3 and victim in runs:
+                    run.result()
+            if progress["step"] > shown:
+                shown = progress["step"]
+                print(f"  step {shown:4d}/{total}  loss {progress['loss']:.3e}", file=out,
+                      flush=True)
+            if victim is not None and victim in runs and progress["step"] >= total // 3:
+                own = progress["steps_of"][victim]
+                killed = time.perf_counter()
                 cluster.restart("worker", victim)
-                print(f"  chaos: worker {victim} killed (SIGKILL) at step {step} and restarted "
-                      "on the same port", file=out, flush=True)
-    return moved
+                print(f"  chaos: worker {victim} killed (SIGKILL) at step {progress['step']}/"
+                      f"{total}, after {own} of its {steps} steps; restarted on "
+                      f"{cluster.target('worker', victim)} in "
+                      f"{time.perf_counter() - killed:.2f} s with an empty store; the ps kept "
+                      f"its weights and step", file=out, flush=True)

@@ -10,6 +10,11 @@ its siblings. That parent is started with exactly the tasks' environment
 import (PYTHONPATH, GRPC_*, CLUSTERWIRE_PLUGINS...) reach the tasks as they
 would a process of their own; each task runs in the launcher's working
 directory of the moment it is started.
+
+The protocol and the plugin configuration are checked here before any task starts, so a
+misspelt protocol or a malformed plugins.toml is one clear error, not one per task. What a
+task writes to stderr is held until it serves, then passed on; a task that exits before it
+serves is reported once, with its exit status and what it wrote.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import contextlib
 import json
 import os
 import subprocess
+import sys
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -25,11 +31,14 @@ from typing import Any
 
 from clusterwire import errors
 from clusterwire.cluster_spec import ClusterSpec
+from clusterwire.plugins import PluginManager, get_plugin_manager
 from clusterwire.security import security_fields
 from clusterwire.session import Session
 from clusterwire.task_launcher import TaskLauncher, TaskProcess
 
 READY_PREFIX = "CLUSTERWIRE_READY "
+#: Lines of a failed task's stderr quoted in the error.
+_QUOTED_LINES = 20
 
 #: At most this many ``complete_cluster`` calls are in flight at once.
 COMPLETE_CLUSTER_THREADS = 16
@@ -60,6 +69,40 @@ class _ReadyWatcher:
         return self.target
 
 
+class _HeldStderr:
+    """Drains a task's stderr on a thread: held until ``release()`` (the task serves), then
+    passed on to this process's stderr line by line."""
+
+    def __init__(self, stream: Any):
+        self._lines: list[str] = []
+        self._released = False
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream: Any) -> None:
+        with contextlib.suppress(ValueError, OSError):  # the pipe was closed
+            for line in stream:
+                with self._lock:
+                    if not self._released:
+                        self._lines.append(line)
+                        continue
+                sys.stderr.write(line)
+
+    def release(self) -> None:
+        """Pass on what was held and every later line."""
+        with self._lock:
+            self._released = True
+            held, self._lines = self._lines, []
+        sys.stderr.write("".join(held))
+
+    def held(self, timeout: float) -> str:
+        """What the task wrote, once it closed its stderr (or ``timeout`` passed)."""
+        self._thread.join(timeout)
+        with self._lock:
+            return "".join(self._lines[-_QUOTED_LINES:]).strip()
+
+
 def await_ready(process: subprocess.Popen | TaskProcess, timeout: float) -> str | None:
     """The target a server process prints on its ready line (None if none came in time).
 
@@ -81,6 +124,7 @@ class LocalCluster:
                  imports: Sequence[str] = (), start_timeout: float = 30.0,
                  env: Mapping[str, str] | None = None, config: Mapping[str, Any] | None = None):
         self.protocol = protocol
+        _check_protocol(protocol, env)
         self._processes: dict[tuple[str, int], TaskProcess] = {}
         self._options = {"protocol": protocol, "imports": list(imports), "config": config,
                          "timeout": start_timeout}
@@ -135,8 +179,7 @@ class LocalCluster:
         old = self._processes[job, index]
         old.kill()
         old.wait()
-        if old.stdout:
-            old.stdout.close()
+        old.close_pipes()
         proc = self._launcher.spawn(self._argv(self.cluster_spec.as_dict(), job, index),
                                     self._options["timeout"])
         self._processes[job, index] = proc
@@ -144,17 +187,22 @@ class LocalCluster:
 
     @staticmethod
     def _await_ready(key: tuple[str, int], proc: TaskProcess, timeout: float) -> str:
+        stderr = _HeldStderr(proc.stderr)
         watcher = _ReadyWatcher(proc)
         target = watcher.wait(timeout)
-        if target is None:
-            if watcher.ended:  # it closed its stdout: it is exiting, its status is on the way
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout)
-            code = proc.poll()
-            raise errors.UnavailableError(
-                f"Task /job:{key[0]}/task:{key[1]} did not start within {timeout} s "
-                f"({'exited with ' + str(code) if code is not None else 'still starting'}).")
-        return target.split("://", 1)[1]
+        task = f"/job:{key[0]}/task:{key[1]}"
+        if target is not None:
+            stderr.release()
+            return target.split("://", 1)[1]
+        if not watcher.ended:
+            raise errors.UnavailableError(f"Task {task} did not start within {timeout} s.")
+        # It closed its stdout: it is exiting, its status is on the way.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout)
+        said = stderr.held(timeout)
+        raise errors.UnavailableError(
+            f"Task {task} exited with status {proc.poll()} before it served"
+            + (f"; it said:\n{said}" if said else " (it wrote nothing to stderr)."))
 
     def target(self, job: str, index: int = 0) -> str:
         """The target of one task."""
@@ -175,8 +223,7 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-            if proc.stdout:
-                proc.stdout.close()
+            proc.close_pipes()
         self._launcher.close(timeout)
 
     def __enter__(self) -> LocalCluster:
@@ -184,3 +231,11 @@ class LocalCluster:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def _check_protocol(protocol: str, env: Mapping[str, str] | None) -> None:
+    """The error every task would raise for ``protocol`` (unknown, or a malformed plugins
+    configuration), raised once here before any task starts."""
+    config = (env or {}).get("CLUSTERWIRE_PLUGINS")
+    manager = PluginManager(config) if config else get_plugin_manager()
+    manager.transport(protocol)

@@ -2,11 +2,11 @@
 
 ``TaskLauncher(env)`` starts one zygote with exactly ``env``; ``spawn(argv)``
 has it fork a child that runs ``clusterwire serve`` with ``argv`` in the
-caller's working directory, stdout on a new pipe and the caller's stderr. The
-child is the zygote's, not ours, so ``TaskProcess`` offers the part of
-``subprocess.Popen`` that LocalCluster and its users need (``pid``,
-``stdout``, ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``,
-``returncode``), with the exit status the zygote reports.
+caller's working directory, stdout and stderr on new pipes. The child is the
+zygote's, not ours, so ``TaskProcess`` offers the part of ``subprocess.Popen``
+that LocalCluster and its users need (``pid``, ``stdout``, ``stderr``, ``poll``,
+``wait``, ``send_signal``, ``terminate``, ``kill``, ``returncode``), with the
+exit status the zygote reports. The caller must drain both pipes.
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ _MAX_REPLY_BYTES = 1 << 12
 class TaskProcess:
     """A task process forked by the zygote (a ``subprocess.Popen`` look-alike)."""
 
-    def __init__(self, args: list[str], stdout: TextIO):
+    def __init__(self, args: list[str], stdout: TextIO, stderr: TextIO):
         self.args = args
         self.stdout: TextIO | None = stdout
+        self.stderr: TextIO | None = stderr
         self.pid = 0
         self.returncode: int | None = None
         self._exited = threading.Event()
@@ -69,6 +70,12 @@ class TaskProcess:
     def _exit(self, returncode: int) -> None:
         self.returncode = returncode
         self._exited.set()
+
+    def close_pipes(self) -> None:
+        """Close this side of the stdout and stderr pipes."""
+        for pipe in (self.stdout, self.stderr):
+            if pipe is not None:
+                pipe.close()
 
     def __repr__(self) -> str:
         return f"<TaskProcess pid={self.pid} returncode={self.returncode}>"
@@ -105,7 +112,9 @@ class TaskLauncher:
         """
         cwd = os.getcwd()
         read, write = os.pipe()
-        process = TaskProcess(list(argv), open(read))  # noqa: SIM115 - the process owns it
+        error_read, error_write = os.pipe()
+        # The process owns its pipes (close_pipes).
+        process = TaskProcess(list(argv), open(read), open(error_read))  # noqa: SIM115
         reply: Future[TaskProcess] = Future()
         with self._lock:
             request_id, self._next_id = self._next_id, self._next_id + 1
@@ -114,18 +123,19 @@ class TaskLauncher:
                 self._pending[request_id] = (reply, process)
         if gone:
             os.close(write)
-            process.stdout.close()  # type: ignore[union-attr]
+            os.close(error_write)
+            process.close_pipes()
             raise self._unavailable()
         request = json.dumps({"id": request_id, "argv": process.args, "cwd": cwd}).encode()
         try:
             # Not under self._lock: a send blocked on a full socket must not keep the reader
             # from taking the zygote's answers.
             with self._send_lock:
-                socket.send_fds(self._sock, [request], [write, 2])
+                socket.send_fds(self._sock, [request], [write, error_write])
         except OSError as err:
             with self._lock:
                 self._pending.pop(request_id, None)
-            process.stdout.close()  # type: ignore[union-attr]
+            process.close_pipes()
             if err.errno == errno.EMSGSIZE:
                 raise errors.InvalidArgumentError(
                     f"A task's command line of {len(request)} bytes is more than the "
@@ -133,6 +143,7 @@ class TaskLauncher:
             raise self._unavailable() from None
         finally:
             os.close(write)
+            os.close(error_write)
         return reply
 
     def spawn(self, argv: Sequence[str], timeout: float) -> TaskProcess:
@@ -170,7 +181,7 @@ class TaskLauncher:
             if "pid" in message:
                 reply.set_result(process)
             else:
-                process.stdout.close()  # type: ignore[union-attr]
+                process.close_pipes()
                 reply.set_exception(errors.UnavailableError(
                     f"The task launcher could not fork a task: {message['error']}"))
         self._zygote.wait()
@@ -183,7 +194,7 @@ class TaskLauncher:
             self._running.clear()
             pending, self._pending = list(self._pending.values()), {}
         for reply, process in pending:
-            process.stdout.close()  # type: ignore[union-attr]
+            process.close_pipes()
             reply.set_exception(self._unavailable())
 
     def _receive(self) -> bytes:

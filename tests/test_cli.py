@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 from clusterwire import Session
@@ -102,12 +104,34 @@ def test_serve_bad_input_is_one_clear_line(args, message):
     assert "Traceback" not in result.stderr
 
 
-def test_demo_trains_and_reports(tmp_path):
+def test_demo_trains_and_reports_what_it_measured(tmp_path):
     result = clusterwire("demo", "--steps", "30", timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "cluster up in" in result.stdout
-    final = [line for line in result.stdout.splitlines() if line.startswith("final loss")]
-    assert final and "MB/s" in final[0]
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("cluster up in")
+    # The upload (2 workers x 6144 x 2048 float32 features + labels) is reported apart ...
+    upload = next(line for line in lines if line.startswith("shards uploaded:"))
+    assert upload.startswith(f"shards uploaded: {2 * 6144 * 2049 * 4 / 1e6:.1f} MB in ")
+    # ... from the training window: per step, 2048 float32 weights pulled and a gradient pushed.
+    training = next(line for line in lines if line.startswith("training:"))
+    assert training.startswith(f"training: 60 steps, {60 * 2 * 2048 * 4 / 1e6:.1f} MB of ")
+    steps = [int(line.split()[1].split("/")[0]) for line in lines if line.startswith("  step")]
+    assert steps == sorted(set(steps)) and steps[0] > 0 and steps[-1] == 60
+    assert lines[-1].startswith("verdict: OK: the loss fell ")
+    assert "60/60 steps ran, all 3 processes stopped cleanly" in lines[-1]
+
+
+def test_demo_fails_with_a_verdict_when_the_loss_does_not_fall(tmp_path):
+    from clusterwire import demo
+
+    out = io.StringIO()
+    status = demo._verdict(1.0, 0.5, 10, 10, np.zeros(3), {"/job:ps/task:0": 0}, out)
+    assert status == 1
+    assert out.getvalue().startswith("verdict: FAILED: the loss fell 2x, not the 100x expected")
+    out = io.StringIO()
+    assert demo._verdict(1.0, 1e-3, 9, 10, np.zeros(3), {"/job:ps/task:0": -9}, out) == 1
+    assert "9 of 10 steps ran" in out.getvalue()
+    assert "did not stop cleanly (exit status): {'/job:ps/task:0': -9}" in out.getvalue()
 
 
 def test_serve_imports_a_module_of_the_current_directory(tmp_path):
