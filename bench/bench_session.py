@@ -4,13 +4,19 @@ Run from the repository root::
 
     python bench/bench_session.py
 
-It measures, in one run (about 40 s on 2 cores):
+It measures, in one run (about 60 s on 2 cores):
 
 1. 8-byte round trips: ``Session.get`` of an 8-byte array and ``Session.call``
-   of an echo ``@remote`` function, direct (client -> owning task) and
-   forwarded (client -> task 0 -> task 1), next to a raw TCP ping-pong and a
-   bare grpcio unary call between two processes.
-2. 64 MiB ``Session.get`` throughput, direct and forwarded, next to raw TCP
+   of an echo ``@remote`` function, next to a raw TCP ping-pong and a bare grpcio
+   unary call between two processes. Topologies of ``Session.get``:
+
+   - direct: client -> owning task (another process);
+   - forwarded: client -> task 0 -> task 1 (three processes);
+   - worker process: this process hosts a task and reads through it from the
+     owning task (TF's ps-variable read from a worker's training loop);
+   - in-process: a Session on a task of this process reads its own store;
+   - same host: ``grpc+local`` between two processes.
+2. 64 MiB ``Session.get`` throughput on the same topologies, next to raw TCP
    (``recv_into`` a preallocated buffer), one bare grpcio unary message, a
    bare grpcio chunk stream and a numpy memcpy.
 3. ``import clusterwire`` time, and that it does not import grpc.
@@ -23,9 +29,11 @@ It measures, in one run (about 40 s on 2 cores):
 
 With tensorflow importable, rounds 1 and 2 also measure TensorFlow's own runtime
 on the same machine: a TF1 graph Session reading an 8-byte and a 64 MiB
-variable of a ps task, directly (Session on the ps task) and forwarded (Session
-on a worker task), from a 2-process TF cluster (bench/_tf_baseline.py;
-``--no-tensorflow`` skips it).
+variable of a ps task, direct, forwarded and from a worker process (TF's
+in-process master), as bench/_tf_baseline.py says (``--no-tensorflow`` skips
+it). TensorFlow need not be in the project's environment: run the benchmark
+with an interpreter that has both (e.g. a venv made with
+``--system-site-packages`` and ``pip install tensorflow-cpu``).
 
 Paths that are compared run side by side: all servers are up at once and the
 round trips (and transfers) of the paths are interleaved in rounds, so a slow
@@ -67,8 +75,14 @@ from _machine import cpu_model  # noqa: E402
 
 MIB = 1 << 20
 REMOTE_TASK = "/job:worker/task:1"
-TARGETS = {"get8_vs_grpc": 1.3, "get64_vs_tcp": 0.33, "import_s": 0.3, "cluster_up_s": 1.0}
+TARGETS = {"get8_vs_grpc": 1.3, "get64_vs_tcp": 0.33, "import_s": 0.3, "cluster_up_s": 1.0,
+           "worker8_vs_tf": 0.6, "worker64_vs_tf": 1.8, "worker64_vs_tcp": 0.7,
+           "inproc8_vs_grpc": 0.1, "inproc64_vs_memcpy": 0.01, "local8_us": 150,
+           "local8_vs_grpc": 0.35}
+CW_GET = "clusterwire Session.get"
+LOCAL_GET = "clusterwire Session.get, grpc+local"
 TF_READ = "TensorFlow Session.run, ps variable read"
+TF_TOPOLOGIES = ("direct", "forwarded", "worker process")
 TF_REFERENCE = [
     ("TensorFlow 2.21 ps->worker 8-byte read", "1.29 ms"),
     ("TensorFlow 2.21 ps->worker 64 MiB read", "0.98 GB/s"),
@@ -188,7 +202,7 @@ def measure_transports(args: argparse.Namespace, payload: np.ndarray):
     All servers run at once (raw TCP, bare grpcio, a 2-task LocalCluster), each
     in its own process; this process is the client of all of them.
     """
-    from clusterwire import Session
+    from clusterwire import Server, Session
     from clusterwire.local_cluster import LocalCluster
 
     nbytes = payload.nbytes
@@ -208,8 +222,19 @@ def measure_transports(args: argparse.Namespace, payload: np.ndarray):
         bare = _baselines.GrpcClient(grpc_server.port)
         stack.callback(bare.close)
         session = stack.enter_context(Session(cluster.target("worker", 0)))
+        # The worker-process topology: this process hosts a task of its own (job
+        # "trainer") whose Session reads the owner's tensors through it, as a TF worker's
+        # training loop does; the trainer's own store is the in-process topology.
+        workers = [cluster.target("worker", i).split("://")[1] for i in range(2)]
+        trainer = Server({"worker": workers, "trainer": ["127.0.0.1:0"]}, job_name="trainer",
+                         task_index=0)
+        stack.callback(trainer.stop)
+        own = stack.enter_context(Session(trainer.target))
+        same_host = stack.enter_context(
+            LocalCluster({"worker": 1}, protocol="grpc+local", env=child_env()))
+        local = stack.enter_context(Session(same_host.target("worker", 0)))
         with Session(cluster.target("worker", 1)) as other:
-            for store in (session, other):
+            for store in (session, other, own, local):
                 store.put("small", small)
                 store.put("big", payload)
         info = session.status()["transport"]
@@ -222,6 +247,9 @@ def measure_transports(args: argparse.Namespace, payload: np.ndarray):
             _require(np.array_equal(session.get("small", task=task), small), f"get {task}")
             _require(np.array_equal(session.call(ECHO, small, task=task), small),
                      f"call {task}")
+        _require(np.array_equal(own.get("small", task=REMOTE_TASK), small), "worker process")
+        _require(np.array_equal(own.get("small"), small), "in-process get")
+        _require(np.array_equal(local.get("small"), small), "grpc+local get")
         round_trips = {
             ("raw TCP ping-pong", "direct"): lambda: tcp.ping(eight),
             ("bare grpcio unary_unary", "direct"): lambda: bare.echo(eight),
@@ -235,9 +263,13 @@ def measure_transports(args: argparse.Namespace, payload: np.ndarray):
                 lambda: session.get("small", task=REMOTE_TASK),
             ("clusterwire Session.call (echo)", "forwarded"):
                 lambda: session.call(ECHO, small, task=REMOTE_TASK),
+            ("clusterwire Session.get", "worker process"):
+                lambda: own.get("small", task=REMOTE_TASK),
+            ("clusterwire Session.get", "in-process"): lambda: own.get("small"),
+            ("clusterwire Session.get, grpc+local", "same host"): lambda: local.get("small"),
         }
         if tf is not None:
-            for topology in ("direct", "forwarded"):
+            for topology in TF_TOPOLOGIES:
                 _require(np.array_equal(tf.read("small", topology), small), f"TF {topology}")
                 round_trips[TF_READ, topology] = lambda t=topology: tf.read("small", t)
         samples = interleaved_round_trips(round_trips, args.iterations, args.warmup,
@@ -272,9 +304,13 @@ def measure_transports(args: argparse.Namespace, payload: np.ndarray):
             ("clusterwire Session.get", "direct"): lambda: session.get("big"),
             ("clusterwire Session.get", "forwarded"):
                 lambda: session.get("big", task=REMOTE_TASK),
+            ("clusterwire Session.get", "worker process"):
+                lambda: own.get("big", task=REMOTE_TASK),
+            ("clusterwire Session.get", "in-process"): lambda: own.get("big"),
+            ("clusterwire Session.get, grpc+local", "same host"): lambda: local.get("big"),
         }
         if tf is not None:
-            for topology in ("direct", "forwarded"):
+            for topology in TF_TOPOLOGIES:
                 transfers[TF_READ, topology] = lambda t=topology: tf.read("big", t)
         seconds = interleaved_transfers(transfers, _same_bytes(payload), args.transfers)
         throughputs = [Throughput(name, topology, nbytes, seconds[name, topology])
@@ -473,27 +509,68 @@ def _against_tensorflow(latencies, throughputs) -> list[str]:
     if not any(row.name == TF_READ for row in latencies):
         return []
     parts = []
-    for topology in ("direct", "forwarded"):
-        time_ratio = (_find(latencies, "clusterwire Session.get", topology).median_us
+    for topology in TF_TOPOLOGIES:
+        time_ratio = (_find(latencies, CW_GET, topology).median_us
                       / _find(latencies, TF_READ, topology).median_us)
-        speed_ratio = (_find(throughputs, "clusterwire Session.get", topology).median_gbs
+        speed_ratio = (_find(throughputs, CW_GET, topology).median_gbs
                        / _find(throughputs, TF_READ, topology).median_gbs)
         parts.append(f"{topology}, the 8-byte get takes {time_ratio:.2f}x the time of TF's "
                      f"read and the bulk get moves {speed_ratio:.2f}x TF's GB/s")
     return ["", "Against TensorFlow in this run: " + "; ".join(parts) + "."]
 
 
+def _fast_path_targets(args, latencies, throughputs) -> list[str]:
+    """Target rows of the worker-process, in-process and same-host paths."""
+    grpc_us = _find(latencies, "bare grpcio unary_unary").median_us
+    tcp_gbs = _find(throughputs, "raw TCP, recv_into preallocated").median_gbs
+    memcpy_s = statistics.median(_find(throughputs, "numpy memcpy into preallocated",
+                                       "in-process").seconds)
+    worker8 = _find(latencies, CW_GET, "worker process").median_us
+    worker64 = _find(throughputs, CW_GET, "worker process").median_gbs
+    inproc8 = _find(latencies, CW_GET, "in-process").median_us
+    inproc64_s = statistics.median(_find(throughputs, CW_GET, "in-process").seconds)
+    local8 = _find(latencies, LOCAL_GET, "same host").median_us
+    rows = []
+    if any(row.name == TF_READ for row in latencies):
+        tf8 = worker8 / _find(latencies, TF_READ, "worker process").median_us
+        tf64 = worker64 / _find(throughputs, TF_READ, "worker process").median_gbs
+        rows += [
+            f"| worker-process 8 B get <= {TARGETS['worker8_vs_tf']}x TF's worker-process "
+            f"read | {tf8:.2f}x | {_met(tf8 <= TARGETS['worker8_vs_tf'])} |",
+            f"| worker-process {args.size_mib} MiB get >= {TARGETS['worker64_vs_tf']}x TF's "
+            f"GB/s | {tf64:.2f}x | {_met(tf64 >= TARGETS['worker64_vs_tf'])} |"]
+    else:
+        rows.append("| worker-process paths against TF | not measured (tensorflow not "
+                    "importable) | |")
+    ok_local = local8 <= TARGETS["local8_us"] or local8 / grpc_us <= TARGETS["local8_vs_grpc"]
+    rows += [
+        f"| worker-process {args.size_mib} MiB get >= {TARGETS['worker64_vs_tcp']}x raw TCP "
+        f"| {worker64 / tcp_gbs:.2f}x | {_met(worker64 / tcp_gbs >= TARGETS['worker64_vs_tcp'])} |",
+        f"| in-process 8 B get <= {TARGETS['inproc8_vs_grpc']}x bare grpcio unary "
+        f"| {inproc8 / grpc_us:.3f}x ({inproc8:.1f} us) "
+        f"| {_met(inproc8 / grpc_us <= TARGETS['inproc8_vs_grpc'])} |",
+        f"| in-process {args.size_mib} MiB get (no copy) <= {TARGETS['inproc64_vs_memcpy']}x "
+        f"the time of a memcpy of it | {inproc64_s / memcpy_s:.4f}x ({inproc64_s * 1e6:.0f} "
+        f"us) | {_met(inproc64_s / memcpy_s <= TARGETS['inproc64_vs_memcpy'])} |",
+        f"| grpc+local cross-process 8 B get <= {TARGETS['local8_us']} us or <= "
+        f"{TARGETS['local8_vs_grpc']}x bare grpcio | {local8:.0f} us, {local8 / grpc_us:.2f}x "
+        f"| {_met(ok_local)} |",
+    ]
+    return rows
+
+
 def render(args, env, latencies, throughputs, info, sweep, imports, ups, elapsed) -> str:
     grpc_us = _find(latencies, "bare grpcio unary_unary").median_us
     tcp_gbs = _find(throughputs, "raw TCP, recv_into preallocated").median_gbs
-    get8 = _find(latencies, "clusterwire Session.get").median_us / grpc_us
-    get64 = _find(throughputs, "clusterwire Session.get").median_gbs / tcp_gbs
+    get8 = _find(latencies, CW_GET).median_us / grpc_us
+    get64 = _find(throughputs, CW_GET).median_gbs / tcp_gbs
     up = statistics.median(run["up"] for run in ups)
     lines = [
         f"# clusterwire Session benchmark, {env['when']}",
         "",
-        f"Command: `{env['command']}` ({elapsed:.0f} s). Loopback 127.0.0.1; the client (this "
-        "process) and every server run in separate processes.",
+        f"Command: `{env['command']}` ({elapsed:.0f} s). Loopback 127.0.0.1; every server runs "
+        "in a process of its own, except the task of the worker-process and in-process "
+        "topologies (and TF's worker 1), which this process (the client) hosts.",
         "",
         f"- clusterwire commit: {env['git']}",
         f"- CPU: {env['cpu']}, {env['cpus']}; load average (1 min) at start / end: "
@@ -513,7 +590,7 @@ def render(args, env, latencies, throughputs, info, sweep, imports, ups, elapsed
     for row in latencies:
         ratio = row.median_us / grpc_us
         target = ""
-        if (row.name, row.topology) == ("clusterwire Session.get", "direct"):
+        if (row.name, row.topology) == (CW_GET, "direct"):
             target = f"<= {TARGETS['get8_vs_grpc']}x: {_met(ratio <= TARGETS['get8_vs_grpc'])}"
         lines.append(f"| {row.name} | {row.topology} | {row.median_us:.0f} | {row.p99_us:.0f} "
                      f"| {ratio:.2f}x | {target} |")
@@ -528,7 +605,7 @@ def render(args, env, latencies, throughputs, info, sweep, imports, ups, elapsed
         ratio = row.median_gbs / tcp_gbs
         low, high = row.range_gbs
         target = ""
-        if (row.name, row.topology) == ("clusterwire Session.get", "direct"):
+        if (row.name, row.topology) == (CW_GET, "direct"):
             target = f">= {TARGETS['get64_vs_tcp']}x: {_met(ratio >= TARGETS['get64_vs_tcp'])}"
         lines.append(f"| {row.name} | {row.topology} | {row.median_gbs:.2f} | {low:.2f}-{high:.2f}"
                      f" | {statistics.median(row.seconds) * 1e3:.1f} | {ratio:.2f}x | {target} |")
@@ -598,6 +675,7 @@ def render(args, env, latencies, throughputs, info, sweep, imports, ups, elapsed
         f"| {_met(not imports['grpc_loaded'])} |",
         f"| local cluster up < {TARGETS['cluster_up_s']} s | {up:.3f} s "
         f"| {_met(up < TARGETS['cluster_up_s'])} |",
+        *_fast_path_targets(args, latencies, throughputs),
         "",
         "## Reference, not measured here",
         "",
