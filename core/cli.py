@@ -1,4 +1,4 @@
-"""The ``clusterwire`` command: serve, resolve, status, plugins, demo."""
+"""The ``clusterwire`` command: serve, resolve, status, plugins, demo, dispatcher, worker."""
 
 from __future__ import annotations
 
@@ -47,10 +47,26 @@ def _resolver_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _make_resolver(args: argparse.Namespace) -> Any:
-    """The ClusterResolver named by ``--resolver``, built through the plugin manager."""
+    """The ClusterResolver named by ``--resolver``, built through the plugin manager; a
+    missing or unknown argument is an InvalidArgumentError naming the flag that gives it."""
+    import inspect
+
     from clusterwire.plugins import get_plugin_manager
 
-    return get_plugin_manager().resolver_spec(args.resolver).factory(**_resolver_kwargs(args))
+    factory = get_plugin_manager().resolver_spec(args.resolver).factory
+    kwargs = _resolver_kwargs(args)
+    try:
+        inspect.signature(factory).bind(**kwargs)
+    except TypeError as err:
+        parameters = inspect.signature(factory).parameters
+        needed = [name for name, p in parameters.items() if p.default is p.empty
+                  and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and name not in kwargs]
+        known = ", ".join(name for name in parameters if name not in ("self", "args", "kwargs"))
+        fix = (f"give {', '.join(f'--resolver-arg {name}=VALUE' for name in needed)}" if needed
+               else f"its arguments are: {known}")
+        raise errors.InvalidArgumentError(
+            f"Resolver {args.resolver!r}: {err}; {fix} (VALUE as JSON or text).") from None
+    return factory(**kwargs)
 
 
 def _add_resolver_args(parser: argparse.ArgumentParser, required: bool) -> None:
@@ -114,12 +130,25 @@ def _status(args: argparse.Namespace) -> int:
     return 1 if any("error" in status for status in statuses.values()) else 0
 
 
+def _runs_here(manager: Any, kind: str, name: str) -> str:
+    """Whether a transport can run in this environment, and the fix when it cannot."""
+    if kind != "transport":
+        return ""
+    try:
+        manager.transport(name)
+    except errors.OpError as err:
+        return f"no: {err.message}"
+    return "yes"
+
+
 def _plugins(args: argparse.Namespace) -> int:
     from clusterwire.plugins import get_plugin_manager
 
-    rows = [(i.kind, i.name, i.module, i.distribution, i.version)
-            for i in get_plugin_manager().listing()]
-    header = ("KIND", "NAME", "MODULE", "DISTRIBUTION", "VERSION")
+    manager = get_plugin_manager()
+    listing = sorted(manager.listing(), key=lambda i: (i.kind != "transport", i.kind, i.name))
+    rows = [(i.kind, i.name, i.module, i.distribution, i.version,
+             _runs_here(manager, i.kind, i.name)) for i in listing]
+    header = ("KIND", "NAME", "MODULE", "DISTRIBUTION", "VERSION", "RUNS HERE")
     widths = [max(len(str(r[c])) for r in [header, *rows]) for c in range(len(header))]
     for row in [header, *rows]:
         print("  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
@@ -138,7 +167,11 @@ def _demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``clusterwire`` command."""
-    parser = argparse.ArgumentParser(prog="clusterwire", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="clusterwire",
+        description="Run and inspect clusterwire clusters: serve a task, resolve a cluster, "
+                    "ask tasks for their status, list plugins, run the demo, serve the data "
+                    "service's dispatcher and workers. `clusterwire COMMAND --help` for one.")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run one task of a cluster until SIGINT/SIGTERM")
@@ -175,13 +208,19 @@ def build_parser() -> argparse.ArgumentParser:
     plugins.set_defaults(run=_plugins)
 
     demo = commands.add_parser(
-        "demo", help="train a model parameter-server style on a local 3-process cluster")
-    demo.add_argument("--protocol", default="grpc")
+        "demo", help="train a model parameter-server style on a local 3-process cluster",
+        description="Train a linear model parameter-server style on a local cluster (1 ps and "
+                    "--workers workers, each its own process); print progress, what moved, and "
+                    "a verdict; exit 1 unless the loss fell 100x and every process stopped "
+                    "cleanly.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    demo.add_argument("--protocol", default="grpc",
+                      help="transport protocol (see `clusterwire plugins`)")
     demo.add_argument("--steps", type=int, default=60,
                       help="training steps of each worker (the ps counts steps x workers)")
     demo.add_argument("--workers", type=int, default=2, help="worker tasks beside the ps")
     demo.add_argument("--chaos", action="store_true",
-                      help="SIGKILL a worker a third of the way through and restart it")
+                      help="SIGKILL a worker a third of the way through, restart it on the same "
+                           "port, and check the ps kept its state")
     demo.set_defaults(run=_demo)
 
     from clusterwire.data.cli import add_commands

@@ -84,8 +84,28 @@ def test_plugins_lists_grpc_with_module_distribution_and_version():
     result = clusterwire("plugins")
     assert result.returncode == 0
     rows = [line.split() for line in result.stdout.splitlines()]
-    assert rows[0] == ["KIND", "NAME", "MODULE", "DISTRIBUTION", "VERSION"]
-    assert ["transport", "grpc", "clusterwire.transports.grpc", "clusterwire", "0.1.0"] in rows
+    assert rows[0] == ["KIND", "NAME", "MODULE", "DISTRIBUTION", "VERSION", "RUNS", "HERE"]
+    assert ["transport", "grpc", "clusterwire.transports.grpc", "clusterwire", "0.1.0",
+            "yes"] in rows
+
+
+def test_a_resolver_missing_an_argument_names_the_flag():
+    result = clusterwire("resolve", "--resolver", "simple")
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        "clusterwire resolve: InvalidArgumentError: Resolver 'simple': missing a required "
+        "argument: 'cluster_spec'; give --resolver-arg cluster_spec=VALUE (VALUE as JSON or "
+        "text).")
+
+
+def test_help_names_every_command_without_markup():
+    result = clusterwire("--help")
+    assert result.returncode == 0
+    for command in ("serve", "resolve", "status", "plugins", "demo", "dispatcher", "worker"):
+        assert f"    {command} " in result.stdout
+    assert "``" not in result.stdout
+    demo = clusterwire("demo", "--help").stdout
+    assert "(default: grpc)" in demo and "(default: 60)" in demo
 
 
 @pytest.mark.parametrize("args,message", [

@@ -187,17 +187,32 @@ def test_third_party_entry_point_is_discovered(tmp_path):
     (tmp_path / "cw_fake_transport.py").write_text(textwrap.dedent("""
         from clusterwire import TransportSpec, hookimpl
 
+        from clusterwire.errors import UnimplementedError
+
+        def needs_hardware(options):
+            raise UnimplementedError("needs a quantum NIC: pip install 'fake[qnic]'")
+
         @hookimpl
         def clusterwire_add_transports():
-            return [TransportSpec("fake", lambda options: "a fake transport")]
+            return [TransportSpec("fake", lambda options: "a fake transport"),
+                    TransportSpec("afake", needs_hardware)]
     """))
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     env.pop("CLUSTERWIRE_PLUGINS", None)
     out = subprocess.run([sys.executable, "-m", "clusterwire", "plugins"], capture_output=True,
                          text=True, timeout=60, env=env, cwd=tmp_path, check=True).stdout
-    rows = {line.split()[1]: line.split() for line in out.splitlines()[1:]}
-    assert rows["fake"] == ["transport", "fake", "cw_fake_transport", "cw-fake-transport", "2.5"]
-    assert rows["grpc"][3:] == ["clusterwire", "0.1.0"]
+    lines = out.splitlines()[1:]
+    rows = {line.split()[1]: line.split() for line in lines}
+    assert rows["fake"] == ["transport", "fake", "cw_fake_transport", "cw-fake-transport", "2.5",
+                            "yes"]
+    assert rows["grpc"][3:] == ["clusterwire", "0.1.0", "yes"]
+    # A protocol that cannot run here says why and what fixes it.
+    assert lines[0].split(None, 5)[:5] == ["transport", "afake", "cw_fake_transport",
+                                           "cw-fake-transport", "2.5"]
+    assert lines[0].endswith("no: needs a quantum NIC: pip install 'fake[qnic]'")
+    # Stable order: transports, then resolvers, each by name.
+    kinds_names = [(line.split()[0], line.split()[1]) for line in lines]
+    assert kinds_names == sorted(kinds_names, key=lambda kn: (kn[0] != "transport", kn))
 
 
 def test_a_broken_plugin_does_not_take_the_others_down(tmp_path):
