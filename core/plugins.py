@@ -43,7 +43,8 @@ _RESOLVER = re.compile(r"^[a-z][a-z0-9_]*$")
 PROVIDERS = {
     "grpc+local": "the built-in 'grpc+local' transport (reinstall clusterwire)",
     "grpc+verbs": "pip install 'clusterwire[verbs]'",
-    "zmq": "pip install clusterwire-zmq (plugins/clusterwire-zmq in the clusterwire repo)",
+    "zmq": "from a clusterwire checkout: pip install ./plugins/clusterwire-zmq (it is not on "
+           "a package index)",
 }
 
 

@@ -96,7 +96,7 @@ def test_resolvers_register_like_transports(no_env_config):
 
 @pytest.mark.parametrize("protocol,hint", [
     ("grpc+verbs", "pip install 'clusterwire[verbs]'"),
-    ("zmq", "pip install clusterwire-zmq"),
+    ("zmq", "pip install ./plugins/clusterwire-zmq"),
     ("carrier-pigeon", None),
 ])
 def test_unknown_protocol_lists_installed_and_names_the_provider(no_env_config, tmp_path,

@@ -55,7 +55,7 @@ def test_clusterwire_plugins_lists_the_distribution_and_version(tmp_path):
     out = subprocess.run([sys.executable, "-m", "clusterwire", "plugins"], capture_output=True,
                          text=True, timeout=60, cwd=tmp_path, env=_clean_env(), check=True).stdout
     rows = {line.split()[1]: line.split() for line in out.splitlines()[1:]}
-    assert rows["zmq"] == ["transport", "zmq", "clusterwire_zmq", DIST, "0.1.0"]
+    assert rows["zmq"] == ["transport", "zmq", "clusterwire_zmq", DIST, "0.1.0", "yes"]
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +115,7 @@ def test_without_the_distribution_zmq_is_not_found_naming_the_package(site_witho
     out = _run_isolated(site_without_plugin, _PROBE, tmp_path)
     assert "FOUND False" in out  # the environment is otherwise whole: grpc served above
     assert "NOT FOUND: No transport registered for 'zmq'" in out
-    assert "pip install clusterwire-zmq" in out
+    assert "pip install ./plugins/clusterwire-zmq" in out
     listed = [line.split()[1] for line in out.splitlines() if line.startswith("transport")]
     assert "grpc" in listed and "zmq" not in listed
 
@@ -125,4 +125,4 @@ def test_the_isolated_interpreter_finds_the_plugin_when_installed(tmp_path):
     out = _run_isolated(_site_dirs(), _PROBE, tmp_path)
     assert "FOUND True" in out and "ZMQ OK" in out
     rows = [line.split() for line in out.splitlines() if line.startswith("transport")]
-    assert ["transport", "zmq", "clusterwire_zmq", DIST, "0.1.0"] in rows
+    assert ["transport", "zmq", "clusterwire_zmq", DIST, "0.1.0", "yes"] in rows
