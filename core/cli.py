@@ -95,7 +95,16 @@ def _serve(args: argparse.Namespace) -> int:
     if args.resolver:
         if args.cluster:
             raise SystemExit("clusterwire serve: give --cluster or --resolver, not both")
-        server = Server.from_resolver(_make_resolver(args), protocol=args.protocol, config=config)
+        resolver = _make_resolver(args)
+        try:
+            server = Server.from_resolver(resolver, protocol=args.protocol, config=config)
+        except errors.UnavailableError as err:
+            if args.resolver != "slurm" or "Could not bind" not in err.message:
+                raise
+            raise errors.UnavailableError(
+                f"{err.message} The Slurm resolver puts the k-th task of a node at port_base "
+                "+ k: pick a free range with --resolver-arg port_base=N (the example sbatch "
+                "script reads CLUSTERWIRE_PORT_BASE).") from None
     elif args.cluster:
         server = Server(_json_arg(args.cluster, "--cluster"), job_name=args.job_name,
                         task_index=args.task_index, protocol=args.protocol, config=config)

@@ -214,3 +214,23 @@ def test_sbatch_parameter_server_example_exits_0(slurm, tmp_path):
     text = out.read_text() if out.exists() else ""
     assert result.returncode == 0, f"{result.stderr}\n{text}"
     assert re.search(r"final loss \S+ \(initial", text), text
+    assert re.search(r"^verdict: OK: the loss fell \S+x \(needed 100x\), 40/40 steps$", text,
+                     re.MULTILINE), text
+    assert "Slurm reports their step as CANCELLED: the expected end" in text
+
+
+@pytest.mark.timeout(60)
+def test_a_port_in_use_points_at_port_base(slurm):
+    base = free_port_base(1)
+    with socket.socket() as taken:
+        taken.bind((NODES[0], base))
+        taken.listen()
+        result = subprocess.run(
+            ["srun", "-N1", "-n1", f"--nodelist={NODES[0]}", sys.executable, "-m",
+             "clusterwire", "serve", "--resolver", "slurm", "--jobs", "w=1", "--resolver-arg",
+             f"port_base={base}", "--quiet"],
+            env={**slurm.env, **_task_env()}, capture_output=True, text=True, timeout=45)
+    assert result.returncode != 0
+    assert f"Could not bind {NODES[0]}:{base}" in result.stderr, result.stderr
+    assert "--resolver-arg port_base=N" in result.stderr and "CLUSTERWIRE_PORT_BASE" in (
+        result.stderr)
