@@ -26,8 +26,7 @@ from clusterwire.security import Security, TlsConfig
 from clusterwire.testing.peer import echo_handler
 from clusterwire.thread_pool import WorkSlots, parked
 from clusterwire.transport import ConnectionFailed, Frame, HandshakeFailed, ListenOptions
-from clusterwire.transports.local import sealed, wire
-from clusterwire.transports.local import transport as local_transport
+from clusterwire.transports.local import sealed, unix, wire
 
 MiB = 1 << 20
 TOKEN = b"s" * 32
@@ -79,7 +78,7 @@ def hello(address: str, token: bytes = b"") -> socket.socket:
     """A raw call connection, admitted (READY)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sock.settimeout(10)
-    sock.connect(local_transport._unix_name(address))
+    sock.connect(unix.socket_name(address))
     sock.send(wire.encode_unix(wire.CALLS, 1, 0, token))
     assert wire.decode_unix(sock.recv(4096))[0] == wire.READY
     return sock
@@ -230,7 +229,7 @@ def _outcome(channel, frame: Frame, timeout: float) -> object:
 
 def _unix_accepts(address: str) -> bool:
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
-        return sock.connect_ex(local_transport._unix_name(address)) == 0
+        return sock.connect_ex(unix.socket_name(address)) == 0
 
 
 def test_the_token_is_checked_when_a_connection_opens(listen, channels):
