@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 import re
 import shlex
 import socket
@@ -15,7 +16,7 @@ README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "README.
 
 
 def _section(title: str) -> str:
-    text = open(README, encoding="utf-8").read()
+    text = pathlib.Path(README).read_text(encoding="utf-8")
     start = text.index(f"\n## {title}\n")
     end = text.find("\n## ", start + 1)
     return text[start:end]
