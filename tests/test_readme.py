@@ -5,18 +5,18 @@ from __future__ import annotations
 import os
 import pathlib
 import re
-import shlex
+import signal
 import socket
 import subprocess
 import sys
 
 import pytest
 
-README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "README.md")
+README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
 
 def _section(title: str) -> str:
-    text = pathlib.Path(README).read_text(encoding="utf-8")
+    text = README.read_text(encoding="utf-8")
     start = text.index(f"\n## {title}\n")
     end = text.find("\n## ", start + 1)
     return text[start:end]
@@ -58,29 +58,39 @@ def _free_ports(count: int) -> list[int]:
             probe.close()
 
 
-@pytest.mark.timeout(90)
-def test_the_two_terminal_walkthrough_runs_as_written(tmp_path):
-    walkthrough = _blocks("Data service", "sh")[0]
-    dispatcher_port, worker_port = _free_ports(2)  # the README's 5050 and 5051 may be taken
-    walkthrough = walkthrough.replace("5050", str(dispatcher_port)).replace(
-        "5051", str(worker_port))
-    lines = [line for line in walkthrough.splitlines() if line and not line.startswith("#")]
-    dispatcher = shlex.split(lines[0].rstrip("&"))
-    worker = shlex.split(lines[1])
-    client = shlex.split(walkthrough[walkthrough.index("python -c"):].split("#")[0])
-    assert dispatcher[:2] == ["clusterwire", "dispatcher"] and worker[:2] == [
-        "clusterwire", "worker"] and client[:2] == ["python", "-c"]
-    cli = [sys.executable, "-m", "clusterwire"]
-    servers = [subprocess.Popen(cli + argv[1:], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True) for argv in (dispatcher, worker)]
+def _two_terminals(walkthrough: str, ports: dict[str, int], tmp_path) -> str:
+    """Run a walkthrough's two terminals with bash (its fixed ports replaced by free ones):
+    the first in the background until the second, the client, is done; its output."""
+    for fixed, free in ports.items():
+        walkthrough = walkthrough.replace(fixed, str(free))
+    servers, client = walkthrough.split("# terminal 2", 1)
+    # This interpreter's `python` and `clusterwire` come first on the PATH.
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+    background = subprocess.Popen(["bash", "-c", servers], env=env, cwd=tmp_path,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                  start_new_session=True)
     try:
-        result = subprocess.run([sys.executable, "-c", client[2]], capture_output=True,
-                                text=True, timeout=60, cwd=tmp_path)
+        result = subprocess.run(["bash", "-c", client], env=env, cwd=tmp_path,
+                                capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, result.stderr
-        assert result.stdout.strip() == "[0, 1, 4, 9, 16]"
+        return result.stdout.strip()
     finally:
-        for server in servers:
-            server.terminate()
-        for server in servers:
-            server.communicate(timeout=20)
-        assert [server.returncode for server in servers] == [0, 0]
+        os.killpg(background.pid, signal.SIGTERM)  # every server: they stop cleanly
+        _, errors = background.communicate(timeout=30)
+        assert "Traceback" not in errors, errors
+
+
+@pytest.mark.timeout(90)
+def test_the_cluster_walkthrough_runs_as_written(tmp_path):
+    ps, worker = _free_ports(2)  # the README's 2222 and 2223 may be taken
+    out = _two_terminals(_blocks("A quick tour", "sh")[0], {"2222": ps, "2223": worker},
+                         tmp_path)
+    assert out == "[0 1 2]"
+
+
+@pytest.mark.timeout(90)
+def test_the_data_service_walkthrough_runs_as_written(tmp_path):
+    dispatcher, worker = _free_ports(2)  # the README's 5050 and 5051 may be taken
+    out = _two_terminals(_blocks("Data service", "sh")[0],
+                         {"5050": dispatcher, "5051": worker}, tmp_path)
+    assert out == "[0, 1, 4, 9, 16]"
