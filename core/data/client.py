@@ -13,6 +13,7 @@ import itertools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from clusterwire import errors
 from clusterwire.data import compression as compressor
 from clusterwire.data import graph
 from clusterwire.data.dataset import Dataset
@@ -111,12 +112,13 @@ def from_dataset_id(processing_mode: Any, service: Any, dataset_id: str,
                     config: Mapping[str, Any] | Security | None = None) -> Dataset:
     """A dataset reading the registered dataset ``dataset_id`` through the service.
 
-    ``element_spec`` and ``cross_trainer_cache`` are accepted for TF
-    compatibility; clusterwire elements describe themselves and there is no
-    cross-trainer cache. An unknown id is a NotFoundError. ``config``: security options,
-    as for ``distribute``.
+    ``element_spec`` is accepted for TF compatibility (clusterwire elements describe
+    themselves). ``cross_trainer_cache`` is not implemented yet: anything but None is an
+    UnimplementedError, never silently a stream of its own. An unknown id is a
+    NotFoundError. ``config``: security options, as for ``distribute``.
     """
-    del element_spec, cross_trainer_cache
+    del element_spec
+    _refuse_cross_trainer_cache(cross_trainer_cache)
     policy = sharding_policy(processing_mode)
     job_name = check_job_name(job_name)
     consumers = check_consumers(job_name, consumer_index, num_consumers)
@@ -160,6 +162,7 @@ def distribute(processing_mode: Any, service: Any, job_name: str | None = None,
     (tls_ca_file, tls_cert_file, tls_key_file, auth_token_file), over the
     ``CLUSTERWIRE_*`` environment and plugins.toml's ``[security]``.
     """
+    _refuse_cross_trainer_cache(cross_trainer_cache)
     policy = sharding_policy(processing_mode)
     parse_service(service)
     job_name = check_job_name(job_name)
@@ -179,3 +182,14 @@ def distribute(processing_mode: Any, service: Any, job_name: str | None = None,
                                target_workers=target_workers, config=security)
 
     return apply
+
+
+def _refuse_cross_trainer_cache(cross_trainer_cache: Any) -> None:
+    """UnimplementedError for a cross-trainer cache: each trainer would read a stream of its
+    own instead of sharing a worker's elements, with other memory use and other elements."""
+    if cross_trainer_cache is not None:
+        raise errors.UnimplementedError(
+            f"cross_trainer_cache={cross_trainer_cache!r}: clusterwire's data service has no "
+            "cross-trainer cache yet, so trainers cannot share a worker's elements; pass "
+            "cross_trainer_cache=None to read without sharing (each trainer job then gets its "
+            "own stream).")
