@@ -144,10 +144,44 @@ def _encode_into(out: Value, value: Any, buffers: list[Buffer], depth: int) -> N
             _encode_into(entry.key, key, buffers, depth + 1)
             _encode_into(entry.value, item, buffers, depth + 1)
     else:
-        raise InvalidArgumentError(
-            f"Cannot send a value of type {type(value).__name__}: clusterwire sends numpy "
-            "arrays, bytes, str, int, float, bool, None and lists/tuples/dicts of these "
-            "(no pickle). Convert it to one of those.")
+        array = framework_array(value)
+        if array is None:
+            raise InvalidArgumentError(
+                f"Cannot send a value of type {type(value).__name__}: clusterwire sends numpy "
+                "arrays (and CPU torch tensors and jax arrays, as numpy arrays), bytes, str, "
+                "int, float, bool, None and lists/tuples/dicts of these (no pickle). Convert "
+                "it to one of those.")
+        _encode_into(out, array, buffers, depth)
+
+
+def framework_array(value: Any) -> np.ndarray | None:
+    """A numpy view (no copy) of a CPU ``torch.Tensor`` or ``jax.Array``; None for any other
+    type. Neither library is imported here: a value of theirs comes with its library loaded.
+
+    The receiver gets a numpy array. A tensor elsewhere than in host memory (CUDA, MPS, meta)
+    or of a dtype numpy lacks (bfloat16) is an InvalidArgumentError naming the fix.
+    """
+    library = type(value).__module__.partition(".")[0]
+    if library == "torch" and hasattr(value, "device"):
+        if value.device.type != "cpu":
+            raise InvalidArgumentError(
+                f"Cannot send a torch.Tensor on device {value.device}: clusterwire's "
+                "transports move host memory (there is no GPU transport yet); send "
+                "tensor.cpu().")
+        try:  # detach: a value sent is data, not a node of the autograd graph
+            return value.detach().resolve_conj().resolve_neg().numpy()
+        except (TypeError, RuntimeError) as err:
+            raise InvalidArgumentError(
+                f"Cannot send a torch.Tensor of dtype {value.dtype} ({err}); convert it, "
+                "e.g. tensor.float().") from None
+    if library in ("jax", "jaxlib") and hasattr(value, "devices"):
+        platforms = {device.platform for device in value.devices()}
+        if platforms != {"cpu"}:
+            raise InvalidArgumentError(
+                f"Cannot send a jax.Array on {sorted(platforms)}: clusterwire's transports "
+                "move host memory; send jax.device_get(array).")
+        return np.asarray(value)
+    return None
 
 
 # Building a header costs several microseconds of protobuf calls per value, paid on
