@@ -9,7 +9,9 @@ import clusterwire
 from clusterwire import Server, Session, codec
 from clusterwire.errors import InvalidArgumentError
 
-torch = pytest.importorskip("torch", reason="pip install 'clusterwire[torch]' (CI installs it)")
+
+def _torch():
+    return pytest.importorskip("torch", reason="pip install 'clusterwire[torch]' (CI installs it)")
 
 
 @clusterwire.remote(name="tests.framework_values.describe")
@@ -26,6 +28,7 @@ def server():
 
 @pytest.mark.parametrize("in_process", [True, False], ids=["in-process", "wire"])
 def test_a_cpu_tensor_arrives_as_the_numpy_array_of_its_values(server, in_process):
+    torch = _torch()
     tensor = torch.arange(12, dtype=torch.float32).reshape(3, 4).requires_grad_()
     with Session(server.target, in_process=in_process) as session:
         session.put("t", tensor)
@@ -39,6 +42,7 @@ def test_a_cpu_tensor_arrives_as_the_numpy_array_of_its_values(server, in_proces
 
 
 def test_a_tensor_is_encoded_without_a_copy():
+    torch = _torch()
     tensor = torch.arange(8, dtype=torch.int32)
     header, buffers = codec.encode(tensor)
     assert np.shares_memory(np.frombuffer(buffers[0], np.int32), tensor.numpy())
@@ -46,6 +50,7 @@ def test_a_tensor_is_encoded_without_a_copy():
 
 
 def test_a_tensor_off_the_host_or_of_a_dtype_numpy_lacks_is_refused_with_the_fix(server):
+    torch = _torch()
     with Session(server.target) as session:
         with pytest.raises(InvalidArgumentError, match=r"device meta.*tensor\.cpu\(\)"):
             session.put("x", torch.empty(2, device="meta"))
@@ -57,3 +62,14 @@ def test_a_tensor_off_the_host_or_of_a_dtype_numpy_lacks_is_refused_with_the_fix
 def test_other_objects_are_still_refused():
     with pytest.raises(InvalidArgumentError, match="CPU torch tensors and jax arrays"):
         codec.encode(object())
+
+
+def test_a_cpu_jax_array_arrives_as_the_numpy_array_of_its_values(server):
+    jnp = pytest.importorskip("jax.numpy", reason="pip install 'clusterwire[jax]' (CI installs it)")
+    array = jnp.arange(6, dtype=jnp.float32).reshape(2, 3)
+    with Session(server.target, in_process=False) as session:
+        session.put("j", array)
+        got = session.get("j")
+        assert isinstance(got, np.ndarray) and got.dtype == np.float32
+        assert got.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+        assert session.call(describe, jnp.ones(4, dtype=jnp.int32)) == ["ndarray", "int32", 4.0]
