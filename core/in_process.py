@@ -30,6 +30,7 @@ Values received this way are read-only arrays; ``.copy()`` one to modify it.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -45,6 +46,17 @@ if TYPE_CHECKING:
 _shells: dict[tuple[str, str], Shell] = {}
 _lock = threading.Lock()
 _caller = threading.local()  # .serving, .deadline: the in-process caller this thread serves
+
+
+def _forget_after_fork() -> None:
+    """A forked child has a copy of the servers' state but none of their threads or
+    sockets: it must reach them over the wire, never serve itself from a stale copy."""
+    global _lock
+    _shells.clear()
+    _lock = threading.Lock()  # it may have been held by a parent thread at the fork
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def register(protocol: str, address: str, shell: Shell) -> None:

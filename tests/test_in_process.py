@@ -203,3 +203,38 @@ def test_a_forward_for_an_in_process_caller_keeps_its_deadline():
         with pytest.raises(UnavailableError):
             session.get("weights", task="/job:ps/task:0", timeout=0.5)
         assert time.monotonic() - started < 3  # not the task's 30 s peer timeout
+
+
+def test_a_forked_child_reaches_the_server_not_its_stale_copy():
+    """A child forked from a process serving a task (e.g. a DataLoader worker) has a copy
+    of the task's store but none of its threads: it must go over the wire."""
+    import os
+    import select
+    import signal
+
+    with _server() as server, Session(server.target) as session:
+        session.put("x", 1)
+        go_read, go_write = os.pipe()
+        answer_read, answer_write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: read after the parent changed the value
+            try:
+                os.read(go_read, 1)
+                with Session(server.target, timeout=10) as child:
+                    os.write(answer_write, repr(int(child.get("x"))).encode())
+            finally:
+                os._exit(0)
+        try:
+            session.put("x", 2)
+            os.write(go_write, b"go")
+            ready, _, _ = select.select([answer_read], [], [], 30)
+            assert ready, "the forked child did not answer within 30 s"
+            assert os.read(answer_read, 100) == b"2"
+            os.waitpid(pid, 0)  # it exits right after answering
+            pid = 0
+        finally:
+            if pid:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            for fd in (go_read, go_write, answer_read, answer_write):
+                os.close(fd)
