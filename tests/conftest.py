@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 from cw_data_procs import ServerProcess
@@ -20,6 +21,19 @@ def child_env() -> dict[str, str]:
     """Environment for task processes: the tests folder importable (for cw_test_functions)."""
     path = os.environ.get("PYTHONPATH", "")
     return {"PYTHONPATH": TESTS_DIR + (os.pathsep + path if path else "")}
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct ports free right now on 127.0.0.1 (for what must name its ports up
+    front: fixed-port configs, the README's walkthroughs)."""
+    probes = [socket.socket() for _ in range(count)]
+    try:
+        for probe in probes:
+            probe.bind(("127.0.0.1", 0))
+        return [probe.getsockname()[1] for probe in probes]
+    finally:
+        for probe in probes:
+            probe.close()
 
 
 def tampered(message, **changes):

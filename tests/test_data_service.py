@@ -10,6 +10,7 @@ from collections import Counter
 import cw_data_functions as fns
 import numpy as np
 import pytest
+from conftest import free_ports
 
 from clusterwire import data, errors
 from clusterwire.data import elements
@@ -138,18 +139,6 @@ def test_distributed_epoch_each_element_exactly_once(service, tmp_path):
             handle.write("".join(f"{index}-{line}\n" for line in range(4)))
     lines = distributed(data.Dataset.from_files(paths), "distributed_epoch", service.target)
     assert sorted(lines) == sorted(f"{i}-{j}".encode() for i in range(5) for j in range(4))
-
-
-def free_ports(count):
-    """``count`` ports free right now (for configs that must name workers up front)."""
-    probes = [socket.socket() for _ in range(count)]
-    try:
-        for probe in probes:
-            probe.bind(("127.0.0.1", 0))
-        return [probe.getsockname()[1] for probe in probes]
-    finally:
-        for probe in probes:
-            probe.close()
 
 
 @pytest.fixture

@@ -6,11 +6,11 @@ import os
 import pathlib
 import re
 import signal
-import socket
 import subprocess
 import sys
 
 import pytest
+from conftest import free_ports
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
@@ -47,17 +47,6 @@ def test_the_data_service_snippet_runs_as_written(tmp_path):
     assert out.strip() == str([i * i for i in range(10)])
 
 
-def _free_ports(count: int) -> list[int]:
-    probes = [socket.socket() for _ in range(count)]
-    try:
-        for probe in probes:
-            probe.bind(("127.0.0.1", 0))
-        return [probe.getsockname()[1] for probe in probes]
-    finally:
-        for probe in probes:
-            probe.close()
-
-
 def _two_terminals(walkthrough: str, ports: dict[str, int], tmp_path) -> str:
     """Run a walkthrough's two terminals with bash (its fixed ports replaced by free ones):
     the first in the background until the second, the client, is done; its output."""
@@ -82,7 +71,7 @@ def _two_terminals(walkthrough: str, ports: dict[str, int], tmp_path) -> str:
 
 @pytest.mark.timeout(90)
 def test_the_cluster_walkthrough_runs_as_written(tmp_path):
-    ps, worker = _free_ports(2)  # the README's 2222 and 2223 may be taken
+    ps, worker = free_ports(2)  # the README's 2222 and 2223 may be taken
     out = _two_terminals(_blocks("A quick tour", "sh")[0], {"2222": ps, "2223": worker},
                          tmp_path)
     assert out == "[0 1 2]"
@@ -90,7 +79,7 @@ def test_the_cluster_walkthrough_runs_as_written(tmp_path):
 
 @pytest.mark.timeout(90)
 def test_the_data_service_walkthrough_runs_as_written(tmp_path):
-    dispatcher, worker = _free_ports(2)  # the README's 5050 and 5051 may be taken
+    dispatcher, worker = free_ports(2)  # the README's 5050 and 5051 may be taken
     out = _two_terminals(_blocks("Data service", "sh")[0],
                          {"5050": dispatcher, "5051": worker}, tmp_path)
     assert out == "[0, 1, 4, 9, 16]"
