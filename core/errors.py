@@ -5,10 +5,12 @@ example a raw ``grpc.RpcError``). Codes equal gRPC's status codes, so mapping
 to and from a transport status is the identity on the number.
 
 Like TensorFlow's, the constructors accept ``(node_def, op, message)``; as a
-convenience a single argument is taken as the message.
+convenience a single argument, or the keyword ``message``, is taken as the message.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 OK = 0
 CANCELLED = 1
@@ -34,7 +36,9 @@ class OpError(Exception):
 
     error_code: int = UNKNOWN
 
-    def __init__(self, *args, error_code: int | None = None):
+    def __init__(self, *args: Any, message: Any = None, error_code: int | None = None):
+        if message is not None and not args:  # as torch's DataLoader re-raises a worker's error
+            args = (message,)
         if len(args) == 1:
             node_def, op, message = None, None, args[0]
         elif len(args) >= 3:

@@ -36,6 +36,13 @@ def test_tf_style_constructor_and_message_only():
         errors.OpError("a", "b")
 
 
+def test_message_as_a_keyword_as_torch_dataloader_reraises():
+    err = errors.FailedPreconditionError(message="Caught it in DataLoader worker process 0.")
+    assert err.message == str(err) == "Caught it in DataLoader worker process 0."
+    assert err.error_code == errors.FAILED_PRECONDITION
+    assert str(errors.RemoteFunctionError(message="raised")) == "raised"
+
+
 def test_unknown_code_maps_to_unknown_error():
     assert errors.exception_type_from_error_code(99) is errors.UnknownError
 
