@@ -72,6 +72,13 @@ def unregister(shell: Shell) -> None:
             del _shells[key]
 
 
+def targets() -> list[str]:
+    """The targets (``protocol://address``) of the servers registered here. A process forked
+    from one running servers inherits their list, but none of their threads (nor gRPC's)."""
+    with _lock:
+        return [f"{protocol}://{address}" for protocol, address in _shells]
+
+
 def lookup(protocol: str, address: str) -> Shell | None:
     """The shell serving ``protocol://address`` in this process, if any."""
     return _shells.get((protocol, address))
