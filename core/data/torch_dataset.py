@@ -1,0 +1,176 @@
+"""PyTorch adapter: a data-service dataset as a ``torch.utils.data.IterableDataset``.
+
+``ServiceDataset(dataset, processing_mode, service, ...)`` takes ``distribute``'s arguments
+and yields the service's elements with their numpy arrays and numpy scalars as
+``torch.Tensor``s (``to_torch``), for a training loop or a ``DataLoader``.
+
+* **Copies**: a writable array becomes a tensor sharing its memory (``torch.from_numpy``, no
+  copy). A read-only one (elements over ``grpc+local``, or from a server in the same process,
+  live in memory the sender still owns) is copied once: PyTorch has no read-only tensors, and
+  a tensor over that memory would crash on a write, or silently change the sender's data.
+* **DataLoader workers**: with ``DataLoader(num_workers=N)`` each loader worker reads as its
+  own consumer of one job shared by the N workers, so the loader yields what one consumer
+  would (distributed_epoch: every element once over all loader workers; parallel_epochs:
+  each service worker's elements once). A ``batch_size`` batches within a loader worker (its
+  last batch of an epoch may be short); ``Dataset.batch`` batches in the service. The job's
+  name is ``job_name`` (or a name private to this object) and the loader iterator's base
+  seed, which its workers share and a new epoch changes. Round-robin reads
+  (``num_consumers=C``, ``consumer_index=c``) map loader worker w to consumer ``c * N + w``
+  of ``C * N``. Processes sharing a ``job_name`` through loader workers must seed their
+  DataLoaders alike (``torch.manual_seed`` or ``generator=``) so their epochs name the same
+  jobs. Without loader workers an iteration reads as ``distribute``'s does: a new job each
+  time, named ``job_name`` and the iteration's number.
+* **distributed_epoch needs** ``DataLoader(..., in_order=False)`` with several loader
+  workers: the splits one loader worker holds can leave another with nothing to read until
+  they are done, and an in-order DataLoader waits for that other worker's turn, a deadlock.
+* **fork**: gRPC does not survive a fork of a process that has used it. The dataset is
+  registered by the process that reads it, so a DataLoader's parent that only builds the
+  ``ServiceDataset`` forks its workers safely. A parent that used the service itself (read
+  it, ran a Session or a server) must start its loader workers with
+  ``multiprocessing_context="forkserver"`` (or "spawn"); a loader worker forked from a
+  process running servers says so.
+
+Importing this module imports torch; ``clusterwire.data`` never does.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from clusterwire import in_process
+from clusterwire.data import graph
+from clusterwire.data.client import ServiceSource, from_dataset_id, register_dataset
+from clusterwire.data.dataset import Dataset
+from clusterwire.data.modes import (
+    check_consumers,
+    check_job_name,
+    check_max_outstanding,
+    check_target_workers,
+    compression_name,
+    parse_service,
+    sharding_policy,
+)
+from clusterwire.errors import FailedPreconditionError, InvalidArgumentError
+from clusterwire.security import Security
+
+# numpy dtype kinds torch holds: bool, signed and unsigned ints, floats, complex.
+_TENSOR_KINDS = frozenset("biufc")
+
+
+def to_torch(element: Any) -> Any:
+    """``element`` with its numeric numpy arrays and numpy scalars as ``torch.Tensor``s.
+
+    Writable arrays in native byte order are shared without a copy; read-only (or
+    byte-swapped) ones are copied. Tuples, lists and dicts keep their structure; bytes, str,
+    Python numbers and arrays of other dtypes (strings, dates) stay as they are, as
+    ``DataLoader``'s ``default_collate`` expects.
+    """
+    if isinstance(element, np.ndarray):
+        if element.dtype.kind not in _TENSOR_KINDS:
+            return element
+        if not element.flags.writeable or not element.dtype.isnative:
+            element = element.astype(element.dtype.newbyteorder("="))
+        return torch.from_numpy(element)
+    if isinstance(element, np.generic) and element.dtype.kind in _TENSOR_KINDS:
+        return torch.from_numpy(np.array(element))
+    if isinstance(element, (tuple, list)):
+        return type(element)(to_torch(item) for item in element)
+    if isinstance(element, dict):
+        return {key: to_torch(value) for key, value in element.items()}
+    return element
+
+
+class ServiceDataset(IterableDataset):
+    """An ``IterableDataset`` reading ``dataset`` through the tf.data service.
+
+    ``dataset``: a ``clusterwire.data.Dataset`` (registered with the dispatcher by the
+    process that reads it) or the id ``register_dataset`` returned. The other arguments are
+    ``distribute``'s, with its checks and errors. See the module docstring for copies and
+    DataLoader workers.
+    """
+
+    def __init__(self, dataset: Dataset | str, processing_mode: Any, service: Any,
+                 job_name: str | None = None, consumer_index: int | None = None,
+                 num_consumers: int | None = None,
+                 max_outstanding_requests: int | None = None,
+                 data_transfer_protocol: str | None = None, compression: str | None = "AUTO",
+                 target_workers: str = "AUTO", *,
+                 config: Mapping[str, Any] | Security | None = None):
+        super().__init__()
+        sharding_policy(processing_mode)
+        parse_service(service)
+        self._job_name = check_job_name(job_name)
+        check_consumers(self._job_name, consumer_index, num_consumers)
+        check_max_outstanding(max_outstanding_requests)
+        check_target_workers(target_workers)
+        compression_name(compression)
+        if isinstance(dataset, Dataset):
+            if isinstance(dataset.pipeline.source, ServiceSource):
+                raise InvalidArgumentError(
+                    f"ServiceDataset got a dataset already read through the service "
+                    f"({dataset!r}): pass the dataset as it was before "
+                    "`.apply(distribute(...))`, and distribute's arguments to ServiceDataset.")
+            graph.to_def(dataset.pipeline)  # what cannot be sent to workers fails here
+        elif not isinstance(dataset, str) or not dataset:
+            raise TypeError(
+                "ServiceDataset's `dataset` must be a clusterwire.data.Dataset or a dataset id "
+                f"from clusterwire.data.register_dataset, got {dataset!r}.")
+        self._dataset, self._compression = dataset, compression
+        self._consumer_index, self._num_consumers = consumer_index, num_consumers
+        self._read = {"processing_mode": processing_mode, "service": service,
+                      "max_outstanding_requests": max_outstanding_requests,
+                      "data_transfer_protocol": data_transfer_protocol,
+                      "target_workers": target_workers, "config": config}
+        self._private_name = f"torch-{secrets.token_hex(8)}"
+        self._readers: dict[tuple[Any, ...], Dataset] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A loader worker started by spawn or forkserver makes its own readers.
+        return {**self.__dict__, "_readers": {}}
+
+    def __iter__(self) -> Iterator[Any]:
+        consumer = self._consumer()
+        reader = self._readers.get(consumer)
+        if reader is None:
+            reader = self._readers[consumer] = self._reader(*consumer)
+        for element in reader:
+            yield to_torch(element)
+
+    def _reader(self, job_name: str | None, consumer_index: int | None,
+                num_consumers: int | None) -> Dataset:
+        """The service's dataset as this consumer reads it. The dataset is registered here,
+        in the process that reads, so that a DataLoader's parent needs no gRPC of its own
+        before it forks its workers (see the module docstring)."""
+        dataset_id = self._dataset
+        if isinstance(dataset_id, Dataset):
+            dataset_id = register_dataset(self._read["service"], dataset_id, self._compression,
+                                          config=self._read["config"])
+        return from_dataset_id(dataset_id=dataset_id, job_name=job_name,
+                               consumer_index=consumer_index, num_consumers=num_consumers,
+                               **self._read)
+
+    def _consumer(self) -> tuple[str | None, int | None, int | None]:
+        """The job name, consumer index and number of consumers this process reads with."""
+        info = get_worker_info()
+        if info is None:
+            return self._job_name, self._consumer_index, self._num_consumers
+        servers = in_process.targets()
+        if servers:
+            raise FailedPreconditionError(
+                f"DataLoader worker {info.id} was forked from a process running clusterwire "
+                f"servers ({', '.join(servers)}), and gRPC cannot run in such a fork. Start "
+                "the loader's workers with DataLoader(..., multiprocessing_context='spawn') "
+                "(or 'forkserver'), or run the servers in processes of their own.")
+        # The DataLoader iterator's base seed: the same in all its workers, new each epoch.
+        epoch = info.seed - info.id
+        job_name = f"{self._job_name or self._private_name}/loader-{epoch}"
+        if self._num_consumers is None:
+            return job_name, None, None
+        return (job_name, self._consumer_index * info.num_workers + info.id,
+                self._num_consumers * info.num_workers)
