@@ -48,10 +48,14 @@ _lock = threading.Lock()
 _caller = threading.local()  # .serving, .deadline: the in-process caller this thread serves
 
 
+_inherited: list[str] = []  # in a forked child: the targets its parent served
+
+
 def _forget_after_fork() -> None:
     """A forked child has a copy of the servers' state but none of their threads or
     sockets: it must reach them over the wire, never serve itself from a stale copy."""
     global _lock
+    _inherited.extend(f"{protocol}://{address}" for protocol, address in _shells)
     _shells.clear()
     _lock = threading.Lock()  # it may have been held by a parent thread at the fork
 
@@ -72,11 +76,11 @@ def unregister(shell: Shell) -> None:
             del _shells[key]
 
 
-def targets() -> list[str]:
-    """The targets (``protocol://address``) of the servers registered here. A process forked
-    from one running servers inherits their list, but none of their threads (nor gRPC's)."""
-    with _lock:
-        return [f"{protocol}://{address}" for protocol, address in _shells]
+def inherited_servers() -> list[str]:
+    """In a process forked from one that ran clusterwire servers: their targets
+    (``protocol://address``). None of their threads, nor gRPC's, came along, so gRPC may not
+    work here; empty in any other process."""
+    return list(_inherited)
 
 
 def lookup(protocol: str, address: str) -> Shell | None:

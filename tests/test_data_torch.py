@@ -243,9 +243,12 @@ def test_loader_workers_forked_from_a_process_running_servers_say_to_spawn(
     from clusterwire.data import torch_dataset
 
     ds = ServiceDataset(data.Dataset.range(20), "distributed_epoch", in_process_service.target)
-    # As in a forked loader worker (where gRPC may also crash before the check is reached).
+    # As in a loader worker forked from this process (where gRPC may also crash before the
+    # check is reached): the fork's in_process.inherited_servers() lists the servers.
     monkeypatch.setattr(torch_dataset, "get_worker_info", lambda: types.SimpleNamespace(
         id=1, num_workers=2, seed=8))
+    monkeypatch.setattr(torch_dataset.in_process, "inherited_servers",
+                        lambda: [in_process_service.target])
     with pytest.raises(errors.FailedPreconditionError,
                        match=r"worker 1 was forked from a process running clusterwire servers "
                              r"\(grpc://127\.0\.0\.1:\d+.*multiprocessing_context='spawn'"):

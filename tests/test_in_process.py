@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import clusterwire
-from clusterwire import Server, Session
+from clusterwire import Server, Session, in_process
 from clusterwire.errors import (
     CancelledError,
     DeadlineExceededError,
@@ -221,7 +221,8 @@ def test_a_forked_child_reaches_the_server_not_its_stale_copy():
             try:
                 os.read(go_read, 1)
                 with Session(server.target, timeout=10) as child:
-                    os.write(answer_write, repr(int(child.get("x"))).encode())
+                    inherited = in_process.inherited_servers() == [server.target]
+                    os.write(answer_write, repr((int(child.get("x")), inherited)).encode())
             finally:
                 os._exit(0)
         try:
@@ -229,7 +230,7 @@ def test_a_forked_child_reaches_the_server_not_its_stale_copy():
             os.write(go_write, b"go")
             ready, _, _ = select.select([answer_read], [], [], 30)
             assert ready, "the forked child did not answer within 30 s"
-            assert os.read(answer_read, 100) == b"2"
+            assert os.read(answer_read, 100) == b"(2, True)"  # the live value; it knows
             os.waitpid(pid, 0)  # it exits right after answering
             pid = 0
         finally:

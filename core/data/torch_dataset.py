@@ -160,7 +160,7 @@ class ServiceDataset(IterableDataset):
         info = get_worker_info()
         if info is None:
             return self._job_name, self._consumer_index, self._num_consumers
-        servers = in_process.targets()
+        servers = in_process.inherited_servers()
         if servers:
             raise FailedPreconditionError(
                 f"DataLoader worker {info.id} was forked from a process running clusterwire "
