@@ -164,12 +164,9 @@ def distribute(processing_mode: Any, service: Any, job_name: str | None = None,
     """
     _refuse_cross_trainer_cache(cross_trainer_cache)
     policy = sharding_policy(processing_mode)
-    parse_service(service)
-    job_name = check_job_name(job_name)
-    check_consumers(job_name, consumer_index, num_consumers)
-    check_max_outstanding(max_outstanding_requests)
-    check_target_workers(target_workers)
-    compression_name(compression)
+    job_name = check_distribute_arguments(processing_mode, service, job_name, consumer_index,
+                                          num_consumers, max_outstanding_requests,
+                                          target_workers, compression)
     security = _security(config)
 
     def apply(dataset: Dataset) -> Dataset:
@@ -182,6 +179,21 @@ def distribute(processing_mode: Any, service: Any, job_name: str | None = None,
                                target_workers=target_workers, config=security)
 
     return apply
+
+
+def check_distribute_arguments(processing_mode: Any, service: Any, job_name: str | None,
+                               consumer_index: int | None, num_consumers: int | None,
+                               max_outstanding_requests: int | None, target_workers: str,
+                               compression: str | None) -> str | None:
+    """``distribute``'s checks of its arguments, with TF's errors; the job name to use."""
+    sharding_policy(processing_mode)
+    parse_service(service)
+    job_name = check_job_name(job_name)
+    check_consumers(job_name, consumer_index, num_consumers)
+    check_max_outstanding(max_outstanding_requests)
+    check_target_workers(target_workers)
+    compression_name(compression)
+    return job_name
 
 
 def _refuse_cross_trainer_cache(cross_trainer_cache: Any) -> None:

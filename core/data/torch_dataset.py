@@ -45,17 +45,13 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from clusterwire import in_process
 from clusterwire.data import graph
-from clusterwire.data.client import ServiceSource, from_dataset_id, register_dataset
-from clusterwire.data.dataset import Dataset
-from clusterwire.data.modes import (
-    check_consumers,
-    check_job_name,
-    check_max_outstanding,
-    check_target_workers,
-    compression_name,
-    parse_service,
-    sharding_policy,
+from clusterwire.data.client import (
+    ServiceSource,
+    check_distribute_arguments,
+    from_dataset_id,
+    register_dataset,
 )
+from clusterwire.data.dataset import Dataset
 from clusterwire.errors import FailedPreconditionError, InvalidArgumentError
 from clusterwire.security import Security
 
@@ -103,13 +99,9 @@ class ServiceDataset(IterableDataset):
                  target_workers: str = "AUTO", *,
                  config: Mapping[str, Any] | Security | None = None):
         super().__init__()
-        sharding_policy(processing_mode)
-        parse_service(service)
-        self._job_name = check_job_name(job_name)
-        check_consumers(self._job_name, consumer_index, num_consumers)
-        check_max_outstanding(max_outstanding_requests)
-        check_target_workers(target_workers)
-        compression_name(compression)
+        self._job_name = check_distribute_arguments(
+            processing_mode, service, job_name, consumer_index, num_consumers,
+            max_outstanding_requests, target_workers, compression)
         if isinstance(dataset, Dataset):
             if isinstance(dataset.pipeline.source, ServiceSource):
                 raise InvalidArgumentError(
