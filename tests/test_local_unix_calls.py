@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -160,22 +161,41 @@ def test_a_late_answer_is_a_deadline_and_the_channel_goes_on(listen, channels):
         release.set()
 
 
-def test_stop_answers_a_call_in_flight_with_cancelled(listen, channels, transport):
+class _HeldCall(NamedTuple):
+    """A call from another thread that its listener's handler holds until ``release``."""
+
+    listener: Any
+    channel: Any
+    caller: threading.Thread
+    outcome: list[object]
+    release: threading.Event
+
+
+def _held_call(listen, channels, frame: Frame) -> _HeldCall:
+    """Start a listener whose handler waits for ``release`` (at most 30 s), send ``frame``
+    to it from a thread, and return once the handler holds it."""
     entered, release = threading.Event(), threading.Event()
 
-    def handler(frame: Frame) -> Frame:
+    def handler(request: Frame) -> Frame:
         entered.set()
         release.wait(30)
-        return echo_handler(frame)
+        return echo_handler(request)
 
     listener = listen(handler)
     channel = channels(listener.address)
     outcome: list[object] = []
-    caller = threading.Thread(target=lambda: outcome.append(
-        _outcome(channel, Frame(b"block", []), 30)))
+    caller = threading.Thread(target=lambda: outcome.append(_outcome(channel, frame, 30)))
     caller.start()
+    if not entered.wait(10):
+        release.set()
+        raise AssertionError("the handler never got the call")
+    return _HeldCall(listener, channel, caller, outcome, release)
+
+
+def test_stop_answers_a_call_in_flight_with_cancelled(listen, channels, transport):
+    listener, channel, caller, outcome, release = _held_call(listen, channels,
+                                                             Frame(b"block", []))
     try:
-        assert entered.wait(10)
         started = time.monotonic()
         listener.stop(0.2)
         caller.join(10)
@@ -190,20 +210,8 @@ def test_stop_answers_a_call_in_flight_with_cancelled(listen, channels, transpor
 
 
 def test_stop_lets_calls_in_flight_finish_within_the_grace(listen, channels):
-    entered, release = threading.Event(), threading.Event()
-
-    def handler(frame: Frame) -> Frame:
-        entered.set()
-        release.wait(30)
-        return echo_handler(frame)
-
-    listener = listen(handler)
-    channel = channels(listener.address)
-    outcome: list[object] = []
-    caller = threading.Thread(target=lambda: outcome.append(
-        _outcome(channel, Frame(b"drained", [b"ok"]), 30)))
-    caller.start()
-    assert entered.wait(10)
+    listener, _, caller, outcome, release = _held_call(listen, channels,
+                                                       Frame(b"drained", [b"ok"]))
     stopper = threading.Thread(target=listener.stop, args=(20,))
     stopper.start()
     try:
