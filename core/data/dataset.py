@@ -189,6 +189,11 @@ class Dataset:
         return self._pipeline.cardinality()
 
     def __iter__(self) -> Iterator[Any]:
+        """An iterator of the elements. Of a dataset read through the service (nothing
+        applied after ``distribute``) it has ``state_dict()``: the consumer's position, to
+        resume from (``distribute(..., state=...)``)."""
+        if not self._pipeline.ops:
+            return self._pipeline.source.open()
         return self._pipeline.run()
 
     def as_numpy_iterator(self) -> Iterator[Any]:

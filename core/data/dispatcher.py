@@ -16,6 +16,14 @@ A consumer that stops reading releases its job (``ClientHeartbeatRequest.release
   without repeating any (what a consumer fetched of splits it had read to their end is its
   own, as in TF). A released consumer gets no more splits.
 
+A distributed_epoch consumer whose position was saved (``state_dict()``; it says so with its
+requests, ``resumable``) can be restarted from that position (``GetOrCreateJobRequest.resume``).
+The job remembers what it handed each consumer, and at which offset: the restarted consumer
+gets back every split handed to it after the saved position (at its hand-out offset) and the
+ones the position lists as partly read (at the elements it had returned). So that nobody
+else reads them meanwhile, a resumable consumer that stops or dies keeps its splits
+(dormant) for job_gc_timeout_ms; only then do they go back to the pool.
+
 In distributed_epoch no consumer is told the splits have ended while another consumer still
 holds some: those may come back (a consumer stopping early or timing out) and must be read.
 """
@@ -60,6 +68,7 @@ from clusterwire.protos.data_service_pb2 import (
     JournalDataset,
     JournalEntry,
     JournalJob,
+    JournalResume,
     JournalSplit,
     JournalSplitsDone,
     StreamSpec,
@@ -300,6 +309,11 @@ class DispatchServer:
         with self._cond:
             record = self._dataset(request.dataset_id)
             job_id = self._state.job_keys.get(request.job_key)
+            if job_id is None and request.resume:
+                raise errors.NotFoundError(
+                    f"The job of the saved position ({request.job_key!r}) is gone: it was "
+                    "collected after job_gc_timeout_ms, or the dispatcher restarted without "
+                    "fault_tolerant_mode. A position resumes only while its job lives.")
             if job_id is None:
                 job_id = self._create_job(request, record, policy)
             job = self._state.jobs[job_id]
@@ -308,6 +322,8 @@ class DispatchServer:
                     f"Tried to create job with name {request.job_key.rsplit('/', 1)[0]!r} "
                     f"and processing mode {policy.name}, but found an existing job with "
                     f"different processing mode {ShardingPolicy(job.info.sharding_policy).name}.")
+            if request.resume:
+                self._resume(job, request)
             job.last_active = time.monotonic()
             response = DataResponse()
             response.job.CopyFrom(job.info)
@@ -360,6 +376,43 @@ class DispatchServer:
         self._commit(JournalEntry(job=job))
         return info.job_id
 
+    def _resume(self, job: Job, request) -> None:
+        """A consumer restarts from a saved distributed_epoch position (checked here against
+        what the job handed it). Call with the lock held."""
+        consumer = request.consumer_id
+        base = job.handout_base.get(consumer, 0)
+        handed = len(job.handouts.get(consumer, [])) + base
+        if job.info.sharding_policy != ShardingPolicy.DYNAMIC or consumer in job.released \
+                or consumer not in job.resumable:
+            why = ("it stopped without keeping its splits (its position was not saved, or it "
+                   "was away longer than job_gc_timeout_ms)" if consumer in job.released
+                   else "its position was never saved in this job")
+            raise errors.FailedPreconditionError(
+                f"Consumer {consumer!r} of job {job.info.job_id} cannot resume: {why}. Start "
+                "a new iteration instead.")
+        if not base <= request.handed <= handed:
+            raise errors.FailedPreconditionError(
+                f"The saved position is after hand-out {request.handed} of consumer "
+                f"{consumer!r}, but the job keeps its hand-outs {base} to {handed}: the "
+                "position is too old (or not of this job). Resume from a later one.")
+        kept = {split for split, _ in job.handouts.get(consumer, [])}
+        stray = [s for s in [*(p.split_id for p in request.partial), *request.completed]
+                 if s not in kept]
+        if stray:
+            raise errors.InvalidArgumentError(
+                f"The saved position names split {stray[0]}, which job {job.info.job_id} did "
+                f"not hand to consumer {consumer!r}: the position is not this consumer's.")
+        self._commit(JournalEntry(resumed=JournalResume(
+            job_id=job.info.job_id, consumer_id=consumer, handed=request.handed,
+            partial=request.partial, completed=request.completed)))
+
+    def _keep_resumable(self, job: Job, consumer: str) -> None:
+        """``consumer`` saved its position: from now on its splits stay its own while it is
+        away (for job_gc_timeout_ms). Call with the lock held."""
+        if consumer not in job.resumable and consumer not in job.released:
+            self._commit(JournalEntry(resumable=JournalSplit(job_id=job.info.job_id,
+                                                             consumer_id=consumer)))
+
     def _workers_for(self, job: Job) -> list:
         order = list(job.info.worker_order) or None
         return self._state.live_workers(self._worker_timeout, order)
@@ -384,6 +437,8 @@ class DispatchServer:
             if (request.finished and not job.info.finished
                     and job.info.sharding_policy != ShardingPolicy.DYNAMIC):
                 self._commit(JournalEntry(finished_job=job.info.job_id))
+            if request.resumable:
+                self._keep_resumable(job, request.consumer_id)
             if request.release:
                 self._release(job, request)
             else:
@@ -395,21 +450,24 @@ class DispatchServer:
 
     def _release(self, job: Job, request) -> None:
         """A consumer stopped: remove its anonymous job, or give a named job's splits it
-        held back to the pool at the offsets it reached. Call with the lock held."""
+        held back to the pool at the offsets it reached; a resumable consumer's splits stay
+        its own (dormant) at those offsets. Call with the lock held."""
         consumer = request.consumer_id
+        job.last_active = time.monotonic()
+        mine = sorted(s for s, c in job.assigned.items() if c == consumer)
+        reached = {u.split_id: u.offset for u in request.unfinished}
+        record = JournalSplitsDone(
+            job_id=job.info.job_id, consumer_id=consumer, split_ids=mine,
+            offsets=[max(reached.get(s, 0), job.offsets.get(s, 0)) for s in mine])
+        if consumer in job.resumable:
+            self._commit(JournalEntry(kept=record))
+            return
         job.consumers.pop(consumer, None)
         job.released.add(consumer)
-        job.last_active = time.monotonic()
         if not job.named and job.info.owner in ("", consumer):
             self._commit(JournalEntry(removed_job=job.info.job_id))
-            return
-        mine = sorted(s for s, c in job.assigned.items() if c == consumer)
-        if mine:
-            reached = {u.split_id: u.offset for u in request.unfinished}
-            offsets = [max(reached.get(s, 0), job.offsets.get(s, 0)) for s in mine]
-            self._commit(JournalEntry(returned=JournalSplitsDone(
-                job_id=job.info.job_id, consumer_id=consumer, split_ids=mine,
-                offsets=offsets)))
+        elif mine:
+            self._commit(JournalEntry(returned=record))
 
     def _on_get_split(self, request, _buffers):
         with self._cond:
@@ -419,6 +477,8 @@ class DispatchServer:
                     f"Consumer {request.consumer_id!r} released job {job.info.job_id}; a new "
                     "iteration reads as a new consumer.")
             self._expire_consumers(job, time.monotonic())
+            if request.resumable:
+                self._keep_resumable(job, request.consumer_id)
             self._seen(job, request.consumer_id)
             return self._next_split(job, request.consumer_id, set(request.held),
                                     list(request.done)), []
@@ -449,6 +509,7 @@ class DispatchServer:
         result.split.split_id = split_id
         result.split.unit_start, result.split.unit_end = job.split_range(split_id)
         result.split.offset = job.offsets.get(split_id, 0)
+        result.split.handout = job.handout_index(consumer, split_id)
         result.split.grant = grants.grant(self._state.grant_key, StreamSpec(
             job_id=job.info.job_id, dataset_id=job.info.dataset_id, is_split=True,
             split_id=split_id, unit_start=result.split.unit_start,
@@ -479,14 +540,26 @@ class DispatchServer:
                 self._collect(time.monotonic())
 
     def _expire_consumers(self, job: Job, now: float) -> None:
-        """Give the splits of consumers unheard of for the client timeout back to the pool."""
+        """Give the splits of consumers unheard of for the client timeout back to the pool;
+        a resumable consumer's only once it has been away for job_gc_timeout_ms."""
         for consumer, seen in list(job.consumers.items()):
             if now - seen > self._client_timeout:
                 del job.consumers[consumer]
-                mine = [s for s, c in job.assigned.items() if c == consumer]
-                if mine:
-                    self._commit(JournalEntry(returned=JournalSplitsDone(
-                        job_id=job.info.job_id, consumer_id=consumer, split_ids=mine)))
+                if consumer in job.resumable:
+                    job.dormant[consumer] = seen
+                else:
+                    self._return_splits(job, consumer)
+        for consumer, since in list(job.dormant.items()):
+            if self._gc_timeout is not None and now - since > self._gc_timeout:
+                job.released.add(consumer)
+                self._return_splits(job, consumer)
+
+    def _return_splits(self, job: Job, consumer: str) -> None:
+        mine = [s for s, c in job.assigned.items() if c == consumer]
+        if mine or consumer in job.dormant:
+            self._commit(JournalEntry(returned=JournalSplitsDone(
+                job_id=job.info.job_id, consumer_id=consumer, split_ids=mine,
+                offsets=[job.offsets.get(s, 0) for s in mine])))
 
     def _collect(self, now: float) -> None:
         for job in list(self._state.jobs.values()):

@@ -19,11 +19,16 @@ from clusterwire.protos.data_service_pb2 import (
     JobInfo,
     JournalDataset,
     JournalEntry,
+    JournalHandouts,
     JournalJob,
     JournalJobProgress,
     JournalSplit,
     WorkerInfo,
 )
+
+#: Hand-outs a job remembers per consumer (what a saved position may go back to); a
+#: position saved before the last MAX_HANDOUTS hand-outs cannot be resumed.
+MAX_HANDOUTS = 100_000
 
 
 @dataclass
@@ -60,6 +65,54 @@ class Job:
     consumers: dict[str, float] = field(default_factory=dict)  # consumer -> last seen
     released: set[str] = field(default_factory=set)
     last_active: float = field(default_factory=time.monotonic)
+    # consumer -> its hand-outs (split, offset handed at), the first handout_base dropped
+    handouts: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    handout_base: dict[str, int] = field(default_factory=dict)
+    resumable: set[str] = field(default_factory=set)  # saved their position
+    dormant: dict[str, float] = field(default_factory=dict)  # resumable, stopped -> since
+
+    def handout_index(self, consumer: str, split_id: int) -> int:
+        """The index of ``split_id``'s last hand-out to ``consumer`` (-1: none kept)."""
+        handouts = self.handouts.get(consumer, [])
+        for i in range(len(handouts) - 1, -1, -1):
+            if handouts[i][0] == split_id:
+                return self.handout_base.get(consumer, 0) + i
+        return -1
+
+    def _hand_out(self, consumer: str, split_id: int) -> None:
+        handouts = self.handouts.setdefault(consumer, [])
+        handouts.append((split_id, self.offsets.get(split_id, 0)))
+        if len(handouts) > MAX_HANDOUTS:
+            dropped = len(handouts) - MAX_HANDOUTS
+            del handouts[:dropped]
+            self.handout_base[consumer] = self.handout_base.get(consumer, 0) + dropped
+
+    def _reclaim(self, consumer: str, split_id: int, offset: int) -> None:
+        """Give ``split_id`` back to ``consumer`` (resuming), to be read from ``offset``."""
+        self.assigned[split_id] = consumer
+        if split_id in self.pool:
+            self.pool.remove(split_id)
+        if offset:
+            self.offsets[split_id] = offset
+        else:
+            self.offsets.pop(split_id, None)
+        self.info.finished = False
+
+    def resume(self, consumer: str, handed: int, partial: dict[int, int],
+               completed: set[int]) -> None:
+        """``consumer`` restarts from a position saved after its first ``handed`` hand-outs:
+        the later ones (but those it had ``completed``) are its own again at the offsets
+        they were handed at, and the ``partial`` ones at the elements it had consumed (the
+        dispatcher checked all three)."""
+        base = self.handout_base.get(consumer, 0)
+        for split_id, offset in self.handouts.get(consumer, [])[handed - base:]:
+            if split_id not in completed:
+                self._reclaim(consumer, split_id, offset)
+        for split_id, offset in partial.items():
+            self._reclaim(consumer, split_id, offset)
+        self.dormant.pop(consumer, None)
+        self.released.discard(consumer)
+        self.consumers[consumer] = time.monotonic()
 
     @property
     def splits_per_epoch(self) -> int:
@@ -123,11 +176,16 @@ class DispatcherState:
                 job.next_split = max(job.next_split, split + 1)
                 if split in job.pool:
                     job.pool.remove(split)
+                job._hand_out(entry.assign.consumer_id, split)
                 job.consumers.setdefault(entry.assign.consumer_id, now)
         elif kind in ("done", "returned"):
             record = getattr(entry, kind)
             job = self.jobs.get(record.job_id)
             if job is not None:
+                if kind == "returned":  # the consumer cannot resume any more
+                    for kept in (job.handouts, job.handout_base, job.dormant):
+                        kept.pop(record.consumer_id, None)
+                    job.resumable.discard(record.consumer_id)
                 offsets = dict(zip(record.split_ids, record.offsets, strict=False))
                 for split in record.split_ids:
                     job.assigned.pop(split, None)
@@ -139,6 +197,24 @@ class DispatcherState:
                         job.offsets.pop(split, None)
                         if split in job.pool:
                             job.pool.remove(split)
+        elif kind == "kept":
+            job = self.jobs.get(entry.kept.job_id)
+            if job is not None:
+                for split, offset in zip(entry.kept.split_ids, entry.kept.offsets, strict=False):
+                    if job.assigned.get(split) == entry.kept.consumer_id and offset:
+                        job.offsets[split] = offset
+                job.consumers.pop(entry.kept.consumer_id, None)
+                job.dormant[entry.kept.consumer_id] = now
+        elif kind == "resumable":
+            job = self.jobs.get(entry.resumable.job_id)
+            if job is not None:
+                job.resumable.add(entry.resumable.consumer_id)
+        elif kind == "resumed":
+            r = entry.resumed
+            job = self.jobs.get(r.job_id)
+            if job is not None:
+                job.resume(r.consumer_id, r.handed, {p.split_id: p.offset for p in r.partial},
+                           set(r.completed))
         elif kind == "finished_job":
             job = self.jobs.get(entry.finished_job)
             if job is not None:
@@ -166,6 +242,13 @@ class DispatcherState:
                 job.assigned = {a.split_id: a.consumer_id for a in p.assigned}
                 job.info.finished = p.finished
                 job.offsets = dict(p.offsets)
+                job.handouts = {h.consumer_id: list(zip(h.split_ids, h.offsets, strict=True))
+                                for h in p.handouts}
+                job.handout_base = {h.consumer_id: h.base for h in p.handouts}
+                job.resumable = set(p.resumable)
+                job.dormant = dict.fromkeys(p.dormant, now)
+                for consumer in set(job.assigned.values()) - set(job.dormant):
+                    job.consumers.setdefault(consumer, now)  # else never timed out
 
     def snapshot(self) -> list[JournalEntry]:
         """Entries that rebuild this state from nothing: what a compacted journal holds."""
@@ -183,7 +266,12 @@ class DispatcherState:
                 job_id=job.info.job_id, next_split=job.next_split, pool=job.pool,
                 finished=job.info.finished, offsets=job.offsets, assigned=[
                     JournalSplit(job_id=job.info.job_id, split_id=split, consumer_id=consumer)
-                    for split, consumer in job.assigned.items()])))
+                    for split, consumer in job.assigned.items()],
+                handouts=[JournalHandouts(
+                    consumer_id=consumer, base=job.handout_base.get(consumer, 0),
+                    split_ids=[s for s, _ in handouts], offsets=[o for _, o in handouts])
+                    for consumer, handouts in job.handouts.items()],
+                resumable=sorted(job.resumable), dormant=sorted(job.dormant))))
         entries.extend(JournalEntry(worker=worker) for worker in self.workers.values())
         return entries
 

@@ -54,6 +54,12 @@ def sharding_policy(processing_mode: Any) -> ShardingPolicy:
         f"`\"distributed_epoch\"`. Got {processing_mode!r}.")
 
 
+def mode_name(policy: int) -> str:
+    """How a user names ``policy``: "parallel_epochs", "distributed_epoch" or its name."""
+    names = {ShardingPolicy.OFF: "parallel_epochs", ShardingPolicy.DYNAMIC: "distributed_epoch"}
+    return names.get(ShardingPolicy(policy), ShardingPolicy(policy).name)
+
+
 def compression_name(compression: Any) -> str:
     """The wire name of a ``compression`` argument ("AUTO", "SNAPPY" or None)."""
     if isinstance(compression, str) or compression is None:

@@ -93,6 +93,11 @@ class Source:
         units = self.units()
         return self.read(0, units) if units is not None else iter(())
 
+    def open(self) -> Iterator[Any]:
+        """The iterator of a dataset of this source alone: ``iterate()``'s elements, where a
+        source may add to it (the service's has ``state_dict()``)."""
+        return self.iterate()
+
     def has_files(self) -> bool:
         return False
 

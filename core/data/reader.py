@@ -66,7 +66,8 @@ from typing import Any
 from clusterwire import errors
 from clusterwire.addressing import split_host_port
 from clusterwire.data import elements
-from clusterwire.data.modes import STATIC_POLICIES, ShardingPolicy
+from clusterwire.data.modes import STATIC_POLICIES, ShardingPolicy, mode_name
+from clusterwire.data.position import Position
 from clusterwire.data.rpc import DispatcherClient, WorkerChannels
 from clusterwire.data.streams import OVER_LIMITS
 from clusterwire.protos.data_service_pb2 import (
@@ -136,6 +137,15 @@ class _Split:
     attempt: int = 0
     orphaned_at: float = 0.0
     address: str = ""  # the worker reading it
+    handout: int = -1  # its index among the splits the job handed this consumer
+    ended: bool = False  # read to its end (``consumed`` may still be behind ``received``)
+
+
+@dataclass
+class _StreamPosition:
+    """Elements of one worker's stream returned by __next__ (parallel_epochs, static)."""
+
+    consumed: int = 0
 
 
 @dataclass
@@ -178,9 +188,11 @@ class JobReader(Iterator[Any]):
     consumer's streams on the workers and its job at the dispatcher; see the module docstring.
     """
 
-    def __init__(self, dispatcher: DispatcherClient, options: ReadOptions, iteration: int):
+    def __init__(self, dispatcher: DispatcherClient, options: ReadOptions, iteration: int,
+                 position: Position | None = None):
         self._dispatcher = dispatcher
         self._options = options
+        self._iteration = iteration
         self._consumer = uuid.uuid4().hex
         self._channels = WorkerChannels(dispatcher.security)
         self._decoder = ThreadPoolExecutor(_DECODERS, "clusterwire-data-decode")
@@ -191,7 +203,9 @@ class JobReader(Iterator[Any]):
         self._lock = threading.Lock()
         self._split_lock = threading.Lock()
         self._seq = itertools.count(1)
-        self._attempts = itertools.count(1)
+        # Attempts at splits grow across processes: a resumed consumer's reads (same consumer
+        # id) must not land in the streams its earlier process opened.
+        self._attempts = itertools.count(time.time_ns())
         self._workers: dict[str, WorkerInfo] = {}
         self._failed: dict[str, _Failure] = {}
         self._started: dict[str, int] = {}  # worker -> running reader threads
@@ -208,12 +222,22 @@ class JobReader(Iterator[Any]):
         self._finished = False
         self._released = False
         self._delivered = False  # a batch was read (later splits start with a whole batch)
-        named = options.job_name is not None
-        key = f"{options.job_name}/{iteration}" if named else f"anonymous/{self._consumer}"
-        response, _ = dispatcher.call(DataRequest(get_or_create_job=GetOrCreateJobRequest(
-            dataset_id=options.dataset_id, sharding_policy=options.policy, job_key=key,
-            named=named, num_consumers=options.num_consumers,
-            target_workers=options.target_workers, consumer_id=self._consumer)))
+        # The consumer's position (state_dict): elements returned, each worker stream's
+        # (parallel_epochs, static) and, in distributed_epoch, the splits handed to it: every
+        # one before hand-out `_handed` is in `_unread` or read completely; later ones read
+        # completely are in `_completed` (split -> hand-out), the others in `_handouts`.
+        self._elements = 0
+        self._positions: dict[str, _StreamPosition] = {}
+        self._unread: dict[int, _Split] = {}
+        self._handed = 0
+        self._handouts: set[int] = set()
+        self._completed: dict[int, int] = {}
+        self._resumable = False  # the dispatcher keeps this consumer's splits for a resume
+        self._start_offsets: dict[str, int] = {}
+        self._private = options.job_name is None  # no other consumer reads its streams
+        request = self._job_request(options, iteration, position)
+        self._key = request.job_key
+        response, _ = dispatcher.call(DataRequest(get_or_create_job=request))
         self._job: JobInfo = response.job
         if self._job.finished:
             self._finished = self._released = True
@@ -222,6 +246,91 @@ class JobReader(Iterator[Any]):
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True,
                                            name="clusterwire-data-client-heartbeat")
         self._heartbeat.start()
+
+    def _job_request(self, options: ReadOptions, iteration: int, position: Position | None
+                     ) -> GetOrCreateJobRequest:
+        """The job this consumer reads: a new or named one, or the one it resumes."""
+        named = options.job_name is not None
+        key = f"{options.job_name}/{iteration}" if named else f"anonymous/{self._consumer}"
+        request = GetOrCreateJobRequest(
+            dataset_id=options.dataset_id, sharding_policy=options.policy, job_key=key,
+            named=named, num_consumers=options.num_consumers,
+            target_workers=options.target_workers, consumer_id=self._consumer)
+        if position is None:
+            return request
+        _check_resumable(options, position)
+        self._elements = position.elements
+        if options.policy != ShardingPolicy.DYNAMIC:
+            # A job of its own whose worker streams skip what was returned before.
+            request.named, self._private = False, True
+            self._start_offsets = dict(position.streams)
+            return request
+        self._consumer = request.consumer_id = position.consumer_id
+        request.job_key, request.resume = position.job_key, True
+        request.handed = self._handed = position.handed
+        request.partial.extend(SplitOffset(split_id=split, offset=offset)
+                               for split, offset in position.partial.items())
+        request.completed.extend(position.completed)
+        self._resumable = True
+        return request
+
+    # ---- position ----
+
+    def state_dict(self) -> dict[str, Any]:
+        """This consumer's position: a small JSON-serialisable dict from which
+        ``distribute(..., state=...)`` / ``from_dataset_id(..., state=...)`` resume the
+        iteration, in this process or another one (see data/position.py). Elements returned
+        after it are returned once more by the resumed iteration, no others.
+
+        In distributed_epoch the first call tells the dispatcher to keep this consumer's
+        splits for it while it is away (for job_gc_timeout_ms), even after ``close()``.
+        """
+        policy = ShardingPolicy(self._job.sharding_policy)
+        if self._options.num_consumers:
+            raise errors.UnimplementedError(
+                "Round-robin reads (num_consumers) have no saved positions yet: a worker "
+                "drops an element once a consumer has read it. Use distributed_epoch, whose "
+                "consumers resume.")
+        if policy != ShardingPolicy.DYNAMIC and not self._private:
+            raise errors.FailedPreconditionError(
+                f"Consumers of a named {mode_name(policy)} job share its worker streams, so one "
+                "consumer's position is not a position in them. Save positions of "
+                "distributed_epoch reads (each split is one consumer's), or read without "
+                "job_name.")
+        if policy == ShardingPolicy.DYNAMIC and not self._resumable and not self._finished:
+            self._dispatcher.call(DataRequest(client_heartbeat=ClientHeartbeatRequest(
+                job_id=self._job.job_id, consumer_id=self._consumer, resumable=True)))
+            self._resumable = True
+        with self._lock:
+            partial = {s.split_id: s.consumed for s in self._unread.values()}
+            completed = tuple(split for split, at in self._completed.items()
+                              if at >= self._handed)
+            streams = {address: p.consumed for address, p in self._positions.items()}
+            streams = {**self._start_offsets, **streams}
+        return Position(
+            dataset_id=self._options.dataset_id, processing_mode=int(policy),
+            iteration=self._iteration, job_key=self._key, consumer_id=self._consumer,
+            handed=self._handed, partial=partial, completed=completed, streams=streams,
+            elements=self._elements).to_dict()
+
+    def _handed_out(self, split: _Split) -> None:
+        """Track a split the job handed this consumer; call with the lock held."""
+        self._unread[split.split_id] = split
+        if split.handout >= self._handed:
+            self._handouts.add(split.handout)
+            while self._handed in self._handouts:
+                self._handouts.discard(self._handed)
+                self._handed += 1
+
+    def _split_returned(self, split: _Split) -> None:
+        """Once a split is read to its end and all of it returned, it leaves the position's
+        partial ones; call with the lock held."""
+        if split.ended and split.consumed >= split.received and \
+                self._unread.pop(split.split_id, None) is not None:
+            if split.handout >= self._handed:
+                self._completed[split.split_id] = split.handout
+            for done in [s for s, at in self._completed.items() if at < self._handed]:
+                del self._completed[done]
 
     # ---- iteration ----
 
@@ -232,7 +341,7 @@ class JobReader(Iterator[Any]):
         while not self._batch:
             if self._finished:
                 raise StopIteration
-            kind, payload, split = self._queue.get()
+            kind, payload, position = self._queue.get()
             if kind is _END:
                 self._finish()
                 raise StopIteration
@@ -245,14 +354,18 @@ class JobReader(Iterator[Any]):
                 self.close()
                 raise
             self._batch.extend(decoded)
-            if split is not None and decoded:
-                self._credits.append([split, len(decoded)])
+            if position is not None and decoded:
+                self._credits.append([position, len(decoded)])
+        self._elements += 1
         if self._credits:
             credit = self._credits[0]
             credit[0].consumed += 1
             credit[1] -= 1
             if not credit[1]:
                 self._credits.popleft()
+                if isinstance(credit[0], _Split):
+                    with self._lock:
+                        self._split_returned(credit[0])
         return self._batch.popleft()
 
     def _finish(self) -> None:
@@ -291,7 +404,7 @@ class JobReader(Iterator[Any]):
         self._decoder.shutdown(wait=False, cancel_futures=True)
         request = DataRequest(client_heartbeat=ClientHeartbeatRequest(
             job_id=self._job.job_id, consumer_id=self._consumer, finished=finished,
-            release=True, unfinished=unfinished))
+            release=True, unfinished=unfinished, resumable=self._resumable))
         sender = threading.Thread(target=self._send_releases, args=(request, streams),
                                   daemon=True, name="clusterwire-data-release")
         sender.start()
@@ -325,7 +438,9 @@ class JobReader(Iterator[Any]):
         except errors.OpError as err:
             log.debug("Releasing %d streams on worker %s failed: %s", len(specs), address, err)
 
-    def _put(self, kind: Any, payload: Any = None, split: _Split | None = None) -> None:
+    def _put(self, kind: Any, payload: Any = None,
+             position: _Split | _StreamPosition | None = None) -> None:
+        """Queue a batch (and what its elements advance when returned), an error or _END."""
         if kind == "batch":
             try:
                 payload = self._decoder.submit(payload.decode)
@@ -333,7 +448,7 @@ class JobReader(Iterator[Any]):
                 return
         while not self._stop.is_set():
             try:
-                self._queue.put((kind, payload, split), timeout=0.1)
+                self._queue.put((kind, payload, position), timeout=0.1)
                 return
             except queue.Full:
                 continue
@@ -345,9 +460,10 @@ class JobReader(Iterator[Any]):
     # ---- workers ----
 
     def _heartbeat_loop(self) -> None:
-        request = DataRequest(client_heartbeat=ClientHeartbeatRequest(
-            job_id=self._job.job_id, consumer_id=self._consumer))
         while not self._stop.wait(HEARTBEAT_S if self._workers else _NO_WORKER_POLL_S):
+            request = DataRequest(client_heartbeat=ClientHeartbeatRequest(
+                job_id=self._job.job_id, consumer_id=self._consumer,
+                resumable=self._resumable))
             try:
                 response, _ = self._dispatcher.call(request)
             except errors.CancelledError:
@@ -528,9 +644,13 @@ class JobReader(Iterator[Any]):
         order = list(self._job.worker_order)
         if self._job.sharding_policy in STATIC_POLICIES and address in order:
             spec.shard_index, spec.num_shards = order.index(address), len(order)
-        first, received = True, 0
+        offset = self._start_offsets.get(address, 0)
+        with self._lock:
+            position = self._positions.setdefault(address, _StreamPosition(offset))
+        first, received = True, offset
         while not self._stop.is_set():
-            read = self._read_retrying(address, spec, first=first)
+            read = self._read_retrying(address, spec, first=first,
+                                       offset=offset if first else 0)
             if read is None:
                 self._drop(address, spec, received)
                 return
@@ -538,7 +658,7 @@ class JobReader(Iterator[Any]):
             first = False
             received += len(batch)
             if batch:
-                self._put("batch", batch)
+                self._put("batch", batch, position)
             if end:
                 return
 
@@ -626,7 +746,8 @@ class JobReader(Iterator[Any]):
                 done, self._done_splits = self._done_splits, []
                 held = list(self._held)
             response, _ = self._dispatcher.call(DataRequest(get_split=GetSplitRequest(
-                job_id=self._job.job_id, consumer_id=self._consumer, held=held, done=done)))
+                job_id=self._job.job_id, consumer_id=self._consumer, held=held, done=done,
+                resumable=self._resumable)))
             result = response.get_split
             with self._lock:
                 if result.end_of_splits:
@@ -635,8 +756,10 @@ class JobReader(Iterator[Any]):
                     return None
                 split = _Split(result.split.split_id, result.split.unit_start,
                                result.split.unit_end, result.split.grant,
-                               received=result.split.offset, consumed=result.split.offset)
+                               received=result.split.offset, consumed=result.split.offset,
+                               handout=result.split.handout)
                 self._held[split.split_id] = split
+                self._handed_out(split)
         self._fill_idle_workers()
         return split
 
@@ -662,6 +785,8 @@ class JobReader(Iterator[Any]):
                 with self._lock:
                     del self._held[split.split_id]
                     self._done_splits.append(split.split_id)
+                    split.ended = True
+                    self._split_returned(split)
                 return True
         return False
 
@@ -733,3 +858,20 @@ class JobReader(Iterator[Any]):
                 failure.delay = _backoff(failure.delay)
         if not self._stop.is_set():
             self._start_slots(slots)
+
+
+def _check_resumable(options: ReadOptions, position: Position) -> None:
+    """InvalidArgumentError unless ``position`` is of a read like the one ``options`` ask."""
+    if position.dataset_id != options.dataset_id:
+        raise errors.InvalidArgumentError(
+            f"The saved position is of dataset {position.dataset_id!r}, this read is of "
+            f"{options.dataset_id!r}: resume with the same dataset and dispatcher (a "
+            "dispatcher restarted without fault_tolerant_mode gives datasets new ids).")
+    if position.processing_mode != options.policy:
+        raise errors.InvalidArgumentError(
+            f"The saved position is of a {mode_name(position.processing_mode)} read, this "
+            f"read is {mode_name(options.policy)}: resume in the "
+            "processing mode the position was saved in.")
+    if options.num_consumers:
+        raise errors.UnimplementedError(
+            "Round-robin reads (num_consumers) cannot resume from a saved position yet.")

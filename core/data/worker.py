@@ -332,6 +332,10 @@ class WorkerServer:
             if stream is not None:
                 return stream
             self._check_openable(spec, consumer_id)
+            if offset and not (spec.is_split or spec.owner):
+                raise errors.InvalidArgumentError(
+                    f"A read of job {spec.job_id}'s shared stream asked to skip {offset} "
+                    "elements: only a split or an anonymous job's own stream starts later.")
             # A new attempt at a split replaces the consumer's earlier ones.
             attempts = [k for k in self._streams if spec.is_split and k[:3] == key[:3]]
             if any(k[3] > key[3] for k in attempts):
@@ -340,7 +344,7 @@ class WorkerServer:
                     "later one of the same consumer.")
             replaced = self._admit(spec, key, attempts)
             elements_iter = self._elements(pipe, spec)
-            if spec.is_split and offset:
+            if offset:  # a split's later attempt, or a resumed consumer's own stream
                 elements_iter = itertools.islice(elements_iter, offset, None)
             stream = self._streams[key] = Stream(elements_iter,
                                                  lambda e: elements.encode(e, mode))

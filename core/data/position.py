@@ -1,0 +1,118 @@
+"""A consumer's position in a job: what ``state_dict()`` returns, and where a resumed
+iteration starts (``distribute(..., state=...)`` / ``from_dataset_id(..., state=...)``).
+
+It is a small JSON-serialisable dict, saved beside a model checkpoint:
+
+* distributed_epoch: the job and the consumer (the same consumer resumes in the same job),
+  how many splits the job had handed it (``handed``: every earlier one is read completely or
+  listed in ``partial`` with the elements returned of it) and the splits handed later but
+  already read completely (``completed``). The dispatcher gives the consumer back every other
+  split it had been handed, so each element is returned once over the whole run, those
+  returned after the saved position once more.
+* parallel_epochs (and static sharding): the elements returned of each worker's stream
+  (``streams``). A resumed iteration is a new job whose streams skip those elements.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from clusterwire.data.modes import ShardingPolicy
+from clusterwire.errors import InvalidArgumentError
+
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where one consumer is in one iteration of a distributed dataset."""
+
+    dataset_id: str
+    processing_mode: int  # the job's ShardingPolicy
+    iteration: int
+    job_key: str = ""
+    consumer_id: str = ""
+    handed: int = 0
+    partial: dict[int, int] = field(default_factory=dict)  # split id -> elements returned
+    completed: tuple[int, ...] = ()
+    streams: dict[str, int] = field(default_factory=dict)  # worker -> elements returned
+    elements: int = 0  # returned in this iteration, before and after resuming
+
+    def to_dict(self) -> dict[str, Any]:
+        """The position as a JSON-serialisable dict."""
+        return {"version": VERSION, "dataset_id": self.dataset_id,
+                "processing_mode": self.processing_mode, "iteration": self.iteration,
+                "job_key": self.job_key, "consumer_id": self.consumer_id,
+                "handed": self.handed,
+                "partial": [[split, offset] for split, offset in sorted(self.partial.items())],
+                "completed": sorted(self.completed), "streams": dict(sorted(self.streams.items())),
+                "elements": self.elements}
+
+    @classmethod
+    def from_dict(cls, state: Any) -> Position:
+        """The position a ``state_dict()`` returned; InvalidArgumentError naming what is
+        wrong with anything else."""
+        if not isinstance(state, Mapping):
+            raise InvalidArgumentError(
+                f"A data-service position must be the dict state_dict() returned, got "
+                f"{type(state).__name__}.")
+        if state.get("version") != VERSION:
+            raise InvalidArgumentError(
+                f"Data-service position version {state.get('version')!r} is not "
+                f"{VERSION}: save the position with this clusterwire, or start anew.")
+        try:
+            return cls(
+                dataset_id=_typed(state, "dataset_id", str),
+                processing_mode=_policy(state),
+                iteration=_count(state, "iteration"),
+                job_key=_typed(state, "job_key", str),
+                consumer_id=_typed(state, "consumer_id", str),
+                handed=_count(state, "handed"),
+                partial={_nonnegative(split, "partial"): _nonnegative(offset, "partial")
+                         for split, offset in _typed(state, "partial", list)},
+                completed=tuple(_nonnegative(split, "completed")
+                                for split in _typed(state, "completed", list)),
+                streams={_key(worker): _nonnegative(count, "streams")
+                         for worker, count in _typed(state, "streams", Mapping).items()},
+                elements=_count(state, "elements"))
+        except (TypeError, ValueError) as err:  # e.g. a partial entry that is not a pair
+            raise InvalidArgumentError(f"Malformed data-service position: {err}.") from None
+
+
+def _typed(state: Mapping[str, Any], key: str, kind: type) -> Any:
+    value = state.get(key)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise InvalidArgumentError(
+            f"Data-service position key {key!r} must be a {kind.__name__}, got {value!r}: "
+            "pass the dict state_dict() returned, unchanged.")
+    return value
+
+
+def _policy(state: Mapping[str, Any]) -> int:
+    value = _typed(state, "processing_mode", int)
+    if value not in set(ShardingPolicy):
+        raise InvalidArgumentError(
+            f"Data-service position key 'processing_mode' holds {value!r}, not a "
+            "ShardingPolicy: pass the dict state_dict() returned, unchanged.")
+    return value
+
+
+def _count(state: Mapping[str, Any], key: str) -> int:
+    return _nonnegative(_typed(state, key, int), key)
+
+
+def _nonnegative(value: Any, key: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidArgumentError(
+            f"Data-service position key {key!r} holds {value!r}, not a count: pass the dict "
+            "state_dict() returned, unchanged.")
+    return value
+
+
+def _key(value: Any) -> str:
+    if not isinstance(value, str):
+        raise InvalidArgumentError(
+            f"Data-service position key 'streams' names worker {value!r}, not an address.")
+    return value
