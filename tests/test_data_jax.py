@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import types
+from collections import Counter
 
 import cw_data_functions as fns
 import numpy as np
@@ -105,16 +106,27 @@ def pulls(monkeypatch):
     seen = types.SimpleNamespace(pulled=[], closed=False)
     real = jax_iterator.from_dataset_id
 
-    def counting(dataset):
-        try:
-            for element in dataset:
-                seen.pulled.append(int(element))
-                yield element
-        finally:
+    class Counting:
+        """The service's iterator, counting what is pulled from it."""
+
+        def __init__(self, dataset):
+            self.reader = iter(dataset)
+            self.position, self.keep_splits = self.reader.position, self.reader.keep_splits
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            element = next(self.reader)
+            seen.pulled.append(int(element))
+            return element
+
+        def close(self):
             seen.closed = True
+            self.reader.close()
 
     monkeypatch.setattr(jax_iterator, "from_dataset_id",
-                        lambda *args, **kwargs: counting(real(*args, **kwargs)))
+                        lambda *args, **kwargs: Counting(real(*args, **kwargs)))
     return seen
 
 
@@ -275,3 +287,26 @@ def test_bad_arguments_name_the_value_and_the_fix(service):
                     num_consumers=2)
     with pytest.raises(errors.NotFoundError):
         JaxIterator("no-such-dataset", "distributed_epoch", service.target)
+
+
+@pytest.mark.parametrize("prefetch", [0, 3])
+def test_a_saved_position_counts_what_was_returned_not_prefetched(service, prefetch):
+    """state_dict() is the position after the last element returned: a new iterator from it
+    (a restarted trainer) returns the rest, every element once; prefetched ones again."""
+    dataset = data.Dataset.range(300)
+    iterator = JaxIterator(dataset, "distributed_epoch", service.target, prefetch=prefetch)
+    before = [int(next(iterator)) for _ in range(70)]
+    state = iterator.state_dict()
+    assert state["elements"] == 70
+    iterator.close()
+    resumed = JaxIterator(dataset, "distributed_epoch", service.target, state=state)
+    assert Counter(before + [int(x) for x in resumed]) == Counter(range(300))
+
+
+def test_reads_without_a_position_say_so_at_state_dict(service):
+    endless = data.Dataset.range(10).repeat()
+    with JaxIterator(endless, "parallel_epochs", service.target, job_name="rr",
+                     consumer_index=0, num_consumers=1) as iterator:
+        int(next(iterator))
+        with pytest.raises(errors.UnimplementedError, match="Round-robin"):
+            iterator.state_dict()

@@ -402,16 +402,3 @@ def test_a_small_job_ends_without_tf_s_one_second_tick(service):
     assert len(list(ds)) == 10
     assert time.perf_counter() - started < 0.5
 
-
-@pytest.mark.parametrize("entry", ["distribute", "from_dataset_id"])
-def test_a_cross_trainer_cache_is_refused_not_ignored(entry):
-    from clusterwire import data
-    from clusterwire.errors import UnimplementedError
-
-    with pytest.raises(UnimplementedError, match="no cross-trainer cache yet"):
-        if entry == "distribute":
-            data.distribute("parallel_epochs", "grpc://127.0.0.1:1", job_name="job",
-                            cross_trainer_cache=object())
-        else:
-            data.from_dataset_id("parallel_epochs", "grpc://127.0.0.1:1", "1",
-                                 job_name="job", cross_trainer_cache=object())

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 import types
 import warnings
+from collections import Counter
 
 import cw_data_functions as fns
 import numpy as np
@@ -269,3 +271,78 @@ def test_elements_from_a_server_of_this_process_are_copied(in_process_service):
     for tensor in tensors:
         tensor.fill_(-1)
     assert sorted(int(t[0]) for t in ds) == list(range(4))
+
+
+# ---- saved positions (torchdata's Stateful protocol) ----------------------------------------
+
+def stateful_loader(dataset, **kwargs):
+    module = pytest.importorskip("torchdata.stateful_dataloader",
+                                 reason="torchdata is not installed (CI installs it)")
+    if kwargs.get("num_workers"):
+        kwargs["timeout"] = 30
+    return module.StatefulDataLoader(dataset, **kwargs)
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")  # torchdata 0.11's own call
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stateful_loader_resumes_every_element_once(service, workers):
+    """The loader's state_dict() holds each loader worker's position; a new loader (as in a
+    restarted trainer) resumes from it: every element once, the ones after it once more."""
+    def loader():
+        ds = ServiceDataset(data.Dataset.range(400), "distributed_epoch", service.target)
+        options = {"multiprocessing_context": CONTEXT, "in_order": False} if workers else {}
+        return stateful_loader(ds, batch_size=10, num_workers=workers, **options)
+
+    first = loader()
+    batches = iter(first)
+    before = [int(x) for _ in range(7) for x in next(batches)]
+    state = first.state_dict()
+    after = [int(x) for _ in range(3) for x in next(batches)]
+    del batches, first  # the trainer stops (its loader workers exit)
+    again = loader()
+    again.load_state_dict(state)
+    rest = [int(x) for batch in again for x in batch]
+    assert Counter(before + rest) == Counter(range(400))
+    assert not Counter(after) - Counter(rest)
+
+
+def test_a_service_dataset_saves_and_loads_its_position(service):
+    ds = ServiceDataset(data.Dataset.range(100), "distributed_epoch", service.target)
+    assert ds.state_dict() == {"position": None, "job_name": None}  # nothing read: anew
+    iterator = iter(ds)
+    before = [int(next(iterator)) for _ in range(30)]
+    state = ds.state_dict()
+    assert state["position"]["elements"] == 30
+    iterator.close()
+    ds.load_state_dict(state)
+    assert Counter(before + [int(x) for x in ds]) == Counter(range(100))
+    with pytest.raises(errors.InvalidArgumentError, match="takes what state_dict"):
+        ds.load_state_dict({"step": 3})
+    with pytest.raises(errors.InvalidArgumentError, match="'handed'"):
+        ds.load_state_dict({"position": {**state["position"], "handed": "x"}})
+
+
+def test_a_consumer_saved_before_it_read_joins_the_job_its_peers_resume(service):
+    """As a loader worker whose first batch was not yet taken when the loader's state was
+    saved: it has no position, only its job, and resumes as a new consumer of that job."""
+    def consumer():
+        return ServiceDataset(data.Dataset.range(300), "distributed_epoch", service.target,
+                              job_name="peers")
+
+    reading, idle = consumer(), consumer()
+    iterator = iter(reading)
+    before = [int(next(iterator)) for _ in range(40)]
+    states = [reading.state_dict(), idle.state_dict()]
+    assert states[1] == {"position": None, "job_name": "peers"}
+    iterator.close()
+    resumed = [consumer(), consumer()]
+    for ds, state in zip(resumed, states, strict=True):
+        ds.load_state_dict(state)
+    rest: list[list[int]] = [[], []]
+    threads = [threading.Thread(target=lambda i=i: rest[i].extend(int(x) for x in resumed[i]))
+               for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert Counter(before + rest[0] + rest[1]) == Counter(range(300))

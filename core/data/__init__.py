@@ -15,7 +15,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from clusterwire.data.client import distribute, from_dataset_id, register_dataset
+    from clusterwire.data.client import (
+        CrossTrainerCache,
+        distribute,
+        from_dataset_id,
+        register_dataset,
+    )
     from clusterwire.data.config import DispatcherConfig, WorkerConfig
     from clusterwire.data.dataset import Dataset
     from clusterwire.data.dispatcher import DispatchServer
@@ -31,6 +36,7 @@ _EXPORTS = {
     "AUTOTUNE": ("pipeline", "AUTOTUNE"),
     "INFINITE_CARDINALITY": ("pipeline", "INFINITE"),
     "UNKNOWN_CARDINALITY": ("pipeline", "UNKNOWN"),
+    "CrossTrainerCache": ("client", "CrossTrainerCache"),
     "Dataset": ("dataset", "Dataset"),
     "DispatchServer": ("dispatcher", "DispatchServer"),
     "DispatcherConfig": ("config", "DispatcherConfig"),
@@ -47,6 +53,7 @@ __all__ = [
     "AUTOTUNE",
     "INFINITE_CARDINALITY",
     "UNKNOWN_CARDINALITY",
+    "CrossTrainerCache",
     "Dataset",
     "DispatchServer",
     "DispatcherConfig",

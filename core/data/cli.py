@@ -80,7 +80,7 @@ def _worker(args: argparse.Namespace) -> int:
         data_transfer_address=args.data_transfer_address,
         allow_cloudpickle=args.allow_cloudpickle, function_modules=args.function_modules,
         readable_dirs=args.readable_dirs, send_tracebacks=args.send_tracebacks,
-        **_security(args))
+        cross_trainer_cache_size_bytes=args.cross_trainer_cache_size_bytes, **_security(args))
     server = WorkerServer(config=config)
     return _serve_until_signal(server, f"{config.protocol}://{server.address}", "worker", args)
 
@@ -134,7 +134,8 @@ def add_commands(commands: Any) -> None:
     worker.add_argument("--dispatcher-address", required=True, help="HOST:PORT of the dispatcher")
     worker.add_argument("--worker-address", help="address told to clients (default "
                         "localhost:%%port%%)")
-    for name in ("heartbeat-interval-ms", "dispatcher-timeout-ms"):
+    for name in ("heartbeat-interval-ms", "dispatcher-timeout-ms",
+                 "cross-trainer-cache-size-bytes"):
         worker.add_argument(f"--{name}", type=int)
     worker.add_argument("--data-transfer-protocol", help="second transport for elements")
     worker.add_argument("--data-transfer-address")

@@ -10,6 +10,7 @@ other consumers using that name).
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -29,6 +30,7 @@ from clusterwire.data.modes import (
     sharding_policy,
 )
 from clusterwire.data.pipeline import Source
+from clusterwire.data.position import Position
 from clusterwire.data.reader import _MAX_ELEMENTS, JobReader, ReadOptions
 from clusterwire.data.rpc import DispatcherClient
 from clusterwire.protos.data_service_pb2 import (
@@ -84,18 +86,61 @@ def register_dataset(service: Any, dataset: Dataset, compression: str | None = "
     return response.register_dataset.dataset_id
 
 
-class ServiceSource(Source):
-    """The source of a distributed dataset: jobs of the tf.data service."""
+class CrossTrainerCache:
+    """Trainers sharing a worker's elements (``tf.data.experimental.service.CrossTrainerCache``).
 
-    def __init__(self, service: Any, options: ReadOptions, security: Security):
+    Pass it as ``cross_trainer_cache`` to ``distribute`` / ``from_dataset_id``. The trainer
+    jobs reading one job (the same ``job_name``, ``processing_mode="parallel_epochs"``, an
+    infinite dataset) then share what each worker produces: an element one trainer read is
+    served to the others from a sliding window of the worker's
+    ``cross_trainer_cache_size_bytes`` (WorkerConfig); a trainer that falls behind the window
+    skips ahead to its oldest element. Each ``trainer_id`` has its own position; consumers
+    with the same id (one trainer's replicas) share it, each element going to one of them.
+    """
+
+    def __init__(self, trainer_id: str):
+        if not trainer_id:
+            raise ValueError(
+                "tf.data service cross-trainer cache requires a non-empty trainer ID.")
+        if not isinstance(trainer_id, str):
+            raise TypeError(f"`trainer_id` must be a non-empty string, got {trainer_id!r}")
+        self.trainer_id = trainer_id
+
+    def __repr__(self) -> str:
+        return f"CrossTrainerCache(trainer_id={self.trainer_id!r})"
+
+
+class ServiceSource(Source):
+    """The source of a distributed dataset: jobs of the tf.data service.
+
+    Its first iteration resumes from ``position`` if given (later ones are new iterations,
+    numbered on from it).
+    """
+
+    def __init__(self, service: Any, options: ReadOptions, security: Security,
+                 position: Position | None = None):
         self._service = service
         self._options = options
         self._security = security
-        self._iterations = itertools.count()
+        self._position = position
+        self._iterations = itertools.count(position.iteration if position else 0)
+        self._lock = threading.Lock()
+
+    def open(self) -> JobReader:
+        """A reader of the next iteration (``state_dict()`` gives its position)."""
+        with self._lock:
+            position, self._position = self._position, None
+            iteration = next(self._iterations)
+        if self._options.trainer_id and iteration:
+            raise errors.InvalidArgumentError(
+                "Cross-trainer caching requires infinite datasets and disallows multiple "
+                f"repetitions of the same dataset. Got repetition {iteration + 1}: a trainer "
+                "reads one iteration of its distributed dataset.")
+        return JobReader(_dispatcher(self._service, self._security), self._options,
+                         iteration, position)
 
     def iterate(self) -> Iterator[Any]:
-        reader = JobReader(_dispatcher(self._service, self._security), self._options,
-                           next(self._iterations))
+        reader = self.open()
         try:
             yield from reader
         finally:
@@ -109,16 +154,20 @@ def from_dataset_id(processing_mode: Any, service: Any, dataset_id: str,
                     data_transfer_protocol: str | None = None,
                     cross_trainer_cache: Any = None,
                     target_workers: str = "AUTO", *,
-                    config: Mapping[str, Any] | Security | None = None) -> Dataset:
+                    config: Mapping[str, Any] | Security | None = None,
+                    state: Mapping[str, Any] | None = None) -> Dataset:
     """A dataset reading the registered dataset ``dataset_id`` through the service.
 
     ``element_spec`` is accepted for TF compatibility (clusterwire elements describe
-    themselves). ``cross_trainer_cache`` is not implemented yet: anything but None is an
-    UnimplementedError, never silently a stream of its own. An unknown id is a
-    NotFoundError. ``config``: security options, as for ``distribute``.
+    themselves). ``cross_trainer_cache``: a ``CrossTrainerCache``, to share the job's
+    elements with other trainers (see there). An unknown id is a NotFoundError.
+    ``config``: security options, as for ``distribute``. ``state`` (a
+    clusterwire addition): a position an iterator's ``state_dict()`` returned; the first
+    iteration resumes from it (see ``clusterwire.data.position``).
     """
+    position = None if state is None else Position.from_dict(state)
     del element_spec
-    _refuse_cross_trainer_cache(cross_trainer_cache)
+    trainer_id = _trainer_id(cross_trainer_cache)
     policy = sharding_policy(processing_mode)
     job_name = check_job_name(job_name)
     consumers = check_consumers(job_name, consumer_index, num_consumers)
@@ -141,8 +190,8 @@ def from_dataset_id(processing_mode: Any, service: Any, dataset_id: str,
         consumer_index=consumer_index, num_consumers=consumers,
         max_elements=min(outstanding or _MAX_ELEMENTS, _MAX_ELEMENTS),
         data_transfer_protocol=data_transfer_protocol, compression=accepted,
-        target_workers=target)
-    return Dataset(ServiceSource(service, options, security))
+        target_workers=target, trainer_id=trainer_id)
+    return Dataset(ServiceSource(service, options, security, position))
 
 
 def distribute(processing_mode: Any, service: Any, job_name: str | None = None,
@@ -150,8 +199,8 @@ def distribute(processing_mode: Any, service: Any, job_name: str | None = None,
                max_outstanding_requests: int | None = None,
                data_transfer_protocol: str | None = None, compression: str | None = "AUTO",
                cross_trainer_cache: Any = None, target_workers: str = "AUTO", *,
-               config: Mapping[str, Any] | Security | None = None
-               ) -> Callable[[Dataset], Dataset]:
+               config: Mapping[str, Any] | Security | None = None,
+               state: Mapping[str, Any] | None = None) -> Callable[[Dataset], Dataset]:
     """A transformation for ``Dataset.apply`` that reads the dataset through the service.
 
     ``processing_mode``: "parallel_epochs" (every worker produces the whole
@@ -160,9 +209,11 @@ def distribute(processing_mode: Any, service: Any, job_name: str | None = None,
     ("grpc://host:port", "host:port" or a (protocol, address) tuple).
     ``config`` (a clusterwire addition): security options as a ``Session`` takes them
     (tls_ca_file, tls_cert_file, tls_key_file, auth_token_file), over the
-    ``CLUSTERWIRE_*`` environment and plugins.toml's ``[security]``.
+    ``CLUSTERWIRE_*`` environment and plugins.toml's ``[security]``. ``state`` (also a
+    clusterwire addition): resume the first iteration from a saved position, as in
+    ``from_dataset_id``.
     """
-    _refuse_cross_trainer_cache(cross_trainer_cache)
+    _trainer_id(cross_trainer_cache)
     policy = sharding_policy(processing_mode)
     job_name = check_distribute_arguments(processing_mode, service, job_name, consumer_index,
                                           num_consumers, max_outstanding_requests,
@@ -176,8 +227,10 @@ def distribute(processing_mode: Any, service: Any, job_name: str | None = None,
                                max_outstanding_requests=max_outstanding_requests,
                                data_transfer_protocol=data_transfer_protocol,
                                cross_trainer_cache=cross_trainer_cache,
-                               target_workers=target_workers, config=security)
+                               target_workers=target_workers, config=security, state=state)
 
+    if state is not None:
+        Position.from_dict(state)  # a malformed position fails here, not at the first read
     return apply
 
 
@@ -196,12 +249,12 @@ def check_distribute_arguments(processing_mode: Any, service: Any, job_name: str
     return job_name
 
 
-def _refuse_cross_trainer_cache(cross_trainer_cache: Any) -> None:
-    """UnimplementedError for a cross-trainer cache: each trainer would read a stream of its
-    own instead of sharing a worker's elements, with other memory use and other elements."""
-    if cross_trainer_cache is not None:
-        raise errors.UnimplementedError(
-            f"cross_trainer_cache={cross_trainer_cache!r}: clusterwire's data service has no "
-            "cross-trainer cache yet, so trainers cannot share a worker's elements; pass "
-            "cross_trainer_cache=None to read without sharing (each trainer job then gets its "
-            "own stream).")
+def _trainer_id(cross_trainer_cache: Any) -> str:
+    """The trainer id of a ``cross_trainer_cache`` argument ("": no cache)."""
+    if cross_trainer_cache is None:
+        return ""
+    if not isinstance(cross_trainer_cache, CrossTrainerCache):
+        raise TypeError(
+            "`cross_trainer_cache` must be a clusterwire.data.CrossTrainerCache or None, got "
+            f"{cross_trainer_cache!r}")
+    return cross_trainer_cache.trainer_id

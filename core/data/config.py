@@ -33,6 +33,8 @@ CLIENT_TIMEOUT_MS = 2 * 60 * 1000
 HEARTBEAT_INTERVAL_MS = 30 * 1000
 DISPATCHER_TIMEOUT_MS = 60 * 60 * 1000
 DATASET_GC_TIMEOUT_MS = 60 * 60 * 1000
+#: A worker's cross-trainer cache window when ``cross_trainer_cache_size_bytes`` is None (TF's).
+CROSS_TRAINER_CACHE_SIZE_BYTES = 10 << 30
 
 
 def time_field(value: Any, name: str) -> int:
@@ -62,7 +64,8 @@ _DISPATCHER_FIELDS = ("port", "protocol", "work_dir", "fault_tolerant_mode", "wo
 _WORKER_FIELDS = ("dispatcher_address", "worker_address", "port", "protocol",
                   "heartbeat_interval_ms", "dispatcher_timeout_ms", "data_transfer_protocol",
                   "data_transfer_address", "allow_cloudpickle", "function_modules",
-                  "readable_dirs", "send_tracebacks", *security_fields())
+                  "readable_dirs", "send_tracebacks", "cross_trainer_cache_size_bytes",
+                  *security_fields())
 
 
 def _security(settings: dict[str, Any]) -> tuple[Any, ...]:
@@ -79,6 +82,16 @@ def _names(value: Any, name: str) -> tuple[str, ...]:
     if isinstance(value, str) or not all(isinstance(v, str) and v for v in value):
         raise ValueError(f"`{name}` must be a list of non-empty strings, got {value!r}")
     return tuple(value)
+
+
+def _cache_size(value: Any) -> int:
+    """``cross_trainer_cache_size_bytes`` as stored: None -> 0 (TF's default at run time)."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"`cross_trainer_cache_size_bytes` must be a positive int number of "
+                         f"bytes (or None for TF's 10 GiB), got {value!r}")
+    return value
 
 
 class DispatcherConfig(collections.namedtuple("DispatcherConfig", _DISPATCHER_FIELDS)):
@@ -125,6 +138,9 @@ class WorkerConfig(collections.namedtuple("WorkerConfig", _WORKER_FIELDS)):
     ``@clusterwire.data.function`` ones); ``readable_dirs``: the only directories
     ``from_files`` may read under (see ``clusterwire.data.permissions``).
     ``send_tracebacks``: pipeline errors carry the worker's traceback to clients.
+    ``cross_trainer_cache_size_bytes``: the bytes each job's cross-trainer cache keeps on
+    this worker (see ``clusterwire.data.CrossTrainerCache``; a worker caches at most
+    ``worker.MAX_CACHED_JOBS`` jobs at once); None (stored as 0): TF's 10 GiB.
     """
 
     def __new__(cls, dispatcher_address: str | None = None, worker_address: str | None = None,
@@ -134,7 +150,8 @@ class WorkerConfig(collections.namedtuple("WorkerConfig", _WORKER_FIELDS)):
                 data_transfer_protocol: str | None = None,
                 data_transfer_address: str | None = None, allow_cloudpickle: bool = False,
                 function_modules: Any = (), readable_dirs: Any = (),
-                send_tracebacks: bool = False, **security: Any):
+                send_tracebacks: bool = False, cross_trainer_cache_size_bytes: int | None = None,
+                **security: Any):
         if dispatcher_address is None:
             raise ValueError("Must specify a `dispatcher_address`.")
         if not isinstance(dispatcher_address, str) or not dispatcher_address:
@@ -149,7 +166,7 @@ class WorkerConfig(collections.namedtuple("WorkerConfig", _WORKER_FIELDS)):
             data_transfer_protocol, data_transfer_address or "localhost:%dts_port%",
             bool(allow_cloudpickle), _names(function_modules, "function_modules"),
             _names(readable_dirs, "readable_dirs"), bool(send_tracebacks),
-            *_security(security))
+            _cache_size(cross_trainer_cache_size_bytes), *_security(security))
 
 
 def as_config(config: Any, cls: type) -> Any:

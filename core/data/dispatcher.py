@@ -390,6 +390,10 @@ class DispatchServer:
             raise errors.FailedPreconditionError(
                 f"Consumer {consumer!r} of job {job.info.job_id} cannot resume: {why}. Start "
                 "a new iteration instead.")
+        if job.is_stale(consumer, request.generation):
+            raise errors.FailedPreconditionError(
+                f"Consumer {consumer!r} of job {job.info.job_id} was resumed again since "
+                "(from a later iterator): this position is superseded.")
         if not base <= request.handed <= handed:
             raise errors.FailedPreconditionError(
                 f"The saved position is after hand-out {request.handed} of consumer "
@@ -404,7 +408,8 @@ class DispatchServer:
                 f"not hand to consumer {consumer!r}: the position is not this consumer's.")
         self._commit(JournalEntry(resumed=JournalResume(
             job_id=job.info.job_id, consumer_id=consumer, handed=request.handed,
-            partial=request.partial, completed=request.completed)))
+            partial=request.partial, completed=request.completed,
+            generation=request.generation)))
 
     def _keep_resumable(self, job: Job, consumer: str) -> None:
         """``consumer`` saved its position: from now on its splits stay its own while it is
@@ -437,6 +442,10 @@ class DispatchServer:
             if (request.finished and not job.info.finished
                     and job.info.sharding_policy != ShardingPolicy.DYNAMIC):
                 self._commit(JournalEntry(finished_job=job.info.job_id))
+            if job.is_stale(request.consumer_id, request.generation):
+                raise errors.CancelledError(
+                    f"Consumer {request.consumer_id!r} of job {job.info.job_id} was resumed "
+                    "by a later iterator; this one stops.")
             if request.resumable:
                 self._keep_resumable(job, request.consumer_id)
             if request.release:
@@ -476,6 +485,10 @@ class DispatchServer:
                 raise errors.CancelledError(
                     f"Consumer {request.consumer_id!r} released job {job.info.job_id}; a new "
                     "iteration reads as a new consumer.")
+            if job.is_stale(request.consumer_id, request.generation):
+                raise errors.CancelledError(
+                    f"Consumer {request.consumer_id!r} of job {job.info.job_id} was resumed "
+                    "by a later iterator; this one stops.")
             self._expire_consumers(job, time.monotonic())
             if request.resumable:
                 self._keep_resumable(job, request.consumer_id)

@@ -70,6 +70,11 @@ class Job:
     handout_base: dict[str, int] = field(default_factory=dict)
     resumable: set[str] = field(default_factory=set)  # saved their position
     dormant: dict[str, float] = field(default_factory=dict)  # resumable, stopped -> since
+    generations: dict[str, int] = field(default_factory=dict)  # resumed consumer -> latest
+
+    def is_stale(self, consumer: str, generation: int) -> bool:
+        """A request of an earlier generation of a resumed consumer (an old iterator)."""
+        return generation < self.generations.get(consumer, 0)
 
     def handout_index(self, consumer: str, split_id: int) -> int:
         """The index of ``split_id``'s last hand-out to ``consumer`` (-1: none kept)."""
@@ -99,7 +104,7 @@ class Job:
         self.info.finished = False
 
     def resume(self, consumer: str, handed: int, partial: dict[int, int],
-               completed: set[int]) -> None:
+               completed: set[int], generation: int) -> None:
         """``consumer`` restarts from a position saved after its first ``handed`` hand-outs:
         the later ones (but those it had ``completed``) are its own again at the offsets
         they were handed at, and the ``partial`` ones at the elements it had consumed (the
@@ -113,6 +118,7 @@ class Job:
         self.dormant.pop(consumer, None)
         self.released.discard(consumer)
         self.consumers[consumer] = time.monotonic()
+        self.generations[consumer] = generation
 
     @property
     def splits_per_epoch(self) -> int:
@@ -214,7 +220,7 @@ class DispatcherState:
             job = self.jobs.get(r.job_id)
             if job is not None:
                 job.resume(r.consumer_id, r.handed, {p.split_id: p.offset for p in r.partial},
-                           set(r.completed))
+                           set(r.completed), r.generation)
         elif kind == "finished_job":
             job = self.jobs.get(entry.finished_job)
             if job is not None:
@@ -245,6 +251,8 @@ class DispatcherState:
                 job.handouts = {h.consumer_id: list(zip(h.split_ids, h.offsets, strict=True))
                                 for h in p.handouts}
                 job.handout_base = {h.consumer_id: h.base for h in p.handouts}
+                job.generations = {h.consumer_id: h.generation for h in p.handouts
+                                   if h.generation}
                 job.resumable = set(p.resumable)
                 job.dormant = dict.fromkeys(p.dormant, now)
                 for consumer in set(job.assigned.values()) - set(job.dormant):
@@ -269,8 +277,10 @@ class DispatcherState:
                     for split, consumer in job.assigned.items()],
                 handouts=[JournalHandouts(
                     consumer_id=consumer, base=job.handout_base.get(consumer, 0),
-                    split_ids=[s for s, _ in handouts], offsets=[o for _, o in handouts])
-                    for consumer, handouts in job.handouts.items()],
+                    split_ids=[s for s, _ in job.handouts.get(consumer, [])],
+                    offsets=[o for _, o in job.handouts.get(consumer, [])],
+                    generation=job.generations.get(consumer, 0))
+                    for consumer in {*job.handouts, *job.generations}],
                 resumable=sorted(job.resumable), dormant=sorted(job.dormant))))
         entries.extend(JournalEntry(worker=worker) for worker in self.workers.values())
         return entries

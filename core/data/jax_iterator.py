@@ -40,6 +40,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from clusterwire import errors
 from clusterwire.data.client import (
     ServiceSource,
     check_distribute_arguments,
@@ -47,6 +48,7 @@ from clusterwire.data.client import (
     register_dataset,
 )
 from clusterwire.data.dataset import Dataset
+from clusterwire.data.position import Position
 from clusterwire.errors import InvalidArgumentError
 from clusterwire.security import Security
 
@@ -113,7 +115,8 @@ class JaxIterator(Iterator[Any]):
                  target_workers: str = "AUTO", *,
                  config: Mapping[str, Any] | Security | None = None,
                  sharding: jax.sharding.Sharding | None = None,
-                 device: jax.Device | None = None, prefetch: int = 2):
+                 device: jax.Device | None = None, prefetch: int = 2,
+                 state: Mapping[str, Any] | None = None):
         job_name = check_distribute_arguments(
             processing_mode, service, job_name, consumer_index, num_consumers,
             max_outstanding_requests, target_workers, compression)
@@ -130,16 +133,19 @@ class JaxIterator(Iterator[Any]):
             raise TypeError(
                 "JaxIterator's `dataset` must be a clusterwire.data.Dataset or a dataset id "
                 f"from clusterwire.data.register_dataset, got {dataset!r}.")
-        self._source: Iterator[Any] | None = iter(from_dataset_id(
+        self._reader = iter(from_dataset_id(
             processing_mode, service, dataset, job_name=job_name,
             consumer_index=consumer_index, num_consumers=num_consumers,
             max_outstanding_requests=max_outstanding_requests,
             data_transfer_protocol=data_transfer_protocol, target_workers=target_workers,
-            config=config))
-        # Placed elements pulled ahead, each beside a companion value of the moment it was
-        # pulled (None for now; the consumer's state once readers report one).
-        self._queue: deque[tuple[Any, Any]] = deque()
+            config=config, state=state))
+        self._source: Iterator[Any] | None = self._reader
+        # Placed elements pulled ahead, each beside the reader's position after it (None:
+        # this read has no position; _no_position says why).
+        self._queue: deque[tuple[Any, Position | None]] = deque()
         self._error: Exception | None = None
+        self._no_position: errors.OpError | None = None
+        self._position = self._reader_position()  # after the last element returned
 
     def __iter__(self) -> JaxIterator:
         return self
@@ -148,19 +154,37 @@ class JaxIterator(Iterator[Any]):
         while self._source is not None and len(self._queue) <= self._prefetch:
             try:
                 element = next(self._source)
-                self._queue.append((to_jax(element, self._placement), None))
+                self._queue.append((to_jax(element, self._placement), self._reader_position()))
             except StopIteration:
                 self._source = None
             except Exception as err:  # raised once the elements pulled before it are taken
                 self._error = err
                 self._stop_reading()
         if self._queue:
-            value, _companion = self._queue.popleft()
+            value, self._position = self._queue.popleft()
             return value
         if self._error is not None:
             error, self._error = self._error, None
             raise error
         raise StopIteration
+
+    def _reader_position(self) -> Position | None:
+        if self._no_position is not None:
+            return None
+        try:
+            return self._reader.position()
+        except (errors.UnimplementedError, errors.FailedPreconditionError) as err:
+            self._no_position = err
+            return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the last element returned (elements prefetched beyond it are
+        not counted): ``JaxIterator(..., state=...)`` resumes there, every element once, as
+        ``distribute``'s iterators do (see ``clusterwire.data.position``)."""
+        if self._no_position is not None:
+            raise self._no_position
+        self._reader.keep_splits()
+        return self._position.to_dict()
 
     def _stop_reading(self) -> None:
         source, self._source = self._source, None

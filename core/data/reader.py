@@ -124,6 +124,7 @@ class ReadOptions:
     data_transfer_protocol: str | None
     compression: str  # what this client accepts: "", "auto" or "snappy"
     target_workers: str
+    trainer_id: str = ""  # reads through the workers' cross-trainer caches as this trainer
 
 
 @dataclass
@@ -233,6 +234,7 @@ class JobReader(Iterator[Any]):
         self._handouts: set[int] = set()
         self._completed: dict[int, int] = {}
         self._resumable = False  # the dispatcher keeps this consumer's splits for a resume
+        self._generation = 0  # of a resumed consumer: later than any earlier iterator's
         self._start_offsets: dict[str, int] = {}
         self._private = options.job_name is None  # no other consumer reads its streams
         request = self._job_request(options, iteration, position)
@@ -271,6 +273,7 @@ class JobReader(Iterator[Any]):
         request.partial.extend(SplitOffset(split_id=split, offset=offset)
                                for split, offset in position.partial.items())
         request.completed.extend(position.completed)
+        request.generation = self._generation = time.time_ns()
         self._resumable = True
         return request
 
@@ -285,6 +288,14 @@ class JobReader(Iterator[Any]):
         In distributed_epoch the first call tells the dispatcher to keep this consumer's
         splits for it while it is away (for job_gc_timeout_ms), even after ``close()``.
         """
+        position = self.position()
+        self.keep_splits()
+        return position.to_dict()
+
+    def position(self) -> Position:
+        """The position ``state_dict()`` would return now, without ``keep_splits()``: for
+        an iterator handing this one's elements on later (one that prefetches), which
+        remembers the position of each element it holds."""
         policy = ShardingPolicy(self._job.sharding_policy)
         if self._options.num_consumers:
             raise errors.UnimplementedError(
@@ -293,25 +304,30 @@ class JobReader(Iterator[Any]):
                 "consumers resume.")
         if policy != ShardingPolicy.DYNAMIC and not self._private:
             raise errors.FailedPreconditionError(
-                f"Consumers of a named {mode_name(policy)} job share its worker streams, so one "
-                "consumer's position is not a position in them. Save positions of "
+                f"Consumers of a named {mode_name(policy)} job share its worker streams, so "
+                "one consumer's position is not a position in them. Save positions of "
                 "distributed_epoch reads (each split is one consumer's), or read without "
                 "job_name.")
-        if policy == ShardingPolicy.DYNAMIC and not self._resumable and not self._finished:
-            self._dispatcher.call(DataRequest(client_heartbeat=ClientHeartbeatRequest(
-                job_id=self._job.job_id, consumer_id=self._consumer, resumable=True)))
-            self._resumable = True
         with self._lock:
             partial = {s.split_id: s.consumed for s in self._unread.values()}
             completed = tuple(split for split, at in self._completed.items()
                               if at >= self._handed)
             streams = {address: p.consumed for address, p in self._positions.items()}
-            streams = {**self._start_offsets, **streams}
         return Position(
             dataset_id=self._options.dataset_id, processing_mode=int(policy),
             iteration=self._iteration, job_key=self._key, consumer_id=self._consumer,
-            handed=self._handed, partial=partial, completed=completed, streams=streams,
-            elements=self._elements).to_dict()
+            handed=self._handed, partial=partial, completed=completed,
+            streams={**self._start_offsets, **streams}, elements=self._elements)
+
+    def keep_splits(self) -> None:
+        """distributed_epoch: have the dispatcher keep this consumer's splits for it while it
+        is away (job_gc_timeout_ms), to resume from a saved position (once is enough)."""
+        if (self._job.sharding_policy == ShardingPolicy.DYNAMIC and not self._resumable
+                and not self._finished):
+            self._dispatcher.call(DataRequest(client_heartbeat=ClientHeartbeatRequest(
+                job_id=self._job.job_id, consumer_id=self._consumer, resumable=True,
+                generation=self._generation)))
+            self._resumable = True
 
     def _handed_out(self, split: _Split) -> None:
         """Track a split the job handed this consumer; call with the lock held."""
@@ -404,7 +420,8 @@ class JobReader(Iterator[Any]):
         self._decoder.shutdown(wait=False, cancel_futures=True)
         request = DataRequest(client_heartbeat=ClientHeartbeatRequest(
             job_id=self._job.job_id, consumer_id=self._consumer, finished=finished,
-            release=True, unfinished=unfinished, resumable=self._resumable))
+            release=True, unfinished=unfinished, resumable=self._resumable,
+            generation=self._generation))
         sender = threading.Thread(target=self._send_releases, args=(request, streams),
                                   daemon=True, name="clusterwire-data-release")
         sender.start()
@@ -463,7 +480,7 @@ class JobReader(Iterator[Any]):
         while not self._stop.wait(HEARTBEAT_S if self._workers else _NO_WORKER_POLL_S):
             request = DataRequest(client_heartbeat=ClientHeartbeatRequest(
                 job_id=self._job.job_id, consumer_id=self._consumer,
-                resumable=self._resumable))
+                resumable=self._resumable, generation=self._generation))
             try:
                 response, _ = self._dispatcher.call(request)
             except errors.CancelledError:
@@ -631,7 +648,7 @@ class JobReader(Iterator[Any]):
         return StreamSpec(job_id=self._job.job_id, dataset_id=self._job.dataset_id,
                           sharding_policy=self._job.sharding_policy,
                           compression=self._compression(), grant=self._job.grant,
-                          owner=self._job.owner)
+                          owner=self._job.owner, trainer_id=self._options.trainer_id)
 
     def _compression(self) -> str:
         wanted, registered = self._options.compression, self._job.compression
@@ -747,7 +764,7 @@ class JobReader(Iterator[Any]):
                 held = list(self._held)
             response, _ = self._dispatcher.call(DataRequest(get_split=GetSplitRequest(
                 job_id=self._job.job_id, consumer_id=self._consumer, held=held, done=done,
-                resumable=self._resumable)))
+                resumable=self._resumable, generation=self._generation)))
             result = response.get_split
             with self._lock:
                 if result.end_of_splits:

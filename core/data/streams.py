@@ -5,6 +5,10 @@ by position, each position read by exactly one consumer. Each consumer's last
 batch is remembered under its request sequence number, so a retried request
 (its answer was lost) gets the same elements again rather than losing them;
 the consumer's next sequence number releases them.
+
+A job read through a cross-trainer cache (``cache_bytes``) serves its consumers from the
+stream's ``cache`` instead (``fetch_cached``), which takes the elements one at a time and
+keeps a window of them for every trainer (see ``cross_trainer_cache``).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from clusterwire import errors
+from clusterwire.data.cross_trainer_cache import CrossTrainerCache
 from clusterwire.data.elements import Encoded
 from clusterwire.envelope import MAX_BUFFERS
 from clusterwire.thread_pool import parked
@@ -43,7 +48,13 @@ class Stream:
     """Elements of one pipeline run, produced ahead on a thread, read by consumers."""
 
     def __init__(self, elements: Iterator[Any], encode: Callable[[Any], Encoded],
-                 max_bytes: int = MAX_BUFFERED_BYTES, max_elements: int = MAX_BUFFERED_ELEMENTS):
+                 max_bytes: int = MAX_BUFFERED_BYTES, max_elements: int = MAX_BUFFERED_ELEMENTS,
+                 cache_bytes: int = 0):
+        """With ``cache_bytes``, trainers read it through a cross-trainer cache of that many
+        bytes (``fetch_cached``), which takes its elements one at a time."""
+        self.cache = CrossTrainerCache(self._take, cache_bytes) if cache_bytes else None
+        if self.cache is not None:
+            max_elements = 1  # produced one ahead, as TF's; the cache holds what was read
         self._cond = threading.Condition()
         self._ready: deque[Encoded] = deque()
         self._base = 0  # the stream position of _ready[0]
@@ -152,6 +163,33 @@ class Stream:
             self._cond.notify_all()
             return [element], False
 
+    def fetch_cached(self, trainer_id: str, consumer: str, seq: int, max_elements: int,
+                     max_bytes: int, wait: float) -> list[Encoded]:
+        """``CrossTrainerCache.get`` of the stream's cache, for a consumer still reading."""
+        assert self.cache is not None
+        with self._cond:
+            self.last_used = time.monotonic()
+            self._check_open(consumer)
+        return self.cache.get(trainer_id, consumer, seq, max_elements, max_bytes, wait)
+
+    def _take(self, wait: float) -> tuple[Encoded | None, bool]:
+        """The next element for the cache (``cross_trainer_cache.Pull``)."""
+        with self._cond:
+            with parked():
+                self._cond.wait_for(lambda: self._ready or self._done or self._closed, wait)
+            if self._closed:
+                raise errors.CancelledError("The stream was closed (job removed or worker "
+                                            "stopping).")
+            if not self._ready:
+                if self._done and self._error is not None:
+                    raise self._error
+                return None, self._done
+            element = self._ready.popleft()
+            self._ready_bytes -= element.nbytes
+            self._base += 1
+            self._cond.notify_all()
+            return element, False
+
     def forget(self, consumer: str) -> None:
         """``consumer`` stopped reading: drop the batch remembered for its retry, and take
         no more elements for it (a read of it racing the release would lose them)."""
@@ -187,3 +225,5 @@ class Stream:
             self._ready.clear()
             self._claims.clear()
             self._cond.notify_all()
+        if self.cache is not None:
+            self.cache.close()

@@ -23,6 +23,12 @@ and yields the service's elements with their numpy arrays and numpy scalars as
 * **distributed_epoch needs** ``DataLoader(..., in_order=False)`` with several loader
   workers: the splits one loader worker holds can leave another with nothing to read until
   they are done, and an in-order DataLoader waits for that other worker's turn, a deadlock.
+* **Resuming**: ``state_dict()``/``load_state_dict()`` as torchdata's ``Stateful`` (so a
+  ``torchdata.stateful_dataloader.StatefulDataLoader`` saves and restores each loader
+  worker's position with its own): a trainer restarted from a checkpoint reads the rest of
+  the epoch, every element once, those yielded after the checkpoint once more. Positions
+  exist for distributed_epoch reads and for parallel_epochs without loader workers (loader
+  workers share a parallel_epochs job's worker streams); see ``clusterwire.data.position``.
 * **fork**: gRPC does not survive a fork of a process that has used it. The dataset is
   registered by the process that reads it, so a DataLoader's parent that only builds the
   ``ServiceDataset`` forks its workers safely. A parent that used the service itself (read
@@ -52,6 +58,7 @@ from clusterwire.data.client import (
     register_dataset,
 )
 from clusterwire.data.dataset import Dataset
+from clusterwire.data.position import Position
 from clusterwire.errors import FailedPreconditionError, InvalidArgumentError
 from clusterwire.security import Security
 
@@ -121,21 +128,58 @@ class ServiceDataset(IterableDataset):
                       "target_workers": target_workers, "config": config}
         self._private_name = f"torch-{secrets.token_hex(8)}"
         self._readers: dict[tuple[Any, ...], Dataset] = {}
+        self._iterator: Iterator[Any] | None = None  # the running iteration's reader
+        self._resume: dict[str, Any] | None = None  # load_state_dict's position
+        self._resume_job: str | None = None  # and the job it names (loader workers' jobs)
 
     def __getstate__(self) -> dict[str, Any]:
         # A loader worker started by spawn or forkserver makes its own readers.
-        return {**self.__dict__, "_readers": {}}
+        return {**self.__dict__, "_readers": {}, "_iterator": None}
 
     def __iter__(self) -> Iterator[Any]:
         consumer = self._consumer()
+        resuming = self._resume is not None or self._resume_job is not None
+        if self._resume_job is not None:
+            consumer = (self._resume_job, *consumer[1:])
         reader = self._readers.get(consumer)
-        if reader is None:
-            reader = self._readers[consumer] = self._reader(*consumer)
-        for element in reader:
+        if reader is None or resuming:
+            reader = self._readers[consumer] = self._reader(*consumer, state=self._resume)
+            self._resume = self._resume_job = None
+        self._iterator = iterator = iter(reader)
+        for element in iterator:
             yield to_torch(element)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The position of this process's iteration (a loader worker's own, inside a
+        ``DataLoader`` worker), as torchdata's ``Stateful``: ``load_state_dict`` makes the
+        next iteration resume from it, in this process or a restarted one. Elements yielded
+        after it are yielded once more by the resumed iteration, no others. See
+        ``clusterwire.data.position`` for what it holds and which reads have one."""
+        if self._iterator is None:  # a loader worker's first state: its job, nothing read
+            job_name = self._resume_job if self._resume_job is not None else self._consumer()[0]
+            return {"position": self._resume, "job_name": job_name}
+        position = self._iterator.state_dict()
+        return {"position": position, "job_name": None}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Resume the next iteration from a ``state_dict()``. One taken before the iteration
+        read anything has no position: a loader worker then joins the job its peers resume
+        (the one it was to read), a reader without loader workers starts anew."""
+        if not isinstance(state_dict, Mapping) or "position" not in state_dict:
+            raise InvalidArgumentError(
+                f"ServiceDataset.load_state_dict takes what state_dict() returned, got "
+                f"{state_dict!r}.")
+        position, job_name = state_dict["position"], state_dict.get("job_name")
+        if position is not None:
+            Position.from_dict(position)  # a malformed position fails here
+        if job_name is not None and not isinstance(job_name, str):
+            raise InvalidArgumentError(f"A ServiceDataset state's job_name must be a str, got "
+                                       f"{job_name!r}: pass what state_dict() returned.")
+        self._resume, self._resume_job, self._iterator = position, job_name, None
+
     def _reader(self, job_name: str | None, consumer_index: int | None,
-                num_consumers: int | None) -> Dataset:
+                num_consumers: int | None, state: Mapping[str, Any] | None = None
+                ) -> Dataset:
         """The service's dataset as this consumer reads it. The dataset is registered here,
         in the process that reads, so that a DataLoader's parent needs no gRPC of its own
         before it forks its workers (see the module docstring)."""
@@ -145,7 +189,7 @@ class ServiceDataset(IterableDataset):
                                           config=self._read["config"])
         return from_dataset_id(dataset_id=dataset_id, job_name=job_name,
                                consumer_index=consumer_index, num_consumers=num_consumers,
-                               **self._read)
+                               state=state, **self._read)
 
     def _consumer(self) -> tuple[str | None, int | None, int | None]:
         """The job name, consumer index and number of consumers this process reads with."""

@@ -18,6 +18,12 @@ limits at once rather than when the job is collected:
 
 A released stream is not opened again by a read of the same attempt (a read racing the
 release would otherwise start one nobody releases); a later attempt at a split may open it.
+
+A read naming a trainer (``StreamSpec.trainer_id``, from ``CrossTrainerCache``) reads the
+job's shared stream through its cross-trainer cache. TF's requirements (a named,
+parallel_epochs job of an infinite dataset, no round-robin reads) are checked when the stream
+opens; every consumer of a job reads it with a trainer id, or none does. A worker caches at
+most ``MAX_CACHED_JOBS`` jobs at once.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from clusterwire.addressing import split_host_port, split_target
 from clusterwire.at_exit import stop_at_exit
 from clusterwire.data import compression, elements, grants, graph
 from clusterwire.data.config import (
+    CROSS_TRAINER_CACHE_SIZE_BYTES,
     DISPATCHER_TIMEOUT_MS,
     HEARTBEAT_INTERVAL_MS,
     WorkerConfig,
@@ -63,7 +70,11 @@ _IDLE_STREAM_S = 600.0
 #: Unfinished streams a worker runs at once (each buffers up to streams.MAX_BUFFERED_BYTES).
 MAX_OPEN_STREAMS = 64
 MAX_STREAMS_PER_CONSUMER = 16
+#: Jobs a worker keeps a cross-trainer cache of at once (each up to its
+#: cross_trainer_cache_size_bytes, until the dispatcher collects the job).
+MAX_CACHED_JOBS = 4
 _FINISHED_STREAM_S = 30.0
+_MAX_READ_BYTES = 8 << 20  # a read's batch when it names no max_bytes
 _FIRST_REGISTRATION_S = 5.0
 
 
@@ -130,6 +141,7 @@ class WorkerServer:
             config.protocol, dispatcher,
             runtime_ms(config.dispatcher_timeout_ms, DISPATCHER_TIMEOUT_MS) / 1000, security)
         self._heartbeat_s = runtime_ms(config.heartbeat_interval_ms, HEARTBEAT_INTERVAL_MS) / 1000
+        self._cache_bytes = config.cross_trainer_cache_size_bytes or CROSS_TRAINER_CACHE_SIZE_BYTES
         self._lock = threading.Lock()
         self._streams: dict[tuple[int, int, str, int], Stream] = {}
         # (job, consumer, split or -1) -> (the last attempt released, when)
@@ -310,28 +322,61 @@ class WorkerServer:
             stream = self._streams.get(key)
         if stream is None:
             stream = self._open(spec, read.offset, key, read.consumer_id)
-        if spec.num_consumers:
+        if stream.cache is not None or spec.trainer_id:
+            taken, end = self._read_cached(stream, read), False
+        elif spec.num_consumers:
             taken, end = stream.fetch_at(read.consumer_id, read.request_seq, read.position,
                                          read.wait_seconds)
         else:
             taken, end = stream.fetch(read.consumer_id, read.request_seq,
-                                      max(read.max_elements, 1), read.max_bytes or (8 << 20),
-                                      read.wait_seconds)
+                                      max(read.max_elements, 1),
+                                      read.max_bytes or _MAX_READ_BYTES, read.wait_seconds)
         response = DataResponse()
         response.get_elements.elements.extend(e.header for e in taken)
         response.get_elements.end_of_stream = end
         return response, [b for e in taken for b in e.buffers]
+
+    @staticmethod
+    def _read_cached(stream: Stream, read: GetElementsRequest) -> list:
+        """A read of a job's stream through its cross-trainer cache."""
+        spec = read.stream
+        if stream.cache is None or not spec.trainer_id:
+            cached, asked = ("enabled", "disabled") if stream.cache else ("disabled", "enabled")
+            raise errors.InvalidArgumentError(
+                f"Tried to read job {spec.job_id}, but found an existing stream of it with "
+                f"different parameters: Existing cross-trainer cache: <{cached}>; got "
+                f"<{asked}>. Every consumer of a job passes cross_trainer_cache (each with "
+                "its trainer_id), or none does: use another job_name for the other kind.")
+        return stream.fetch_cached(spec.trainer_id, read.consumer_id, read.request_seq,
+                                   max(read.max_elements, 1), read.max_bytes or _MAX_READ_BYTES,
+                                   read.wait_seconds)
+
+    def cross_trainer_cache_bytes(self) -> int:
+        """Bytes the cross-trainer caches of this worker's jobs hold (each at most
+        ``cross_trainer_cache_size_bytes``; its stream produces one element more ahead)."""
+        with self._lock:
+            caches = [s.cache for s in self._streams.values() if s.cache is not None]
+        return sum(cache.nbytes for cache in caches)
 
     def _open(self, spec: StreamSpec, offset: int, key: tuple, consumer_id: str) -> Stream:
         if spec.compression == COMPRESSION_SNAPPY:
             compression.require()
         mode = spec.compression if compression.available() else ""
         pipe = self._pipeline(spec.dataset_id)
+        if spec.trainer_id:
+            _check_cross_trainer_cache(spec, pipe)
         with self._lock:
             stream = self._streams.get(key)
             if stream is not None:
                 return stream
             self._check_openable(spec, consumer_id)
+            cached = sum(s.cache is not None for s in self._streams.values())
+            if spec.trainer_id and cached >= MAX_CACHED_JOBS:
+                raise errors.ResourceExhaustedError(
+                    f"This tf.data service worker is {OVER_LIMITS}: it keeps cross-trainer "
+                    f"caches of {cached} jobs (of up to {self._cache_bytes} bytes each), its "
+                    f"limit. A job's cache goes when the dispatcher collects the job; retry "
+                    "later, share a job_name between the trainers, or add workers.")
             if offset and not (spec.is_split or spec.owner):
                 raise errors.InvalidArgumentError(
                     f"A read of job {spec.job_id}'s shared stream asked to skip {offset} "
@@ -346,8 +391,9 @@ class WorkerServer:
             elements_iter = self._elements(pipe, spec)
             if offset:  # a split's later attempt, or a resumed consumer's own stream
                 elements_iter = itertools.islice(elements_iter, offset, None)
-            stream = self._streams[key] = Stream(elements_iter,
-                                                 lambda e: elements.encode(e, mode))
+            stream = self._streams[key] = Stream(
+                elements_iter, lambda e: elements.encode(e, mode),
+                cache_bytes=self._cache_bytes if spec.trainer_id else 0)
         for old in replaced:
             old.close()
         return stream
@@ -403,6 +449,30 @@ class WorkerServer:
         if spec.num_shards and policy in (ShardingPolicy.DATA, ShardingPolicy.FILE_OR_DATA):
             return itertools.islice(pipe.run(), spec.shard_index, None, spec.num_shards)
         return pipe.run()
+
+
+def _check_cross_trainer_cache(spec: StreamSpec, pipe: Pipeline) -> None:
+    """TF's requirements of a job read through a cross-trainer cache."""
+    if spec.owner:
+        raise errors.InvalidArgumentError(
+            "Cross-trainer caching requires named jobs. Got empty `job_name`.")
+    cardinality = pipe.cardinality()
+    if cardinality >= 0:
+        raise errors.InvalidArgumentError(
+            "Cross-trainer caching requires the input dataset to be infinite. Got input with "
+            f"cardinality {cardinality}. Add a .repeat() to the dataset.")
+    if spec.num_consumers:
+        raise errors.InvalidArgumentError(
+            "Cross-trainer caching does not support coordinated reads. Got number of "
+            f"coordinated consumers: {spec.num_consumers}. Drop consumer_index and "
+            "num_consumers, or cross_trainer_cache.")
+    if spec.is_split or spec.sharding_policy != ShardingPolicy.OFF:
+        policy = next((p.name for p in ShardingPolicy if p == spec.sharding_policy),
+                      spec.sharding_policy)
+        raise errors.InvalidArgumentError(
+            "Cross-trainer caching requires processing_mode='parallel_epochs' "
+            "(ShardingPolicy.OFF), where each worker produces the whole dataset for the "
+            f"trainers to share; got {policy}.")
 
 
 def _shutdown(endpoints: list[Shell], stopping: threading.Event,

@@ -1,0 +1,265 @@
+"""Resumable consumers: a position saved with ``state_dict()`` and resumed by
+``distribute``/``from_dataset_id(..., state=...)``. Over a whole run every element of a
+deterministic pipeline arrives once, those returned after the saved position once more:
+after a clean stop, after SIGKILL of the trainer, with the fault-tolerant dispatcher
+restarted in between, with several consumers of one job."""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import subprocess
+import sys
+import threading
+from collections import Counter
+
+import pytest
+from conftest import child_env
+
+from clusterwire import data, errors
+
+pytestmark = pytest.mark.timeout(120)
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+COUNT = 600
+
+
+@pytest.fixture
+def service():
+    """A dispatcher and two workers in this process."""
+    with data.DispatchServer(port=0) as dispatcher:
+        address = dispatcher.target.split("://")[1]
+        with data.WorkerServer(port=0, dispatcher_address=address), \
+                data.WorkerServer(port=0, dispatcher_address=address):
+            yield dispatcher
+
+
+def take(iterator, count: int) -> list[int]:
+    return [int(next(iterator)) for _ in range(count)]
+
+
+def expected(mode: str, count: int = COUNT, workers: int = 2) -> Counter:
+    return Counter(list(range(count)) * (workers if mode == "parallel_epochs" else 1))
+
+
+# ---- in one process ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode,job_name", [("distributed_epoch", None),
+                                           ("distributed_epoch", "train"),
+                                           ("parallel_epochs", None)])
+def test_a_stopped_iteration_resumes_from_its_saved_position(service, mode, job_name):
+    dataset_id = data.register_dataset(service.target, data.Dataset.range(COUNT))
+    iterator = iter(data.from_dataset_id(mode, service.target, dataset_id, job_name=job_name))
+    before = take(iterator, 137)
+    state = json.loads(json.dumps(iterator.state_dict()))  # what a checkpoint holds
+    after = take(iterator, 41)
+    iterator.close()
+    resumed = [int(x) for x in data.from_dataset_id(mode, service.target, dataset_id,
+                                                    job_name=job_name, state=state)]
+    assert Counter(before + resumed) == expected(mode)
+    assert not Counter(after) - Counter(resumed)  # returned after the position: again
+    assert state["elements"] == 137
+
+
+def test_a_resumed_iteration_saves_positions_of_its_own(service):
+    dataset = data.Dataset.range(COUNT).apply(
+        data.distribute("distributed_epoch", service.target, job_name="chain"))
+    seen, state = [], None
+    for _ in range(3):  # stop and resume three times, 150 elements each time
+        iterator = iter(dataset if state is None else data.Dataset.range(COUNT).apply(
+            data.distribute("distributed_epoch", service.target, job_name="chain",
+                            state=state)))
+        seen += take(iterator, 150)
+        state = iterator.state_dict()
+        take(iterator, 7)  # read past the position, then stopped
+        iterator.close()
+    rest = data.Dataset.range(COUNT).apply(
+        data.distribute("distributed_epoch", service.target, job_name="chain", state=state))
+    iterator = iter(rest)
+    seen += [int(x) for x in iterator]
+    assert Counter(seen) == Counter(range(COUNT))
+    assert iterator.state_dict()["elements"] == COUNT
+    again = [int(x) for x in rest]  # the next iteration is a new one, whole
+    assert sorted(again) == list(range(COUNT))
+
+
+def test_consumers_of_one_job_resume_each_from_its_own_position(service):
+    """As DataLoader workers sharing a distributed_epoch job: both saved, both resumed."""
+    dataset_id = data.register_dataset(service.target, data.Dataset.range(COUNT))
+
+    def consumer(state=None):
+        return iter(data.from_dataset_id("distributed_epoch", service.target, dataset_id,
+                                         job_name="team", state=state))
+
+    first, second = consumer(), consumer()
+    seen = take(first, 90) + take(second, 60)
+    states = [first.state_dict(), second.state_dict()]
+    take(first, 30), take(second, 30)
+    first.close(), second.close()
+    resumed = [consumer(states[0]), consumer(states[1])]
+    rest: list[list[int]] = [[], []]
+    threads = [threading.Thread(target=lambda i=i: rest[i].extend(int(x) for x in resumed[i]))
+               for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert Counter(seen + rest[0] + rest[1]) == Counter(range(COUNT))
+
+
+def test_an_iterator_still_running_stops_when_its_position_is_resumed(service):
+    """Resuming in the same process while the old iterator lives: the old one gets no more
+    splits (a CancelledError), the resumed one reads the rest, every element once."""
+    dataset_id = data.register_dataset(service.target, data.Dataset.range(COUNT))
+    old = iter(data.from_dataset_id("distributed_epoch", service.target, dataset_id))
+    before = take(old, 100)
+    state = old.state_dict()
+    resumed = [int(x) for x in data.from_dataset_id("distributed_epoch", service.target,
+                                                    dataset_id, state=state)]
+    assert Counter(before + resumed) == Counter(range(COUNT))
+    with pytest.raises(errors.CancelledError, match="resumed by a later iterator"):
+        for _ in old:  # what it had fetched, then the refusal of its next split
+            pass
+
+
+# ---- errors -----------------------------------------------------------------------------------
+
+def test_a_malformed_position_is_refused_naming_what_is_wrong(service):
+    dataset = data.Dataset.range(10)
+    iterator = iter(dataset.apply(data.distribute("distributed_epoch", service.target)))
+    state = iterator.state_dict()
+    iterator.close()
+    for bad, match in [("nope", "must be the dict"), ({**state, "version": 7}, "version 7"),
+                       ({**state, "handed": -1}, "'handed'"),
+                       ({**state, "partial": [[1]]}, "Malformed"),
+                       ({**state, "processing_mode": 99}, "'processing_mode'")]:
+        with pytest.raises(errors.InvalidArgumentError, match=match):
+            data.distribute("distributed_epoch", service.target, state=bad)
+    with pytest.raises(errors.InvalidArgumentError, match="read is parallel_epochs"):
+        list(dataset.apply(data.distribute("parallel_epochs", service.target, state=state)))
+    with pytest.raises(errors.InvalidArgumentError, match="of dataset"):
+        list(data.Dataset.range(11).apply(
+            data.distribute("distributed_epoch", service.target, state=state)))
+
+
+def test_a_position_names_only_its_own_consumer_and_splits(service):
+    dataset_id = data.register_dataset(service.target, data.Dataset.range(COUNT))
+    iterator = iter(data.from_dataset_id("distributed_epoch", service.target, dataset_id,
+                                         job_name="mine"))
+    take(iterator, 5)
+    state = iterator.state_dict()
+    iterator.close()
+    forged = {**state, "consumer_id": "0" * 32}
+    with pytest.raises(errors.FailedPreconditionError, match="never saved"):
+        iter(data.from_dataset_id("distributed_epoch", service.target, dataset_id,
+                                  job_name="mine", state=forged))
+    stolen = {**state, "partial": [[10 ** 6, 0]]}
+    with pytest.raises(errors.InvalidArgumentError, match="did not hand"):
+        iter(data.from_dataset_id("distributed_epoch", service.target, dataset_id,
+                                  job_name="mine", state=stolen))
+
+
+def test_reads_without_a_position_of_their_own_say_so(service):
+    dataset_id = data.register_dataset(service.target, data.Dataset.range(10))
+    shared = iter(data.from_dataset_id("parallel_epochs", service.target, dataset_id,
+                                       job_name="shared"))
+    with pytest.raises(errors.FailedPreconditionError, match="share its worker streams"):
+        shared.state_dict()
+    shared.close()
+    endless = data.register_dataset(service.target, data.Dataset.range(10).repeat())
+    round_robin = iter(data.from_dataset_id("parallel_epochs", service.target, endless,
+                                            job_name="rr", consumer_index=0, num_consumers=1))
+    with pytest.raises(errors.UnimplementedError, match="Round-robin"):
+        round_robin.state_dict()
+    round_robin.close()
+
+
+def test_a_position_outliving_its_job_is_not_found(tmp_path):
+    with data.DispatchServer(port=0) as dispatcher:
+        address = dispatcher.target.split("://")[1]
+        with data.WorkerServer(port=0, dispatcher_address=address):
+            data.register_dataset(dispatcher.target, data.Dataset.range(50), dataset_id="d")
+            iterator = iter(data.from_dataset_id("distributed_epoch", dispatcher.target, "d"))
+            take(iterator, 3)
+            state = iterator.state_dict()
+            iterator.close()
+    with data.DispatchServer(port=0) as dispatcher:  # not fault tolerant: jobs are gone
+        data.register_dataset(dispatcher.target, data.Dataset.range(50), dataset_id="d")
+        with pytest.raises(errors.NotFoundError, match="is gone"):
+            iter(data.from_dataset_id("distributed_epoch", dispatcher.target, "d", state=state))
+
+
+# ---- a SIGKILLed trainer -----------------------------------------------------------------------
+
+def start_trainer(target: str, dataset_id: str, mode: str, checkpoint: str,
+                  *extra: str) -> subprocess.Popen:
+    env = {**os.environ, **child_env()}
+    return subprocess.Popen(
+        [sys.executable, os.path.join(TESTS_DIR, "cw_data_trainer.py"), target, dataset_id,
+         mode, checkpoint, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env)
+
+
+def await_line(process: subprocess.Popen, wanted: str, timeout: float) -> None:
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stdout, selectors.EVENT_READ)
+        while selector.select(timeout):
+            line = process.stdout.readline()
+            if not line:
+                break
+            if line.strip() == wanted:
+                return
+    process.kill()
+    raise AssertionError(f"no {wanted!r} from the trainer: {process.communicate()[1][-2000:]}")
+
+
+def kill_and_resume(target_of, dataset_id: str, mode: str, checkpoint: str,
+                    between=lambda: None) -> list[int]:
+    trainer = start_trainer(target_of(), dataset_id, mode, checkpoint, "--every", "50",
+                            "--announce", "230")
+    try:
+        await_line(trainer, "READ 230", 60)
+    finally:
+        trainer.kill()
+        trainer.communicate(timeout=30)
+    with open(checkpoint) as file:
+        saved = json.load(file)
+    assert len(saved["seen"]) >= 200 and "done" not in saved  # killed mid-read
+    between()
+    trainer = start_trainer(target_of(), dataset_id, mode, checkpoint)
+    try:
+        await_line(trainer, "DONE", 60)
+        assert trainer.wait(30) == 0
+    finally:
+        trainer.kill()
+        trainer.communicate(timeout=30)
+    with open(checkpoint) as file:
+        return json.load(file)["seen"]
+
+
+@pytest.mark.parametrize("mode", ["distributed_epoch", "parallel_epochs"])
+def test_a_sigkilled_trainer_resumes_and_reads_every_element_once(service, tmp_path, mode):
+    dataset_id = data.register_dataset(service.target, data.Dataset.range(COUNT))
+    seen = kill_and_resume(lambda: service.target, dataset_id, mode,
+                           str(tmp_path / "checkpoint.json"))
+    assert Counter(seen) == expected(mode)
+
+
+def test_a_sigkilled_trainer_resumes_across_a_dispatcher_restart(processes, tmp_path):
+    ft = ["--fault-tolerant-mode", "--work-dir", str(tmp_path / "work")]
+    servers = {"dispatcher": processes("dispatcher", "--port", "0", *ft)}
+    for _ in range(2):
+        processes("worker", "--dispatcher-address", servers["dispatcher"].address,
+                  "--heartbeat-interval-ms", "200")
+    data.register_dataset(servers["dispatcher"].target, data.Dataset.range(COUNT),
+                          dataset_id="kept")
+
+    def restart_dispatcher():
+        port = servers["dispatcher"].port
+        servers["dispatcher"].kill()
+        servers["dispatcher"] = processes("dispatcher", "--port", str(port), *ft)
+
+    seen = kill_and_resume(lambda: servers["dispatcher"].target, "kept", "distributed_epoch",
+                           str(tmp_path / "checkpoint.json"), restart_dispatcher)
+    assert Counter(seen) == Counter(range(COUNT))
