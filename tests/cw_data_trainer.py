@@ -4,7 +4,8 @@ checkpoint file, it resumes from the position saved there.
 
 ``python cw_data_trainer.py TARGET DATASET_ID MODE CHECKPOINT [--every N] [--announce K]``
 prints ``READ K`` once it has read K elements in this run (the test SIGKILLs it then, while
-it goes on reading) and ``DONE`` after the last element.
+it goes on reading, checkpointing no more) and ``DONE`` after the last element (or once it
+has ``--limit`` elements in all). ``--consumer-index``/``--num-consumers``: round-robin reads.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=50)
     parser.add_argument("--announce", type=int, default=0)
     parser.add_argument("--job-name", default=None)
+    parser.add_argument("--limit", type=int, default=0)
+    parser.add_argument("--consumer-index", type=int, default=None)
+    parser.add_argument("--num-consumers", type=int, default=None)
     args = parser.parse_args()
     seen: list[int] = []
     state = None
@@ -41,11 +45,14 @@ def main() -> None:
             record = json.load(file)
         seen, state = record["seen"], record["state"]
     dataset = data.from_dataset_id(args.mode, args.target, args.dataset_id,
-                                   job_name=args.job_name, state=state)
+                                   job_name=args.job_name, consumer_index=args.consumer_index,
+                                   num_consumers=args.num_consumers, state=state)
     iterator = iter(dataset)
     for read, element in enumerate(iterator, 1):
         seen.append(int(element))
-        if read % args.every == 0:
+        if len(seen) == args.limit:
+            break
+        if read % args.every == 0 and not (args.announce and read > args.announce):
             save(args.checkpoint, {"seen": seen, "state": iterator.state_dict()})
         if read == args.announce:
             print(f"READ {read}", flush=True)

@@ -304,9 +304,8 @@ def test_a_saved_position_counts_what_was_returned_not_prefetched(service, prefe
 
 
 def test_reads_without_a_position_say_so_at_state_dict(service):
-    endless = data.Dataset.range(10).repeat()
-    with JaxIterator(endless, "parallel_epochs", service.target, job_name="rr",
-                     consumer_index=0, num_consumers=1) as iterator:
+    with JaxIterator(data.Dataset.range(10), "parallel_epochs", service.target,
+                     job_name="shared") as iterator:
         int(next(iterator))
-        with pytest.raises(errors.UnimplementedError, match="Round-robin"):
+        with pytest.raises(errors.FailedPreconditionError, match="share its worker streams"):
             iterator.state_dict()

@@ -123,6 +123,46 @@ def test_an_iterator_still_running_stops_when_its_position_is_resumed(service):
             pass
 
 
+def round_robin(target: str, dataset_id: str, index: int, state=None):
+    return iter(data.from_dataset_id("parallel_epochs", target, dataset_id, job_name="rr",
+                                     consumer_index=index, num_consumers=2, state=state))
+
+
+def test_round_robin_consumers_resume_together_each_round_as_before(service):
+    """Round r of consumer c is element (r // 2) * 2 + c of worker r mod 2's stream (each
+    worker's stream is range(1000) repeated): resumed from round 25, both consumers get
+    rounds 25-34 again, the very same elements, and go on."""
+    dataset_id = data.register_dataset(service.target, data.Dataset.range(1000).repeat())
+    consumers = [round_robin(service.target, dataset_id, c) for c in range(2)]
+    before = [take(consumer, 25) for consumer in consumers]
+    states = [consumer.state_dict() for consumer in consumers]
+    after = [take(consumer, 10) for consumer in consumers]
+    for consumer in consumers:
+        consumer.close()
+    resumed = [round_robin(service.target, dataset_id, c, states[c]) for c in range(2)]
+    again = [take(consumer, 30) for consumer in resumed]
+    for c in range(2):
+        assert before[c] + again[c] == [((r // 2) * 2 + c) % 1000 for r in range(55)]
+        assert again[c][:10] == after[c]
+        resumed[c].close()
+
+
+def test_round_robin_consumers_resuming_from_different_rounds_are_refused(service):
+    dataset_id = data.register_dataset(service.target, data.Dataset.range(1000).repeat())
+    consumers = [round_robin(service.target, dataset_id, c) for c in range(2)]
+    take(consumers[0], 5)
+    take(consumers[1], 7)
+    states = [consumer.state_dict() for consumer in consumers]
+    for consumer in consumers:
+        consumer.close()
+    first = round_robin(service.target, dataset_id, 0, states[0])
+    with pytest.raises(errors.FailedPreconditionError, match="from round 7, another .* 5"):
+        round_robin(service.target, dataset_id, 1, states[1])
+    with pytest.raises(errors.InvalidArgumentError, match="consumer 0 of 2"):
+        round_robin(service.target, dataset_id, 1, states[0])
+    first.close()
+
+
 # ---- errors -----------------------------------------------------------------------------------
 
 def test_a_malformed_position_is_refused_naming_what_is_wrong(service):
@@ -160,19 +200,13 @@ def test_a_position_names_only_its_own_consumer_and_splits(service):
                                   job_name="mine", state=stolen))
 
 
-def test_reads_without_a_position_of_their_own_say_so(service):
+def test_consumers_of_a_shared_parallel_epochs_job_have_no_position(service):
     dataset_id = data.register_dataset(service.target, data.Dataset.range(10))
     shared = iter(data.from_dataset_id("parallel_epochs", service.target, dataset_id,
                                        job_name="shared"))
     with pytest.raises(errors.FailedPreconditionError, match="share its worker streams"):
         shared.state_dict()
     shared.close()
-    endless = data.register_dataset(service.target, data.Dataset.range(10).repeat())
-    round_robin = iter(data.from_dataset_id("parallel_epochs", service.target, endless,
-                                            job_name="rr", consumer_index=0, num_consumers=1))
-    with pytest.raises(errors.UnimplementedError, match="Round-robin"):
-        round_robin.state_dict()
-    round_robin.close()
 
 
 def test_a_position_outliving_its_job_is_not_found(tmp_path):
@@ -214,36 +248,62 @@ def await_line(process: subprocess.Popen, wanted: str, timeout: float) -> None:
     raise AssertionError(f"no {wanted!r} from the trainer: {process.communicate()[1][-2000:]}")
 
 
-def kill_and_resume(target_of, dataset_id: str, mode: str, checkpoint: str,
-                    between=lambda: None) -> list[int]:
-    trainer = start_trainer(target_of(), dataset_id, mode, checkpoint, "--every", "50",
-                            "--announce", "230")
+def kill_and_resume(target_of, dataset_id: str, mode: str, checkpoints: list[str],
+                    between=lambda: None, extra=lambda i: ()) -> list[list[int]]:
+    """Trainers (one per checkpoint file) read, checkpointing every 50 elements, and are
+    SIGKILLed after 230 (their last checkpoints: 200); restarted, they read the rest."""
+    trainers = [start_trainer(target_of(), dataset_id, mode, path, "--every", "50",
+                              "--announce", "230", *extra(i))
+                for i, path in enumerate(checkpoints)]
     try:
-        await_line(trainer, "READ 230", 60)
+        for trainer in trainers:
+            await_line(trainer, "READ 230", 60)
     finally:
-        trainer.kill()
-        trainer.communicate(timeout=30)
-    with open(checkpoint) as file:
-        saved = json.load(file)
-    assert len(saved["seen"]) >= 200 and "done" not in saved  # killed mid-read
+        for trainer in trainers:
+            trainer.kill()
+            trainer.communicate(timeout=30)
+    for path in checkpoints:
+        with open(path) as file:
+            saved = json.load(file)
+        assert len(saved["seen"]) == 200 and "done" not in saved  # killed mid-read
     between()
-    trainer = start_trainer(target_of(), dataset_id, mode, checkpoint)
+    trainers = [start_trainer(target_of(), dataset_id, mode, path, *extra(i))
+                for i, path in enumerate(checkpoints)]
     try:
-        await_line(trainer, "DONE", 60)
-        assert trainer.wait(30) == 0
+        for trainer in trainers:
+            await_line(trainer, "DONE", 60)
+            assert trainer.wait(30) == 0
     finally:
-        trainer.kill()
-        trainer.communicate(timeout=30)
-    with open(checkpoint) as file:
-        return json.load(file)["seen"]
+        for trainer in trainers:
+            trainer.kill()
+            trainer.communicate(timeout=30)
+    seen = []
+    for path in checkpoints:
+        with open(path) as file:
+            seen.append(json.load(file)["seen"])
+    return seen
 
 
 @pytest.mark.parametrize("mode", ["distributed_epoch", "parallel_epochs"])
 def test_a_sigkilled_trainer_resumes_and_reads_every_element_once(service, tmp_path, mode):
     dataset_id = data.register_dataset(service.target, data.Dataset.range(COUNT))
-    seen = kill_and_resume(lambda: service.target, dataset_id, mode,
-                           str(tmp_path / "checkpoint.json"))
+    [seen] = kill_and_resume(lambda: service.target, dataset_id, mode,
+                             [str(tmp_path / "checkpoint.json")])
     assert Counter(seen) == expected(mode)
+
+
+def test_sigkilled_round_robin_trainers_resume_each_round_as_before(service, tmp_path):
+    """Two trainer processes, consumers 0 and 1 of 2, both killed and restarted: each gets
+    every round once, round r of consumer c being element (r // 2) * 2 + c of worker
+    r mod 2's stream (range(1000) repeated)."""
+    dataset_id = data.register_dataset(service.target, data.Dataset.range(1000).repeat())
+    seen = kill_and_resume(
+        lambda: service.target, dataset_id, "parallel_epochs",
+        [str(tmp_path / f"consumer{c}.json") for c in range(2)],
+        extra=lambda c: ("--job-name", "rr", "--consumer-index", str(c), "--num-consumers",
+                         "2", "--limit", "400"))
+    for c in range(2):
+        assert seen[c] == [((r // 2) * 2 + c) % 1000 for r in range(400)]
 
 
 def test_a_sigkilled_trainer_resumes_across_a_dispatcher_restart(processes, tmp_path):
@@ -260,6 +320,6 @@ def test_a_sigkilled_trainer_resumes_across_a_dispatcher_restart(processes, tmp_
         servers["dispatcher"].kill()
         servers["dispatcher"] = processes("dispatcher", "--port", str(port), *ft)
 
-    seen = kill_and_resume(lambda: servers["dispatcher"].target, "kept", "distributed_epoch",
-                           str(tmp_path / "checkpoint.json"), restart_dispatcher)
+    [seen] = kill_and_resume(lambda: servers["dispatcher"].target, "kept", "distributed_epoch",
+                             [str(tmp_path / "checkpoint.json")], restart_dispatcher)
     assert Counter(seen) == Counter(range(COUNT))

@@ -121,6 +121,7 @@ class DispatchServer:
             config.dataset_gc_timeout_ms, DATASET_GC_TIMEOUT_MS) / 1000)
         self._records = 0  # journal records written since the last compaction
         self._state = DispatcherState()
+        self._resumed_rounds: dict[str, int] = {}  # round-robin group -> round resumed from
         self._cond = threading.Condition()
         self._journal: Journal | None = None
         self.journal_report = ReadReport([])
@@ -308,6 +309,8 @@ class DispatchServer:
         policy = ShardingPolicy(request.sharding_policy)
         with self._cond:
             record = self._dataset(request.dataset_id)
+            if request.resume_group:
+                self._check_resume_round(request)
             job_id = self._state.job_keys.get(request.job_key)
             if job_id is None and request.resume:
                 raise errors.NotFoundError(
@@ -410,6 +413,19 @@ class DispatchServer:
             job_id=job.info.job_id, consumer_id=consumer, handed=request.handed,
             partial=request.partial, completed=request.completed,
             generation=request.generation)))
+
+    def _check_resume_round(self, request) -> None:
+        """Round-robin consumers of one job resume from the same round (else their rounds
+        would be read in different jobs, each waiting for the others' positions)."""
+        group, round_ = request.resume_group, request.resume_round
+        first = self._resumed_rounds.setdefault(group, round_)
+        if first != round_:
+            raise errors.FailedPreconditionError(
+                f"A consumer of round-robin job {group!r} resumes from round {round_}, another "
+                f"resumed from round {first}: round-robin consumers resume together, from "
+                "positions saved at the same step.")
+        while len(self._resumed_rounds) > MAX_JOBS:
+            del self._resumed_rounds[next(iter(self._resumed_rounds))]
 
     def _keep_resumable(self, job: Job, consumer: str) -> None:
         """``consumer`` saved its position: from now on its splits stay its own while it is

@@ -11,6 +11,10 @@ It is a small JSON-serialisable dict, saved beside a model checkpoint:
   returned after the saved position once more.
 * parallel_epochs (and static sharding): the elements returned of each worker's stream
   (``streams``). A resumed iteration is a new job whose streams skip those elements.
+* round-robin reads (``num_consumers``): the rounds returned (``elements``, one a round) and
+  the workers they went to. The consumers of a job resume together, from the same round (as
+  a synchronous trainer's ranks saved at one step), in a job of the rounds from there on
+  whose worker streams skip the earlier rounds' elements.
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ class Position:
     completed: tuple[int, ...] = ()
     streams: dict[str, int] = field(default_factory=dict)  # worker -> elements returned
     elements: int = 0  # returned in this iteration, before and after resuming
+    workers: tuple[str, ...] = ()  # round-robin reads: the workers, in round order
+    consumer_index: int = 0
+    num_consumers: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """The position as a JSON-serialisable dict."""
@@ -48,7 +55,8 @@ class Position:
                 "handed": self.handed,
                 "partial": [[split, offset] for split, offset in sorted(self.partial.items())],
                 "completed": sorted(self.completed), "streams": dict(sorted(self.streams.items())),
-                "elements": self.elements}
+                "elements": self.elements, "workers": list(self.workers),
+                "consumer_index": self.consumer_index, "num_consumers": self.num_consumers}
 
     @classmethod
     def from_dict(cls, state: Any) -> Position:
@@ -76,7 +84,10 @@ class Position:
                                 for split in _typed(state, "completed", list)),
                 streams={_key(worker): _nonnegative(count, "streams")
                          for worker, count in _typed(state, "streams", Mapping).items()},
-                elements=_count(state, "elements"))
+                elements=_count(state, "elements"),
+                workers=tuple(_key(worker) for worker in _typed(state, "workers", list)),
+                consumer_index=_count(state, "consumer_index"),
+                num_consumers=_count(state, "num_consumers"))
         except (TypeError, ValueError) as err:  # e.g. a partial entry that is not a pair
             raise InvalidArgumentError(f"Malformed data-service position: {err}.") from None
 
@@ -114,5 +125,5 @@ def _nonnegative(value: Any, key: str) -> int:
 def _key(value: Any) -> str:
     if not isinstance(value, str):
         raise InvalidArgumentError(
-            f"Data-service position key 'streams' names worker {value!r}, not an address.")
+            f"Data-service position names worker {value!r}, not an address.")
     return value

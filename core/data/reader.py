@@ -236,6 +236,9 @@ class JobReader(Iterator[Any]):
         self._resumable = False  # the dispatcher keeps this consumer's splits for a resume
         self._generation = 0  # of a resumed consumer: later than any earlier iterator's
         self._start_offsets: dict[str, int] = {}
+        self._first_round = 0  # round-robin reads: resumed from this round
+        self._round_workers: list[str] | None = None  # the workers rounds go to (in order)
+        self._saved_workers: list[str] | None = None  # the resumed position's
         self._private = options.job_name is None  # no other consumer reads its streams
         request = self._job_request(options, iteration, position)
         self._key = request.job_key
@@ -262,6 +265,12 @@ class JobReader(Iterator[Any]):
             return request
         _check_resumable(options, position)
         self._elements = position.elements
+        if options.num_consumers:
+            # Every consumer resumes from the same round, in the job of the rounds from there.
+            request.job_key = f"{key}/round-{position.elements}"
+            request.resume_group, request.resume_round = key, position.elements
+            self._first_round, self._saved_workers = position.elements, list(position.workers)
+            return request
         if options.policy != ShardingPolicy.DYNAMIC:
             # A job of its own whose worker streams skip what was returned before.
             request.named, self._private = False, True
@@ -297,12 +306,8 @@ class JobReader(Iterator[Any]):
         an iterator handing this one's elements on later (one that prefetches), which
         remembers the position of each element it holds."""
         policy = ShardingPolicy(self._job.sharding_policy)
-        if self._options.num_consumers:
-            raise errors.UnimplementedError(
-                "Round-robin reads (num_consumers) have no saved positions yet: a worker "
-                "drops an element once a consumer has read it. Use distributed_epoch, whose "
-                "consumers resume.")
-        if policy != ShardingPolicy.DYNAMIC and not self._private:
+        if policy != ShardingPolicy.DYNAMIC and not self._private \
+                and not self._options.num_consumers:
             raise errors.FailedPreconditionError(
                 f"Consumers of a named {mode_name(policy)} job share its worker streams, so "
                 "one consumer's position is not a position in them. Save positions of "
@@ -313,11 +318,15 @@ class JobReader(Iterator[Any]):
             completed = tuple(split for split, at in self._completed.items()
                               if at >= self._handed)
             streams = {address: p.consumed for address, p in self._positions.items()}
+            workers = self._round_workers or (sorted(self._workers)
+                                              if self._options.num_consumers else [])
         return Position(
             dataset_id=self._options.dataset_id, processing_mode=int(policy),
             iteration=self._iteration, job_key=self._key, consumer_id=self._consumer,
             handed=self._handed, partial=partial, completed=completed,
-            streams={**self._start_offsets, **streams}, elements=self._elements)
+            streams={**self._start_offsets, **streams}, elements=self._elements,
+            workers=tuple(workers), consumer_index=self._options.consumer_index or 0,
+            num_consumers=self._options.num_consumers)
 
     def keep_splits(self) -> None:
         """distributed_epoch: have the dispatcher keep this consumer's splits for it while it
@@ -722,17 +731,28 @@ class JobReader(Iterator[Any]):
     # ---- round-robin reads ----
 
     def _round_robin(self, _address: str) -> None:
-        """Round r comes from worker r mod W, the same for every consumer (strict order)."""
+        """Round r comes from worker r mod W, the same for every consumer (strict order).
+        Resumed from round R, worker w's stream skips the elements of the rounds before R."""
         with self._lock:
-            workers = sorted(self._workers)
+            workers = self._round_workers = sorted(self._workers)
+        if self._saved_workers is not None and workers != self._saved_workers:
+            raise errors.FailedPreconditionError(
+                f"The saved round-robin position read from workers {self._saved_workers}, "
+                f"but the job has {workers}: rounds go to other workers now. Resume with the "
+                "same workers, or start a new iteration.")
         spec = self._spec()
         spec.num_consumers = consumers = self._options.num_consumers
-        for round_ in itertools.count():
-            address = workers[round_ % len(workers)]
-            position = (round_ // len(workers)) * consumers + (self._options.consumer_index or 0)
+        first, count = self._first_round, len(workers)
+        skipped = {address: ((first + (i - first) % count) // count) * consumers
+                   for i, address in enumerate(workers)}
+        for round_ in itertools.count(first):
+            address = workers[round_ % count]
+            position = ((round_ // count) * consumers + (self._options.consumer_index or 0)
+                        - skipped[address])
             batch: _Batch | None = None
             while not batch and not self._stop.is_set():
-                read = self._read_retrying(address, spec, position=position)
+                read = self._read_retrying(address, spec, position=position,
+                                           offset=skipped[address])
                 if read is None or read[1]:
                     raise errors.UnavailableError(
                         f"Round-robin reads lost worker {address} (or its stream ended).")
@@ -889,6 +909,10 @@ def _check_resumable(options: ReadOptions, position: Position) -> None:
             f"The saved position is of a {mode_name(position.processing_mode)} read, this "
             f"read is {mode_name(options.policy)}: resume in the "
             "processing mode the position was saved in.")
-    if options.num_consumers:
-        raise errors.UnimplementedError(
-            "Round-robin reads (num_consumers) cannot resume from a saved position yet.")
+    if (position.consumer_index, position.num_consumers) != (
+            options.consumer_index or 0, options.num_consumers):
+        raise errors.InvalidArgumentError(
+            f"The saved position is of consumer {position.consumer_index} of "
+            f"{position.num_consumers} (round-robin reads), this read is consumer "
+            f"{options.consumer_index or 0} of {options.num_consumers}: each consumer "
+            "resumes from its own position.")

@@ -377,10 +377,11 @@ class WorkerServer:
                     f"caches of {cached} jobs (of up to {self._cache_bytes} bytes each), its "
                     f"limit. A job's cache goes when the dispatcher collects the job; retry "
                     "later, share a job_name between the trainers, or add workers.")
-            if offset and not (spec.is_split or spec.owner):
+            if offset and not (spec.is_split or spec.owner or spec.num_consumers):
                 raise errors.InvalidArgumentError(
                     f"A read of job {spec.job_id}'s shared stream asked to skip {offset} "
-                    "elements: only a split or an anonymous job's own stream starts later.")
+                    "elements: only a split, an anonymous job's own stream or a resumed "
+                    "round-robin job's stream starts later.")
             # A new attempt at a split replaces the consumer's earlier ones.
             attempts = [k for k in self._streams if spec.is_split and k[:3] == key[:3]]
             if any(k[3] > key[3] for k in attempts):
@@ -389,7 +390,7 @@ class WorkerServer:
                     "later one of the same consumer.")
             replaced = self._admit(spec, key, attempts)
             elements_iter = self._elements(pipe, spec)
-            if offset:  # a split's later attempt, or a resumed consumer's own stream
+            if offset:  # a split's later attempt, or a resumed consumer's stream
                 elements_iter = itertools.islice(elements_iter, offset, None)
             stream = self._streams[key] = Stream(
                 elements_iter, lambda e: elements.encode(e, mode),
