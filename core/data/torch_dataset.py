@@ -27,8 +27,10 @@ and yields the service's elements with their numpy arrays and numpy scalars as
   ``torchdata.stateful_dataloader.StatefulDataLoader`` saves and restores each loader
   worker's position with its own): a trainer restarted from a checkpoint reads the rest of
   the epoch, every element once, those yielded after the checkpoint once more. Positions
-  exist for distributed_epoch reads and for parallel_epochs without loader workers (loader
-  workers share a parallel_epochs job's worker streams); see ``clusterwire.data.position``.
+  exist for distributed_epoch reads, for parallel_epochs without loader workers (loader
+  workers share a parallel_epochs job's worker streams) and for round-robin reads, whose
+  consumers resume from the same round (loader workers are at one round after a multiple
+  of ``num_workers`` batches of an in-order loader); see ``clusterwire.data.position``.
 * **fork**: gRPC does not survive a fork of a process that has used it. The dataset is
   registered by the process that reads it, so a DataLoader's parent that only builds the
   ``ServiceDataset`` forks its workers safely. A parent that used the service itself (read
