@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from cw_data_procs import ServerProcess
@@ -34,6 +35,15 @@ def free_ports(count: int) -> list[int]:
     finally:
         for probe in probes:
             probe.close()
+
+
+def read_together(iterables, timeout: float = 60.0) -> list[int]:
+    """The elements of all ``iterables`` as ints, read at once on threads of their own (as
+    consumers of one job that wait for each other's splits to end); an error or a read not
+    ending within ``timeout`` fails the test."""
+    with ThreadPoolExecutor(len(iterables)) as pool:
+        reads = [pool.submit(lambda it=it: [int(x) for x in it]) for it in iterables]
+        return [x for read in reads for x in read.result(timeout)]
 
 
 def tampered(message, **changes):

@@ -11,11 +11,10 @@ import os
 import selectors
 import subprocess
 import sys
-import threading
 from collections import Counter
 
 import pytest
-from conftest import child_env
+from conftest import child_env, read_together
 
 from clusterwire import data, errors
 
@@ -98,14 +97,7 @@ def test_consumers_of_one_job_resume_each_from_its_own_position(service):
     take(first, 30), take(second, 30)
     first.close(), second.close()
     resumed = [consumer(states[0]), consumer(states[1])]
-    rest: list[list[int]] = [[], []]
-    threads = [threading.Thread(target=lambda i=i: rest[i].extend(int(x) for x in resumed[i]))
-               for i in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert Counter(seen + rest[0] + rest[1]) == Counter(range(COUNT))
+    assert Counter(seen + read_together(resumed)) == Counter(range(COUNT))
 
 
 def test_an_iterator_still_running_stops_when_its_position_is_resumed(service):

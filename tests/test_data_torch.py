@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 import time
 import types
 import warnings
@@ -15,6 +14,7 @@ from collections import Counter
 import cw_data_functions as fns
 import numpy as np
 import pytest
+from conftest import read_together
 from cw_data_procs import ServerProcess
 
 from clusterwire import data, errors
@@ -338,11 +338,4 @@ def test_a_consumer_saved_before_it_read_joins_the_job_its_peers_resume(service)
     resumed = [consumer(), consumer()]
     for ds, state in zip(resumed, states, strict=True):
         ds.load_state_dict(state)
-    rest: list[list[int]] = [[], []]
-    threads = [threading.Thread(target=lambda i=i: rest[i].extend(int(x) for x in resumed[i]))
-               for i in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert Counter(before + rest[0] + rest[1]) == Counter(range(300))
+    assert Counter(before + read_together(resumed)) == Counter(range(300))
