@@ -78,9 +78,15 @@ def test_a_resumed_iteration_saves_positions_of_its_own(service):
     iterator = iter(rest)
     seen += [int(x) for x in iterator]
     assert Counter(seen) == Counter(range(COUNT))
-    assert iterator.state_dict()["elements"] == COUNT
-    again = [int(x) for x in rest]  # the next iteration is a new one, whole
-    assert sorted(again) == list(range(COUNT))
+    final = iterator.state_dict()
+    assert final["elements"] == COUNT and final["finished"]
+    # Saved after the end (a checkpoint between epochs): resumed, the iteration is over and
+    # the dataset's next iteration is a new one, whole.
+    after_the_end = data.Dataset.range(COUNT).apply(
+        data.distribute("distributed_epoch", service.target, job_name="chain", state=final))
+    ended = iter(after_the_end)
+    assert list(ended) == [] and ended.state_dict() == final
+    assert sorted(int(x) for x in after_the_end) == list(range(COUNT))
 
 
 def test_consumers_of_one_job_resume_each_from_its_own_position(service):

@@ -46,6 +46,7 @@ class Position:
     workers: tuple[str, ...] = ()  # round-robin reads: the workers, in round order
     consumer_index: int = 0
     num_consumers: int = 0
+    finished: bool = False  # the iteration had ended: a resumed one ends at once
 
     def to_dict(self) -> dict[str, Any]:
         """The position as a JSON-serialisable dict."""
@@ -56,7 +57,8 @@ class Position:
                 "partial": [[split, offset] for split, offset in sorted(self.partial.items())],
                 "completed": sorted(self.completed), "streams": dict(sorted(self.streams.items())),
                 "elements": self.elements, "workers": list(self.workers),
-                "consumer_index": self.consumer_index, "num_consumers": self.num_consumers}
+                "consumer_index": self.consumer_index, "num_consumers": self.num_consumers,
+                "finished": self.finished}
 
     @classmethod
     def from_dict(cls, state: Any) -> Position:
@@ -87,14 +89,15 @@ class Position:
                 elements=_count(state, "elements"),
                 workers=tuple(_key(worker) for worker in _typed(state, "workers", list)),
                 consumer_index=_count(state, "consumer_index"),
-                num_consumers=_count(state, "num_consumers"))
+                num_consumers=_count(state, "num_consumers"),
+                finished=_typed(state, "finished", bool))
         except (TypeError, ValueError) as err:  # e.g. a partial entry that is not a pair
             raise InvalidArgumentError(f"Malformed data-service position: {err}.") from None
 
 
 def _typed(state: Mapping[str, Any], key: str, kind: type) -> Any:
     value = state.get(key)
-    if not isinstance(value, kind) or isinstance(value, bool):
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise InvalidArgumentError(
             f"Data-service position key {key!r} must be a {kind.__name__}, got {value!r}: "
             "pass the dict state_dict() returned, unchanged.")

@@ -240,12 +240,20 @@ class JobReader(Iterator[Any]):
         self._round_workers: list[str] | None = None  # the workers rounds go to (in order)
         self._saved_workers: list[str] | None = None  # the resumed position's
         self._private = options.job_name is None  # no other consumer reads its streams
+        self._exhausted: Position | None = None  # resumed after the end: this position
+        self._returned_all = False  # the iteration ended (not stopped early)
+        if position is not None and position.finished:
+            _check_resumable(options, position)
+            self._exhausted = position
+            self._job = JobInfo(sharding_policy=options.policy)
+            self._finished = self._released = True
+            return
         request = self._job_request(options, iteration, position)
         self._key = request.job_key
         response, _ = dispatcher.call(DataRequest(get_or_create_job=request))
         self._job: JobInfo = response.job
         if self._job.finished:
-            self._finished = self._released = True
+            self._finished = self._released = self._returned_all = True
             return
         self._update_workers(list(self._job.workers))
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True,
@@ -305,6 +313,8 @@ class JobReader(Iterator[Any]):
         """The position ``state_dict()`` would return now, without ``keep_splits()``: for
         an iterator handing this one's elements on later (one that prefetches), which
         remembers the position of each element it holds."""
+        if self._exhausted is not None:
+            return self._exhausted
         policy = ShardingPolicy(self._job.sharding_policy)
         if policy != ShardingPolicy.DYNAMIC and not self._private \
                 and not self._options.num_consumers:
@@ -326,7 +336,7 @@ class JobReader(Iterator[Any]):
             handed=self._handed, partial=partial, completed=completed,
             streams={**self._start_offsets, **streams}, elements=self._elements,
             workers=tuple(workers), consumer_index=self._options.consumer_index or 0,
-            num_consumers=self._options.num_consumers)
+            num_consumers=self._options.num_consumers, finished=self._returned_all)
 
     def keep_splits(self) -> None:
         """distributed_epoch: have the dispatcher keep this consumer's splits for it while it
@@ -395,6 +405,7 @@ class JobReader(Iterator[Any]):
 
     def _finish(self) -> None:
         self._release(finished=True)
+        self._returned_all = not self._dropped  # a resumed iteration ends at once
         if self._dropped:
             raise errors.DataLossError(
                 "The parallel_epochs iteration ended without the rest of the elements of "
