@@ -18,3 +18,20 @@ def fill_2k(x):
 def fill_1m(x):
     """A 1 MiB int64 element filled with x (TF anchor: tf.fill([131072], x))."""
     return np.full(131072, x, np.int64)
+
+
+class LocalFill:
+    """The 1 MiB workload as a map-style dataset for a plain ``torch.utils.data.DataLoader``
+    (the baseline of the PyTorch rows). Element ``i`` is ``fill_1m(i)`` as a tensor; torch is
+    imported on use, since the service's workers import this module too."""
+
+    def __init__(self, count: int):
+        self.count = count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int):
+        import torch
+
+        return torch.from_numpy(fill_1m(index))

@@ -3,7 +3,7 @@
 Run from the repository root::
 
     python bench/bench_data.py [--runs 3] [--quick] [--workload "1 MiB"] [--mode parallel]
-        [--compression None] [--transfer grpc+local] [--no-ten]
+        [--compression None] [--transfer grpc+local] [--no-ten] [--no-torch | --only-torch]
 
 A dispatcher and 2 workers run as separate processes (``python -m clusterwire
 dispatcher|worker``); this process is the client. Workloads are TF's:
@@ -18,7 +18,12 @@ Per cell: 1 warm-up and ``--runs`` measured jobs, medians of
 * el/s, MB/s: the steady rate between the first and the last element;
 * end s: until StopIteration.
 
-Then the end time of 10-element jobs. With tensorflow importable the same
+Then the end time of 10-element jobs. With torch importable, the PyTorch rows: the 1 MiB
+workload (distributed_epoch, no compression, over grpc+local) read through the PyTorch
+adapter (``ServiceDataset`` in a ``DataLoader``, without and with 2 loader workers) and
+through the service's numpy iterator, beside a plain ``DataLoader(num_workers=2)`` over the
+same elements made locally (``_data_workload.LocalFill``); 1 warm-up and ``--runs`` rounds,
+each reading once in every way (interleaved), medians of el/s. With tensorflow importable the same
 matrix runs on tf.data service (dispatcher and workers in own processes) and
 the ratios are measured ones; otherwise the ratios use the TF 2.21 numbers
 recorded on this machine kind (shared/research/tensorflow.md, "own processes").
@@ -65,6 +70,15 @@ TF_REFERENCE = {
 TF_TEN_ELEMENT_S = 1.02
 TARGETS = {"2 KiB el/s ratio": 3.0, "1 MiB MB/s ratio": 1.5, "first ms": 50.0,
            "10-element job ms": 100.0}
+# The PyTorch rows: (name, what it reads through, loader workers or None for the numpy loop).
+TORCH_ROWS = (
+    ("plain", "plain DataLoader(num_workers=2), elements made locally", 2),
+    ("numpy", "service, numpy iterator (distribute)", None),
+    ("adapter", "service, ServiceDataset + DataLoader(num_workers=0)", 0),
+    ("adapter-2", "service, ServiceDataset + DataLoader(num_workers=2)", 2),
+)
+# adapter el/s over the plain DataLoader's (at least); over the numpy iterator's (at least).
+TORCH_TARGETS = {"plain": 0.9, "numpy": 0.95}
 
 
 class Servers:
@@ -143,6 +157,73 @@ def _consume(iterator: Any, started: float) -> dict[str, float]:
     end = time.perf_counter()
     return {"first_ms": (first - started) * 1e3, "end_s": end - started, "elements": count,
             "el_s": (count - 1) / (last - first) if count > 1 else 0.0}
+
+
+def torch_job(target: str, way: str, workers: int | None) -> dict[str, float]:
+    """One read of the 1 MiB workload (distributed_epoch, no compression, grpc+local), ``way``
+    being a name of TORCH_ROWS."""
+    from torch.utils.data import DataLoader
+
+    from clusterwire import data
+    from clusterwire.data.torch_dataset import ServiceDataset
+
+    count = WORKLOADS["1 MiB"][2]
+    read = {"processing_mode": "distributed_epoch", "service": target, "compression": None,
+            "data_transfer_protocol": "grpc+local"}
+    # Loader workers start from a fork server: this process has used gRPC (see torch_dataset).
+    loader = {"batch_size": None, "num_workers": workers or 0, "in_order": False,
+              **({"multiprocessing_context": "forkserver"} if workers else {})}
+    started = time.perf_counter()
+    pipeline = data.Dataset.range(count).map(_data_workload.fill_1m)
+    if way == "plain":
+        iterator = iter(DataLoader(_data_workload.LocalFill(count), **loader))
+    elif way == "numpy":
+        iterator = iter(pipeline.apply(data.distribute(**read)))
+    else:
+        iterator = iter(DataLoader(ServiceDataset(pipeline, **read), **loader))
+    return _consume(iterator, started)
+
+
+def run_torch(target: str, runs: int) -> list[dict[str, Any]]:
+    """The PyTorch rows: a warm-up round, then ``runs`` rounds reading once in every way."""
+    results: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in TORCH_ROWS}
+    for round_ in range(runs + 1):
+        for name, _, workers in TORCH_ROWS:
+            result = torch_job(target, name, workers)
+            if round_:
+                results[name].append(result)
+    rows = []
+    size = WORKLOADS["1 MiB"][1] * 8
+    for name, what, _ in TORCH_ROWS:
+        row = {key: statistics.median(r[key] for r in results[name])
+               for key in results[name][0]}
+        row.update(name=name, what=what, MB_s=row["el_s"] * size / 1e6,
+                   runs=[r["el_s"] for r in results[name]])
+        rows.append(row)
+        print(f"{what}: {row['el_s']:.0f} el/s", file=sys.stderr, flush=True)
+    return rows
+
+
+def torch_report(rows: list[dict[str, Any]], runs: int, load: float) -> str:
+    """The PyTorch rows' table, ratios and verdicts."""
+    rate = {row["name"]: row["el_s"] for row in rows}
+    lines = [
+        f"PyTorch rows: 1 MiB int64 elements, distributed_epoch, compression None, service "
+        f"elements over grpc+local; {runs} interleaved rounds (medians); load average "
+        f"{load:.2f} at the start.", "",
+        "| read through | elements | el/s | MB/s | x plain DataLoader | x numpy iterator "
+        "| el/s of each round |", "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(
+            f"| {row['what']} | {row['elements']:.0f} | {row['el_s']:.0f} | {row['MB_s']:.0f} "
+            f"| {row['el_s'] / rate['plain']:.2f}x | {row['el_s'] / rate['numpy']:.2f}x | "
+            f"{', '.join(f'{r:.0f}' for r in row['runs'])} |")
+    lines.append("")
+    for baseline, line in TORCH_TARGETS.items():
+        ratio = rate["adapter"] / rate[baseline]
+        lines.append(f"Target: adapter (num_workers=0) / {baseline} >= {line}x: {ratio:.2f}x, "
+                     f"{'met' if ratio >= line else 'NOT MET'}")
+    return "\n".join(lines)
 
 
 def ten_element_job(job: Callable[..., dict[str, float]], target: str, mode: str) -> float:
@@ -236,28 +317,34 @@ def main() -> int:
                         help="only this element transfer (repeatable)")
     parser.add_argument("--no-ten", dest="ten", action="store_false",
                         help="skip the 10-element jobs")
+    torch_rows = parser.add_mutually_exclusive_group()
+    torch_rows.add_argument("--no-torch", dest="torch", action="store_false",
+                            help="skip the PyTorch rows")
+    torch_rows.add_argument("--only-torch", action="store_true",
+                            help="only the PyTorch rows")
     args = parser.parse_args()
     runs = 1 if args.quick else args.runs
     from clusterwire.plugins import get_plugin_manager
 
+    load = os.getloadavg()[0]
     local = "grpc+local" in get_plugin_manager().protocols()
+    with_torch = args.torch and local and importlib.util.find_spec("torch") is not None
+    if args.torch and not with_torch:
+        print("PyTorch rows: skipped (they need torch and grpc+local)", file=sys.stderr)
+    rows: list[dict[str, Any]] = []
+    parts = []
     servers = Servers("clusterwire", transfer="grpc+local" if local else None)
     try:
-        rows = run_matrix(clusterwire_job, servers.target, runs,
-                          [None, "grpc+local"] if local else [None], args)
+        if not args.only_torch:
+            rows = run_matrix(clusterwire_job, servers.target, runs,
+                              [None, "grpc+local"] if local else [None], args)
+        if with_torch:
+            parts.append(torch_report(run_torch(servers.target, runs), runs, load))
     finally:
         servers.close()
-    tf_rows = None
-    if importlib.util.find_spec("tensorflow") is None:
-        print("tensorflow: not installed (ratios use the recorded TF 2.21 numbers)",
-              file=sys.stderr)
-    else:
-        servers = Servers("tensorflow")
-        try:
-            tf_rows = run_matrix(tf_job, servers.target, runs, [None], args)
-        finally:
-            servers.close()
-    text = report(rows, tf_rows, runs)
+    if not args.only_torch:
+        parts.insert(0, report(rows, run_tf(runs, args), runs))
+    text = "\n\n".join(parts)
     print(text)
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     path = os.path.join(HERE, "results", f"data-{datetime.datetime.now():%Y%m%d-%H%M%S}.md")
@@ -265,6 +352,19 @@ def main() -> int:
         handle.write(text + "\n")
     print(f"\nwritten to {path}", file=sys.stderr)
     return 0
+
+
+def run_tf(runs: int, cells: argparse.Namespace) -> list[dict[str, Any]] | None:
+    """The matrix on tf.data service; None when tensorflow is not installed."""
+    if importlib.util.find_spec("tensorflow") is None:
+        print("tensorflow: not installed (ratios use the recorded TF 2.21 numbers)",
+              file=sys.stderr)
+        return None
+    servers = Servers("tensorflow")
+    try:
+        return run_matrix(tf_job, servers.target, runs, [None], cells)
+    finally:
+        servers.close()
 
 
 def _tf_server(role: str, argv: list[str]) -> int:
