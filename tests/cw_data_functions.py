@@ -36,6 +36,12 @@ def fill_2k(x):
 
 
 @data.function
+def fill_1m(x):
+    """1 MiB of x's value (int64): big enough for grpc+local's shared segments."""
+    return np.full(1 << 17, x, dtype=np.int64)
+
+
+@data.function
 def slow_identity(x):
     """x, after a short pause (keeps a job running long enough to kill a worker in it)."""
     time.sleep(float(os.environ.get("CW_DATA_SLOW_S", "0.002")))

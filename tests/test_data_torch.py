@@ -157,6 +157,36 @@ def test_grpc_elements_are_not_copied_and_grpc_local_ones_are(service, monkeypat
         tensor.fill_(-1)  # the copies are the loop's own
 
 
+def test_shared_segments_become_copy_on_write_tensors_not_copies(service, monkeypatch):
+    """1 MiB elements over grpc+local arrive in sealed segments: each tensor maps its
+    segment privately (no copy up front); writing it changes neither the segment nor the
+    numpy view the reader had."""
+    if not LOCAL:
+        pytest.skip("grpc+local is not installed")
+    from clusterwire.data import torch_dataset
+
+    pairs, mapped = [], []
+    original_view, original_to_torch = torch_dataset.private_view, torch_dataset.to_torch
+    monkeypatch.setattr(torch_dataset, "private_view",
+                        lambda array: mapped.append(original_view(array)) or mapped[-1])
+
+    def recording(element):
+        tensor = original_to_torch(element)
+        pairs.append((element, tensor))
+        return tensor
+
+    monkeypatch.setattr(torch_dataset, "to_torch", recording)
+    ds = ServiceDataset(data.Dataset.range(6).map(fns.fill_1m), "distributed_epoch",
+                        service.target, data_transfer_protocol="grpc+local", compression=None)
+    assert sorted(int(t[0]) for t in ds) == list(range(6))
+    assert len(mapped) == 6 and all(view is not None for view in mapped)
+    for element, tensor in pairs:
+        assert not element.flags.writeable and tensor.data_ptr() != element.ctypes.data
+        value = int(element[0])
+        tensor.fill_(-1)  # the loop's own pages now
+        assert int(element[0]) == int(element[-1]) == value and int(tensor.sum()) == -(1 << 17)
+
+
 def test_a_trainer_process_forks_its_loader_workers_every_element_once(service, tmp_path):
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER)

@@ -5,9 +5,11 @@ and yields the service's elements with their numpy arrays and numpy scalars as
 ``torch.Tensor``s (``to_torch``), for a training loop or a ``DataLoader``.
 
 * **Copies**: a writable array becomes a tensor sharing its memory (``torch.from_numpy``, no
-  copy). A read-only one (elements over ``grpc+local``, or from a server in the same process,
-  live in memory the sender still owns) is copied once: PyTorch has no read-only tensors, and
-  a tensor over that memory would crash on a write, or silently change the sender's data.
+  copy). A read-only one lives in memory the sender still owns, and PyTorch has no read-only
+  tensors (a tensor over that memory would crash on a write, or silently change the
+  sender's data). In a ``grpc+local`` shared segment it is mapped again privately,
+  copy-on-write (``clusterwire.private_views``): no copy up front, and a write changes only
+  this process's pages. Others (small elements, a server in the same process) are copied.
 * **DataLoader workers**: with ``DataLoader(num_workers=N)`` each loader worker reads as its
   own consumer of one job shared by the N workers, so the loader yields what one consumer
   would (distributed_epoch: every element once over all loader workers; parallel_epochs:
@@ -62,6 +64,7 @@ from clusterwire.data.client import (
 from clusterwire.data.dataset import Dataset
 from clusterwire.data.position import Position
 from clusterwire.errors import FailedPreconditionError, InvalidArgumentError
+from clusterwire.private_views import private_view
 from clusterwire.security import Security
 
 # numpy dtype kinds torch holds: bool, signed and unsigned ints, floats, complex.
@@ -79,8 +82,11 @@ def to_torch(element: Any) -> Any:
     if isinstance(element, np.ndarray):
         if element.dtype.kind not in _TENSOR_KINDS:
             return element
-        if not element.flags.writeable or not element.dtype.isnative:
+        if not element.dtype.isnative:
             element = element.astype(element.dtype.newbyteorder("="))
+        elif not element.flags.writeable:
+            private = private_view(element)
+            element = element.copy() if private is None else private
         return torch.from_numpy(element)
     if isinstance(element, np.generic) and element.dtype.kind in _TENSOR_KINDS:
         return torch.from_numpy(np.array(element))

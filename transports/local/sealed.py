@@ -40,6 +40,18 @@ class SealedMapping(mmap.mmap):
     fd: int
     address: int  # where the mapping starts in this process's memory
 
+    private: mmap.mmap | None = None  # the segment mapped again, copy-on-write
+
+    def clusterwire_private_map(self, offset: int, nbytes: int) -> memoryview:
+        """Bytes ``[offset, offset + nbytes)`` of the segment in a private, writable
+        (copy-on-write) mapping of it: writes stay in this process (see core's
+        private_views). One mapping serves every buffer of the segment: they do not
+        overlap, so a write to one never shows in another."""
+        if self.private is None:
+            self.private = mmap.mmap(self.fd, len(self), mmap.MAP_PRIVATE,
+                                     mmap.PROT_READ | mmap.PROT_WRITE)
+        return memoryview(self.private)[offset:offset + nbytes]
+
 
 ALIGNMENT = 64
 
