@@ -18,8 +18,6 @@ cleanly.
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -27,7 +25,6 @@ import torch
 from torch.utils.data import DataLoader
 
 from clusterwire import data
-from clusterwire.data.cli import await_ready
 from clusterwire.data.torch_dataset import ServiceDataset
 from clusterwire.plugins import get_plugin_manager
 
@@ -42,45 +39,6 @@ def synthetic_task() -> tuple[np.ndarray, np.ndarray]:
     features = rng.standard_normal((SAMPLES, FEATURES), np.float32)
     teacher = rng.standard_normal((FEATURES, CLASSES), np.float32)
     return features, np.argmax(features @ teacher, axis=1)
-
-
-class Servers:
-    """A dispatcher and two workers, each a ``python -m clusterwire`` process on 127.0.0.1."""
-
-    def __init__(self, transfer: str | None):
-        self.processes: list[subprocess.Popen] = []
-        try:
-            self.target = self._start("dispatcher", "--bind-address", "127.0.0.1")
-            extra = ("--data-transfer-protocol", transfer) if transfer else ()
-            for _ in range(2):
-                self._start("worker", "--dispatcher-address", self.target.split("://")[1],
-                            "--worker-address", "127.0.0.1:%port%", *extra)
-        except BaseException:
-            self.stop()
-            raise
-
-    def _start(self, command: str, *args: str) -> str:
-        process = subprocess.Popen([sys.executable, "-m", "clusterwire", command, "--port", "0",
-                                    "--quiet", *args], stdout=subprocess.PIPE, text=True)
-        self.processes.append(process)
-        target = await_ready(process, 60.0)
-        if target is None:
-            raise RuntimeError(f"clusterwire {command} did not start")
-        return target
-
-    def stop(self) -> list[int | None]:
-        """SIGTERM every server; their exit statuses (None: had to be killed)."""
-        codes = []
-        for process in self.processes:
-            process.terminate()
-            try:
-                codes.append(process.wait(30))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-                codes.append(None)
-            process.stdout.close()
-        return codes
 
 
 def evaluate(model: torch.nn.Module, features: np.ndarray, labels: np.ndarray
@@ -142,7 +100,7 @@ def main() -> int:
     initial, _ = evaluate(model, features, labels)
     transfer = "grpc+local" if "grpc+local" in get_plugin_manager().protocols() else None
     started = time.perf_counter()
-    servers = Servers(transfer)
+    servers = data.LocalDataService(2, transfer)
     try:
         print(f"dispatcher {servers.target} and 2 workers up in "
               f"{time.perf_counter() - started:.2f} s; elements over {transfer or 'grpc'}",

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -35,6 +37,38 @@ def free_ports(count: int) -> list[int]:
     finally:
         for probe in probes:
             probe.close()
+
+
+def wait_for(condition, timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll ``condition`` (a server's state, which has no event to wait on) until true; fail
+    after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def in_process_data_service(workers: int = 2, **worker_options):
+    """A data-service dispatcher and ``workers`` workers in this process on 127.0.0.1, all
+    registered; yields the dispatcher, stops them all at the end."""
+    from clusterwire import data
+
+    dispatcher = data.DispatchServer(data.DispatcherConfig(bind_address="127.0.0.1"))
+    address = dispatcher.target.split("://")[1]
+    started = []
+    try:
+        for _ in range(workers):
+            started.append(data.WorkerServer(data.WorkerConfig(
+                dispatcher_address=address, worker_address="127.0.0.1:%port%",
+                **worker_options)))
+        wait_for(lambda: dispatcher.num_workers() == workers, what=f"{workers} workers")
+        yield dispatcher
+    finally:
+        for worker in started:
+            worker.stop()
+        dispatcher.stop()
 
 
 def read_together(iterables, timeout: float = 60.0) -> list[int]:

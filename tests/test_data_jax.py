@@ -6,13 +6,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 import types
 from collections import Counter
 
 import cw_data_functions as fns
 import numpy as np
 import pytest
+from conftest import in_process_data_service
 
 from clusterwire import data, errors
 from clusterwire.plugins import get_plugin_manager
@@ -83,20 +83,9 @@ print("sharded, placed, shared and never written")
 @pytest.fixture(scope="module")
 def service():
     """A dispatcher and two workers in this process (serving elements over grpc+local too)."""
-    dispatcher = data.DispatchServer(data.DispatcherConfig(bind_address="127.0.0.1"))
-    address = dispatcher.target.split("://")[1]
     transfer = {"data_transfer_protocol": "grpc+local"} if LOCAL else {}
-    workers = [data.WorkerServer(data.WorkerConfig(
-        dispatcher_address=address, worker_address="127.0.0.1:%port%", **transfer))
-        for _ in range(2)]
-    deadline = time.monotonic() + 10
-    while dispatcher.num_workers() < 2:
-        assert time.monotonic() < deadline, "timed out waiting for 2 workers"
-        time.sleep(0.01)
-    yield dispatcher
-    for worker in workers:
-        worker.stop()
-    dispatcher.stop()
+    with in_process_data_service(**transfer) as dispatcher:
+        yield dispatcher
 
 
 @pytest.fixture

@@ -10,22 +10,13 @@ from collections import Counter
 import cw_data_functions as fns
 import numpy as np
 import pytest
-from conftest import free_ports
+from conftest import free_ports, wait_for
 
 from clusterwire import data, errors
 from clusterwire.data import elements
 from clusterwire.plugins import get_plugin_manager
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def wait_for(condition, timeout=10.0, what="condition"):
-    """Poll ``condition`` until true; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 import types
 import warnings
 from collections import Counter
@@ -14,7 +13,7 @@ from collections import Counter
 import cw_data_functions as fns
 import numpy as np
 import pytest
-from conftest import read_together
+from conftest import in_process_data_service, read_together
 from cw_data_procs import ServerProcess
 
 from clusterwire import data, errors
@@ -67,18 +66,8 @@ def service():
 @pytest.fixture
 def in_process_service():
     """A dispatcher and two workers in this process."""
-    dispatcher = data.DispatchServer(data.DispatcherConfig(bind_address="127.0.0.1"))
-    address = dispatcher.target.split("://")[1]
-    workers = [data.WorkerServer(data.WorkerConfig(
-        dispatcher_address=address, worker_address="127.0.0.1:%port%")) for _ in range(2)]
-    deadline = time.monotonic() + 10
-    while dispatcher.num_workers() < 2:
-        assert time.monotonic() < deadline, "timed out waiting for 2 workers"
-        time.sleep(0.01)
-    yield dispatcher
-    for worker in workers:
-        worker.stop()
-    dispatcher.stop()
+    with in_process_data_service() as dispatcher:
+        yield dispatcher
 
 
 def test_elements_arrive_as_tensors_equal_to_the_numpy_values(service):

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import grpc
 import numpy as np
 import pytest
+from conftest import wait_for
 
 from clusterwire import Server, Session, errors
 from clusterwire.protos.service_pb2 import Request
@@ -124,13 +125,6 @@ def wait_closed(sockets: list[socket.socket], timeout: float) -> None:
                 if _closed_by_peer(key.fileobj):
                     selector.unregister(key.fileobj)
                     still_open -= 1
-
-
-def wait_for(condition, timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)  # polling listener state, not synchronising with it
 
 
 def upload_threads() -> int:

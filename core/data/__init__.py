@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from clusterwire.data.config import DispatcherConfig, WorkerConfig
     from clusterwire.data.dataset import Dataset
     from clusterwire.data.dispatcher import DispatchServer
+    from clusterwire.data.local_service import LocalDataService
     from clusterwire.data.modes import ShardingPolicy
     from clusterwire.data.permissions import function
     from clusterwire.data.pipeline import AUTOTUNE
@@ -40,6 +41,7 @@ _EXPORTS = {
     "Dataset": ("dataset", "Dataset"),
     "DispatchServer": ("dispatcher", "DispatchServer"),
     "DispatcherConfig": ("config", "DispatcherConfig"),
+    "LocalDataService": ("local_service", "LocalDataService"),
     "ShardingPolicy": ("modes", "ShardingPolicy"),
     "WorkerConfig": ("config", "WorkerConfig"),
     "WorkerServer": ("worker", "WorkerServer"),
@@ -57,6 +59,7 @@ __all__ = [
     "Dataset",
     "DispatchServer",
     "DispatcherConfig",
+    "LocalDataService",
     "ShardingPolicy",
     "WorkerConfig",
     "WorkerServer",

@@ -42,7 +42,7 @@ import numpy as np
 
 from clusterwire import errors
 from clusterwire.data.client import (
-    ServiceSource,
+    check_adapter_dataset,
     check_distribute_arguments,
     from_dataset_id,
     register_dataset,
@@ -122,17 +122,9 @@ class JaxIterator(Iterator[Any]):
             max_outstanding_requests, target_workers, compression)
         self._placement = _placement(sharding, device)
         self._prefetch = _prefetch(prefetch)
+        check_adapter_dataset(dataset, "JaxIterator")
         if isinstance(dataset, Dataset):
-            if isinstance(dataset.pipeline.source, ServiceSource):
-                raise InvalidArgumentError(
-                    f"JaxIterator got a dataset already read through the service "
-                    f"({dataset!r}): pass the dataset as it was before "
-                    "`.apply(distribute(...))`, and distribute's arguments to JaxIterator.")
             dataset = register_dataset(service, dataset, compression, config=config)
-        elif not isinstance(dataset, str) or not dataset:
-            raise TypeError(
-                "JaxIterator's `dataset` must be a clusterwire.data.Dataset or a dataset id "
-                f"from clusterwire.data.register_dataset, got {dataset!r}.")
         self._reader = iter(from_dataset_id(
             processing_mode, service, dataset, job_name=job_name,
             consumer_index=consumer_index, num_consumers=num_consumers,

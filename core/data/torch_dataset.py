@@ -54,9 +54,8 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from clusterwire import in_process
-from clusterwire.data import graph
 from clusterwire.data.client import (
-    ServiceSource,
+    check_adapter_dataset,
     check_distribute_arguments,
     from_dataset_id,
     register_dataset,
@@ -117,17 +116,7 @@ class ServiceDataset(IterableDataset):
         self._job_name = check_distribute_arguments(
             processing_mode, service, job_name, consumer_index, num_consumers,
             max_outstanding_requests, target_workers, compression)
-        if isinstance(dataset, Dataset):
-            if isinstance(dataset.pipeline.source, ServiceSource):
-                raise InvalidArgumentError(
-                    f"ServiceDataset got a dataset already read through the service "
-                    f"({dataset!r}): pass the dataset as it was before "
-                    "`.apply(distribute(...))`, and distribute's arguments to ServiceDataset.")
-            graph.to_def(dataset.pipeline)  # what cannot be sent to workers fails here
-        elif not isinstance(dataset, str) or not dataset:
-            raise TypeError(
-                "ServiceDataset's `dataset` must be a clusterwire.data.Dataset or a dataset id "
-                f"from clusterwire.data.register_dataset, got {dataset!r}.")
+        check_adapter_dataset(dataset, "ServiceDataset")
         self._dataset, self._compression = dataset, compression
         self._consumer_index, self._num_consumers = consumer_index, num_consumers
         self._read = {"processing_mode": processing_mode, "service": service,
