@@ -22,23 +22,12 @@ import time
 
 import numpy as np
 import torch
+from _training import BATCH, CLASSES, FEATURES, SAMPLES, synthetic_task, verdict
 from torch.utils.data import DataLoader
 
 from clusterwire import data
 from clusterwire.data.torch_dataset import ServiceDataset
 from clusterwire.plugins import get_plugin_manager
-
-SAMPLES, FEATURES, CLASSES, BATCH = 16384, 32, 4, 256
-#: The loss must fall by at least this factor for the run to pass.
-LOSS_FACTOR = 5
-
-
-def synthetic_task() -> tuple[np.ndarray, np.ndarray]:
-    """Features and the labels a random linear teacher gives them (seeded)."""
-    rng = np.random.default_rng(0)
-    features = rng.standard_normal((SAMPLES, FEATURES), np.float32)
-    teacher = rng.standard_normal((FEATURES, CLASSES), np.float32)
-    return features, np.argmax(features @ teacher, axis=1)
 
 
 def evaluate(model: torch.nn.Module, features: np.ndarray, labels: np.ndarray
@@ -109,18 +98,7 @@ def main() -> int:
     finally:
         codes = servers.stop()
     final, accuracy = evaluate(model, features, labels)
-    factor = initial / final if final > 0 else float("inf")
-    if not factor >= LOSS_FACTOR:
-        problems.append(f"the loss fell {factor:.3g}x, not the {LOSS_FACTOR}x expected")
-    if any(code != 0 for code in codes):
-        problems.append(f"servers did not stop cleanly (exit statuses {codes})")
-    if problems:
-        print(f"verdict: FAILED: {'; '.join(problems)}", flush=True)
-        return 1
-    print(f"verdict: OK: loss {initial:.3f} -> {final:.3f} ({factor:.3g}x, >= {LOSS_FACTOR}x), "
-          f"accuracy {accuracy:.3f}, every sample once in each of {args.epochs} epochs, "
-          f"{len(codes)} servers stopped cleanly", flush=True)
-    return 0
+    return verdict(initial, final, accuracy, args.epochs, codes, problems)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,10 @@ from clusterwire.protos.data_service_pb2 import ElementHeader
 # Elements smaller than this are never worth compressing under AUTO.
 _AUTO_MIN_BYTES = 256
 
+#: numpy dtype kinds that frameworks hold as tensors: bool, signed and unsigned ints,
+#: floats, complex (the framework adapters convert these, leave the rest as they are).
+NUMERIC_KINDS = frozenset("biufc")
+
 
 @dataclass
 class Encoded:

@@ -48,16 +48,14 @@ from clusterwire.data.client import (
     register_dataset,
 )
 from clusterwire.data.dataset import Dataset
+from clusterwire.data.elements import NUMERIC_KINDS
 from clusterwire.data.position import Position
 from clusterwire.errors import InvalidArgumentError
 from clusterwire.security import Security
 
-# numpy dtype kinds jax holds: bool, signed and unsigned ints, floats, complex.
-_ARRAY_KINDS = frozenset("biufc")
-
 
 def _is_numeric(leaf: Any) -> bool:
-    return isinstance(leaf, (np.ndarray, np.generic)) and leaf.dtype.kind in _ARRAY_KINDS
+    return isinstance(leaf, (np.ndarray, np.generic)) and leaf.dtype.kind in NUMERIC_KINDS
 
 
 def to_jax(element: Any, placement: jax.sharding.Sharding | jax.Device | None = None) -> Any:

@@ -61,13 +61,11 @@ from clusterwire.data.client import (
     register_dataset,
 )
 from clusterwire.data.dataset import Dataset
+from clusterwire.data.elements import NUMERIC_KINDS
 from clusterwire.data.position import Position
 from clusterwire.errors import FailedPreconditionError, InvalidArgumentError
 from clusterwire.private_views import private_view
 from clusterwire.security import Security
-
-# numpy dtype kinds torch holds: bool, signed and unsigned ints, floats, complex.
-_TENSOR_KINDS = frozenset("biufc")
 
 
 def to_torch(element: Any) -> Any:
@@ -79,7 +77,7 @@ def to_torch(element: Any) -> Any:
     ``DataLoader``'s ``default_collate`` expects.
     """
     if isinstance(element, np.ndarray):
-        if element.dtype.kind not in _TENSOR_KINDS:
+        if element.dtype.kind not in NUMERIC_KINDS:
             return element
         if not element.dtype.isnative:
             element = element.astype(element.dtype.newbyteorder("="))
@@ -87,7 +85,7 @@ def to_torch(element: Any) -> Any:
             private = private_view(element)
             element = element.copy() if private is None else private
         return torch.from_numpy(element)
-    if isinstance(element, np.generic) and element.dtype.kind in _TENSOR_KINDS:
+    if isinstance(element, np.generic) and element.dtype.kind in NUMERIC_KINDS:
         return torch.from_numpy(np.array(element))
     if isinstance(element, (tuple, list)):
         return type(element)(to_torch(item) for item in element)
