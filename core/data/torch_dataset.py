@@ -33,6 +33,11 @@ and yields the service's elements with their numpy arrays and numpy scalars as
   workers share a parallel_epochs job's worker streams) and for round-robin reads, whose
   consumers resume from the same round (loader workers are at one round after a multiple
   of ``num_workers`` batches of an in-order loader); see ``clusterwire.data.position``.
+  With loader workers, checkpoint an in-order ``StatefulDataLoader`` (its default): torchdata
+  cannot snapshot an out-of-order one (it warns, and on resume skips the batches since its
+  last snapshot). An in-order loader reading distributed_epoch can wait at an epoch's end
+  while another loader worker holds the last splits and has more of them left than it reads
+  ahead; ``in_order=False`` (below) avoids that wait, without exact checkpoints.
 * **fork**: gRPC does not survive a fork of a process that has used it. The dataset is
   registered by the process that reads it, so a DataLoader's parent that only builds the
   ``ServiceDataset`` forks its workers safely. A parent that used the service itself (read
