@@ -135,8 +135,10 @@ class Shell:
         """Refuse new requests, let in-flight ones finish for ``grace`` s, cancel the waits
         left, then stop the listener (which answers calls still running with
         CancelledError) and free the port."""
-        with self._idle:
+        with self._lock:
             self._draining = True
+        self._listener.drain()
+        with self._idle:
             self._idle.wait_for(lambda: self._in_flight == 0, timeout=grace or 0)
         if self._cancel_waits is not None:
             self._cancel_waits()

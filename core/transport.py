@@ -120,6 +120,10 @@ class Listener(abc.ABC):
         """Stop serving: drain for ``grace`` seconds, answer the calls still running with
         CancelledError, free the port."""
 
+    def drain(self) -> None:  # noqa: B027 - optional: most transports report no health
+        """The server takes no more work (its shell drains before ``stop``): a transport
+        with a health service reports NOT_SERVING from now on. Default: nothing."""
+
 
 class Channel(abc.ABC):
     """The client side of a transport, connected to one address."""

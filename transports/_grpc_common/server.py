@@ -1,5 +1,11 @@
 """The gRPC server of a control plane: bound with TLS if configured, the token checked
-before a request is read, and gRPC core's connection limits set from ``ListenOptions``."""
+before a request is read, and gRPC core's connection limits set from ``ListenOptions``.
+
+It also serves the standard gRPC health-checking service (``grpc.health.v1.Health``, for
+Kubernetes' gRPC probes and load balancers): SERVING once started, NOT_SERVING from the
+moment its shell drains until the port closes. Health calls need no cluster token: a probe
+carries none, and the status tells nothing else.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import logging
 from collections.abc import Mapping
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from clusterwire import errors
 from clusterwire.addressing import join_host_port, split_host_port
@@ -17,6 +24,7 @@ from clusterwire.transports._grpc_common.client import TOKEN_METADATA, message_s
 
 _STOP_SLACK_S = 10.0
 _LOG = logging.getLogger(__name__)
+_HEALTH_METHODS = "/grpc.health.v1.Health/"
 
 
 def bind(server: grpc.Server, address: str, security: Security) -> str:
@@ -76,6 +84,8 @@ class _TokenGate(grpc.ServerInterceptor):
         self._security = security
 
     def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        if details.method.startswith(_HEALTH_METHODS):
+            return continuation(details)
         presented = next((v for k, v in details.invocation_metadata if k == TOKEN_METADATA),
                          None)
         try:
@@ -114,6 +124,9 @@ class ControlServer:
         # Registered methods (what grpc_tools generates): gRPC core matches them itself, with
         # no per-call Python lookup of the method; clients mark theirs _registered_method.
         self.server.add_registered_method_handlers(service, dict(handlers))
+        # Non-blocking: a Watch stream holds no pool thread while it waits for a change.
+        self.health = health.HealthServicer(experimental_non_blocking=True)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.address = address  # the contact address (bound port) once bound
         try:
             self.address = bind(self.server, address, security)
@@ -124,6 +137,11 @@ class ControlServer:
     def start(self) -> None:
         """Start serving."""
         self.server.start()
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+
+    def drain(self) -> None:
+        """Report NOT_SERVING from now on (the shell takes no more work)."""
+        self.health.enter_graceful_shutdown()
 
     def stop(self, grace: float | None) -> None:
         """Stop (in-flight calls get ``grace`` seconds), then release the pool."""

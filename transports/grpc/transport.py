@@ -150,6 +150,9 @@ class GrpcListener(Listener):
         if self._bulk:
             self._bulk.start()
 
+    def drain(self) -> None:
+        self._control.drain()
+
     def stop(self, grace: float | None = None) -> None:
         # One grace for both: calls in flight, then the bulk fetches of their responses.
         deadline = time.monotonic() + (grace or 0.0)

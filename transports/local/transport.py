@@ -329,6 +329,9 @@ class LocalListener(Listener):
                     and self._clients.get(connection.client_id) is connection):
                 del self._clients[connection.client_id]
 
+    def drain(self) -> None:
+        self._control.drain()
+
     def stop(self, grace: float | None = None) -> None:
         self._stopped.set()
         deadline = time.monotonic() + (grace or 0.0)

@@ -266,6 +266,9 @@ class VerbsListener(Listener):
             raise errors.InvalidArgumentError(f"Bulk buffer failed: {waiter.error}")
         return interleave(kinds, inline, (waiter.messages[t] for t in wanted))
 
+    def drain(self) -> None:
+        self._control.drain()
+
     def stop(self, grace: float | None = None) -> None:
         with self._lock:
             self._stopped = True
