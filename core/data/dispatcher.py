@@ -458,10 +458,7 @@ class DispatchServer:
             if (request.finished and not job.info.finished
                     and job.info.sharding_policy != ShardingPolicy.DYNAMIC):
                 self._commit(JournalEntry(finished_job=job.info.job_id))
-            if job.is_stale(request.consumer_id, request.generation):
-                raise errors.CancelledError(
-                    f"Consumer {request.consumer_id!r} of job {job.info.job_id} was resumed "
-                    "by a later iterator; this one stops.")
+            _refuse_if_superseded(job, request)
             if request.resumable:
                 self._keep_resumable(job, request.consumer_id)
             if request.release:
@@ -501,10 +498,7 @@ class DispatchServer:
                 raise errors.CancelledError(
                     f"Consumer {request.consumer_id!r} released job {job.info.job_id}; a new "
                     "iteration reads as a new consumer.")
-            if job.is_stale(request.consumer_id, request.generation):
-                raise errors.CancelledError(
-                    f"Consumer {request.consumer_id!r} of job {job.info.job_id} was resumed "
-                    "by a later iterator; this one stops.")
+            _refuse_if_superseded(job, request)
             self._expire_consumers(job, time.monotonic())
             if request.resumable:
                 self._keep_resumable(job, request.consumer_id)
@@ -617,3 +611,11 @@ def _shutdown(endpoint: Shell, stopping: threading.Event, journal: Journal | Non
     finally:
         if journal is not None:
             journal.close()
+
+
+def _refuse_if_superseded(job: Job, request) -> None:
+    """CancelledError for a request of an iterator whose consumer a later one resumed."""
+    if job.is_stale(request.consumer_id, request.generation):
+        raise errors.CancelledError(
+            f"Consumer {request.consumer_id!r} of job {job.info.job_id} was resumed by a "
+            "later iterator; this one stops.")
