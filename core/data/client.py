@@ -251,14 +251,13 @@ def check_distribute_arguments(processing_mode: Any, service: Any, job_name: str
 
 def check_adapter_dataset(dataset: Any, adapter: str) -> None:
     """A framework adapter's ``dataset`` argument: a ``Dataset`` not yet read through the
-    service (its pipeline can be sent to workers), or a ``register_dataset`` id."""
+    service, or a ``register_dataset`` id."""
     if isinstance(dataset, Dataset):
         if isinstance(dataset.pipeline.source, ServiceSource):
             raise errors.InvalidArgumentError(
                 f"{adapter} got a dataset already read through the service ({dataset!r}): "
                 "pass the dataset as it was before `.apply(distribute(...))`, and "
                 f"distribute's arguments to {adapter}.")
-        graph.to_def(dataset.pipeline)  # what cannot be sent to workers fails here
     elif not isinstance(dataset, str) or not dataset:
         raise TypeError(
             f"{adapter}'s `dataset` must be a clusterwire.data.Dataset or a dataset id from "

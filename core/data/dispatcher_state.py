@@ -84,7 +84,9 @@ class Job:
                 return self.handout_base.get(consumer, 0) + i
         return -1
 
-    def _hand_out(self, consumer: str, split_id: int) -> None:
+    def hand_out(self, consumer: str, split_id: int) -> None:
+        """Remember that ``split_id`` went to ``consumer`` at its current offset (the last
+        MAX_HANDOUTS of each consumer are kept)."""
         handouts = self.handouts.setdefault(consumer, [])
         handouts.append((split_id, self.offsets.get(split_id, 0)))
         if len(handouts) > MAX_HANDOUTS:
@@ -182,7 +184,7 @@ class DispatcherState:
                 job.next_split = max(job.next_split, split + 1)
                 if split in job.pool:
                     job.pool.remove(split)
-                job._hand_out(entry.assign.consumer_id, split)
+                job.hand_out(entry.assign.consumer_id, split)
                 job.consumers.setdefault(entry.assign.consumer_id, now)
         elif kind in ("done", "returned"):
             record = getattr(entry, kind)

@@ -59,6 +59,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from clusterwire import in_process
+from clusterwire.data import graph
 from clusterwire.data.client import (
     check_adapter_dataset,
     check_distribute_arguments,
@@ -76,10 +77,12 @@ from clusterwire.security import Security
 def to_torch(element: Any) -> Any:
     """``element`` with its numeric numpy arrays and numpy scalars as ``torch.Tensor``s.
 
-    Writable arrays in native byte order are shared without a copy; read-only (or
-    byte-swapped) ones are copied. Tuples, lists and dicts keep their structure; bytes, str,
-    Python numbers and arrays of other dtypes (strings, dates) stay as they are, as
-    ``DataLoader``'s ``default_collate`` expects.
+    Writable arrays in native byte order are shared without a copy; read-only ones over a
+    transport's shared memory become tensors over a private copy-on-write mapping of it
+    (``clusterwire.private_views``), other read-only or byte-swapped ones are copied.
+    Tuples, lists and dicts keep their structure; bytes, str, Python numbers and arrays of
+    other dtypes (strings, dates) stay as they are, as ``DataLoader``'s ``default_collate``
+    expects.
     """
     if isinstance(element, np.ndarray):
         if element.dtype.kind not in NUMERIC_KINDS:
@@ -120,6 +123,8 @@ class ServiceDataset(IterableDataset):
             processing_mode, service, job_name, consumer_index, num_consumers,
             max_outstanding_requests, target_workers, compression)
         check_adapter_dataset(dataset, "ServiceDataset")
+        if isinstance(dataset, Dataset):  # registered later, by the reading process:
+            graph.to_def(dataset.pipeline)  # what cannot be sent to workers fails here
         self._dataset, self._compression = dataset, compression
         self._consumer_index, self._num_consumers = consumer_index, num_consumers
         self._read = {"processing_mode": processing_mode, "service": service,

@@ -370,13 +370,14 @@ class WorkerServer:
             if stream is not None:
                 return stream
             self._check_openable(spec, consumer_id)
-            cached = sum(s.cache is not None for s in self._streams.values())
-            if spec.trainer_id and cached >= MAX_CACHED_JOBS:
-                raise errors.ResourceExhaustedError(
-                    f"This tf.data service worker is {OVER_LIMITS}: it keeps cross-trainer "
-                    f"caches of {cached} jobs (of up to {self._cache_bytes} bytes each), its "
-                    f"limit. A job's cache goes when the dispatcher collects the job; retry "
-                    "later, share a job_name between the trainers, or add workers.")
+            if spec.trainer_id:
+                cached = sum(s.cache is not None for s in self._streams.values())
+                if cached >= MAX_CACHED_JOBS:
+                    raise errors.ResourceExhaustedError(
+                        f"This tf.data service worker is {OVER_LIMITS}: it keeps cross-trainer "
+                        f"caches of {cached} jobs (of up to {self._cache_bytes} bytes each), "
+                        "its limit. A job's cache goes when the dispatcher collects the job; "
+                        "retry later, share a job_name between the trainers, or add workers.")
             if offset and not (spec.is_split or spec.owner or spec.num_consumers):
                 raise errors.InvalidArgumentError(
                     f"A read of job {spec.job_id}'s shared stream asked to skip {offset} "
