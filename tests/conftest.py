@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -37,6 +39,15 @@ def free_ports(count: int) -> list[int]:
     finally:
         for probe in probes:
             probe.close()
+
+
+def fresh_python(code: str, timeout: float = 60.0) -> str:
+    """What ``code`` prints run in a fresh interpreter (where what an import pulls in shows);
+    a non-zero exit fails the test with its stderr."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
 
 
 def wait_for(condition, timeout: float = 10.0, what: str = "condition") -> None:

@@ -9,7 +9,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import TESTS_DIR
+from conftest import TESTS_DIR, fresh_python
 
 from clusterwire import ResolverSpec, TransportSpec, hookimpl
 from clusterwire.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError
@@ -60,9 +60,7 @@ def test_entry_points_load_lazily(no_env_config):
 
 def test_import_clusterwire_imports_no_transport():
     code = "import sys, clusterwire; print(sorted(m for m in sys.modules if 'grpc' in m))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60, check=True).stdout
-    assert out.strip() == "[]"
+    assert fresh_python(code).strip() == "[]"
 
 
 def test_duplicate_protocol_names_both_plugins_and_distributions(no_env_config):

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import fresh_python
 
 from clusterwire import ResolverSpec, Server, Session, errors, hookimpl
 from clusterwire.cli import main
@@ -83,10 +84,7 @@ def test_loading_resolver_plugins_imports_no_optional_dependency():
             "optional = ('boto3', 'botocore', 'googleapiclient', 'google.auth', 'kubernetes')\n"
             "print(sorted(m for m in optional\n"
             "             if m in sys.modules), names)\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=30)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("[] ")
+    assert fresh_python(code, timeout=30).startswith("[] ")
 
 
 def test_server_from_tf_config(monkeypatch):

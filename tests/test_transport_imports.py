@@ -1,15 +1,14 @@
 """Built-in transports import only their own modules and the shared support package; the zmq
 plugin imports no built-in transport's module (nor that package); clusterwire and its data
-service never import torch (only the PyTorch adapter does)."""
+service never import torch or jax (only the framework adapters do)."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
-import subprocess
-import sys
 
 import pytest
+from conftest import fresh_python
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SHARED = "_grpc_common"
@@ -40,14 +39,12 @@ def test_the_zmq_plugin_imports_no_built_in_transport():
         assert not _imported(path), f"{path.relative_to(ROOT)} imports a built-in transport"
 
 
-def test_clusterwire_and_its_data_service_never_import_torch():
+def test_clusterwire_and_its_data_service_never_import_torch_or_jax():
+    adapters = ("__init__", "torch_dataset", "jax_iterator")
     modules = sorted(f"clusterwire.data.{path.stem}" for path in (ROOT / "core" / "data").glob(
-        "*.py") if path.stem not in ("__init__", "torch_dataset"))
+        "*.py") if path.stem not in adapters)
     code = (f"import sys, clusterwire, clusterwire.data\nfor name in {modules!r}:\n"
             "    __import__(name)\n"
             "from clusterwire.data import Dataset, distribute\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'jax')))")
+    assert fresh_python(code).strip() == "[]"
