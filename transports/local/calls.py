@@ -217,9 +217,9 @@ class CallPool:
         """A new call connection, admitted by the listener (nothing of a call sent yet)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            sock.settimeout(_left(deadline))  # a Python timeout until admitted
             try:
-                sock.connect(unix.socket_name(self._address))
+                unix.connect(sock, unix.socket_name(self._address), _left(deadline))
+                sock.settimeout(_left(deadline))  # a Python timeout until admitted
             except TimeoutError:
                 raise errors.DeadlineExceededError(
                     f"Connecting to the grpc+local server at {self._address} took past the "

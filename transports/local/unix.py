@@ -82,12 +82,36 @@ def set_receive_timeout(sock: socket.socket, seconds: float) -> float:
     A kernel timeout (SO_RCVTIMEO) rather than Python's: a socket with a Python timeout
     polls before every receive, which costs a call about as much as the receive itself.
     """
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
+    return seconds
+
+
+def connect(sock: socket.socket, path: str, seconds: float | None) -> None:
+    """Connect a blocking ``sock`` to ``path``, waiting up to ``seconds`` (None: no limit)
+    for room in the listener's accept queue; TimeoutError if none came.
+
+    A kernel timeout (SO_SNDTIMEO, which a Unix connect honours): a socket with a Python
+    timeout is non-blocking underneath, and its connect fails at once (EAGAIN) while the
+    queue is full, e.g. of a flood of silent connections the listener has yet to close.
+    """
+    if seconds is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(seconds))
+    try:
+        sock.connect(path)
+    except BlockingIOError:  # the time ran out with the queue still full
+        raise TimeoutError(f"no room in the accept queue of {path!r}") from None
+    finally:
+        if seconds is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(0))
+
+
+def _timeval(seconds: float) -> bytes:
+    """A struct timeval of ``seconds`` for a socket timeout option (0: none)."""
     whole = int(seconds)
     micro = int((seconds - whole) * 1e6)
     if seconds and not whole and not micro:
         micro = 1  # 0 would mean "no timeout"
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _TIMEVAL.pack(whole, micro))
-    return seconds
+    return _TIMEVAL.pack(whole, micro)
 
 
 def ready(sock: socket.socket, timeout: float | None, events: int = select.POLLIN) -> bool:
