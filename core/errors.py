@@ -29,6 +29,9 @@ INTERNAL = 13
 UNAVAILABLE = 14
 DATA_LOSS = 15
 UNAUTHENTICATED = 16
+#: The codes' names ("OK", "NOT_FOUND", ...), by code.
+CODE_NAMES: dict[int, str] = {code: name for name, code in dict(globals()).items()
+                              if name.isupper() and isinstance(code, int)}
 
 
 class OpError(Exception):

@@ -96,6 +96,10 @@ class RequestClient:
         self._lock = threading.Lock()
         self._closed = False
         self._closing = threading.Event()  # wakes a retry's backoff
+        # Address -> (time.time(), error) of its last failure not followed by a success.
+        self._unreachable: dict[str, tuple[float, str]] = {}
+        #: Attempts that found their address unreachable.
+        self.failures = 0
 
     def _channel(self, address: str) -> Channel:
         channel = self._channels.get(address)  # the common case, without the lock
@@ -142,12 +146,17 @@ class RequestClient:
             try:
                 shell = in_process.lookup(self.protocol, address) if self.in_process else None
                 if shell is not None and shell.takes_in_process(self.security):
-                    return shell.call_in_process(frame, max(remaining, 0.001), self.security,
-                                                 self._closing)
-                channel = self._channel(address)
-                send = channel.call_relayed if relay else channel.call
-                return send(frame, timeout=max(remaining, 0.001))
+                    reply = shell.call_in_process(frame, max(remaining, 0.001), self.security,
+                                                  self._closing)
+                else:
+                    channel = self._channel(address)
+                    send = channel.call_relayed if relay else channel.call
+                    reply = send(frame, timeout=max(remaining, 0.001))
+                if self._unreachable:
+                    self._reached(address)
+                return reply
             except errors.UnavailableError as err:
+                self._unreachable_now(address, err.message)
                 retryable = not isinstance(err, HandshakeFailed) and (
                     isinstance(err, ConnectionFailed) or idempotent)
                 remaining = deadline - time.monotonic()
@@ -170,6 +179,22 @@ class RequestClient:
                 raise errors.DeadlineExceededError(
                     f"Request {method!r} to {address} ({self.protocol}, deadline "
                     f"{budget:.3g} s): {err.message}") from None
+
+    def _unreachable_now(self, address: str, error: str) -> None:
+        with self._lock:
+            self._unreachable[address] = (time.time(), error)
+            self.failures += 1
+
+    def _reached(self, address: str) -> None:
+        with self._lock:
+            self._unreachable.pop(address, None)
+
+    def unreachable(self, within: float) -> dict[str, tuple[float, str]]:
+        """The addresses whose last attempt, less than ``within`` s ago, found them
+        unreachable: address -> (when, as ``time.time()``; the error)."""
+        since = time.time() - within
+        with self._lock:
+            return {a: seen for a, seen in self._unreachable.items() if seen[0] >= since}
 
     def close(self) -> None:
         """Close every channel (idempotent)."""

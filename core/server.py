@@ -10,6 +10,7 @@ from clusterwire import errors
 from clusterwire.addressing import join_host_port, split_host_port
 from clusterwire.at_exit import stop_at_exit
 from clusterwire.cluster_spec import ClusterSpec
+from clusterwire.metrics.endpoint import MetricsEndpoint, serve_metrics
 from clusterwire.plugins import get_plugin_manager
 from clusterwire.protos.tensorflow_server_pb2 import ServerDef
 from clusterwire.security import load_security, security_fields
@@ -33,9 +34,10 @@ class Server:
     ``ServerOptions`` / a dict of its fields (bind_address,
     peer_timeout_seconds, max_workers, max_message_bytes, max_concurrent_calls, max_connections,
     max_store_bytes, handshake_timeout_seconds, message_idle_timeout_seconds,
-    max_pending_connections, small_call_reserve, send_tracebacks, transport_options, and the
-    security options tls_cert_file, tls_key_file, tls_ca_file, tls_client_auth,
-    auth_token_file: see clusterwire.security).
+    max_pending_connections, small_call_reserve, send_tracebacks, transport_options,
+    metrics_port and metrics_host (an HTTP endpoint of the process's metrics, protected by
+    the server's security: see clusterwire.metrics), and the security options tls_cert_file,
+    tls_key_file, tls_ca_file, tls_client_auth, auth_token_file: see clusterwire.security).
 
     Unlike TF's: port 0 binds a free port that ``target`` and ``server_def``
     report; the listener binds the host of the task's address (not every
@@ -89,15 +91,25 @@ class Server:
             self._shell = Shell(sd.protocol, join_host_port(bind_host, port),
                                 self._service.handle, name, shell_options,
                                 self._service.cancel_waits, options.send_tracebacks,
-                                self._service.serves_at_once)
+                                self._service.serves_at_once, self._service.method_of)
         except BaseException:
             self._service.close()
             raise
         warn_if_exposed(bind_host, shell_options, f"Task {name}")
+        self._metrics: MetricsEndpoint | None = None
+        if options.HasField("metrics_port"):
+            try:
+                self._metrics = serve_metrics(options.metrics_port,
+                                              options.metrics_host or "127.0.0.1",
+                                              self._security)
+            except BaseException:
+                _shutdown(self._shell, self._service, None, None)
+                raise
         self._host = host
         self._port = self._shell.port
         self._publish_bound_port(cluster)
-        self._finalizer = stop_at_exit(self, _shutdown, self._shell, self._service)
+        self._finalizer = stop_at_exit(self, _shutdown, self._shell, self._service,
+                                       None, self._metrics)
         if start:
             self.start()
 
@@ -146,6 +158,11 @@ class Server:
         return f"{self._server_def.protocol}://{join_host_port(self._host, self._port)}"
 
     @property
+    def metrics_url(self) -> str | None:
+        """``http(s)://host:port/metrics`` of the metrics endpoint (metrics_port), or None."""
+        return None if self._metrics is None else self._metrics.url
+
+    @property
     def secure(self) -> bool:
         """True when this server requires TLS or a cluster token."""
         return self._security.secure
@@ -185,7 +202,7 @@ class Server:
             self._stopped.wait()
             return
         try:
-            _shutdown(self._shell, self._service, grace)
+            _shutdown(self._shell, self._service, grace, self._metrics)
         finally:
             self._stopped.set()
 
@@ -201,9 +218,13 @@ class Server:
         return f"<Server /job:{sd.job_name}/task:{sd.task_index} {self.target} {state}>"
 
 
-def _shutdown(shell: Shell, service: ClusterService, grace: float | None = None) -> None:
-    """Drain for ``grace`` s, cancel what is left, close the listener, then the peers."""
+def _shutdown(shell: Shell, service: ClusterService, grace: float | None = None,
+              metrics: MetricsEndpoint | None = None) -> None:
+    """Drain for ``grace`` s, cancel what is left, close the listener, then the peers and
+    the metrics endpoint."""
     try:
         shell.stop(grace)
     finally:
         service.close()
+        if metrics is not None:
+            metrics.close()

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +24,9 @@ from clusterwire import barrier, codec, errors, functions, in_process
 from clusterwire.addressing import split_host_port
 from clusterwire.barrier import Arrival, Releases, Rounds
 from clusterwire.cluster_spec import ClusterSpec
-from clusterwire.protos.service_pb2 import Request, Response, TaskRef, TaskStatus
+from clusterwire.metrics import REGISTRY, catalog, snapshot
+from clusterwire.metrics.registry import Sample
+from clusterwire.protos.service_pb2 import Request, Response, TaskRef, TaskStatus, UnreachablePeer
 from clusterwire.rpc import RequestClient
 from clusterwire.security import Security
 from clusterwire.thread_pool import parked
@@ -32,8 +35,13 @@ from clusterwire.transport import Buffer, Frame
 _MAX_HOPS = 2
 #: Methods answered without waiting for other requests (here, or forwarded to their task).
 _AT_ONCE = frozenset({"get", "put", "delete", "list", "status"})
+#: Every method a task serves (a metric's ``method`` label is one of these or "unknown").
+METHODS = frozenset({*_AT_ONCE, "call", "barrier", "complete_cluster", "barrier_arrive",
+                     "barrier_release", "barrier_withdraw"})
 #: Threads a coordinating task sends barrier releases from (its server threads never do).
 _RELEASE_SENDERS = 8
+#: How long a peer that could not be reached counts as unreachable (unless reached since).
+UNREACHABLE_WINDOW_S = 60.0
 _LOG = logging.getLogger("clusterwire")
 
 
@@ -98,6 +106,7 @@ class ClusterService:
                  security: Security | None = None, max_store_bytes: int | None = None):
         self.cluster = cluster
         self.job, self.index, self.protocol = job, index, protocol
+        self.name = f"/job:{job}/task:{index}"
         self._target = target
         self._transport_info = transport_info
         self._store: dict[str, _Stored] = {}
@@ -112,9 +121,12 @@ class ClusterService:
         # Peers are reached with this server's own credentials (its certificate
         # doubles as the client certificate under mutual TLS).
         self._peers = RequestClient(protocol, timeout=peer_timeout, security=security)
-        # Request header -> what serves it (see _prepare); whether it waits (serves_at_once).
+        # Request header -> what serves it (see _prepare); its method (method_of).
         self._prepared: dict[bytes, Serve] = {}
-        self._at_once: dict[bytes, bool] = {}
+        self._methods: dict[bytes, str] = {}
+        self._forwarded = REGISTRY.family(catalog.FORWARDED)
+        self._barrier_waits = REGISTRY.family(catalog.BARRIER_WAITS)
+        self._stop_reporting = REGISTRY.add_source(self._samples)
 
     def cancel_waits(self) -> None:
         """Answer the waits left with CancelledError (the server's shell is stopping):
@@ -129,8 +141,11 @@ class ClusterService:
         self._peers.close()
 
     def close(self) -> None:
-        """Release peer connections."""
+        """Release peer connections; stop reporting metrics."""
         self._peers.close()
+        self._stop_reporting()
+        for family in (self._forwarded, self._barrier_waits):
+            family.remove(server=self.name)
         with self._release_lock:
             senders, self._release_senders = self._release_senders, None
         if senders is not None:
@@ -157,17 +172,25 @@ class ClusterService:
 
     def serves_at_once(self, frame: Frame) -> bool:
         """True for a request answered without waiting for other requests: a get, put,
-        delete, list or status, here or forwarded (not a call or a barrier)."""
+        delete, list or status, here or forwarded (not a call or a barrier); a malformed
+        one is answered at once too."""
+        method = self.method_of(frame)
+        return method in _AT_ONCE or method == "unknown"
+
+    def method_of(self, frame: Frame) -> str:
+        """The request's method, one of ``METHODS`` or "unknown" (malformed or unknown)."""
         header = frame.header if type(frame.header) is bytes else bytes(frame.header)
-        at_once = self._at_once.get(header)
-        if at_once is None:
+        method = self._methods.get(header)
+        if method is None:
             try:
-                at_once = Request.FromString(header).method in _AT_ONCE
+                method = Request.FromString(header).method
             except DecodeError:
-                return True  # answered at once: malformed
+                method = "unknown"
+            if method not in METHODS:
+                method = "unknown"
             if len(header) <= codec.PLAN_KEY_MAX:
-                codec.remember(self._at_once, header, at_once)
-        return at_once
+                codec.remember(self._methods, header, method)
+        return method
 
     def _address_of(self, job: str, index: int) -> str:
         try:
@@ -183,6 +206,8 @@ class ClusterService:
                 f"{request.hops} times: the tasks disagree on the cluster spec.")
         address = self._address_of(request.task.job, request.task.index)
         request.hops += 1
+        self._forwarded.inc(self.name, request.method if request.method in METHODS
+                            else "unknown")
         timeout = None
         if request.method == "barrier" and request.timeout_seconds:
             timeout = request.timeout_seconds + self._peers.timeout
@@ -291,7 +316,11 @@ class ClusterService:
             raise errors.InvalidArgumentError(f"Task {index} is not in job {job!r}.")
         coordinator = (job, min(expected))
         if method == "barrier":
-            self._barrier(request, index, expected, coordinator)
+            started = time.monotonic()
+            try:
+                self._barrier(request, index, expected, coordinator)
+            finally:
+                self._barrier_waits.observe(self.name, value=time.monotonic() - started)
             return value_response(None)
         if coordinator != (self.job, self.index):
             raise errors.FailedPreconditionError(
@@ -421,8 +450,26 @@ class ClusterService:
             raise errors.FailedPreconditionError("complete_cluster may not move this task.")
         self.cluster = cluster
 
+    def _samples(self) -> list[Sample]:
+        with self._store_lock:
+            stored, nbytes = len(self._store), self._store_bytes
+        return [Sample(catalog.STORE_BYTES, (self.name,), nbytes),
+                Sample(catalog.STORE_TENSORS, (self.name,), stored),
+                Sample(catalog.PEER_FAILURES, (self.name,), self._peers.failures),
+                Sample(catalog.UNREACHABLE_PEERS, (self.name,),
+                       len(self._peers.unreachable(UNREACHABLE_WINDOW_S)))]
+
+    def _unreachable_peers(self) -> list[UnreachablePeer]:
+        tasks = {self.cluster.task_address(job, index): TaskRef(job=job, index=index)
+                 for job in self.cluster.jobs for index in self.cluster.task_indices(job)}
+        return [UnreachablePeer(task=tasks.get(address), address=address,
+                                last_failure_unix_seconds=when, error=error)
+                for address, (when, error)
+                in sorted(self._peers.unreachable(UNREACHABLE_WINDOW_S).items())]
+
     def status(self) -> TaskStatus:
-        """This task's identity, cluster, devices and version."""
+        """This task's identity, cluster, devices, version, metrics and the peers it could
+        not reach recently."""
         from clusterwire import __version__
         from clusterwire.devices import local_devices
 
@@ -432,6 +479,6 @@ class ClusterService:
                             cpu_count=len(os.sched_getaffinity(0)))
         status.devices.extend(local_devices(self.job, self.index))
         status.transport_info.update(self._transport_info())
+        status.metrics.extend(snapshot.to_protos(REGISTRY.samples(server=self.name)))
+        status.unreachable_peers.extend(self._unreachable_peers())
         return status
-
-

@@ -14,6 +14,8 @@ new server, port or request type gets it for free:
 * errors: a handler's ``OpError`` becomes the response status (a remote function's
   traceback only with ``send_tracebacks``); any other exception becomes ``InternalError``
   and is logged here, so no server paths or internals leak to clients;
+* metrics: every request is counted by method and status, with its latency and bytes
+  (``clusterwire.metrics.requests``; the server kind names a request's method);
 * callers in this process, which reach the shell without the transport
   (``clusterwire.in_process``) and get all of the above too.
 """
@@ -25,11 +27,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import fields, replace
+from time import perf_counter
 from typing import Any
 
 from clusterwire import errors, in_process
 from clusterwire.addressing import is_loopback, split_host_port
 from clusterwire.envelope import check_total
+from clusterwire.metrics import REGISTRY
+from clusterwire.metrics import registry as metrics_registry
+from clusterwire.metrics.requests import RequestStats, frame_bytes
 from clusterwire.plugins import get_plugin_manager
 from clusterwire.protos.service_pb2 import Response
 from clusterwire.security import Security
@@ -96,9 +102,12 @@ class Shell:
     def __init__(self, protocol: str, address: str, handler: Handler, name: str,
                  options: ListenOptions, cancel_waits: Callable[[], None] | None = None,
                  send_tracebacks: bool = False,
-                 serves_at_once: Callable[[Frame], bool] | None = None):
+                 serves_at_once: Callable[[Frame], bool] | None = None,
+                 method_of: Callable[[Frame], str] | None = None):
         """``serves_at_once(request)`` says the handler answers ``request`` without waiting
-        for anything (an in-process caller's thread may run it); default: never."""
+        for anything (an in-process caller's thread may run it); default: never.
+        ``method_of(request)`` names its method for the metrics, from a set bounded by the
+        server kind (default: "request")."""
         self.name = name
         self.protocol = protocol
         self._send_tracebacks = send_tracebacks
@@ -118,6 +127,14 @@ class Shell:
         self._listener = self.transport.listen(address, self._handle, options)
         self.address = self._listener.address
         self.port = split_host_port(self.address)[1]
+        self._method_of = method_of or (lambda _frame: "request")
+        self._stats: RequestStats | None = None
+        self._stop_reporting = None
+        if metrics_registry.ENABLED:
+            self._stats = RequestStats(name, protocol, self._lock, lambda: self._in_flight,
+                                       lambda: self._serving and not self._draining,
+                                       self._listener.connections)
+            self._stop_reporting = REGISTRY.add_source(self._stats.samples)
 
     def start(self) -> None:
         """Start serving (idempotent)."""
@@ -148,6 +165,8 @@ class Shell:
             self._serving = False
             waiting, self._waiting_calls = self._waiting_calls, None
         in_process.unregister(self)
+        if self._stop_reporting is not None:
+            self._stop_reporting()
         if waiting is not None:
             waiting.shutdown(wait=False, cancel_futures=True)
         self._listener.stop(_FLUSH_GRACE)
@@ -214,24 +233,47 @@ class Shell:
                 raise errors.DeadlineExceededError(f"{self.name} did not answer in time.")
 
     def _handle(self, frame: Frame) -> Frame:
+        started = perf_counter()
         with self._lock:
-            if self._draining:
-                return error_response(errors.UnavailableError(f"{self.name} is stopping."))
-            if self._in_flight >= self._max_in_flight:
-                return error_response(errors.ResourceExhaustedError(
-                    f"{self.name} is serving {self._in_flight} requests, its "
-                    "max_concurrent_calls; retry later or raise the limit."))
-            self._in_flight += 1
+            refusal = self._admit()
+        if refusal is not None:
+            response = error_response(refusal)
+            if self._stats is not None:
+                with self._lock:
+                    self._record(frame, response, refusal.error_code, started)
+            return response
+        code, response = errors.OK, None
         try:
-            return self._handler(frame)
+            response = self._handler(frame)
         except errors.OpError as err:
-            return error_response(err, self._send_tracebacks)
+            code, response = err.error_code, error_response(err, self._send_tracebacks)
         except Exception:  # a bug must not take the server down, nor leak its insides
             log.exception("%s: request failed", self.name)
-            return error_response(errors.InternalError(
+            code, response = errors.INTERNAL, error_response(errors.InternalError(
                 f"{self.name} failed on a request; see its log."))
         finally:
             with self._lock:
                 self._in_flight -= 1
                 if self._draining:
                     self._idle.notify_all()
+                if self._stats is not None and response is not None:
+                    self._record(frame, response, code, started)
+        return response
+
+    def _admit(self) -> errors.OpError | None:
+        """Count a request in, or say why it is refused (the caller holds the lock)."""
+        if self._draining:
+            return errors.UnavailableError(f"{self.name} is stopping.")
+        if self._in_flight >= self._max_in_flight:
+            return errors.ResourceExhaustedError(
+                f"{self.name} is serving {self._in_flight} requests, its "
+                "max_concurrent_calls; retry later or raise the limit.")
+        self._in_flight += 1
+        return None
+
+    def _record(self, request: Frame, response: Frame, code: int, started: float) -> None:
+        """Count a served request (the caller holds the lock)."""
+        self._stats.record(self._method_of(request), errors.CODE_NAMES[code],
+                           perf_counter() - started,
+                           frame_bytes(request.header, request.buffers),
+                           frame_bytes(response.header, response.buffers))

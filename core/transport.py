@@ -124,6 +124,11 @@ class Listener(abc.ABC):
         """The server takes no more work (its shell drains before ``stop``): a transport
         with a health service reports NOT_SERVING from now on. Default: nothing."""
 
+    def connections(self) -> int | None:
+        """Authenticated client connections held now (the ``clusterwire_connections``
+        metric), or None where the transport does not count them. Default: None."""
+        return None
+
 
 class Channel(abc.ABC):
     """The client side of a transport, connected to one address."""
