@@ -145,7 +145,11 @@ class Session:
                             timeout)
 
     def status(self, task: str | None = None, timeout: float | None = None) -> dict[str, Any]:
-        """Identity, cluster, devices, protocol and version of ``task``."""
+        """Identity, cluster, devices, protocol and version of ``task``; ``metrics``, the
+        samples its server counted (``clusterwire.metrics``: name, labels, value; histograms
+        as NAME_count and NAME_sum); ``unreachable_peers``, the peer tasks it could not reach
+        within the last minute and has not reached since (task, address, ``last_failure`` as
+        Unix seconds, error)."""
         response, _ = self._send(self._request("status", task), (), timeout)
         status = response.task_status
         return {
@@ -158,6 +162,12 @@ class Session:
             "cpu_count": status.cpu_count,
             "devices": [{"name": d.name, "device_type": d.device_type} for d in status.devices],
             "transport": dict(status.transport_info),
+            "metrics": [{"name": m.name, "labels": dict(m.labels), "value": m.value}
+                        for m in status.metrics],
+            "unreachable_peers": [
+                {"task": f"/job:{p.task.job}/task:{p.task.index}", "address": p.address,
+                 "last_failure": p.last_failure_unix_seconds, "error": p.error}
+                for p in status.unreachable_peers],
         }
 
     def cluster_status(self, timeout: float | None = None,

@@ -11,16 +11,19 @@ TOKEN`` (Prometheus' ``authorization`` / ``bearer_token_file``); with their TLS,
 endpoint speaks HTTPS with the same certificate (and asks for client certificates under
 mutual TLS). ``/healthz`` and ``/readyz`` say only up or down, and answer without a token,
 as gRPC health does. A connection gets ``TIMEOUT_S`` to send its request and at most
-``MAX_CONNECTIONS`` are served at once (more are closed), so a hostile peer cannot pin the
-endpoint's threads.
+``MAX_CONNECTIONS`` are open at once (a new one closes the oldest, the likeliest to be a
+silent one), so a hostile peer can neither pin the endpoint's threads nor lock a scraper out.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import ssl
 import tempfile
 import threading
+from collections import OrderedDict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from clusterwire import errors
@@ -102,23 +105,24 @@ class _HttpServer(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], context: ssl.SSLContext | None):
         self._context = context
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._open: OrderedDict[int, socket.socket] = OrderedDict()  # oldest first
+        self._open_lock = threading.Lock()
         super().__init__(address, _Handler)
 
-    def process_request(self, request, client_address) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.shutdown_request(request)  # full: close at once
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
+    def process_request(self, request: socket.socket, client_address) -> None:
+        with self._open_lock:
+            if len(self._open) >= MAX_CONNECTIONS:  # the oldest is most likely a silent one
+                _key, oldest = self._open.popitem(last=False)
+                with contextlib.suppress(OSError):
+                    oldest.shutdown(socket.SHUT_RDWR)
+            self._open[id(request)] = request
+        request.settimeout(TIMEOUT_S)
+        super().process_request(request, client_address)
 
-    def process_request_thread(self, request, client_address) -> None:
+    def process_request_thread(self, request: socket.socket, client_address) -> None:
+        raw = request
         try:
             if self._context is not None:
-                request.settimeout(TIMEOUT_S)
                 try:
                     request = self._context.wrap_socket(request, server_side=True)
                 except (OSError, ssl.SSLError):
@@ -126,7 +130,8 @@ class _HttpServer(ThreadingHTTPServer):
                     return
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            with self._open_lock:
+                self._open.pop(id(raw), None)
 
 
 class MetricsEndpoint:
