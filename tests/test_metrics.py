@@ -18,11 +18,14 @@ from conftest import fresh_python, wait_for
 
 import clusterwire
 from clusterwire import errors
-from clusterwire.metrics import catalog, endpoint, snapshot
+from clusterwire.metrics import REGISTRY, catalog, endpoint, snapshot
 from clusterwire.metrics.endpoint import serve_metrics
 from clusterwire.protos.service_pb2 import Request
 from clusterwire.rpc import RequestClient
+from clusterwire.shell import Shell, listen_options
 from clusterwire.testing.certs import Authority
+from clusterwire.testing.peer import echo_handler
+from clusterwire.transport import Frame
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -309,3 +312,24 @@ def test_recording_can_be_turned_off_and_the_catalog_names_follow_prometheus():
         assert metric.name.startswith("clusterwire_")
         assert metric.name.endswith("_total") == (metric.kind == "counter"), metric.name
         assert not {"address", "client", "tensor", "name", "peer"} & set(metric.labels)
+
+
+COUNTING = [p for p in ("grpc+local", "grpc+verbs", "zmq")
+            if p in clusterwire.plugins.get_plugin_manager().protocols()]
+
+
+@pytest.mark.parametrize("protocol", COUNTING)
+def test_transports_that_count_connections_report_them(protocol):
+    shell = Shell(protocol, "127.0.0.1:0", echo_handler, "connections test", listen_options())
+    shell.start()
+    channels = [shell.transport.connect(shell.address) for _ in range(3)]
+    try:
+        for channel in channels:
+            assert channel.call(Frame(b"hello", []), 10).header == b"hello"
+        samples = [s for s in REGISTRY.samples(server="connections test")
+                   if s.metric is catalog.CONNECTIONS]
+        assert [(s.labels, s.value) for s in samples] == [(("connections test", protocol), 3)]
+    finally:
+        for channel in channels:
+            channel.close()
+        shell.stop()

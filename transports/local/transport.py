@@ -332,6 +332,10 @@ class LocalListener(Listener):
     def drain(self) -> None:
         self._control.drain()
 
+    def connections(self) -> int:
+        with self._clients_lock:
+            return len(self._connections)
+
     def stop(self, grace: float | None = None) -> None:
         self._stopped.set()
         deadline = time.monotonic() + (grace or 0.0)

@@ -269,6 +269,10 @@ class VerbsListener(Listener):
     def drain(self) -> None:
         self._control.drain()
 
+    def connections(self) -> int:
+        with self._lock:
+            return len(self._endpoints)
+
     def stop(self, grace: float | None = None) -> None:
         with self._lock:
             self._stopped = True

@@ -76,6 +76,11 @@ class ConnectionGuard:
         self._ip, self._port = ip, port
         self._thread.start()
 
+    def admitted(self) -> int:
+        """Authenticated connections held now."""
+        with self._lock:
+            return len(self._admitted)
+
     def admit(self, ident: bytes, part: zmq.Frame) -> bool:
         """Whether the connection that sent ``part`` may be served: admitted already, or
         admitted now as its first message, unless ``max_connections`` are held."""

@@ -121,6 +121,9 @@ class ZmqListener(Listener):
 
     # -- workers (every method below runs under or takes self._lock as noted) ------------
 
+    def connections(self) -> int:
+        return self._guard.admitted()
+
     def _spawn(self) -> None:
         """Under the lock: one more idle worker, woken from the parked ones or new."""
         if self._parked > self._wakeups:
