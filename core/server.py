@@ -15,7 +15,7 @@ from clusterwire.plugins import get_plugin_manager
 from clusterwire.protos.tensorflow_server_pb2 import ServerDef
 from clusterwire.security import load_security, security_fields
 from clusterwire.server_def import make_server_def
-from clusterwire.service import ClusterService
+from clusterwire.service import SERVED_AT_ONCE, ClusterService
 from clusterwire.shell import Shell, listen_options, warn_if_exposed
 from clusterwire.transport import ListenOptions
 from clusterwire.waiting import wait_event
@@ -91,7 +91,7 @@ class Server:
             self._shell = Shell(sd.protocol, join_host_port(bind_host, port),
                                 self._service.handle, name, shell_options,
                                 self._service.cancel_waits, options.send_tracebacks,
-                                self._service.serves_at_once, self._service.method_of)
+                                self._service.method_of, SERVED_AT_ONCE)
         except BaseException:
             self._service.close()
             raise

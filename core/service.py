@@ -35,6 +35,8 @@ from clusterwire.transport import Buffer, Frame
 _MAX_HOPS = 2
 #: Methods answered without waiting for other requests (here, or forwarded to their task).
 _AT_ONCE = frozenset({"get", "put", "delete", "list", "status"})
+#: Answered at once as well: a malformed request or an unknown method (an error).
+SERVED_AT_ONCE = _AT_ONCE | {"unknown"}
 #: Every method a task serves (a metric's ``method`` label is one of these or "unknown").
 METHODS = frozenset({*_AT_ONCE, "call", "barrier", "complete_cluster", "barrier_arrive",
                      "barrier_release", "barrier_withdraw"})
@@ -169,13 +171,6 @@ class ClusterService:
             if len(header) <= codec.PLAN_KEY_MAX:
                 codec.remember(self._prepared, header, serve)
         return serve(list(frame.buffers))
-
-    def serves_at_once(self, frame: Frame) -> bool:
-        """True for a request answered without waiting for other requests: a get, put,
-        delete, list or status, here or forwarded (not a call or a barrier); a malformed
-        one is answered at once too."""
-        method = self.method_of(frame)
-        return method in _AT_ONCE or method == "unknown"
 
     def method_of(self, frame: Frame) -> str:
         """The request's method, one of ``METHODS`` or "unknown" (malformed or unknown)."""

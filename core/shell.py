@@ -35,7 +35,7 @@ from clusterwire.addressing import is_loopback, split_host_port
 from clusterwire.envelope import check_total
 from clusterwire.metrics import REGISTRY
 from clusterwire.metrics import registry as metrics_registry
-from clusterwire.metrics.requests import RequestStats, frame_bytes
+from clusterwire.metrics.requests import RequestStats
 from clusterwire.plugins import get_plugin_manager
 from clusterwire.protos.service_pb2 import Response
 from clusterwire.security import Security
@@ -102,18 +102,18 @@ class Shell:
     def __init__(self, protocol: str, address: str, handler: Handler, name: str,
                  options: ListenOptions, cancel_waits: Callable[[], None] | None = None,
                  send_tracebacks: bool = False,
-                 serves_at_once: Callable[[Frame], bool] | None = None,
-                 method_of: Callable[[Frame], str] | None = None):
-        """``serves_at_once(request)`` says the handler answers ``request`` without waiting
-        for anything (an in-process caller's thread may run it); default: never.
-        ``method_of(request)`` names its method for the metrics, from a set bounded by the
-        server kind (default: "request")."""
+                 method_of: Callable[[Frame], str] | None = None,
+                 served_at_once: frozenset[str] = frozenset()):
+        """``method_of(request)`` names a request's method, from a set bounded by the server
+        kind (the metrics' label; default: "request"); the handler answers requests of the
+        ``served_at_once`` methods without waiting for anything (an in-process caller's
+        thread may run them); default: none."""
         self.name = name
         self.protocol = protocol
         self._send_tracebacks = send_tracebacks
         self._handler = handler
         self._cancel_waits = cancel_waits
-        self._serves_at_once = serves_at_once or (lambda _frame: False)
+        self._served_at_once = served_at_once
         self._options = options
         self._max_in_flight = options.max_concurrent_calls
         self._serving = False
@@ -127,7 +127,7 @@ class Shell:
         self._listener = self.transport.listen(address, self._handle, options)
         self.address = self._listener.address
         self.port = split_host_port(self.address)[1]
-        self._method_of = method_of or (lambda _frame: "request")
+        self._method_of: Callable[[Frame], str] = method_of or (lambda _frame: "request")
         self._stats: RequestStats | None = None
         self._stop_reporting = None
         if metrics_registry.ENABLED:
@@ -185,15 +185,16 @@ class Shell:
         request = Frame(frame.header,
                         in_process.hand_over(frame.buffers, keep=self.transport.keep))
         deadline = None if timeout is None else time.monotonic() + timeout
-        if self._serves_at_once(request):
-            response = self._handle_for_caller(request, deadline)
+        method = self._method_of(request)
+        if method in self._served_at_once:
+            response = self._serve_for_caller(request, method, deadline)
         else:
-            response = self._wait_for(request, deadline, closing)
+            response = self._wait_for(request, method, deadline, closing)
         return Frame(response.header, in_process.hand_over(response.buffers, response.frozen))
 
-    def _handle_for_caller(self, request: Frame, deadline: float | None) -> Frame:
+    def _serve_for_caller(self, request: Frame, method: str, deadline: float | None) -> Frame:
         with in_process.serving_until(deadline):
-            return self._handle(request)
+            return self._serve(request, method, wire=False)
 
     def takes_in_process(self, security: Security) -> bool:
         """Whether a caller of this process with ``security`` skips the transport: always
@@ -202,7 +203,7 @@ class Shell:
         own = self._options.security.tls
         return own is None or security.tls == own
 
-    def _wait_for(self, request: Frame, deadline: float | None,
+    def _wait_for(self, request: Frame, method: str, deadline: float | None,
                   closing: threading.Event) -> Frame:
         """Run ``request`` on the shell's threads; wait until its answer, the deadline, the
         caller's ``closing`` or the server's stop."""
@@ -214,7 +215,7 @@ class Shell:
         try:
             if pool is None:
                 raise RuntimeError
-            future = pool.submit(self._handle_for_caller, request, deadline)
+            future = pool.submit(self._serve_for_caller, request, method, deadline)
         except RuntimeError:  # the shell stopped meanwhile
             raise errors.CancelledError(f"{self.name} stopped.") from None
         answered = threading.Event()
@@ -233,6 +234,12 @@ class Shell:
                 raise errors.DeadlineExceededError(f"{self.name} did not answer in time.")
 
     def _handle(self, frame: Frame) -> Frame:
+        """Serve a request that came through the transport."""
+        return self._serve(frame, None, wire=True)
+
+    def _serve(self, frame: Frame, method: str | None, wire: bool) -> Frame:
+        """Serve ``frame`` (its ``method`` if known); ``wire``: it came through the
+        transport, whose bytes the metrics count (an in-process caller moves none)."""
         started = perf_counter()
         with self._lock:
             refusal = self._admit()
@@ -240,7 +247,7 @@ class Shell:
             response = error_response(refusal)
             if self._stats is not None:
                 with self._lock:
-                    self._record(frame, response, refusal.error_code, started)
+                    self._record(frame, method, response, refusal.error_code, started, wire)
             return response
         code, response = errors.OK, None
         try:
@@ -257,7 +264,7 @@ class Shell:
                 if self._draining:
                     self._idle.notify_all()
                 if self._stats is not None and response is not None:
-                    self._record(frame, response, code, started)
+                    self._record(frame, method, response, code, started, wire)
         return response
 
     def _admit(self) -> errors.OpError | None:
@@ -271,9 +278,8 @@ class Shell:
         self._in_flight += 1
         return None
 
-    def _record(self, request: Frame, response: Frame, code: int, started: float) -> None:
+    def _record(self, request: Frame, method: str | None, response: Frame, code: int,
+                started: float, wire: bool) -> None:
         """Count a served request (the caller holds the lock)."""
-        self._stats.record(self._method_of(request), errors.CODE_NAMES[code],
-                           perf_counter() - started,
-                           frame_bytes(request.header, request.buffers),
-                           frame_bytes(response.header, response.buffers))
+        self._stats.record(method or self._method_of(request), code, perf_counter() - started,
+                           request if wire else None, response if wire else None)

@@ -57,7 +57,7 @@ IN_FLIGHT = _metric(
 CONNECTIONS = _metric(
     "clusterwire_connections", "gauge", ("server", "transport"), "every server",
     "Authenticated client connections held now, where the transport counts them "
-    "(grpc+local, grpc+verbs, grpc's bulk port, zmq).")
+    "(grpc+local, grpc+verbs, zmq; grpc's are not visible to Python).")
 SERVING = _metric(
     "clusterwire_serving", "gauge", ("server",), "every server",
     "1 while the server accepts work, 0 from the moment it drains.")
