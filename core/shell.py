@@ -241,13 +241,16 @@ class Shell:
         """Serve ``frame`` (its ``method`` if known); ``wire``: it came through the
         transport, whose bytes the metrics count (an in-process caller moves none)."""
         started = perf_counter()
+        stats = self._stats
         with self._lock:
             refusal = self._admit()
         if refusal is not None:
             response = error_response(refusal)
-            if self._stats is not None:
+            if stats is not None:
+                method = method or self._method_of(frame)
                 with self._lock:
-                    self._record(frame, method, response, refusal.error_code, started, wire)
+                    stats.record(method, refusal.error_code, perf_counter() - started,
+                                 frame if wire else None, response if wire else None)
             return response
         code, response = errors.OK, None
         try:
@@ -259,12 +262,17 @@ class Shell:
             code, response = errors.INTERNAL, error_response(errors.InternalError(
                 f"{self.name} failed on a request; see its log."))
         finally:
+            counted = stats is not None and response is not None
+            if counted:  # named outside the lock: naming may parse the request
+                method = method or self._method_of(frame)
+                seconds = perf_counter() - started
             with self._lock:
                 self._in_flight -= 1
                 if self._draining:
                     self._idle.notify_all()
-                if self._stats is not None and response is not None:
-                    self._record(frame, method, response, code, started, wire)
+                if counted:
+                    stats.record(method, code, seconds, frame if wire else None,
+                                 response if wire else None)
         return response
 
     def _admit(self) -> errors.OpError | None:
@@ -277,9 +285,3 @@ class Shell:
                 "max_concurrent_calls; retry later or raise the limit.")
         self._in_flight += 1
         return None
-
-    def _record(self, request: Frame, method: str | None, response: Frame, code: int,
-                started: float, wire: bool) -> None:
-        """Count a served request (the caller holds the lock)."""
-        self._stats.record(method or self._method_of(request), code, perf_counter() - started,
-                           request if wire else None, response if wire else None)
