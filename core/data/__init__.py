@@ -20,6 +20,7 @@ if TYPE_CHECKING:
         distribute,
         from_dataset_id,
         register_dataset,
+        service_status,
     )
     from clusterwire.data.config import DispatcherConfig, WorkerConfig
     from clusterwire.data.dataset import Dataset
@@ -49,6 +50,7 @@ _EXPORTS = {
     "from_dataset_id": ("client", "from_dataset_id"),
     "function": ("permissions", "function"),
     "register_dataset": ("client", "register_dataset"),
+    "service_status": ("client", "service_status"),
 }
 
 __all__ = [
@@ -67,6 +69,7 @@ __all__ = [
     "from_dataset_id",
     "function",
     "register_dataset",
+    "service_status",
 ]
 
 

@@ -43,8 +43,9 @@ def _serve_until_signal(server: Any, target: str, what: str, args: argparse.Name
     signal.signal(signal.SIGINT, on_signal)
     print(f"{READY_PREFIX}{target}", flush=True)
     if not args.quiet:
-        print(f"clusterwire: tf.data service {what} serving at {target}", file=sys.stderr,
-              flush=True)
+        metrics = f", metrics at {server.metrics_url}" if server.metrics_url else ""
+        print(f"clusterwire: tf.data service {what} serving at {target}{metrics}",
+              file=sys.stderr, flush=True)
     server.join()
     return 0
 
@@ -60,7 +61,7 @@ def _dispatcher(args: argparse.Namespace) -> int:
         job_gc_timeout_ms=args.job_gc_timeout_ms, worker_timeout_ms=args.worker_timeout_ms,
         dataset_gc_timeout_ms=args.dataset_gc_timeout_ms,
         allow_cloudpickle=args.allow_cloudpickle, bind_address=args.bind_address,
-        **_security(args))
+        **_metrics(args), **_security(args))
     server = DispatchServer(config=config)
     report = server.journal_report
     if report.message:
@@ -80,9 +81,18 @@ def _worker(args: argparse.Namespace) -> int:
         data_transfer_address=args.data_transfer_address,
         allow_cloudpickle=args.allow_cloudpickle, function_modules=args.function_modules,
         readable_dirs=args.readable_dirs, send_tracebacks=args.send_tracebacks,
-        cross_trainer_cache_size_bytes=args.cross_trainer_cache_size_bytes, **_security(args))
+        cross_trainer_cache_size_bytes=args.cross_trainer_cache_size_bytes,
+        **_metrics(args), **_security(args))
     server = WorkerServer(config=config)
     return _serve_until_signal(server, f"{config.protocol}://{server.address}", "worker", args)
+
+
+def _metrics(args: argparse.Namespace) -> dict[str, Any]:
+    if args.metrics_host is not None and args.metrics_port is None:
+        raise SystemExit(f"clusterwire {args.command}: --metrics-host without --metrics-port: "
+                         "the endpoint serves only on a port; add --metrics-port N (0: a free "
+                         "one)")
+    return {"metrics_port": args.metrics_port, "metrics_host": args.metrics_host}
 
 
 def _security(args: argparse.Namespace) -> dict[str, Any]:
@@ -99,6 +109,11 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grace", type=float, default=5.0,
                         help="seconds in-flight requests get at shutdown (default 5)")
     parser.add_argument("--quiet", action="store_true", help="no banner on stderr")
+    parser.add_argument("--metrics-port", type=int, metavar="PORT",
+                        help="serve Prometheus metrics at http://HOST:PORT/metrics (0: a free "
+                        "port, shown in the banner; protected like the server)")
+    parser.add_argument("--metrics-host", metavar="HOST",
+                        help="host the metrics endpoint binds (default 127.0.0.1)")
     security = parser.add_argument_group(
         "security", "as Server's; the CLUSTERWIRE_* environment and plugins.toml's [security] "
         "apply too (the token itself only from a file or CLUSTERWIRE_AUTH_TOKEN)")

@@ -1,4 +1,5 @@
-"""``distribute``, ``register_dataset`` and ``from_dataset_id``: reading through the service.
+"""``distribute``, ``register_dataset`` and ``from_dataset_id``: reading through the service;
+``service_status``: what a dispatcher or worker reports about itself.
 
 They take tf.data service's arguments and perform its checks. A distributed
 dataset is a ``Dataset`` whose source is the service, so further
@@ -32,13 +33,17 @@ from clusterwire.data.modes import (
 from clusterwire.data.pipeline import Source
 from clusterwire.data.position import Position
 from clusterwire.data.reader import _MAX_ELEMENTS, JobReader, ReadOptions
-from clusterwire.data.rpc import DispatcherClient
+from clusterwire.data.rpc import DispatcherClient, parse
 from clusterwire.protos.data_service_pb2 import (
     DataRequest,
+    DataServiceStatus,
     GetDatasetRequest,
+    GetStatusRequest,
     RegisterDatasetRequest,
 )
+from clusterwire.rpc import RequestClient
 from clusterwire.security import Security, load_security
+from clusterwire.transport import Frame
 
 # How long a client keeps retrying an unavailable dispatcher (e.g. while it restarts).
 DISPATCHER_RETRY_S = 60.0
@@ -84,6 +89,28 @@ def register_dataset(service: Any, dataset: Dataset, compression: str | None = "
     finally:
         client.close()
     return response.register_dataset.dataset_id
+
+
+def service_status(address: str, protocol: str = "grpc", timeout: float = 10.0,
+                   security: Security | None = None) -> DataServiceStatus:
+    """The status of the dispatcher or worker at ``address`` ("host:port"; a
+    ``protocol://`` prefix names the protocol): its kind, address, protocol, version and
+    metrics (``clusterwire.metrics``' samples, histograms as ``_count`` and ``_sum``); a
+    dispatcher's also lists its workers and jobs.
+
+    ``security``: the client's credentials (a token-protected server refuses a request
+    without its token). An unreachable server is an UnavailableError after ``timeout`` s.
+    """
+    if "://" in address:
+        protocol, address = parse_service(address)
+    client = RequestClient(protocol, timeout=timeout, security=security)
+    try:
+        reply = client.send_frame(
+            address, Frame(DataRequest(get_status=GetStatusRequest()).SerializeToString(), []),
+            "data.get_status", idempotent=True)
+    finally:
+        client.close()
+    return parse(reply).status_report
 
 
 class CrossTrainerCache:

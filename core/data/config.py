@@ -5,8 +5,9 @@ Time fields follow TF: ``None`` leaves the choice to the runtime (stored as
 defaults (``runtime_ms``) are TF's. ``allow_cloudpickle``, the
 dispatcher's ``bind_address``, the worker's ``function_modules`` and ``readable_dirs`` and
 both servers' security fields (``tls_cert_file``, ``tls_key_file``, ``tls_ca_file``,
-``tls_client_auth``, ``auth_token_file``: as ``Server``'s, see ``clusterwire.security``) are
-clusterwire additions.
+``tls_client_auth``, ``auth_token_file``: as ``Server``'s, see ``clusterwire.security``) and
+their ``metrics_port`` and ``metrics_host`` (as ``Server``'s: an HTTP endpoint of the
+process's metrics, see ``clusterwire.metrics``) are clusterwire additions.
 """
 
 from __future__ import annotations
@@ -51,21 +52,31 @@ def runtime_ms(value: int, default: int) -> int:
     return default if value == 0 else value
 
 
-def _port(value: Any) -> int:
+def _port(value: Any, name: str = "port") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
-        raise ValueError(f"`port` must be an int in 0..65535, got {value!r}")
+        raise ValueError(f"`{name}` must be an int in 0..65535, got {value!r}")
     return value
+
+
+def _metrics(port: Any, host: Any) -> tuple[int | None, str]:
+    """``metrics_port`` (None: no endpoint; 0: a free port) and ``metrics_host`` (None:
+    127.0.0.1) as stored."""
+    if port is not None:
+        _port(port, "metrics_port")
+    if host is not None and (not isinstance(host, str) or not host):
+        raise ValueError(f"`metrics_host` must be a non-empty string, got {host!r}")
+    return port, host or "127.0.0.1"
 
 
 _DISPATCHER_FIELDS = ("port", "protocol", "work_dir", "fault_tolerant_mode", "worker_addresses",
                       "job_gc_check_interval_ms", "job_gc_timeout_ms", "worker_timeout_ms",
                       "allow_cloudpickle", "bind_address", "dataset_gc_timeout_ms",
-                      *security_fields())
+                      "metrics_port", "metrics_host", *security_fields())
 _WORKER_FIELDS = ("dispatcher_address", "worker_address", "port", "protocol",
                   "heartbeat_interval_ms", "dispatcher_timeout_ms", "data_transfer_protocol",
                   "data_transfer_address", "allow_cloudpickle", "function_modules",
                   "readable_dirs", "send_tracebacks", "cross_trainer_cache_size_bytes",
-                  *security_fields())
+                  "metrics_port", "metrics_host", *security_fields())
 
 
 def _security(settings: dict[str, Any]) -> tuple[Any, ...]:
@@ -104,6 +115,9 @@ class DispatcherConfig(collections.namedtuple("DispatcherConfig", _DISPATCHER_FI
     the dispatcher binds ("localhost"; "0.0.0.0" for every IPv4 interface).
     ``dataset_gc_timeout_ms``: a registered dataset no job has used for this long is
     collected (memory, payload file, journal records); None: one hour; -1: never.
+    ``metrics_port``: serve the process's metrics over HTTP there (0: a free port; None: no
+    endpoint), bound to ``metrics_host`` (default 127.0.0.1) and protected by the
+    dispatcher's security (``DispatchServer.metrics_url``).
     """
 
     def __new__(cls, port: int = 0, protocol: str | None = None, work_dir: str | None = None,
@@ -111,7 +125,8 @@ class DispatcherConfig(collections.namedtuple("DispatcherConfig", _DISPATCHER_FI
                 job_gc_check_interval_ms: int | None = None,
                 job_gc_timeout_ms: int | None = None, worker_timeout_ms: int | None = None,
                 allow_cloudpickle: bool = False, bind_address: str = "localhost",
-                dataset_gc_timeout_ms: int | None = None, **security: Any):
+                dataset_gc_timeout_ms: int | None = None, metrics_port: int | None = None,
+                metrics_host: str | None = None, **security: Any):
         gc_timeout = -1 if job_gc_timeout_ms == -1 else time_field(
             job_gc_timeout_ms, "job_gc_timeout_ms")
         dataset_gc = -1 if dataset_gc_timeout_ms == -1 else time_field(
@@ -124,7 +139,8 @@ class DispatcherConfig(collections.namedtuple("DispatcherConfig", _DISPATCHER_FI
             cls, _port(port), protocol or "grpc", work_dir, bool(fault_tolerant_mode),
             worker_addresses, time_field(job_gc_check_interval_ms, "job_gc_check_interval_ms"),
             gc_timeout, time_field(worker_timeout_ms, "worker_timeout_ms"),
-            bool(allow_cloudpickle), bind_address, dataset_gc, *_security(security))
+            bool(allow_cloudpickle), bind_address, dataset_gc,
+            *_metrics(metrics_port, metrics_host), *_security(security))
 
 
 class WorkerConfig(collections.namedtuple("WorkerConfig", _WORKER_FIELDS)):
@@ -141,6 +157,8 @@ class WorkerConfig(collections.namedtuple("WorkerConfig", _WORKER_FIELDS)):
     ``cross_trainer_cache_size_bytes``: the bytes each job's cross-trainer cache keeps on
     this worker (see ``clusterwire.data.CrossTrainerCache``; a worker caches at most
     ``worker.MAX_CACHED_JOBS`` jobs at once); None (stored as 0): TF's 10 GiB.
+    ``metrics_port`` and ``metrics_host``: as the DispatcherConfig's
+    (``WorkerServer.metrics_url``).
     """
 
     def __new__(cls, dispatcher_address: str | None = None, worker_address: str | None = None,
@@ -151,6 +169,7 @@ class WorkerConfig(collections.namedtuple("WorkerConfig", _WORKER_FIELDS)):
                 data_transfer_address: str | None = None, allow_cloudpickle: bool = False,
                 function_modules: Any = (), readable_dirs: Any = (),
                 send_tracebacks: bool = False, cross_trainer_cache_size_bytes: int | None = None,
+                metrics_port: int | None = None, metrics_host: str | None = None,
                 **security: Any):
         if dispatcher_address is None:
             raise ValueError("Must specify a `dispatcher_address`.")
@@ -166,7 +185,8 @@ class WorkerConfig(collections.namedtuple("WorkerConfig", _WORKER_FIELDS)):
             data_transfer_protocol, data_transfer_address or "localhost:%dts_port%",
             bool(allow_cloudpickle), _names(function_modules, "function_modules"),
             _names(readable_dirs, "readable_dirs"), bool(send_tracebacks),
-            _cache_size(cross_trainer_cache_size_bytes), *_security(security))
+            _cache_size(cross_trainer_cache_size_bytes), *_metrics(metrics_port, metrics_host),
+            *_security(security))
 
 
 def as_config(config: Any, cls: type) -> Any:

@@ -30,6 +30,7 @@ holds some: those may come back (a consumer stopping early or timing out) and mu
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from typing import Any
@@ -58,13 +59,17 @@ from clusterwire.data.journal import (
     remove_payload,
     write_payload,
 )
-from clusterwire.data.modes import STATIC_POLICIES, ShardingPolicy
+from clusterwire.data.modes import STATIC_POLICIES, ShardingPolicy, mode_name
+from clusterwire.data.monitoring import Monitoring
 from clusterwire.data.pipeline import INFINITE, split_plan
 from clusterwire.data.rpc import serve
+from clusterwire.metrics import REGISTRY, catalog
+from clusterwire.metrics.registry import ENABLED, Sample
 from clusterwire.protos.data_service_pb2 import (
     DataRequest,
     DataResponse,
     JobInfo,
+    JobSummary,
     JournalDataset,
     JournalEntry,
     JournalJob,
@@ -72,6 +77,7 @@ from clusterwire.protos.data_service_pb2 import (
     JournalSplit,
     JournalSplitsDone,
     StreamSpec,
+    WorkerSummary,
 )
 from clusterwire.shell import Shell
 from clusterwire.waiting import wait_event
@@ -94,6 +100,12 @@ class DispatchServer:
     TF, a ``DispatcherConfig`` may also be the first argument. ``port`` and
     ``protocol`` override the config's. The protocol is any installed
     transport. ``target`` is ``protocol://host:port`` with the bound port.
+
+    Its metrics (registered workers, heartbeats, jobs, each distributed_epoch job's splits,
+    the journal's size, and the requests it served) carry the label ``server`` =
+    ``metrics_name``; with the config's ``metrics_port`` they are served at
+    ``metrics_url``, and a ``GetStatusRequest`` (``clusterwire.data.service_status``)
+    returns them with its workers and jobs.
     """
 
     def __init__(self, port: Any = None, protocol: str | None = None, start: bool = True,
@@ -134,17 +146,31 @@ class DispatchServer:
                 self._commit(JournalEntry(grant_key=grants.new_key()))
         host = config.bind_address
         self._host = "localhost" if host in _WILDCARDS else host
-        self._endpoint = serve(config.protocol, host or "0.0.0.0", config.port, self._handle,
-                               "The tf.data service dispatcher",
-                               server_listen_options(server_security(config)))
+        security = server_security(config)
+        self._monitoring = Monitoring("data-dispatcher")
+        self._heartbeats = REGISTRY.family(catalog.DATA_HEARTBEATS)
         self._stopping = threading.Event()
+        try:
+            self._endpoint = serve(config.protocol, host or "0.0.0.0", config.port,
+                                   self._handle, self._monitoring.name,
+                                   server_listen_options(security))
+        except BaseException:
+            self._monitoring.close()
+            raise
+        try:
+            self._monitoring.start(functools.partial(
+                _samples, self._monitoring.name, self._state, self._cond, self._worker_timeout,
+                self._journal), config.metrics_port, config.metrics_host, security)
+        except BaseException:
+            _shutdown(self._endpoint, self._stopping, self._journal, self._monitoring, None)
+            raise
         self._stopped = threading.Event()
         self._started = False
         self._lock = threading.Lock()
         self._gc_thread = threading.Thread(target=self._gc_loop, daemon=True,
                                            name="clusterwire-data-gc")
         self._finalizer = stop_at_exit(self, _shutdown, self._endpoint, self._stopping,
-                                       self._journal, None)
+                                       self._journal, self._monitoring, None)
         if start:
             self.start()
 
@@ -170,6 +196,16 @@ class DispatchServer:
         """The configuration, with the bound port."""
         return self._config._replace(port=self._endpoint.port)
 
+    @property
+    def metrics_name(self) -> str:
+        """The ``server`` label of this dispatcher's metrics."""
+        return self._monitoring.name
+
+    @property
+    def metrics_url(self) -> str | None:
+        """``http(s)://host:port/metrics`` of the metrics endpoint (metrics_port), or None."""
+        return self._monitoring.url
+
     def start(self) -> None:
         """Start serving (idempotent); FailedPreconditionError after stop()."""
         with self._lock:
@@ -190,7 +226,7 @@ class DispatchServer:
     def stop(self, grace: float | None = None) -> None:
         """Stop serving and free the port (idempotent)."""
         if self._finalizer.detach() is not None:
-            _shutdown(self._endpoint, self._stopping, self._journal, grace)
+            _shutdown(self._endpoint, self._stopping, self._journal, self._monitoring, grace)
             with self._cond:
                 self._cond.notify_all()
         self._stopped.set()
@@ -550,9 +586,31 @@ class DispatchServer:
             if self._state.workers.get(worker.address) != worker:
                 self._commit(JournalEntry(worker=worker))
             self._state.worker_seen[worker.address] = time.monotonic()
+            if ENABLED:
+                self._heartbeats.inc(self._monitoring.name)
             response = DataResponse()
             response.worker_heartbeat.live_jobs.extend(self._state.jobs)
             response.worker_heartbeat.grant_key = self._state.grant_key
+        return response, []
+
+    def _on_get_status(self, _request, _buffers):
+        response = self._monitoring.status(
+            "dispatcher", f"{self._host}:{self._endpoint.port}", self._config.protocol)
+        report = response.status_report
+        now = time.monotonic()
+        with self._cond:
+            report.workers.extend(
+                WorkerSummary(address=address,
+                              heartbeat_age_seconds=now - self._state.worker_seen.get(address, 0))
+                for address in sorted(self._state.workers))
+            report.jobs.extend(
+                JobSummary(job_id=job.info.job_id,
+                           job_name=job.key.rsplit("/", 1)[0] if job.named else "",
+                           dataset_id=job.info.dataset_id,
+                           processing_mode=mode_name(job.info.sharding_policy),
+                           num_consumers=len(job.consumers), splits_handed=job.splits_handed,
+                           splits_completed=job.splits_completed, finished=job.info.finished)
+                for job in self._state.jobs.values())
         return response, []
 
     # ---- garbage collection ----
@@ -604,13 +662,32 @@ class DispatchServer:
 
 
 def _shutdown(endpoint: Shell, stopping: threading.Event, journal: Journal | None,
-              grace: float | None) -> None:
+              monitoring: Monitoring, grace: float | None) -> None:
     stopping.set()
     try:
         endpoint.stop(grace)
     finally:
+        monitoring.close()
         if journal is not None:
             journal.close()
+
+
+def _samples(server: str, state: DispatcherState, lock: threading.Condition,
+             worker_timeout: float, journal: Journal | None) -> list[Sample]:
+    """The dispatcher's gauges and split counts (a registry source; it must not hold the
+    DispatchServer, whose collection stops it)."""
+    with lock:
+        workers = len(state.live_workers(worker_timeout))
+        samples = [Sample(catalog.DATA_WORKERS, (server,), workers),
+                   Sample(catalog.DATA_JOBS, (server,), len(state.jobs))]
+        for job in state.jobs.values():
+            if job.info.sharding_policy == ShardingPolicy.DYNAMIC:
+                labels = (server, str(job.info.job_id))
+                samples += [Sample(catalog.DATA_SPLITS_HANDED, labels, job.splits_handed),
+                            Sample(catalog.DATA_SPLITS_DONE, labels, job.splits_completed)]
+    samples.append(Sample(catalog.DATA_JOURNAL_BYTES, (server,),
+                          0 if journal is None else journal.nbytes()))
+    return samples
 
 
 def _refuse_if_superseded(job: Job, request) -> None:

@@ -71,6 +71,8 @@ class Job:
     resumable: set[str] = field(default_factory=set)  # saved their position
     dormant: dict[str, float] = field(default_factory=dict)  # resumable, stopped -> since
     generations: dict[str, int] = field(default_factory=dict)  # resumed consumer -> latest
+    splits_handed: int = 0  # hand-outs (a split given back and handed again counts again)
+    splits_completed: int = 0
 
     def is_stale(self, consumer: str, generation: int) -> bool:
         """A request of an earlier generation of a resumed consumer (an old iterator)."""
@@ -185,6 +187,7 @@ class DispatcherState:
                 if split in job.pool:
                     job.pool.remove(split)
                 job.hand_out(entry.assign.consumer_id, split)
+                job.splits_handed += 1
                 job.consumers.setdefault(entry.assign.consumer_id, now)
         elif kind in ("done", "returned"):
             record = getattr(entry, kind)
@@ -205,6 +208,7 @@ class DispatcherState:
                         job.offsets.pop(split, None)
                         if split in job.pool:
                             job.pool.remove(split)
+                        job.splits_completed += 1
         elif kind == "kept":
             job = self.jobs.get(entry.kept.job_id)
             if job is not None:
@@ -257,6 +261,7 @@ class DispatcherState:
                                    if h.generation}
                 job.resumable = set(p.resumable)
                 job.dormant = dict.fromkeys(p.dormant, now)
+                job.splits_handed, job.splits_completed = p.splits_handed, p.splits_completed
                 for consumer in set(job.assigned.values()) - set(job.dormant):
                     job.consumers.setdefault(consumer, now)  # else never timed out
 
@@ -283,7 +288,8 @@ class DispatcherState:
                     offsets=[o for _, o in job.handouts.get(consumer, [])],
                     generation=job.generations.get(consumer, 0))
                     for consumer in {*job.handouts, *job.generations}],
-                resumable=sorted(job.resumable), dormant=sorted(job.dormant))))
+                resumable=sorted(job.resumable), dormant=sorted(job.dormant),
+                splits_handed=job.splits_handed, splits_completed=job.splits_completed)))
         entries.extend(JournalEntry(worker=worker) for worker in self.workers.values())
         return entries
 

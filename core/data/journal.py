@@ -152,6 +152,13 @@ class Journal:
             _fsync_dir(self.directory)
             self._file = open(self.path, "ab")  # noqa: SIM115 - kept open for appends
 
+    def nbytes(self) -> int:
+        """The journal's size on disk."""
+        try:
+            return os.path.getsize(self.path)
+        except FileNotFoundError:
+            return 0
+
     def close(self) -> None:
         """Close the file (idempotent)."""
         with self._lock:

@@ -19,6 +19,12 @@ also of new splits, ask for whole batches.
 A heartbeat thread keeps the job alive at the dispatcher and learns which
 workers are alive (new workers join, dead ones are dropped).
 
+``__next__`` times how long the training loop waits for each element: the histogram
+``clusterwire_data_consumer_wait_seconds`` of the process (its count: the elements read),
+exported when the training process serves its metrics
+(``clusterwire.metrics.endpoint.serve_metrics``). Each reader counts into its own histogram
+(no lock per element); a scrape adds up the live readers' and those of readers gone.
+
 Workers that stop answering (a read times out after ``_READ_TIMEOUT_S`` or fails) are
 retried while the dispatcher lists them:
 
@@ -57,10 +63,12 @@ import queue
 import threading
 import time
 import uuid
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from time import perf_counter
 from typing import Any
 
 from clusterwire import errors
@@ -70,6 +78,8 @@ from clusterwire.data.modes import STATIC_POLICIES, ShardingPolicy, mode_name
 from clusterwire.data.position import Position
 from clusterwire.data.rpc import DispatcherClient, WorkerChannels
 from clusterwire.data.streams import OVER_LIMITS
+from clusterwire.metrics import REGISTRY, catalog
+from clusterwire.metrics.registry import ENABLED, Histogram, Sample
 from clusterwire.protos.data_service_pb2 import (
     ClientHeartbeatRequest,
     DataRequest,
@@ -173,6 +183,49 @@ class _Batch:
         return elements.decode_all(self.headers, self.buffers)
 
 
+class _ConsumerWaits:
+    """The process's consumer-wait histogram: every reader's own, added up when read."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._live: set[Histogram] = set()
+        self._gone = Histogram(catalog.DATA_CONSUMER_WAIT.buckets)
+        self._reporting = False
+
+    def track(self, reader: JobReader) -> Histogram:
+        """A histogram for ``reader`` to count its waits in (reported until it is collected,
+        then added to those of the readers gone)."""
+        waits = Histogram(catalog.DATA_CONSUMER_WAIT.buckets)
+        with self._lock:
+            self._live.add(waits)
+            if not self._reporting:
+                REGISTRY.add_source(self.samples)
+                self._reporting = True
+        weakref.finalize(reader, self._retire, waits)
+        return waits
+
+    def _retire(self, waits: Histogram) -> None:
+        with self._lock:
+            self._live.discard(waits)
+            _add(self._gone, waits)
+
+    def samples(self) -> list[Sample]:
+        """The histogram (a registry source)."""
+        with self._lock:
+            total, live = self._gone.copy(), list(self._live)
+        for waits in live:
+            _add(total, waits.copy())
+        return [Sample(catalog.DATA_CONSUMER_WAIT, (), total)]
+
+
+def _add(total: Histogram, more: Histogram) -> None:
+    total.counts = [a + b for a, b in zip(total.counts, more.counts, strict=True)]
+    total.sum += more.sum
+
+
+_WAITS = _ConsumerWaits()
+
+
 def _is_local(address: str) -> bool:
     host = split_host_port(address)[0]
     return host in ("localhost", "::1") or host.startswith("127.")
@@ -187,6 +240,9 @@ class JobReader(Iterator[Any]):
 
     ``close()`` (also reached by a ``take``, a ``break`` or garbage collection) releases the
     consumer's streams on the workers and its job at the dispatcher; see the module docstring.
+    The time each ``next()`` waits for its element is counted in the process's
+    ``clusterwire_data_consumer_wait_seconds`` histogram, which the training process
+    exports by calling ``clusterwire.metrics.endpoint.serve_metrics(port)``.
     """
 
     def __init__(self, dispatcher: DispatcherClient, options: ReadOptions, iteration: int,
@@ -242,6 +298,7 @@ class JobReader(Iterator[Any]):
         self._private = options.job_name is None  # no other consumer reads its streams
         self._exhausted: Position | None = None  # resumed after the end: this position
         self._returned_all = False  # the iteration ended (not stopped early)
+        self._waits = _WAITS.track(self) if ENABLED else None
         if position is not None and position.finished:
             _check_resumable(options, position)
             self._exhausted = position
@@ -373,6 +430,7 @@ class JobReader(Iterator[Any]):
         return self
 
     def __next__(self) -> Any:
+        started = perf_counter()
         while not self._batch:
             if self._finished:
                 raise StopIteration
@@ -401,6 +459,8 @@ class JobReader(Iterator[Any]):
                 if isinstance(credit[0], _Split):
                     with self._lock:
                         self._split_returned(credit[0])
+        if self._waits is not None:
+            self._waits.observe(perf_counter() - started)
         return self._batch.popleft()
 
     def _finish(self) -> None:

@@ -44,17 +44,36 @@ def parse(frame: Frame) -> DataResponse:
 
 def serve(protocol: str, host: str, port: int, handler: Handler, name: str,
           options: ListenOptions, send_tracebacks: bool = False) -> Shell:
-    """A core listener shell serving DataRequests at ``host:port`` (not started yet)."""
+    """A core listener shell serving DataRequests at ``host:port`` (not started yet).
+
+    Its metrics name a request's method by the request's kind ("get_elements", ...;
+    "unknown" for a malformed header).
+    """
+    # The shell names a request that came through the transport on the thread that handled
+    # it, right after: the kind parsed there is remembered with its header, so such a
+    # request is parsed once.
+    parsed = threading.local()
+
     def handle(frame: Frame) -> Frame:
         try:
             request = DataRequest.FromString(frame.header)
         except DecodeError as err:
             raise errors.InvalidArgumentError(f"Malformed request header: {err}") from None
+        parsed.last = (frame.header, request.WhichOneof("kind"))
         response, buffers = handler(request, list(frame.buffers))
         return Frame(response.SerializeToString(), list(buffers))
 
+    def method_of(frame: Frame) -> str:
+        last, parsed.last = getattr(parsed, "last", None), None
+        if last is not None and last[0] is frame.header:
+            return last[1] or "unknown"
+        try:  # refused before the handler saw it, or an in-process caller's (named first)
+            return DataRequest.FromString(frame.header).WhichOneof("kind") or "unknown"
+        except DecodeError:
+            return "unknown"
+
     shell = Shell(protocol, join_host_port(host, port), handle, name, options,
-                  send_tracebacks=send_tracebacks)
+                  send_tracebacks=send_tracebacks, method_of=method_of)
     warn_if_exposed(host, options, name)
     return shell
 

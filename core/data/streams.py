@@ -213,6 +213,12 @@ class Stream:
             raise errors.CancelledError(f"Consumer {consumer!r} released this stream.")
 
     @property
+    def buffered(self) -> int:
+        """Elements produced and not yet taken."""
+        with self._cond:
+            return len(self._ready)
+
+    @property
     def finished(self) -> bool:
         """Produced and handed out completely."""
         with self._cond:

@@ -28,6 +28,7 @@ most ``MAX_CACHED_JOBS`` jobs at once.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -49,10 +50,13 @@ from clusterwire.data.config import (
     warn_if_unsafe,
 )
 from clusterwire.data.modes import COMPRESSION_SNAPPY, ShardingPolicy
+from clusterwire.data.monitoring import Monitoring
 from clusterwire.data.permissions import WorkerPermissions
 from clusterwire.data.pipeline import FilesSource, Pipeline, split_plan
 from clusterwire.data.rpc import DispatcherClient, serve
 from clusterwire.data.streams import OVER_LIMITS, Stream
+from clusterwire.metrics import REGISTRY, catalog
+from clusterwire.metrics.registry import ENABLED, Sample
 from clusterwire.protos.data_service_pb2 import (
     DataRequest,
     DataResponse,
@@ -89,6 +93,11 @@ class WorkerServer:
     start=True, config=None)``; as in TF, a ``WorkerConfig`` may be the first
     argument. ``dispatcher_address`` is ``host:port`` (a ``protocol://``
     prefix is accepted). Without a dispatcher address: ValueError.
+
+    Its metrics (elements and bytes sent per job, buffered elements, open streams, and the
+    requests it served) carry the label ``server`` = ``metrics_name``; with the config's
+    ``metrics_port`` they are served at ``metrics_url``; a ``GetStatusRequest``
+    (``clusterwire.data.service_status``) returns them.
     """
 
     def __init__(self, port: Any = None, dispatcher_address: str | None = None,
@@ -116,25 +125,39 @@ class WorkerServer:
         security = server_security(config)
         options = server_listen_options(security)
         host = split_host_port(_substitute(config.worker_address, "%port%", 0))[0]
-        self._endpoint = serve(config.protocol, host, config.port, self._handle,
-                               "The tf.data service worker", options, config.send_tracebacks)
+        self._monitoring = Monitoring("data-worker")
+        name = self._monitoring.name
+        try:
+            self._endpoint = serve(config.protocol, host, config.port, self._handle, name,
+                                   options, config.send_tracebacks)
+        except BaseException:
+            self._monitoring.close()
+            raise
         info = WorkerInfo(address=_substitute(config.worker_address, "%port%",
                                               self._endpoint.port),
                           protocol=config.protocol)
         self._transfer: Shell | None = None
+        self._streams: dict[tuple[int, int, str, int], Stream] = {}
+        self._lock = threading.Lock()
         try:
             if config.data_transfer_protocol:
                 transfer_host = split_host_port(
                     _substitute(config.data_transfer_address, "%dts_port%", 0))[0]
                 self._transfer = serve(config.data_transfer_protocol, transfer_host, 0,
-                                       self._handle, "The tf.data service worker", options,
+                                       self._handle, f"{name}/transfer", options,
                                        config.send_tracebacks)
                 info.transfer_protocol = config.data_transfer_protocol
                 info.transfer_address = _substitute(config.data_transfer_address, "%dts_port%",
                                                     self._transfer.port)
+            self._monitoring.start(functools.partial(_samples, name, self._streams, self._lock),
+                                   config.metrics_port, config.metrics_host, security)
         except BaseException:
-            self._endpoint.stop(0)
+            for endpoint in self._endpoints():
+                endpoint.stop(0)
+            self._monitoring.close()
             raise
+        self._sent = REGISTRY.family(catalog.DATA_ELEMENTS)
+        self._sent_bytes = REGISTRY.family(catalog.DATA_ELEMENT_BYTES)
         self._info = info
         _, dispatcher = split_target(config.dispatcher_address)
         self._dispatcher = DispatcherClient(
@@ -142,8 +165,6 @@ class WorkerServer:
             runtime_ms(config.dispatcher_timeout_ms, DISPATCHER_TIMEOUT_MS) / 1000, security)
         self._heartbeat_s = runtime_ms(config.heartbeat_interval_ms, HEARTBEAT_INTERVAL_MS) / 1000
         self._cache_bytes = config.cross_trainer_cache_size_bytes or CROSS_TRAINER_CACHE_SIZE_BYTES
-        self._lock = threading.Lock()
-        self._streams: dict[tuple[int, int, str, int], Stream] = {}
         # (job, consumer, split or -1) -> (the last attempt released, when)
         self._released: dict[tuple[int, str, int], tuple[int, float]] = {}
         self._evicted: dict[int, float] = {}  # jobs whose abandoned shared stream was closed
@@ -157,7 +178,7 @@ class WorkerServer:
         self._heartbeats = threading.Thread(target=self._heartbeat_loop, daemon=True,
                                             name="clusterwire-data-heartbeat")
         self._finalizer = stop_at_exit(self, _shutdown, self._endpoints(), self._stopping,
-                                       self._dispatcher, self._streams, None)
+                                       self._dispatcher, self._streams, self._monitoring, None)
         if start:
             self.start()
 
@@ -175,6 +196,17 @@ class WorkerServer:
     def config(self) -> WorkerConfig:
         """The configuration, with the bound port."""
         return self._config._replace(port=self._endpoint.port)
+
+    @property
+    def metrics_name(self) -> str:
+        """The ``server`` label of this worker's metrics (its data-transfer listener's
+        requests: ``metrics_name + "/transfer"``)."""
+        return self._monitoring.name
+
+    @property
+    def metrics_url(self) -> str | None:
+        """``http(s)://host:port/metrics`` of the metrics endpoint (metrics_port), or None."""
+        return self._monitoring.url
 
     def start(self) -> None:
         """Serve and register with the dispatcher (waits briefly for the registration)."""
@@ -199,7 +231,8 @@ class WorkerServer:
     def stop(self, grace: float | None = None) -> None:
         """Stop serving, stop every pipeline and free the port (idempotent)."""
         if self._finalizer.detach() is not None:
-            _shutdown(self._endpoints(), self._stopping, self._dispatcher, self._streams, grace)
+            _shutdown(self._endpoints(), self._stopping, self._dispatcher, self._streams,
+                      self._monitoring, grace)
         self._stopped.set()
 
     def __enter__(self) -> WorkerServer:
@@ -241,6 +274,11 @@ class WorkerServer:
                              if j in live_jobs and now - t < _IDLE_STREAM_S}
         for stream in streams:
             stream.close()
+        for family in (self._sent, self._sent_bytes):
+            for sample in family.samples():
+                server, job = sample.labels
+                if server == self._monitoring.name and int(job) not in live_jobs:
+                    family.remove(server=server, job=job)
 
     def _pipeline(self, dataset_id: str) -> Pipeline:
         with self._lock:
@@ -264,6 +302,10 @@ class WorkerServer:
 
     def _handle(self, request: DataRequest, _buffers: list[Any]) -> tuple[DataResponse, list]:
         kind = request.WhichOneof("kind")
+        if kind == "get_status":
+            return self._monitoring.status(
+                "worker", self.address, self._config.protocol,
+                [e.name for e in self._endpoints() if e is not self._endpoint]), []
         if kind not in ("get_elements", "release_streams"):
             raise errors.UnimplementedError(
                 f"A tf.data service worker serves element reads, not {kind!r} (is this the "
@@ -331,6 +373,10 @@ class WorkerServer:
             taken, end = stream.fetch(read.consumer_id, read.request_seq,
                                       max(read.max_elements, 1),
                                       read.max_bytes or _MAX_READ_BYTES, read.wait_seconds)
+        if taken and ENABLED:
+            job, server = str(spec.job_id), self._monitoring.name
+            self._sent.inc(server, job, amount=len(taken))
+            self._sent_bytes.inc(server, job, amount=sum(e.nbytes for e in taken))
         response = DataResponse()
         response.get_elements.elements.extend(e.header for e in taken)
         response.get_elements.end_of_stream = end
@@ -478,12 +524,23 @@ def _check_cross_trainer_cache(spec: StreamSpec, pipe: Pipeline) -> None:
 
 
 def _shutdown(endpoints: list[Shell], stopping: threading.Event,
-              dispatcher: DispatcherClient, streams: dict, grace: float | None) -> None:
+              dispatcher: DispatcherClient, streams: dict, monitoring: Monitoring,
+              grace: float | None) -> None:
     stopping.set()
     try:
         for endpoint in endpoints:
             endpoint.stop(grace)
     finally:
+        monitoring.close()
         dispatcher.close()
         for stream in list(streams.values()):
             stream.close()
+
+
+def _samples(server: str, streams: dict[Any, Stream], lock: threading.Lock) -> list[Sample]:
+    """The worker's stream gauges (a registry source; it must not hold the WorkerServer,
+    whose collection stops it)."""
+    with lock:
+        running = list(streams.values())
+    return [Sample(catalog.DATA_BUFFERED, (server,), sum(s.buffered for s in running)),
+            Sample(catalog.DATA_STREAMS, (server,), len(running))]
