@@ -40,13 +40,15 @@ class RequestStats:
         through the transport (``request`` and ``response`` given). Inlined: it runs for
         every request of every server."""
         if request is not None:  # it crossed the transport
+            # A buffer is a buffer-protocol object, or stands for one and tells its nbytes
+            # (a forwarded response relayed as it arrives).
             received = len(request.header)
             for buffer in request.buffers:
-                received += (buffer.nbytes if type(buffer) is memoryview
+                received += (buffer.nbytes if hasattr(buffer, "nbytes")
                              else memoryview(buffer).nbytes)
             sent = len(response.header)
             for buffer in response.buffers:
-                sent += buffer.nbytes if type(buffer) is memoryview else memoryview(buffer).nbytes
+                sent += buffer.nbytes if hasattr(buffer, "nbytes") else memoryview(buffer).nbytes
             self._received += received
             self._sent += sent
         latency = self._latency.get(method)

@@ -96,6 +96,11 @@ class RelayPart:
     def __init__(self, relay: Relay, index: int):
         self.relay, self.index = relay, index
 
+    @property
+    def nbytes(self) -> int:
+        """The size of the buffer it stands for (what the metrics count as sent)."""
+        return self.relay.lengths[self.index]
+
 
 def relay_of(buffers: Sequence[object]) -> Relay | None:
     """The relay a response frame's buffers stand for; None for ordinary buffers."""
