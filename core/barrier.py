@@ -97,6 +97,11 @@ class Rounds:
             current.waiters.add(waiter)
             return Arrival(current.round_id)
 
+    def reset(self) -> None:
+        """Forget every round in progress (their waits were aborted)."""
+        with self._lock:
+            self._rounds.clear()
+
     def unhold(self) -> None:
         """A held arrival was answered."""
         with self._lock:
@@ -123,6 +128,8 @@ class Releases:
         self._changed = threading.Condition()
         self._released: dict[str, collections.deque[int]] = {}
         self._cancelled = False
+        self._aborts = 0  # waits begun before the latest abort end with it
+        self._abort_reason = ""
 
     def release(self, name: str, round_id: int) -> None:
         """Round ``round_id`` of barrier ``name`` is complete: wake its callers."""
@@ -139,12 +146,23 @@ class Releases:
             return round_id in self._released.get(name, ())
 
         with self._changed, parked():
-            self._changed.wait_for(lambda: released() or self._cancelled, timeout)
+            aborts = self._aborts
+            self._changed.wait_for(
+                lambda: released() or self._cancelled or self._aborts != aborts, timeout)
             if released():
                 return True  # answered even if the server began stopping meanwhile
             if self._cancelled:
                 raise errors.CancelledError(f"Barrier {name!r} cancelled: the server is stopping.")
+            if self._aborts != aborts:
+                raise errors.AbortedError(f"Barrier {name!r} was aborted: {self._abort_reason}")
             return False
+
+    def abort(self, reason: str) -> None:
+        """Wake every waiter with AbortedError naming ``reason``."""
+        with self._changed:
+            self._aborts += 1
+            self._abort_reason = reason
+            self._changed.notify_all()
 
     def cancel(self) -> None:
         """Wake every waiter with CancelledError (the server is stopping)."""

@@ -25,7 +25,7 @@ from clusterwire.transport import Buffer, Channel, ConnectionFailed, Frame, Hand
 
 # Methods that are safe to send twice when a connection broke after sending.
 IDEMPOTENT = frozenset({"status", "put", "get", "delete", "list", "barrier", "barrier_arrive",
-                        "barrier_release", "barrier_withdraw"})
+                        "barrier_release", "barrier_withdraw", "heartbeat"})
 
 DEFAULT_TIMEOUT = 30.0
 #: A retry loop with more time than this left says at once that the task is unreachable.

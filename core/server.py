@@ -10,6 +10,7 @@ from clusterwire import errors
 from clusterwire.addressing import join_host_port, split_host_port
 from clusterwire.at_exit import stop_at_exit
 from clusterwire.cluster_spec import ClusterSpec
+from clusterwire.membership import ResolverWatch
 from clusterwire.metrics.endpoint import MetricsEndpoint, serve_metrics
 from clusterwire.plugins import get_plugin_manager
 from clusterwire.protos.tensorflow_server_pb2 import ServerDef
@@ -80,7 +81,8 @@ class Server:
         self._service = ClusterService(
             cluster, sd.job_name, sd.task_index, sd.protocol, lambda: self.target,
             options.peer_timeout_seconds or _DEFAULT_PEER_TIMEOUT, transport.info, self._security,
-            options.max_store_bytes or None)
+            options.max_store_bytes or None, options.membership_heartbeat_seconds,
+            options.membership_timeout_seconds)
         # ServerOptions has a field of the same name for every limit of ListenOptions.
         shell_options = listen_options(security=self._security, **{
             f.name: getattr(options, f.name) for f in fields(ListenOptions)
@@ -110,36 +112,65 @@ class Server:
         self._publish_bound_port(cluster)
         self._finalizer = stop_at_exit(self, _shutdown, self._shell, self._service,
                                        None, self._metrics)
+        self._watch: ResolverWatch | None = None
         if start:
             self.start()
 
     def _publish_bound_port(self, cluster: ClusterSpec) -> None:
         sd = self._server_def
-        address = join_host_port(self._host, self._port)
         if sd.port:
             sd.port = self._port
-        tasks = {job: {i: cluster.task_address(job, i) for i in cluster.task_indices(job)}
-                 for job in cluster.jobs}
-        tasks[sd.job_name][sd.task_index] = address
-        self._service.cluster = ClusterSpec(tasks)
+        self._service.membership.begin(with_address(
+            cluster, sd.job_name, sd.task_index, join_host_port(self._host, self._port)))
 
     @classmethod
     def from_resolver(cls, resolver: Any, protocol: str | None = None, config: Any = None,
-                      start: bool = True) -> Server:
+                      start: bool = True, watch: float | None = None) -> Server:
         """Start this process's task as ``resolver`` describes it.
 
         The cluster comes from ``resolver.cluster_spec()``, the task from its
         ``task_type``/``task_id``, the protocol from ``protocol`` or else the
-        resolver's ``rpc_layer`` (default "grpc").
+        resolver's ``rpc_layer`` (default "grpc"). With ``watch`` (seconds), the server
+        follows the resolver: it polls ``cluster_spec()`` that often (as the resolver
+        contract asks: the cluster may change) and makes each change a new membership
+        version (``update_cluster``), which spreads to the other tasks.
         """
+        if watch is not None and (isinstance(watch, bool) or not isinstance(watch, int | float)
+                                  or watch <= 0):
+            raise errors.InvalidArgumentError(
+                f"watch must be a number of seconds > 0 (or None: no watching), got {watch!r}.")
         cluster = resolver.cluster_spec()
         job, index = resolver.task_type, resolver.task_id
         if job is None or index is None:
             raise errors.InvalidArgumentError(
                 f"{type(resolver).__name__} does not say which task this process is "
                 f"(task_type={job!r}, task_id={index!r}); set them on the resolver.")
-        return cls(cluster, job_name=job, task_index=int(index),
-                   protocol=protocol or resolver.rpc_layer or None, config=config, start=start)
+        server = cls(cluster, job_name=job, task_index=int(index),
+                     protocol=protocol or resolver.rpc_layer or None, config=config,
+                     start=start)
+        if watch is not None:
+            server._watch = ResolverWatch(resolver, watch, server)
+        return server
+
+    def update_cluster(self, cluster: Any) -> int:
+        """Make ``cluster`` (a ClusterSpec, ClusterDef or dict) this task's membership as
+        the next version and spread it to the other tasks; returns the version. Tasks that
+        joined are reached at once, requests for tasks that left fail with NotFoundError
+        naming the version, barriers waiting when it changes end with AbortedError. This
+        task's own address stays the one it is bound to."""
+        spec = ClusterSpec(cluster)
+        job, index = self._server_def.job_name, self._server_def.task_index
+        if job not in spec.jobs or index not in spec.task_indices(job):
+            raise errors.InvalidArgumentError(
+                f"update_cluster: {spec!r} does not have this task /job:{job}/task:{index}; "
+                "a task cannot remove itself (stop it, and update the others).")
+        own = with_address(spec, job, index, join_host_port(self._host, self._port))
+        return self._service.membership.update(own).version
+
+    @property
+    def membership_version(self) -> int:
+        """The version of this task's membership view (0: the cluster it started with)."""
+        return self._service.membership.view.version
 
     @staticmethod
     def create_local_server(config: Any = None, start: bool = True) -> Server:
@@ -181,6 +212,7 @@ class Server:
             if not self._started:
                 self._shell.start()
                 self._shell.reachable_at(join_host_port(self._host, self._port))
+                self._service.membership.start()
                 self._started = True
 
     def join(self, timeout: float | None = None) -> bool:
@@ -198,6 +230,8 @@ class Server:
         """
         with self._lock:
             owner = self._finalizer.detach() is not None
+        if self._watch is not None:
+            self._watch.stop()
         if not owner:
             self._stopped.wait()
             return
@@ -216,6 +250,14 @@ class Server:
         sd = self._server_def
         state = "stopped" if self._stopped.is_set() else "serving" if self._started else "created"
         return f"<Server /job:{sd.job_name}/task:{sd.task_index} {self.target} {state}>"
+
+
+def with_address(cluster: ClusterSpec, job: str, index: int, address: str) -> ClusterSpec:
+    """``cluster`` with task ``/job:job/task:index`` at ``address``."""
+    tasks = {j: {i: cluster.task_address(j, i) for i in cluster.task_indices(j)}
+             for j in cluster.jobs}
+    tasks[job][index] = address
+    return ClusterSpec(tasks)
 
 
 def _shutdown(shell: Shell, service: ClusterService, grace: float | None = None,

@@ -24,9 +24,18 @@ from clusterwire import barrier, codec, errors, functions, in_process
 from clusterwire.addressing import split_host_port
 from clusterwire.barrier import Arrival, Releases, Rounds
 from clusterwire.cluster_spec import ClusterSpec
+from clusterwire.membership import Membership, View
 from clusterwire.metrics import REGISTRY, catalog, snapshot
 from clusterwire.metrics.registry import Sample
-from clusterwire.protos.service_pb2 import Request, Response, TaskRef, TaskStatus, UnreachablePeer
+from clusterwire.protos.service_pb2 import (
+    MembershipView,
+    PeerState,
+    Request,
+    Response,
+    TaskRef,
+    TaskStatus,
+    UnreachablePeer,
+)
 from clusterwire.rpc import RequestClient
 from clusterwire.security import Security
 from clusterwire.thread_pool import parked
@@ -34,7 +43,7 @@ from clusterwire.transport import Buffer, Frame
 
 _MAX_HOPS = 2
 #: Methods answered without waiting for other requests (here, or forwarded to their task).
-_AT_ONCE = frozenset({"get", "put", "delete", "list", "status"})
+_AT_ONCE = frozenset({"get", "put", "delete", "list", "status", "heartbeat"})
 #: Answered at once as well: a malformed request or an unknown method (an error).
 SERVED_AT_ONCE = _AT_ONCE | {"unknown"}
 #: Every method a task serves (a metric's ``method`` label is one of these or "unknown").
@@ -105,8 +114,8 @@ class ClusterService:
     def __init__(self, cluster: ClusterSpec, job: str, index: int, protocol: str,
                  target: Callable[[], str], peer_timeout: float,
                  transport_info: Callable[[], dict[str, str]],
-                 security: Security | None = None, max_store_bytes: int | None = None):
-        self.cluster = cluster
+                 security: Security | None = None, max_store_bytes: int | None = None,
+                 heartbeat_seconds: float = 0.0, membership_timeout: float = 0.0):
         self.job, self.index, self.protocol = job, index, protocol
         self.name = f"/job:{job}/task:{index}"
         self._target = target
@@ -123,12 +132,48 @@ class ClusterService:
         # Peers are reached with this server's own credentials (its certificate
         # doubles as the client certificate under mutual TLS).
         self._peers = RequestClient(protocol, timeout=peer_timeout, security=security)
+        self.membership = Membership((job, index), cluster, self._membership_changed,
+                                     self._send_heartbeat, heartbeat_seconds,
+                                     membership_timeout)
         # Request header -> what serves it (see _prepare); its method (method_of).
         self._prepared: dict[bytes, Serve] = {}
         self._methods: dict[bytes, str] = {}
         self._forwarded = REGISTRY.family(catalog.FORWARDED)
         self._barrier_waits = REGISTRY.family(catalog.BARRIER_WAITS)
         self._stop_reporting = REGISTRY.add_source(self._samples)
+
+    @property
+    def cluster(self) -> ClusterSpec:
+        """The cluster of the current membership view."""
+        return self.membership.view.cluster
+
+    def _membership_changed(self, old: View, new: View) -> None:
+        before, after = old.tasks(), new.tasks()
+        joined = sorted(t for t in after if t not in before)
+        left = sorted(t for t in before if t not in after)
+        moved = sorted(t for t in after if t in before and after[t] != before[t])
+        _LOG.info("clusterwire: %s: membership version %d -> %d; joined %s, left %s, moved %s",
+                  self.name, old.version, new.version, joined, left, moved)
+        # A round counts the members of the version it started in: its waits end now.
+        self._rounds.reset()
+        self._releases.abort(f"the membership changed (version {old.version} -> "
+                             f"{new.version}) while it waited; arrive again.")
+
+    def _send_heartbeat(self, address: str, view: View, timeout: float) -> View:
+        request = Request(method="heartbeat", membership_version=view.version,
+                          from_task=TaskRef(job=self.job, index=self.index),
+                          cluster=view.cluster.as_cluster_def())
+        response, _ = self._peers.send(address, request, timeout=timeout)
+        return View.of(response.membership.version, ClusterSpec(response.membership.cluster))
+
+    def _heartbeat(self, request: Request) -> Frame:
+        sender = (request.from_task.job, request.from_task.index) \
+            if request.HasField("from_task") else None
+        view = self.membership.receive(
+            View.of(request.membership_version, ClusterSpec(request.cluster)), sender)
+        return Frame(Response(membership=MembershipView(
+            version=view.version, cluster=view.cluster.as_cluster_def())).SerializeToString(),
+            [])
 
     def cancel_waits(self) -> None:
         """Answer the waits left with CancelledError (the server's shell is stopping):
@@ -144,6 +189,7 @@ class ClusterService:
 
     def close(self) -> None:
         """Release peer connections; stop reporting metrics."""
+        self.membership.stop()
         self._peers.close()
         self._stop_reporting()
         for family in (self._forwarded, self._barrier_waits):
@@ -192,7 +238,8 @@ class ClusterService:
             return self.cluster.task_address(job, index)
         except ValueError:
             raise errors.NotFoundError(
-                f"No task /job:{job}/task:{index} in the cluster {self.cluster!r}.") from None
+                f"No task /job:{job}/task:{index} in the cluster {self.cluster!r} (membership "
+                f"version {self.membership.view.version}).") from None
 
     def _forward(self, request: Request, frame: Frame) -> Frame:
         if request.hops >= _MAX_HOPS:
@@ -262,10 +309,12 @@ class ClusterService:
             return value_response(None)
         if method == "status":
             return Frame(Response(task_status=self.status()).SerializeToString(), [])
+        if method == "heartbeat":
+            return self._heartbeat(request)
         raise errors.UnimplementedError(
             f"Unknown method {method!r}; this server serves: status, put, get, delete, list, "
             "call, barrier, complete_cluster (and, between tasks, barrier_arrive, "
-            "barrier_release, barrier_withdraw).")
+            "barrier_release, barrier_withdraw, heartbeat).")
 
     def _store_put(self, name: str, stored: _Stored) -> None:
         """Store ``stored`` as ``name`` (replacing it) within max_store_bytes."""
@@ -443,7 +492,7 @@ class ClusterService:
                         "port-0 addresses can be completed.")
         if cluster.task_address(self.job, self.index) != known.task_address(self.job, self.index):
             raise errors.FailedPreconditionError("complete_cluster may not move this task.")
-        self.cluster = cluster
+        self.membership.update(cluster)
 
     def _samples(self) -> list[Sample]:
         with self._store_lock:
@@ -476,4 +525,9 @@ class ClusterService:
         status.transport_info.update(self._transport_info())
         status.metrics.extend(snapshot.to_protos(REGISTRY.samples(server=self.name)))
         status.unreachable_peers.extend(self._unreachable_peers())
+        status.membership_version = self.membership.view.version
+        status.peers.extend(
+            PeerState(task=TaskRef(job=job, index=index), address=address,
+                      last_seen_unix_seconds=seen, down=down)
+            for (job, index), address, seen, down in self.membership.peers())
         return status

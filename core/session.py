@@ -149,7 +149,8 @@ class Session:
         samples its server counted (``clusterwire.metrics``: name, labels, value; histograms
         as NAME_count and NAME_sum); ``unreachable_peers``, the peer tasks it could not reach
         within the last minute and has not reached since (task, address, ``last_failure`` as
-        Unix seconds, error)."""
+        Unix seconds, error); ``membership_version`` and, with heartbeats, ``peers`` (task,
+        address, ``last_seen`` as Unix seconds or 0, ``down``: see clusterwire.membership)."""
         response, _ = self._send(self._request("status", task), (), timeout)
         status = response.task_status
         return {
@@ -168,6 +169,10 @@ class Session:
                 {"task": f"/job:{p.task.job}/task:{p.task.index}", "address": p.address,
                  "last_failure": p.last_failure_unix_seconds, "error": p.error}
                 for p in status.unreachable_peers],
+            "membership_version": status.membership_version,
+            "peers": [{"task": f"/job:{p.task.job}/task:{p.task.index}", "address": p.address,
+                       "last_seen": p.last_seen_unix_seconds, "down": p.down}
+                      for p in status.peers],
         }
 
     def cluster_status(self, timeout: float | None = None,
