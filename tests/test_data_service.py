@@ -357,6 +357,25 @@ def test_a_new_worker_joins_a_running_job(monkeypatch):
     assert Counter(int(x) for x in seen) == Counter({x: 2 for x in range(80)})
 
 
+def test_a_new_worker_takes_splits_of_a_running_distributed_epoch_job(monkeypatch):
+    from clusterwire.metrics import REGISTRY, catalog
+
+    monkeypatch.setenv("CW_DATA_SLOW_S", "0.02")  # the first worker alone needs ~1.6 s
+    with data.DispatchServer(port=0) as dispatcher:
+        address = dispatcher.target.split("://")[1]
+        with data.WorkerServer(port=0, dispatcher_address=address):
+            ds = distributed(data.Dataset.range(80).map(fns.slow_identity),
+                             "distributed_epoch", dispatcher.target)
+            iterator = iter(ds)
+            seen = [next(iterator)]
+            with data.WorkerServer(port=0, dispatcher_address=address) as joined:
+                seen += list(iterator)
+                sent = sum(s.value for s in REGISTRY.samples(server=joined.metrics_name)
+                           if s.metric is catalog.DATA_ELEMENTS)
+    assert Counter(int(x) for x in seen) == Counter(range(80))  # each exactly once
+    assert sent > 0  # the worker that joined served some of them
+
+
 def test_the_dispatcher_notices_a_dead_worker_within_worker_timeout():
     config = data.DispatcherConfig(port=0, worker_timeout_ms=300)
     with data.DispatchServer(config) as dispatcher:
