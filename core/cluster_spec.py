@@ -178,3 +178,11 @@ class ClusterSpec:
         if not tasks:
             return []
         return [tasks.get(i) for i in range(max(tasks) + 1)]
+
+
+def with_address(cluster: ClusterSpec, job: str, index: int, address: str) -> ClusterSpec:
+    """``cluster`` with task ``/job:job/task:index`` at ``address``."""
+    tasks = {j: {i: cluster.task_address(j, i) for i in cluster.task_indices(j)}
+             for j in cluster.jobs}
+    tasks[job][index] = address
+    return ClusterSpec(tasks)

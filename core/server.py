@@ -9,7 +9,7 @@ from typing import Any
 from clusterwire import errors
 from clusterwire.addressing import join_host_port, split_host_port
 from clusterwire.at_exit import stop_at_exit
-from clusterwire.cluster_spec import ClusterSpec
+from clusterwire.cluster_spec import ClusterSpec, with_address
 from clusterwire.membership import ResolverWatch
 from clusterwire.metrics.endpoint import MetricsEndpoint, serve_metrics
 from clusterwire.plugins import get_plugin_manager
@@ -158,14 +158,7 @@ class Server:
         joined are reached at once, requests for tasks that left fail with NotFoundError
         naming the version, barriers waiting when it changes end with AbortedError. This
         task's own address stays the one it is bound to."""
-        spec = ClusterSpec(cluster)
-        job, index = self._server_def.job_name, self._server_def.task_index
-        if job not in spec.jobs or index not in spec.task_indices(job):
-            raise errors.InvalidArgumentError(
-                f"update_cluster: {spec!r} does not have this task /job:{job}/task:{index}; "
-                "a task cannot remove itself (stop it, and update the others).")
-        own = with_address(spec, job, index, join_host_port(self._host, self._port))
-        return self._service.membership.update(own).version
+        return self._service.update_cluster(ClusterSpec(cluster))
 
     @property
     def membership_version(self) -> int:
@@ -250,14 +243,6 @@ class Server:
         sd = self._server_def
         state = "stopped" if self._stopped.is_set() else "serving" if self._started else "created"
         return f"<Server /job:{sd.job_name}/task:{sd.task_index} {self.target} {state}>"
-
-
-def with_address(cluster: ClusterSpec, job: str, index: int, address: str) -> ClusterSpec:
-    """``cluster`` with task ``/job:job/task:index`` at ``address``."""
-    tasks = {j: {i: cluster.task_address(j, i) for i in cluster.task_indices(j)}
-             for j in cluster.jobs}
-    tasks[job][index] = address
-    return ClusterSpec(tasks)
 
 
 def _shutdown(shell: Shell, service: ClusterService, grace: float | None = None,

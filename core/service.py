@@ -23,7 +23,7 @@ from google.protobuf.message import DecodeError
 from clusterwire import barrier, codec, errors, functions, in_process
 from clusterwire.addressing import split_host_port
 from clusterwire.barrier import Arrival, Releases, Rounds
-from clusterwire.cluster_spec import ClusterSpec
+from clusterwire.cluster_spec import ClusterSpec, with_address
 from clusterwire.membership import Membership, View
 from clusterwire.metrics import REGISTRY, catalog, snapshot
 from clusterwire.metrics.registry import Sample
@@ -47,7 +47,8 @@ _AT_ONCE = frozenset({"get", "put", "delete", "list", "status", "heartbeat"})
 #: Answered at once as well: a malformed request or an unknown method (an error).
 SERVED_AT_ONCE = _AT_ONCE | {"unknown"}
 #: Every method a task serves (a metric's ``method`` label is one of these or "unknown").
-METHODS = frozenset({*_AT_ONCE, "call", "barrier", "complete_cluster", "barrier_arrive",
+METHODS = frozenset({*_AT_ONCE, "call", "barrier", "complete_cluster", "update_cluster",
+                     "barrier_arrive",
                      "barrier_release", "barrier_withdraw"})
 #: Threads a coordinating task sends barrier releases from (its server threads never do).
 _RELEASE_SENDERS = 8
@@ -307,13 +308,16 @@ class ClusterService:
         if method == "complete_cluster":
             self.complete_cluster(ClusterSpec(request.cluster))
             return value_response(None)
+        if method == "update_cluster":
+            return value_response(self.update_cluster(ClusterSpec(request.cluster)))
         if method == "status":
             return Frame(Response(task_status=self.status()).SerializeToString(), [])
         if method == "heartbeat":
             return self._heartbeat(request)
         raise errors.UnimplementedError(
             f"Unknown method {method!r}; this server serves: status, put, get, delete, list, "
-            "call, barrier, complete_cluster (and, between tasks, barrier_arrive, "
+            "call, barrier, complete_cluster, update_cluster (and, between tasks, "
+            "barrier_arrive, "
             "barrier_release, barrier_withdraw, heartbeat).")
 
     def _store_put(self, name: str, stored: _Stored) -> None:
@@ -510,6 +514,16 @@ class ClusterService:
                                 last_failure_unix_seconds=when, error=error)
                 for address, (when, error)
                 in sorted(self._peers.unreachable(UNREACHABLE_WINDOW_S).items())]
+
+    def update_cluster(self, cluster: ClusterSpec) -> int:
+        """Make ``cluster`` the next membership version (this task at its own address);
+        the version. See ``Server.update_cluster``."""
+        if self.job not in cluster.jobs or self.index not in cluster.task_indices(self.job):
+            raise errors.InvalidArgumentError(
+                f"update_cluster: {cluster!r} does not have this task {self.name}; a task "
+                "cannot remove itself (stop it, and update the others).")
+        own = self.cluster.task_address(self.job, self.index)
+        return self.membership.update(with_address(cluster, self.job, self.index, own)).version
 
     def status(self) -> TaskStatus:
         """This task's identity, cluster, devices, version, metrics and the peers it could

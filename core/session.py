@@ -206,6 +206,15 @@ class Session:
         request.cluster.CopyFrom(ClusterSpec(cluster).as_cluster_def())
         self._value(request, (), timeout)
 
+    def update_cluster(self, cluster: Any, task: str | None = None,
+                       timeout: float | None = None) -> int:
+        """Make ``cluster`` the next membership version of ``task`` (default: the target's),
+        which spreads to the other tasks with heartbeats; returns the version (see
+        ``Server.update_cluster``)."""
+        request = self._request("update_cluster", task)
+        request.cluster.CopyFrom(ClusterSpec(cluster).as_cluster_def())
+        return self._value(request, (), timeout)
+
     def barrier(self, name: str = "barrier", task: str | None = None,
                 timeout: float | None = None) -> None:
         """Arrive at barrier ``name`` as ``task`` (default: the target's task).

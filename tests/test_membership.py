@@ -253,3 +253,16 @@ def test_views_order_by_version_then_digest():
     assert View.of(1, one).newer_than(View.of(1, two)) != View.of(1, two).newer_than(
         View.of(1, one))
     assert not View.of(1, one).newer_than(View.of(1, one))
+
+
+def test_a_session_updates_the_membership_of_a_running_task():
+    with tasks(2) as (servers, full):
+        newcomer = start_task({"w": [*full["w"], "127.0.0.1:0"]}, 2)
+        try:
+            grown = {"w": [*full["w"], newcomer.target.split("://")[1]]}
+            assert clusterwire.Session(servers[1].target).update_cluster(grown) == 2
+            converged([*servers, newcomer], 2)
+            with pytest.raises(errors.InvalidArgumentError, match="cannot remove itself"):
+                clusterwire.Session(servers[1].target).update_cluster({"w": full["w"][:1]})
+        finally:
+            newcomer.stop()
