@@ -1,9 +1,10 @@
-"""The ``clusterwire`` command: serve, resolve, status, plugins, demo, dispatcher, worker."""
+"""The ``clusterwire`` command: serve, resolve, status, top, plugins, demo, dispatcher, worker."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import signal
 import sys
 import threading
@@ -85,6 +86,30 @@ def _resolve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _with_metrics_options(config: Any, args: argparse.Namespace) -> Any:
+    """``--config`` with ``--metrics-port`` and ``--metrics-host`` merged in."""
+    flags = [(field, flag, value) for field, flag, value in (
+        ("metrics_port", "--metrics-port", args.metrics_port),
+        ("metrics_host", "--metrics-host", args.metrics_host)) if value is not None]
+    if not flags:
+        return config
+    if args.metrics_host is not None and args.metrics_port is None and not (
+            isinstance(config, dict) and "metrics_port" in config):
+        raise errors.InvalidArgumentError(
+            "--metrics-host without --metrics-port: the endpoint serves only on a port; "
+            "add --metrics-port N (0: a free one).")
+    if config is not None and not isinstance(config, dict):
+        raise errors.InvalidArgumentError(
+            f"{flags[0][1]} needs --config to be a JSON object of ServerOptions fields, got "
+            f"{config!r}.")
+    config = dict(config or {})
+    for field, flag, value in flags:
+        if config.setdefault(field, value) != value:
+            raise errors.InvalidArgumentError(
+                f"--config sets {field}={config[field]!r} and {flag} {value!r}: give one.")
+    return config
+
+
 def _serve(args: argparse.Namespace) -> int:
     from clusterwire.data.cli import import_modules
     from clusterwire.local_cluster import READY_PREFIX
@@ -92,6 +117,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     import_modules("serve", args.imports)
     config = _json_arg(args.config, "--config") if args.config else None
+    config = _with_metrics_options(config, args)
     if args.resolver:
         if args.cluster:
             raise SystemExit("clusterwire serve: give --cluster or --resolver, not both")
@@ -119,8 +145,9 @@ def _serve(args: argparse.Namespace) -> int:
     sd = server.server_def
     print(f"{READY_PREFIX}{server.target}", flush=True)
     if not args.quiet:
+        metrics = f", metrics at {server.metrics_url}" if server.metrics_url else ""
         print(f"clusterwire: serving /job:{sd.job_name}/task:{sd.task_index} at "
-              f"{server.target}", file=sys.stderr, flush=True)
+              f"{server.target}{metrics}", file=sys.stderr, flush=True)
     server.join()
     return 0
 
@@ -137,6 +164,35 @@ def _status(args: argparse.Namespace) -> int:
             status["cluster"] = status["cluster"].as_dict()
     print(json.dumps(statuses if args.all else statuses[""], indent=2))
     return 1 if any("error" in status for status in statuses.values()) else 0
+
+
+def _top(args: argparse.Namespace) -> int:
+    if (args.target is None) == (args.dispatcher is None):
+        raise SystemExit("clusterwire top: give a TARGET (a task's grpc://host:port) or "
+                         "--dispatcher HOST:PORT (the data service's), one of them")
+    if args.protocol is not None and args.dispatcher is None:
+        raise SystemExit("clusterwire top: --protocol is for --dispatcher; a TARGET names "
+                         "its own (grpc://host:port)")
+    for flag, value in (("--interval", args.interval), ("--timeout", args.timeout)):
+        if value is not None and not value > 0:
+            raise errors.InvalidArgumentError(
+                f"{flag} {value!r}: must be a number of seconds > 0, e.g. {flag} 1.")
+    try:
+        import rich  # noqa: F401 - an extra: say how to get it before anything starts
+    except ImportError:
+        print("clusterwire top needs rich, which is not installed: "
+              "pip install 'clusterwire[top]'", file=sys.stderr)
+        return 2
+    from clusterwire import top
+
+    # The table shows which tasks are unreachable; the client's retry warnings on stderr
+    # would only scroll it.
+    logging.getLogger("clusterwire").addHandler(logging.NullHandler())
+    timeout = args.interval if args.timeout is None else args.timeout
+    view = (top.task_view(args.target, args.interval, timeout) if args.target is not None
+            else top.data_view(args.dispatcher, args.protocol or "grpc", args.interval,
+                               timeout))
+    return top.run(view, args.interval, args.once)
 
 
 def _runs_here(manager: Any, kind: str, name: str) -> str:
@@ -197,6 +253,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--grace", type=float, default=5.0,
                        help="seconds in-flight requests get at shutdown (default 5)")
     serve.add_argument("--quiet", action="store_true", help="no banner on stderr")
+    serve.add_argument("--metrics-port", type=int, metavar="N",
+                       help="serve /metrics, /healthz and /readyz over HTTP on port N (0: a "
+                            "free one; the banner gives the URL); needs prometheus_client")
+    serve.add_argument("--metrics-host", metavar="HOST",
+                       help="interface of the metrics endpoint (default 127.0.0.1)")
     serve.set_defaults(run=_serve)
 
     resolve = commands.add_parser(
@@ -212,6 +273,34 @@ def build_parser() -> argparse.ArgumentParser:
                              "1 if any did not answer")
     status.add_argument("--timeout", type=float, default=10.0)
     status.set_defaults(run=_status)
+
+    top = commands.add_parser(
+        "top", help="a live table of a cluster's tasks (or the data service's workers and "
+                    "jobs) until Ctrl-C",
+        description="A live table of every task of TARGET's cluster: health, requests/s, "
+                    "errors/s (non-OK), bytes in/s and out/s, requests in flight, store bytes "
+                    "and the peers each task cannot reach. Every refresh asks each task once, "
+                    "all at once; a task that does not answer within --timeout is shown "
+                    "unreachable. Rates are the counters' differences between two refreshes "
+                    "over the time measured between them (none on the first frame); top's own "
+                    "status requests are not counted. With --dispatcher: the data service's "
+                    "workers (heartbeat age, elements/s, bytes/s, buffered elements, open "
+                    "streams, requests/s, errors/s) and jobs (consumers, splits, elements/s). "
+                    "Needs rich: pip install 'clusterwire[top]'.")
+    top.add_argument("target", nargs="?", help="a task of the cluster, e.g. grpc://127.0.0.1:2222")
+    top.add_argument("--dispatcher", metavar="HOST:PORT",
+                     help="show the data service instead: its dispatcher, every worker it "
+                          "lists, and the jobs")
+    top.add_argument("--protocol",
+                     help="the data service's protocol (with --dispatcher; default grpc)")
+    top.add_argument("--interval", type=float, default=1.0,
+                     help="seconds between refreshes (default 1)")
+    top.add_argument("--timeout", type=float,
+                     help="seconds each server gets to answer (default: the interval)")
+    top.add_argument("--once", action="store_true",
+                     help="print one table (two snapshots --interval apart, for the rates) and "
+                          "exit: 0 if every server answered, else 1")
+    top.set_defaults(run=_top)
 
     plugins = commands.add_parser("plugins", help="list installed transports and resolvers")
     plugins.set_defaults(run=_plugins)

@@ -1,0 +1,576 @@
+"""``clusterwire top``: a live table of a cluster's tasks, or of the data service's workers
+and jobs, read from their status (``clusterwire.metrics``; no Prometheus needed).
+
+Each refresh asks every server once, in parallel, with a deadline: a server that does not
+answer is shown as unreachable, never waited for past it. A rate is the difference of a
+counter between two consecutive answers of one server divided by the time between them
+(monotonic clock); the first frame has none. top's own status requests are left out of
+what it shows: the server counts each one (and its bytes) by its next answer, and shows it
+in flight in the answer it is part of, so top subtracts exactly those.
+
+Snapshots turn into rows in pure functions (``task_rows``, ``worker_rows``, ``job_rows``);
+rich, an extra (``pip install 'clusterwire[top]'``), is imported only to draw them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from clusterwire import errors
+from clusterwire.addressing import split_target
+from clusterwire.metrics import catalog
+from clusterwire.metrics.snapshot import total
+from clusterwire.protos.data_service_pb2 import DataServiceStatus
+from clusterwire.protos.service_pb2 import MetricSample, Request, TaskStatus
+from clusterwire.rpc import RequestClient, parse_response, raise_for_status
+from clusterwire.security import Security, load_security
+from clusterwire.transport import Frame
+
+#: Servers asked at once.
+PARALLEL = 32
+_STATUS_REQUEST = Request(method="status").SerializeToString()
+
+SERVING, DRAINING, UNREACHABLE = "serving", "draining", "unreachable"
+_HEALTH_STYLE = {SERVING: "green", DRAINING: "yellow", UNREACHABLE: "bold red"}
+
+
+# -- tasks -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TaskSnapshot:
+    """One task's answer to one status request, or why there was none."""
+
+    task: str  # "/job:worker/task:0"
+    address: str
+    at: float  # time.monotonic() when the answer arrived
+    status: TaskStatus | None = None
+    #: It answered that it is stopping (its drain refuses new requests).
+    draining: bool = False
+    error: str = ""
+    #: Bytes of this status request and of its response: the task counts them (received,
+    #: sent) by its next answer.
+    request_bytes: int = 0
+    response_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class TaskRow:
+    """One line of the tasks table; a rate is None where there is nothing to compute it
+    from (first frame, no answer, metrics off in the task)."""
+
+    task: str
+    address: str
+    health: str  # SERVING, DRAINING or UNREACHABLE
+    requests_per_s: float | None
+    errors_per_s: float | None
+    received_bytes_per_s: float | None
+    sent_bytes_per_s: float | None
+    in_flight: int | None
+    store_bytes: int | None
+    unreachable_peers: tuple[str, ...]
+    error: str
+
+
+@dataclass(frozen=True)
+class _Counters:
+    requests: float
+    errors: float
+    received: float
+    sent: float
+
+
+def _gauge(metrics: Sequence[MetricSample], name: str) -> float | None:
+    """The sum of the samples named ``name``; None when the server sent none."""
+    if not any(sample.name == name for sample in metrics):
+        return None
+    return total(metrics, name)
+
+
+def _request_counters(status: TaskStatus) -> _Counters | None:
+    """The listener's counters, or None when the task does not record them
+    (``CLUSTERWIRE_METRICS=0``: then its shell reports no serving gauge either)."""
+    metrics = status.metrics
+    if _gauge(metrics, catalog.SERVING.name) is None:
+        return None
+    requests = total(metrics, catalog.REQUESTS.name)
+    return _Counters(requests, requests - total(metrics, catalog.REQUESTS.name, code="OK"),
+                     total(metrics, catalog.RECEIVED_BYTES.name),
+                     total(metrics, catalog.SENT_BYTES.name))
+
+
+def _task_rates(before: TaskSnapshot | None, after: TaskSnapshot
+                ) -> tuple[float | None, float | None, float | None, float | None]:
+    """Requests, errors, received and sent bytes per second between two answers, without
+    ``before``'s own status request; Nones when there is no pair of counters, or a counter
+    went down (the task restarted on its address)."""
+    none = (None, None, None, None)
+    if before is None or before.status is None or after.status is None:
+        return none
+    old, new = _request_counters(before.status), _request_counters(after.status)
+    seconds = after.at - before.at
+    if old is None or new is None or seconds <= 0:
+        return none
+    differences = (new.requests - old.requests - 1, new.errors - old.errors,
+                   new.received - old.received - before.request_bytes,
+                   new.sent - old.sent - before.response_bytes)
+    if any(difference < 0 for difference in differences):
+        return none
+    requests, errors_, received, sent = (difference / seconds for difference in differences)
+    return requests, errors_, received, sent
+
+
+def task_rows(previous: Sequence[TaskSnapshot] | None,
+              current: Sequence[TaskSnapshot]) -> list[TaskRow]:
+    """The tasks table of ``current``, with rates against ``previous`` (the answers of the
+    refresh before, matched by task and address)."""
+    before = {(s.task, s.address): s for s in previous or ()}
+    rows = []
+    for snapshot in current:
+        status = snapshot.status
+        if status is None:
+            rows.append(TaskRow(snapshot.task, snapshot.address,
+                                DRAINING if snapshot.draining else UNREACHABLE,
+                                None, None, None, None, None, None, (), snapshot.error))
+            continue
+        serving = _gauge(status.metrics, catalog.SERVING.name)
+        in_flight = _gauge(status.metrics, catalog.IN_FLIGHT.name)
+        store = _gauge(status.metrics, catalog.STORE_BYTES.name)
+        peers = tuple(f"/job:{p.task.job}/task:{p.task.index}" if p.HasField("task")
+                      else p.address for p in status.unreachable_peers)
+        rows.append(TaskRow(
+            snapshot.task, snapshot.address, DRAINING if serving == 0 else SERVING,
+            *_task_rates(before.get((snapshot.task, snapshot.address)), snapshot),
+            # The task counts this status request in flight while it answers it.
+            None if in_flight is None else int(in_flight) - 1,
+            None if store is None else int(store), peers, ""))
+    return rows
+
+
+class TaskPoller:
+    """Asks every task of ``target``'s cluster for its status, each directly at its
+    address and all at once, within ``timeout`` seconds; the tasks are the cluster the
+    target last reported."""
+
+    def __init__(self, target: str, timeout: float, security: Security | None = None):
+        protocol, self._target_address = split_target(target)
+        self.target = target
+        self._timeout = timeout
+        self._client = RequestClient(protocol, timeout=timeout,
+                                     security=security or load_security())
+        self._pool = ThreadPoolExecutor(PARALLEL, thread_name_prefix="clusterwire-top")
+        self._own: str | None = None  # the target's task
+        self._tasks: list[tuple[str, str]] = []  # (task, address), in the cluster's order
+
+    def _ask(self, task: str, address: str) -> TaskSnapshot:
+        # Sent as a frame, not through a Session: top needs the bytes of the request and
+        # response, and to tell a task that answers it is stopping from one that is gone.
+        try:
+            frame = self._client.send_frame(address, Frame(_STATUS_REQUEST, ()), "status",
+                                            self._timeout)
+            at = time.monotonic()
+            response = parse_response(frame)
+            if response.status.code == errors.UNAVAILABLE:
+                return TaskSnapshot(task, address, at, draining=True,
+                                    error=response.status.message)
+            raise_for_status(response)
+        except errors.OpError as err:
+            return TaskSnapshot(task, address, time.monotonic(),
+                                error=f"{type(err).__name__}: {err.message}")
+        return TaskSnapshot(task, address, at, response.task_status,
+                            request_bytes=len(_STATUS_REQUEST),
+                            response_bytes=len(frame.header) + frame.payload_bytes)
+
+    def _learn(self, status: TaskStatus) -> None:
+        """Take the tasks from the target's status."""
+        from clusterwire.cluster_spec import ClusterSpec
+
+        cluster = ClusterSpec(status.cluster)
+        self._own = f"/job:{status.task.job}/task:{status.task.index}"
+        self._tasks = [(task, self._target_address if task == self._own
+                        else cluster.task_address(job, index))
+                       for job in cluster.jobs for index in cluster.task_indices(job)
+                       for task in [f"/job:{job}/task:{index}"]]
+
+    def poll(self) -> list[TaskSnapshot]:
+        """One answer (or failure) of every task, in the cluster's order. The first poll
+        asks the target for its cluster first: UnavailableError if it does not answer."""
+        if self._own is None:
+            first = self._ask(self.target, self._target_address)
+            if first.status is None:
+                raise errors.UnavailableError(
+                    f"The task at {self.target} did not answer its status request: "
+                    f"{first.error}. Is a task serving there? (--timeout gives it longer.)")
+            self._learn(first.status)
+            others = [(task, address) for task, address in self._tasks if task != self._own]
+            answers = dict(zip(others, self._pool.map(lambda t: self._ask(*t), others),
+                               strict=True))
+            answers[self._own, self._target_address] = TaskSnapshot(
+                self._own, self._target_address, first.at, first.status,
+                request_bytes=first.request_bytes, response_bytes=first.response_bytes)
+            return [answers[key] for key in self._tasks]
+        snapshots = list(self._pool.map(lambda t: self._ask(*t), self._tasks))
+        for snapshot in snapshots:
+            if snapshot.task == self._own and snapshot.status is not None:
+                self._learn(snapshot.status)
+        return snapshots
+
+    def close(self) -> None:
+        """Cancel requests in flight and release the connections."""
+        self._client.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+# -- the data service -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DataServerSnapshot:
+    """One data-service server's answer to one status request, or why there was none."""
+
+    address: str
+    at: float  # time.monotonic() when the answer arrived
+    status: DataServiceStatus | None = None
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class DataSnapshot:
+    """The dispatcher's answer and those of every worker it listed (or that it listed
+    last, when it did not answer)."""
+
+    dispatcher: DataServerSnapshot
+    workers: tuple[DataServerSnapshot, ...]
+
+
+@dataclass(frozen=True)
+class WorkerRow:
+    """One line of the workers table; None where there is nothing to compute a value from."""
+
+    address: str
+    health: str
+    heartbeat_age_seconds: float | None  # as the dispatcher says
+    elements_per_s: float | None
+    element_bytes_per_s: float | None
+    buffered_elements: int | None
+    streams: int | None
+    requests_per_s: float | None
+    errors_per_s: float | None
+    error: str
+
+
+@dataclass(frozen=True)
+class JobRow:
+    """One line of the jobs table."""
+
+    job_id: int
+    name: str
+    mode: str
+    consumers: int
+    splits_handed: int
+    splits_completed: int
+    finished: bool
+    elements_per_s: float | None  # summed over the workers with a rate
+
+
+def _recording(snapshot: DataServerSnapshot | None) -> bool:
+    # As for tasks: a server recording no metrics reports no serving gauge.
+    return (snapshot is not None and snapshot.status is not None
+            and _gauge(snapshot.status.metrics, catalog.SERVING.name) is not None)
+
+
+def _rate(before: DataServerSnapshot | None, after: DataServerSnapshot,
+          counter: Callable[[Sequence[MetricSample]], float], own: int = 0) -> float | None:
+    """A counter's increase per second between two answers of one server, less ``own``
+    (what top's request of ``before`` added); None without two answers of a server that
+    records metrics, or if the counter went down (the server restarted)."""
+    if not (_recording(before) and _recording(after)):
+        return None
+    seconds = after.at - before.at
+    difference = counter(after.status.metrics) - counter(before.status.metrics) - own
+    return difference / seconds if seconds > 0 and difference >= 0 else None
+
+
+def worker_rows(previous: DataSnapshot | None, current: DataSnapshot) -> list[WorkerRow]:
+    """The workers table of ``current``, with rates against ``previous``."""
+    before = {w.address: w for w in previous.workers} if previous is not None else {}
+    dispatcher = current.dispatcher.status
+    ages = {w.address: w.heartbeat_age_seconds for w in dispatcher.workers} if dispatcher else {}
+    rows = []
+    for snapshot in current.workers:
+        age = ages.get(snapshot.address)
+        status = snapshot.status
+        if status is None:
+            rows.append(WorkerRow(snapshot.address, UNREACHABLE, age, None, None, None, None,
+                                  None, None, snapshot.error))
+            continue
+        old = before.get(snapshot.address)
+        buffered = _gauge(status.metrics, catalog.DATA_BUFFERED.name)
+        streams = _gauge(status.metrics, catalog.DATA_STREAMS.name)
+        rows.append(WorkerRow(
+            snapshot.address,
+            DRAINING if _gauge(status.metrics, catalog.SERVING.name) == 0 else SERVING, age,
+            _rate(old, snapshot, lambda m: total(m, catalog.DATA_ELEMENTS.name)),
+            _rate(old, snapshot, lambda m: total(m, catalog.DATA_ELEMENT_BYTES.name)),
+            None if buffered is None else int(buffered),
+            None if streams is None else int(streams),
+            _rate(old, snapshot, lambda m: total(m, catalog.REQUESTS.name), own=1),
+            _rate(old, snapshot, lambda m: total(m, catalog.REQUESTS.name)
+                  - total(m, catalog.REQUESTS.name, code="OK")), ""))
+    return rows
+
+
+def job_rows(previous: DataSnapshot | None, current: DataSnapshot) -> list[JobRow]:
+    """The jobs table of ``current`` (as its dispatcher reports them; none if it did not
+    answer), elements/s summed over the workers that answered both times."""
+    if current.dispatcher.status is None:
+        return []
+    before = {w.address: w for w in previous.workers} if previous is not None else {}
+    rows = []
+    for job in current.dispatcher.status.jobs:
+        rates = [_rate(before.get(w.address), w,
+                       lambda m, job_id=str(job.job_id): total(
+                           m, catalog.DATA_ELEMENTS.name, job=job_id))
+                 for w in current.workers]
+        measured = [rate for rate in rates if rate is not None]
+        rows.append(JobRow(job.job_id, job.job_name, job.processing_mode, job.num_consumers,
+                           job.splits_handed, job.splits_completed, job.finished,
+                           sum(measured) if measured else None))
+    return rows
+
+
+class DataPoller:
+    """Asks the dispatcher at ``address`` for its status, then every worker it lists, all
+    at once, each within ``timeout`` seconds."""
+
+    def __init__(self, address: str, protocol: str, timeout: float,
+                 security: Security | None = None):
+        self.address, self.protocol = address, protocol
+        self._timeout = timeout
+        self._security = security or load_security()
+        self._pool = ThreadPoolExecutor(PARALLEL, thread_name_prefix="clusterwire-top")
+        self._workers: list[str] = []  # as the dispatcher last listed them
+        self._answered = False  # the dispatcher, ever
+
+    def _ask(self, address: str) -> DataServerSnapshot:
+        from clusterwire.data import service_status
+
+        try:
+            status = service_status(address, self.protocol, self._timeout, self._security)
+        except errors.OpError as err:
+            return DataServerSnapshot(address, time.monotonic(),
+                                      error=f"{type(err).__name__}: {err.message}")
+        return DataServerSnapshot(address, time.monotonic(), status)
+
+    def poll(self) -> DataSnapshot:
+        """The dispatcher's answer, then its workers'. The first poll raises
+        UnavailableError if the dispatcher does not answer."""
+        dispatcher = self._ask(self.address)
+        if dispatcher.status is not None:
+            self._workers = [w.address for w in dispatcher.status.workers]
+            self._answered = True
+        elif not self._answered:
+            raise errors.UnavailableError(
+                f"The dispatcher at {self.address} ({self.protocol}) did not "
+                f"answer its status request: {dispatcher.error}. Is it serving there, over "
+                "this --protocol? (--timeout gives it longer.)")
+        return DataSnapshot(dispatcher, tuple(self._pool.map(self._ask, self._workers)))
+
+    def close(self) -> None:
+        """Stop asking (requests in flight end within their timeout)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+# -- drawing ---------------------------------------------------------------------------
+
+
+def format_rate(value: float | None) -> str:
+    """A per-second rate with one decimal; "-" when there is none."""
+    return "-" if value is None else f"{value:.1f}"
+
+
+def format_bytes(value: float | None, suffix: str = "") -> str:
+    """Bytes in binary units (B, KiB, MiB, GiB, TiB); "-" when there are none."""
+    if value is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{value:.0f} {unit}{suffix}" if unit == "B" else f"{value:.1f} {unit}{suffix}"
+        value /= 1024
+    return f"{value:.1f} TiB{suffix}"
+
+
+def _count(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def _health(health: str) -> Any:
+    from rich.text import Text
+
+    return Text(health, style=_HEALTH_STYLE[health])
+
+
+def task_table(rows: Sequence[TaskRow], title: str) -> Any:
+    """The rich Table of ``rows``; why a task did not answer is in the caption."""
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", caption_justify="left")
+    for name in ("TASK", "ADDRESS", "HEALTH"):
+        table.add_column(name, no_wrap=True)
+    for name in ("REQ/S", "ERR/S", "IN/S", "OUT/S", "IN FLIGHT", "STORE"):
+        table.add_column(name, justify="right", no_wrap=True)
+    table.add_column("UNREACHABLE PEERS")
+    for row in rows:
+        table.add_row(row.task, row.address, _health(row.health),
+                      format_rate(row.requests_per_s), format_rate(row.errors_per_s),
+                      format_bytes(row.received_bytes_per_s, "/s"),
+                      format_bytes(row.sent_bytes_per_s, "/s"), _count(row.in_flight),
+                      format_bytes(row.store_bytes), ", ".join(row.unreachable_peers) or "-")
+    failed = [f"{row.task}: {row.error}" for row in rows if row.error]
+    if failed:
+        table.caption = "\n".join(failed)
+    return table
+
+
+def worker_table(rows: Sequence[WorkerRow], title: str) -> Any:
+    """The rich Table of the workers; why one did not answer is in the caption."""
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", caption_justify="left")
+    for name in ("WORKER", "HEALTH"):
+        table.add_column(name, no_wrap=True)
+    for name in ("HEARTBEAT AGE", "ELEMENTS/S", "BYTES/S", "BUFFERED", "STREAMS", "REQ/S",
+                 "ERR/S"):
+        table.add_column(name, justify="right", no_wrap=True)
+    for row in rows:
+        age = row.heartbeat_age_seconds
+        table.add_row(row.address, _health(row.health), "-" if age is None else f"{age:.1f} s",
+                      format_rate(row.elements_per_s),
+                      format_bytes(row.element_bytes_per_s, "/s"),
+                      _count(row.buffered_elements), _count(row.streams),
+                      format_rate(row.requests_per_s), format_rate(row.errors_per_s))
+    failed = [f"{row.address}: {row.error}" for row in rows if row.error]
+    if failed:
+        table.caption = "\n".join(failed)
+    return table
+
+
+def job_table(rows: Sequence[JobRow]) -> Any:
+    """The rich Table of the jobs."""
+    from rich.table import Table
+
+    table = Table(title="jobs", title_justify="left")
+    for name in ("JOB", "NAME", "MODE", "STATE"):
+        table.add_column(name, no_wrap=True)
+    for name in ("CONSUMERS", "SPLITS HANDED", "SPLITS DONE", "ELEMENTS/S"):
+        table.add_column(name, justify="right", no_wrap=True)
+    for row in rows:
+        table.add_row(str(row.job_id), row.name or "-", row.mode,
+                      "finished" if row.finished else "running", str(row.consumers),
+                      str(row.splits_handed), str(row.splits_completed),
+                      format_rate(row.elements_per_s))
+    return table
+
+
+# -- the command -----------------------------------------------------------------------
+
+S = TypeVar("S")
+
+
+@dataclass
+class View(Generic[S]):
+    """What ``run`` refreshes: ``poll`` takes a snapshot, ``render`` draws one against the
+    one before (None on the first frame), ``healthy`` says whether every server answered."""
+
+    poll: Callable[[], S]
+    render: Callable[[S | None, S], Any]
+    healthy: Callable[[S], bool]
+    close: Callable[[], None]
+
+
+def task_view(target: str, interval: float, timeout: float,
+              security: Security | None = None) -> View[list[TaskSnapshot]]:
+    """The tasks of ``target``'s cluster."""
+    poller = TaskPoller(target, timeout, security)
+
+    def render(previous: list[TaskSnapshot] | None, current: list[TaskSnapshot]) -> Any:
+        rows = task_rows(previous, current)
+        serving = sum(row.health == SERVING for row in rows)
+        return task_table(rows, f"clusterwire top {target}: {serving} of {len(rows)} tasks "
+                                f"serving, every {interval:g} s, {time.strftime('%H:%M:%S')}")
+
+    return View(poller.poll, render,
+                lambda snapshots: all(s.status is not None for s in snapshots), poller.close)
+
+
+def data_view(address: str, protocol: str, interval: float, timeout: float,
+              security: Security | None = None) -> View[DataSnapshot]:
+    """The data service of the dispatcher at ``address``: its workers and jobs."""
+    from rich.console import Group
+    from rich.text import Text
+
+    poller = DataPoller(address, protocol, timeout, security)
+
+    def render(previous: DataSnapshot | None, current: DataSnapshot) -> Any:
+        status = current.dispatcher.status
+        heading = (f"clusterwire top --dispatcher {address}: "
+                   + (f"{len(status.workers)} workers, {len(status.jobs)} jobs"
+                      if status is not None else "the dispatcher is unreachable")
+                   + f", every {interval:g} s, {time.strftime('%H:%M:%S')}")
+        parts: list[Any] = [worker_table(worker_rows(previous, current), heading)]
+        if status is None:
+            parts.insert(0, Text(f"dispatcher {address}: {current.dispatcher.error}",
+                                 style=_HEALTH_STYLE[UNREACHABLE]))
+        parts.append(job_table(job_rows(previous, current)))
+        return Group(*parts)
+
+    return View(poller.poll, render,
+                lambda snapshot: snapshot.dispatcher.status is not None
+                and all(w.status is not None for w in snapshot.workers), poller.close)
+
+
+def _sleep_until(when: float) -> None:
+    time.sleep(max(0.0, when - time.monotonic()))
+
+
+def _print_unwrapped(console: Any, renderable: Any) -> None:
+    """Print in full: a pipe gets the table's own width, not a terminal's 80 columns."""
+    from rich.measure import Measurement
+
+    if not console.is_terminal:
+        console.width = max(console.width,
+                            Measurement.get(console, console.options.update(width=10_000),
+                                            renderable).maximum)
+    console.print(renderable)
+
+
+def run(view: View[Any], interval: float, once: bool, console: Any = None) -> int:
+    """Refresh ``view`` every ``interval`` seconds until Ctrl-C (then 0). ``once``: print
+    one frame, after two snapshots ``interval`` apart, and return 0 if every server
+    answered the second, else 1 (130 if Ctrl-C cuts it short)."""
+    from rich.console import Console
+    from rich.live import Live
+
+    console = console or Console()
+    try:
+        started = time.monotonic()
+        current = view.poll()
+        if once:
+            _sleep_until(started + interval)
+            previous, current = current, view.poll()
+            _print_unwrapped(console, view.render(previous, current))
+            return 0 if view.healthy(current) else 1
+        with Live(view.render(None, current), console=console, auto_refresh=False) as live:
+            while True:
+                _sleep_until(started + interval)
+                started = time.monotonic()
+                previous, current = current, view.poll()
+                live.update(view.render(previous, current), refresh=True)
+    except KeyboardInterrupt:
+        return 130 if once else 0  # Ctrl-C is how a live view ends; it cuts a --once short
+    finally:
+        view.close()
