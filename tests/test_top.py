@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 
 import numpy as np
 import pytest
@@ -377,20 +376,21 @@ def test_dispatcher_view_of_a_loaded_data_service():
 
 
 class Tmux:
-    """A tmux server of its own (``-L``), so no one else's sessions are touched."""
+    """A tmux server of its own, its socket in ``folder``: no one else's sessions are
+    touched, and nothing is left behind."""
 
-    def __init__(self):
-        self.socket = f"clusterwire-test-{uuid.uuid4().hex[:8]}"
+    def __init__(self, folder):
+        self.socket = str(folder / "tmux.socket")
 
     def __call__(self, *args: str) -> str:
         # os.environ, not the C environment a subprocess would inherit: readline, once
         # loaded in this process, exports COLUMNS=80 there, which rich would draw to.
-        return subprocess.run(["tmux", "-L", self.socket, "-f", "/dev/null", *args],
+        return subprocess.run(["tmux", "-S", self.socket, "-f", "/dev/null", *args],
                               capture_output=True, text=True, check=True, timeout=10,
                               env=dict(os.environ)).stdout
 
     def kill(self) -> None:
-        subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True,
+        subprocess.run(["tmux", "-S", self.socket, "kill-server"], capture_output=True,
                        timeout=10)
 
 
@@ -408,7 +408,7 @@ def wait_for_screen(tmux: Tmux, condition, what: str, timeout: float = 15.0) -> 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
 def test_live_view_in_a_terminal(cluster, tmp_path):
-    tmux = Tmux()
+    tmux = Tmux(tmp_path)
     log = tmp_path / "pane.log"
     # bash goes on after top handles the Ctrl-C (tmux's own exit status of a pane is not
     # always there: it may mark the pane dead before it reaps the process).
