@@ -117,7 +117,8 @@ class LocalCluster:
 
     ``imports`` are modules each task imports (to register ``@remote``
     functions). ``targets[job][index]`` is each task's target. ``env`` is added
-    to this process's environment for the tasks.
+    to this process's environment for the tasks. ``add_tasks`` and ``remove_task`` change
+    the cluster while it runs (clusterwire.membership).
     """
 
     def __init__(self, jobs: Mapping[str, int], protocol: str = "grpc", host: str = "127.0.0.1",
@@ -126,6 +127,8 @@ class LocalCluster:
         self.protocol = protocol
         _check_protocol(protocol, env)
         self._processes: dict[tuple[str, int], TaskProcess] = {}
+        self._removed: set[tuple[str, int]] = set()
+        self._host = host
         self._options = {"protocol": protocol, "imports": list(imports), "config": config,
                          "timeout": start_timeout}
         self._launcher = TaskLauncher({**os.environ, **(env or {})})
@@ -185,6 +188,57 @@ class LocalCluster:
         self._processes[job, index] = proc
         self._await_ready((job, index), proc, self._options["timeout"])
 
+    def add_tasks(self, job: str, count: int = 1) -> list[int]:
+        """Start ``count`` more tasks of ``job`` (the next indices; a new job's from 0) and
+        make the grown cluster the next membership version of the running tasks
+        (``Session.update_cluster``; it spreads with heartbeats: start the cluster with
+        ``membership_heartbeat_seconds`` in its config). Returns the new tasks' indices."""
+        first = len(self.targets.get(job, []))
+        indices = list(range(first, first + count))
+        tasks = self._tasks()
+        tasks.setdefault(job, {}).update((i, f"{self._host}:0") for i in indices)
+        for index in indices:
+            self._processes[job, index] = self._launcher.spawn(
+                self._argv(tasks, job, index), self._options["timeout"])
+        for index in indices:
+            address = self._await_ready((job, index), self._processes[job, index],
+                                        self._options["timeout"])
+            tasks[job][index] = address
+            self.targets.setdefault(job, []).append(f"{self.protocol}://{address}")
+        self._update(ClusterSpec(tasks), exclude=set((job, i) for i in indices))
+        return indices
+
+    def remove_task(self, job: str, index: int) -> None:
+        """Take a task out of the membership of the running tasks (stopping it first, with
+        SIGKILL, if it still runs: a lost host). Its index is not used again."""
+        proc = self._processes[job, index]
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.close_pipes()
+        tasks = self._tasks()
+        del tasks[job][index]
+        self._removed.add((job, index))
+        self._update(ClusterSpec({j: t for j, t in tasks.items() if t}), exclude=set())
+
+    def _tasks(self) -> dict[str, dict[int, str]]:
+        spec = self.cluster_spec
+        return {job: {i: spec.task_address(job, i) for i in spec.task_indices(job)}
+                for job in spec.jobs}
+
+    def _update(self, cluster: ClusterSpec, exclude: set[tuple[str, int]]) -> None:
+        """Make ``cluster`` the membership, through the first running task not in
+        ``exclude``."""
+        self.cluster_spec = cluster
+        for job in cluster.jobs:
+            for index in cluster.task_indices(job):
+                if (job, index) not in exclude and self._processes[job, index].poll() is None:
+                    with Session(self.targets[job][index], config=self.client_config,
+                                 timeout=self._options["timeout"]) as session:
+                        session.update_cluster(cluster)
+                    return
+        raise errors.FailedPreconditionError("No task of the cluster runs to take the change.")
+
     @staticmethod
     def _await_ready(key: tuple[str, int], proc: TaskProcess, timeout: float) -> str:
         stderr = _HeldStderr(proc.stderr)
@@ -206,6 +260,8 @@ class LocalCluster:
 
     def target(self, job: str, index: int = 0) -> str:
         """The target of one task."""
+        if (job, index) in self._removed:
+            raise errors.NotFoundError(f"/job:{job}/task:{index} was removed from the cluster.")
         return self.targets[job][index]
 
     def process(self, job: str, index: int = 0) -> TaskProcess:

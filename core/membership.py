@@ -101,6 +101,7 @@ class Membership:
         self._changes = threading.Lock()  # on_change calls run one at a time, in order
         self._heard: dict[Task, tuple[float, float]] = {}  # task -> (monotonic, time.time())
         self._since = time.monotonic()  # a task never heard from counts from here
+        self._entered: dict[Task, float] = {}  # or from when a view brought it in
         self._in_flight: set[Task] = set()  # peers whose heartbeat is not answered yet
         self._wake = threading.Event()
         self._stopped = threading.Event()
@@ -168,6 +169,8 @@ class Membership:
                 if not view.newer_than(old):
                     return old
                 self._view = view
+                now, known = time.monotonic(), old.tasks()
+                self._entered.update((task, now) for task in view.tasks() if task not in known)
             self._on_change(old, view)
         self._wake.set()  # spread it now
         return view
@@ -184,7 +187,8 @@ class Membership:
         for task, address in sorted(self._view.tasks().items()):
             if task == self.me:
                 continue
-            seen, wall = heard.get(task, (self._since, 0.0))
+            seen, wall = heard.get(task, (max(self._since, self._entered.get(task, 0.0)),
+                                          0.0))
             rows.append((task, address, wall, now - seen > self.timeout_seconds))
         return rows
 

@@ -266,3 +266,25 @@ def test_a_session_updates_the_membership_of_a_running_task():
                 clusterwire.Session(servers[1].target).update_cluster({"w": full["w"][:1]})
         finally:
             newcomer.stop()
+
+
+def test_a_local_cluster_grows_and_shrinks_while_it_runs():
+    from clusterwire.local_cluster import LocalCluster
+
+    with LocalCluster({"ps": 1, "worker": 1}, config=HEARTBEAT) as cluster:
+        session = clusterwire.Session(cluster.target("ps"))
+        assert cluster.add_tasks("worker", 2) == [1, 2]
+        wait_for(lambda: all(clusterwire.Session(cluster.target(*t)).status()[
+            "membership_version"] == 2 for t in (("ps", 0), ("worker", 0), ("worker", 2))),
+            what="every task at version 2")
+        session.put("w", np.arange(4), task="/job:worker/task:2")
+        np.testing.assert_array_equal(
+            clusterwire.Session(cluster.target("worker", 0)).get("w", task="/job:worker/task:2"),
+            np.arange(4))
+        cluster.remove_task("worker", 1)
+        assert cluster.process("worker", 1).poll() is not None  # stopped
+        with pytest.raises(errors.NotFoundError, match="was removed"):
+            cluster.target("worker", 1)
+        wait_for(lambda: session.status()["membership_version"] == 3, what="version 3")
+        with pytest.raises(errors.NotFoundError, match="membership version 3"):
+            session.get("w", task="/job:worker/task:1")

@@ -1,0 +1,195 @@
+"""``clusterwire demo --elastic``: parameter-server training while the cluster changes shape.
+
+The job of ``clusterwire demo`` (one ps task, workers pulling weights and pushing gradients
+of a linear model), on a cluster whose tasks heartbeat each other
+(``clusterwire.membership``): it starts with 2 workers; 2 more join a quarter of the way in
+(``LocalCluster.add_tasks``: new processes, and a new membership version that spreads to
+the running tasks); one of them is SIGKILLed a third of the way through its steps: the
+ps's heartbeats mark it down, and it is taken out of the membership. The workers go
+2 -> 4 -> 3, the ones left finish their steps, the loss still falls, and a watcher prints
+each membership change as the ps sees it.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from clusterwire import errors
+from clusterwire.demo import LOSS_FACTOR, ps_init, ps_progress, ps_pull, worker_train
+from clusterwire.session import Session
+
+#: Workers the ps keeps step counts for (the demo peaks at 4).
+_MAX_WORKERS = 8
+_HEARTBEAT = {"membership_heartbeat_seconds": 0.25, "membership_timeout_seconds": 1.0}
+
+
+class MembershipWatch:
+    """Polls the ps's status and prints each new membership version (who joined and who
+    left) and each peer newly down, as it happens; remembers the worker counts seen."""
+
+    def __init__(self, session: Session, out: Any):
+        self._session, self._out = session, out
+        status = session.status()
+        self.version = status["membership_version"]
+        self._workers = _workers(status)
+        self.counts = [len(self._workers)]
+        self._down: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            try:
+                status = self._session.status(timeout=2)
+            except errors.OpError:
+                continue
+            down = {p["task"] for p in status["peers"] if p["down"]}
+            for task in sorted(down - self._down):
+                print(f"  membership: {task} is down (no heartbeat for "
+                      f"{_HEARTBEAT['membership_timeout_seconds']:g} s)", file=self._out,
+                      flush=True)
+            self._down = down
+            if status["membership_version"] != self.version:
+                workers = _workers(status)
+                joined, left = sorted(workers - self._workers), sorted(self._workers - workers)
+                print(f"  membership: version {self.version} -> {status['membership_version']}"
+                      + (f"; joined {', '.join(joined)}" if joined else "")
+                      + (f"; left {', '.join(left)}" if left else "")
+                      + f"; {len(workers)} workers", file=self._out, flush=True)
+                self.version, self._workers = status["membership_version"], workers
+                self.counts.append(len(workers))
+
+    def stop(self) -> None:
+        """Stop watching."""
+        self._stop.set()
+        self._thread.join()
+
+
+def _workers(status: dict[str, Any]) -> set[str]:
+    cluster = status["cluster"]
+    return {f"/job:worker/task:{i}" for i in cluster.task_indices("worker")}
+
+
+def run_elastic_demo(protocol: str = "grpc", steps: int = 60, dim: int = 2048,
+                     samples_per_worker: int = 4096, out=sys.stdout) -> int:
+    """Train while the workers go 2 -> 4 -> 3 (see the module); print progress, each
+    membership change and one verdict line; 0 if the loss fell ``LOSS_FACTOR``x, the
+    workers went 2 -> 4 -> 3, every worker left ran its ``steps`` steps and every process
+    but the killed one stopped cleanly, else 1."""
+    from clusterwire.local_cluster import LocalCluster
+
+    rng = np.random.default_rng(0)
+    true_weights = (rng.standard_normal(dim) / np.sqrt(dim)).astype(np.float32)
+
+    def shard() -> tuple[np.ndarray, np.ndarray]:
+        features = rng.standard_normal((samples_per_worker, dim), np.float32)
+        return features, features @ true_weights
+
+    started = time.perf_counter()
+    cluster = LocalCluster({"ps": 1, "worker": 2}, protocol=protocol,
+                           imports=["clusterwire.demo"], config=_HEARTBEAT)
+    victim = 2  # a worker that joined, killed a third of the way through its steps
+    with cluster, Session(cluster.target("ps")) as session, \
+            ThreadPoolExecutor(_MAX_WORKERS) as pool:
+        print(f"cluster up in {time.perf_counter() - started:.2f} s ({protocol}), heartbeats "
+              f"every {_HEARTBEAT['membership_heartbeat_seconds']:g} s: "
+              f"{cluster.cluster_spec}", file=out, flush=True)
+        watch = MembershipWatch(session, out)
+        session.call(ps_init, dim, _MAX_WORKERS)
+        shards = [shard(), shard()]
+        initial_loss = float(np.mean(shards[0][1] ** 2))
+        runs: dict[int, Future] = {}
+
+        def launch(index: int) -> None:
+            task = f"/job:worker/task:{index}"
+            session.put("features", shards[index][0], task=task)
+            session.put("labels", shards[index][1], task=task)
+            runs[index] = pool.submit(session.call, worker_train, cluster.target("worker", index),
+                                      steps, 0.4, index, task=task, timeout=600)
+
+        for index in (0, 1):
+            launch(index)
+        shown, grown, killed = 0, False, False
+        while any(not run.done() for run in runs.values()):
+            time.sleep(0.02)
+            progress = session.call(ps_progress)
+            if progress["step"] >= shown + 10:
+                shown = progress["step"]
+                print(f"  step {shown:4d}  loss {progress['loss']:.3e}  steps per worker "
+                      f"{progress['steps_of'][:len(shards)]}", file=out, flush=True)
+            if not grown and progress["step"] >= steps // 2:
+                joined = cluster.add_tasks("worker", 2)
+                print(f"  elastic: started {', '.join(f'/job:worker/task:{i}' for i in joined)}"
+                      " and told the cluster", file=out, flush=True)
+                for index in joined:
+                    shards.append(shard())
+                    launch(index)
+                grown = True
+            if grown and not killed and progress["steps_of"][victim] >= steps // 3:
+                cluster.process("worker", victim).kill()
+                print(f"  elastic: SIGKILLed /job:worker/task:{victim} at step "
+                      f"{progress['step']}", file=out, flush=True)
+                _wait_down(session, f"/job:worker/task:{victim}")
+                cluster.remove_task("worker", victim)
+                killed = True
+        try:
+            runs[victim].result()
+        except errors.OpError as err:
+            print(f"  elastic: the killed worker's run ended with {type(err).__name__}",
+                  file=out, flush=True)
+        for index, run in runs.items():
+            if index != victim:
+                run.result()
+        progress = session.call(ps_progress)
+        weights = session.call(ps_pull)
+        time.sleep(0.2)  # the watcher's last poll sees the final version
+        watch.stop()
+    survivors = [i for i in runs if i != victim]
+    stopped = {f"/job:{job}/task:{i}": cluster.process(job, i).poll()
+               for job, indices in (("ps", [0]), ("worker", survivors)) for i in indices}
+    loss = progress["loss"]
+    print(f"final loss {loss:.3e} (initial {initial_loss:.4f}); {progress['step']} steps in "
+          f"{time.perf_counter() - started:.1f} s", file=out, flush=True)
+    return _verdict(initial_loss, loss, watch.counts, progress["steps_of"], survivors, steps,
+                    weights, stopped, out)
+
+
+def _wait_down(session: Session, task: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(p["task"] == task and p["down"] for p in session.status()["peers"]):
+        if time.monotonic() > deadline:
+            raise errors.DeadlineExceededError(f"{task} was not marked down in {timeout} s.")
+        time.sleep(0.05)
+
+
+def _verdict(initial_loss: float, loss: float, counts: list[int], steps_of: list[int],
+             survivors: list[int], steps: int, weights: np.ndarray,
+             stopped: dict[str, int | None], out: Any) -> int:
+    factor = initial_loss / loss if loss > 0 else float("inf")
+    failures = []
+    if not (np.isfinite(loss) and factor >= LOSS_FACTOR):
+        failures.append(f"the loss fell {factor:.3g}x, not the {LOSS_FACTOR}x expected")
+    if [c for i, c in enumerate(counts) if i == 0 or c != counts[i - 1]] != [2, 4, 3]:
+        failures.append(f"the workers went {' -> '.join(map(str, counts))}, not 2 -> 4 -> 3")
+    short = {i: steps_of[i] for i in survivors if steps_of[i] != steps}
+    if short:
+        failures.append(f"workers ran fewer than {steps} steps: {short}")
+    if not np.isfinite(weights).all():
+        failures.append("the weights are not finite")
+    unclean = {task: code for task, code in stopped.items() if code != 0}
+    if unclean:
+        failures.append(f"processes did not stop cleanly (exit status): {unclean}")
+    if failures:
+        print(f"verdict: FAILED: {'; '.join(failures)}", file=out, flush=True)
+        return 1
+    print(f"verdict: OK: the loss fell {factor:.3g}x (>= {LOSS_FACTOR}x) while the workers "
+          f"went 2 -> 4 -> 3; each of the {len(survivors)} left ran its {steps} steps; "
+          f"all {len(stopped)} processes left stopped cleanly", file=out, flush=True)
+    return 0
