@@ -365,8 +365,9 @@ def test_dispatcher_view_of_a_loaded_data_service():
             [job] = [line for line in out.splitlines() if "│ top " in line]
             job_cells = [c.strip() for c in job.split("│")[1:-1]]
             assert job_cells[1:5] == ["top", "parallel_epochs", "running", "1"]
-            # Summed over the workers (each rounded to 0.1 here).
-            assert abs(float(job_cells[7]) - sum(float(row[3]) for row in workers)) <= 0.1
+            # Summed over the workers: three numbers printed to 0.1, each off by <= 0.05.
+            printed = sum(float(row[3]) for row in workers)
+            assert abs(float(job_cells[7]) - printed) <= 0.15
         finally:
             stop.set()
             consumer.join(10)
