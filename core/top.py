@@ -334,7 +334,7 @@ def job_rows(previous: DataSnapshot | None, current: DataSnapshot) -> list[JobRo
     for job in current.dispatcher.status.jobs:
         rates = [_rate(before.get(w.address), w,
                        lambda m, job_id=str(job.job_id): total(
-                           m, catalog.DATA_ELEMENTS.name, job=job_id))
+                           m, catalog.DATA_ELEMENTS.name, job_id=job_id))
                  for w in current.workers]
         measured = [rate for rate in rates if rate is not None]
         rows.append(JobRow(job.job_id, job.job_name, job.processing_mode, job.num_consumers,

@@ -133,8 +133,8 @@ def test_the_counters_move_by_exactly_the_work_done(service, monkeypatch):
     job_id = str(job.job_id)
     at_worker = scrape(worker.metrics_url)
     mine = {"server": worker.metrics_name}
-    assert value(at_worker, "clusterwire_data_elements_total", job=job_id, **mine) == N
-    assert value(at_worker, "clusterwire_data_element_bytes_total", job=job_id,
+    assert value(at_worker, "clusterwire_data_elements_total", job_id=job_id, **mine) == N
+    assert value(at_worker, "clusterwire_data_element_bytes_total", job_id=job_id,
                  **mine) == N * ROW * 8
     assert value(at_worker, "clusterwire_requests_total", method="get_elements",
                  **mine) == calls.kinds["get_elements"]
@@ -151,9 +151,9 @@ def test_the_counters_move_by_exactly_the_work_done(service, monkeypatch):
     assert value(at_dispatcher, "clusterwire_data_worker_heartbeats_total", **ours) >= 1
     assert value(at_dispatcher, "clusterwire_data_jobs", **ours) == 1
     assert calls.splits > 1
-    assert value(at_dispatcher, "clusterwire_data_splits_handed_total", job=job_id,
+    assert value(at_dispatcher, "clusterwire_data_splits_handed_total", job_id=job_id,
                  **ours) == calls.splits == job.splits_handed
-    assert value(at_dispatcher, "clusterwire_data_splits_completed_total", job=job_id,
+    assert value(at_dispatcher, "clusterwire_data_splits_completed_total", job_id=job_id,
                  **ours) == calls.splits == job.splits_completed
     assert value(at_dispatcher, "clusterwire_data_journal_bytes", **ours) == 0
     for kind in ("get_split", "get_or_create_job", "register_dataset"):

@@ -156,8 +156,8 @@ def worker_status(elements: dict[str, float], get_elements: int, get_status: int
         samples.append(("clusterwire_requests_total",
                         {**server, "method": "get_elements", "code": "CANCELLED"}, cancelled))
     for job, count in elements.items():
-        samples += [("clusterwire_data_elements_total", {**server, "job": job}, count),
-                    ("clusterwire_data_element_bytes_total", {**server, "job": job}, 8 * count)]
+        samples += [("clusterwire_data_elements_total", {**server, "job_id": job}, count),
+                    ("clusterwire_data_element_bytes_total", {**server, "job_id": job}, 8 * count)]
     return data_status("worker", samples)
 
 

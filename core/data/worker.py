@@ -278,7 +278,7 @@ class WorkerServer:
             for sample in family.samples():
                 server, job = sample.labels
                 if server == self._monitoring.name and int(job) not in live_jobs:
-                    family.remove(server=server, job=job)
+                    family.remove(server=server, job_id=job)
 
     def _pipeline(self, dataset_id: str) -> Pipeline:
         with self._lock:

@@ -95,10 +95,10 @@ DATA_JOBS = _metric(
     "clusterwire_data_jobs", "gauge", ("server",), "dispatcher",
     "Jobs the dispatcher holds (not yet collected).")
 DATA_SPLITS_HANDED = _metric(
-    "clusterwire_data_splits_handed_total", "counter", ("server", "job"), "dispatcher",
-    "Splits of a distributed_epoch job handed to consumers (split progress; label: job id).")
+    "clusterwire_data_splits_handed_total", "counter", ("server", "job_id"), "dispatcher",
+    "Splits of a distributed_epoch job handed to consumers (split progress).")
 DATA_SPLITS_DONE = _metric(
-    "clusterwire_data_splits_completed_total", "counter", ("server", "job"), "dispatcher",
+    "clusterwire_data_splits_completed_total", "counter", ("server", "job_id"), "dispatcher",
     "Splits of a distributed_epoch job read to their end.")
 DATA_JOURNAL_BYTES = _metric(
     "clusterwire_data_journal_bytes", "gauge", ("server",), "dispatcher",
@@ -106,10 +106,10 @@ DATA_JOURNAL_BYTES = _metric(
 
 # -- data service: worker -----------------------------------------------------------------
 DATA_ELEMENTS = _metric(
-    "clusterwire_data_elements_total", "counter", ("server", "job"), "worker",
+    "clusterwire_data_elements_total", "counter", ("server", "job_id"), "worker",
     "Elements the worker sent to consumers, by job id.")
 DATA_ELEMENT_BYTES = _metric(
-    "clusterwire_data_element_bytes_total", "counter", ("server", "job"), "worker",
+    "clusterwire_data_element_bytes_total", "counter", ("server", "job_id"), "worker",
     "Bytes of elements the worker sent to consumers, by job id.")
 DATA_BUFFERED = _metric(
     "clusterwire_data_buffered_elements", "gauge", ("server",), "worker",
