@@ -118,7 +118,9 @@ def _serve(args: argparse.Namespace) -> int:
     import_modules("serve", args.imports)
     config = _json_arg(args.config, "--config") if args.config else None
     config = _with_metrics_options(config, args)
-    if args.resolver:
+    if args.join:
+        server = _join(args, config)
+    elif args.resolver:
         if args.cluster:
             raise SystemExit("clusterwire serve: give --cluster or --resolver, not both")
         resolver = _make_resolver(args)
@@ -150,6 +152,29 @@ def _serve(args: argparse.Namespace) -> int:
               f"{server.target}{metrics}", file=sys.stderr, flush=True)
     server.join()
     return 0
+
+
+def _join(args: argparse.Namespace, config: Any) -> Any:
+    """A task joining the running cluster of ``--join``: its job and address from
+    ``--resolver`` (the task it is in its own launch, e.g. a Slurm step) or from
+    ``--job-name`` and ``--address``."""
+    from clusterwire.membership import join
+
+    if args.cluster:
+        raise SystemExit("clusterwire serve: --join takes its cluster from the running "
+                         "tasks; give no --cluster")
+    if args.resolver:
+        if args.job_name or args.address:
+            raise SystemExit("clusterwire serve: with --resolver, the resolver names this "
+                             "task's job and address; give no --job-name or --address")
+        resolver = _make_resolver(args)
+        job, rank = resolver.task_type, int(resolver.task_id)
+        address = resolver.cluster_spec().task_address(job, rank)
+    else:
+        if not args.job_name:
+            raise SystemExit("clusterwire serve: --join needs --job-name (or --resolver)")
+        job, rank, address = args.job_name, 0, args.address or "127.0.0.1:0"
+    return join(args.join, job, address, protocol=args.protocol, config=config, rank=rank)
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -224,9 +249,16 @@ def _plugins(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.elastic:
+        from clusterwire.demo_elastic import run_elastic_demo
+
+        if args.workers is not None or args.chaos:
+            raise SystemExit("clusterwire demo: --elastic sets its own workers (2 -> 4 -> 3, "
+                             "one SIGKILLed); give no --workers or --chaos")
+        return run_elastic_demo(protocol=args.protocol, steps=args.steps)
     from clusterwire.demo import run_demo
 
-    return run_demo(protocol=args.protocol, steps=args.steps, workers=args.workers,
+    return run_demo(protocol=args.protocol, steps=args.steps, workers=args.workers or 2,
                     chaos=args.chaos)
 
 
@@ -258,6 +290,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "free one; the banner gives the URL); needs prometheus_client")
     serve.add_argument("--metrics-host", metavar="HOST",
                        help="interface of the metrics endpoint (default 127.0.0.1)")
+    serve.add_argument("--join", metavar="TARGET",
+                       help="join the running cluster of TARGET (a task's protocol://host:port) "
+                            "as the next task(s) of --job-name, or of the resolver's job: the "
+                            "grown cluster becomes its next membership version")
+    serve.add_argument("--address", metavar="HOST:PORT",
+                       help="with --join and --job-name: this task's address (default "
+                            "127.0.0.1:0)")
     serve.set_defaults(run=_serve)
 
     resolve = commands.add_parser(
@@ -315,10 +354,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="transport protocol (see `clusterwire plugins`)")
     demo.add_argument("--steps", type=int, default=60,
                       help="training steps of each worker (the ps counts steps x workers)")
-    demo.add_argument("--workers", type=int, default=2, help="worker tasks beside the ps")
+    demo.add_argument("--workers", type=int, help="worker tasks beside the ps (default 2)")
     demo.add_argument("--chaos", action="store_true",
                       help="SIGKILL a worker a third of the way through, restart it on the same "
                            "port, and check the ps kept its state")
+    demo.add_argument("--elastic", action="store_true",
+                      help="change the cluster while it trains: the workers go 2 -> 4 -> 3 "
+                           "(one SIGKILLed), each membership change printed as it happens")
     demo.set_defaults(run=_demo)
 
     from clusterwire.data.cli import add_commands

@@ -31,7 +31,7 @@ _HEARTBEAT = {"membership_heartbeat_seconds": 0.25, "membership_timeout_seconds"
 
 class MembershipWatch:
     """Polls the ps's status and prints each new membership version (who joined and who
-    left) and each peer newly down, as it happens; remembers the worker counts seen."""
+    left) as it happens; remembers the worker counts seen."""
 
     def __init__(self, session: Session, out: Any):
         self._session, self._out = session, out
@@ -39,7 +39,6 @@ class MembershipWatch:
         self.version = status["membership_version"]
         self._workers = _workers(status)
         self.counts = [len(self._workers)]
-        self._down: set[str] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -50,12 +49,6 @@ class MembershipWatch:
                 status = self._session.status(timeout=2)
             except errors.OpError:
                 continue
-            down = {p["task"] for p in status["peers"] if p["down"]}
-            for task in sorted(down - self._down):
-                print(f"  membership: {task} is down (no heartbeat for "
-                      f"{_HEARTBEAT['membership_timeout_seconds']:g} s)", file=self._out,
-                      flush=True)
-            self._down = down
             if status["membership_version"] != self.version:
                 workers = _workers(status)
                 joined, left = sorted(workers - self._workers), sorted(self._workers - workers)
@@ -137,6 +130,8 @@ def run_elastic_demo(protocol: str = "grpc", steps: int = 60, dim: int = 2048,
                 print(f"  elastic: SIGKILLed /job:worker/task:{victim} at step "
                       f"{progress['step']}", file=out, flush=True)
                 _wait_down(session, f"/job:worker/task:{victim}")
+                print(f"  membership: /job:worker/task:{victim} is down (no heartbeat for "
+                      f"{_HEARTBEAT['membership_timeout_seconds']:g} s)", file=out, flush=True)
                 cluster.remove_task("worker", victim)
                 killed = True
         try:

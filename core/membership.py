@@ -21,13 +21,14 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from clusterwire import errors
 from clusterwire.cluster_spec import ClusterSpec
+from clusterwire.security import security_fields
 
 Task = tuple[str, int]
 _LOG = logging.getLogger("clusterwire")
@@ -262,3 +263,39 @@ class ResolverWatch:
         self._stopped.set()
         if self._thread is not threading.current_thread():
             self._thread.join(5)
+
+
+#: A task that joins a running cluster heartbeats this often unless its config says.
+JOIN_HEARTBEAT_SECONDS = 1.0
+
+
+def join(target: str, job: str, address: str, protocol: str | None = None,
+         config: Mapping[str, Any] | None = None, rank: int = 0) -> Any:
+    """Start a task that joins the running cluster of ``target`` (a task's
+    ``protocol://host:port``) as the next task of ``job`` (plus ``rank``: the tasks of one
+    launch, e.g. a Slurm step's, take consecutive indices), at ``address`` (port 0: a free
+    one); the grown cluster becomes the next membership version through ``target``. Returns
+    the started ``Server``. Tasks of one launch join at once; launches join one after
+    another (two launches racing for one index would both claim it)."""
+    from clusterwire.server import Server
+    from clusterwire.session import Session
+
+    config = dict(config or {})
+    config.setdefault("membership_heartbeat_seconds", JOIN_HEARTBEAT_SECONDS)
+    with Session(target, config={k: v for k, v in config.items()
+                                 if k in security_fields()}) as session:
+        status = session.status()
+        cluster: ClusterSpec = status["cluster"]
+        taken = cluster.task_indices(job) if job in cluster.jobs else []
+        index = (max(taken) + 1 if taken else 0) + rank
+        tasks = {j: {i: cluster.task_address(j, i) for i in cluster.task_indices(j)}
+                 for j in cluster.jobs}
+        tasks.setdefault(job, {})[index] = address
+        server = Server(tasks, job_name=job, task_index=index,
+                        protocol=protocol or status["protocol"], config=config)
+        try:
+            session.update_cluster(server.cluster_spec)
+        except BaseException:
+            server.stop()
+            raise
+    return server

@@ -4,6 +4,10 @@ leave, go down and move, barriers end clearly when the membership changes under 
 from __future__ import annotations
 
 import contextlib
+import io
+import json
+import subprocess
+import sys
 import threading
 import time
 
@@ -13,6 +17,7 @@ from conftest import wait_for
 
 import clusterwire
 from clusterwire import errors
+from clusterwire.local_cluster import await_ready
 from clusterwire.membership import View
 
 pytestmark = pytest.mark.timeout(60)
@@ -288,3 +293,53 @@ def test_a_local_cluster_grows_and_shrinks_while_it_runs():
         wait_for(lambda: session.status()["membership_version"] == 3, what="version 3")
         with pytest.raises(errors.NotFoundError, match="membership version 3"):
             session.get("w", task="/job:worker/task:1")
+
+
+def test_the_elastic_demo_says_each_membership_change_and_passes():
+    result = subprocess.run([sys.executable, "-m", "clusterwire", "demo", "--elastic",
+                             "--steps", "40"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    changes = [line.strip() for line in lines if line.startswith("  membership: version")]
+    assert changes == [
+        "membership: version 1 -> 2; joined /job:worker/task:2, /job:worker/task:3; 4 workers",
+        "membership: version 2 -> 3; left /job:worker/task:2; 3 workers"]
+    assert "  membership: /job:worker/task:2 is down (no heartbeat for 1 s)" in lines
+    # the kill is said before the ps sees the task down, which is before it leaves
+    said = [next(i for i, line in enumerate(lines) if text in line) for text in (
+        "SIGKILLed /job:worker/task:2", "/job:worker/task:2 is down", "left /job:worker")]
+    assert said == sorted(said)
+    assert lines[-1].startswith("verdict: OK: the loss fell ")
+    assert "the workers went 2 -> 4 -> 3; each of the 3 left ran its 40 steps" in lines[-1]
+
+
+def test_the_elastic_demo_verdict_fails_on_the_wrong_shape():
+    from clusterwire import demo_elastic
+
+    out = io.StringIO()
+    assert demo_elastic._verdict(1.0, 1e-6, [2, 3, 4, 3], [40, 40, 5, 40], [0, 1, 3], 40,
+                                 np.zeros(2), {"/job:ps/task:0": 0}, out) == 1
+    assert "the workers went 2 -> 3 -> 4 -> 3, not 2 -> 4 -> 3" in out.getvalue()
+
+
+def test_a_task_joins_a_running_cluster_from_the_command_line():
+    with tasks(2) as (servers, full):
+        joined = subprocess.Popen(
+            [sys.executable, "-m", "clusterwire", "serve", "--join", servers[1].target,
+             "--job-name", "w", "--quiet", "--config", json.dumps(HEARTBEAT)],
+            stdout=subprocess.PIPE, text=True)
+        try:
+            target = await_ready(joined, 30)
+            assert target is not None
+            converged(servers, 2)
+            assert servers[0].cluster_spec.task_address("w", 2) == target.split("://")[1]
+            clusterwire.Session(target).put("from-2", np.arange(3))
+            np.testing.assert_array_equal(
+                clusterwire.Session(servers[0].target).get("from-2", task="/job:w/task:2"),
+                np.arange(3))
+        finally:
+            joined.terminate()
+            joined.wait(20)
+        bad = subprocess.run([sys.executable, "-m", "clusterwire", "serve", "--join",
+                              servers[0].target], capture_output=True, text=True, timeout=30)
+        assert bad.returncode != 0 and "--join needs --job-name" in bad.stderr
