@@ -17,7 +17,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 
+import numpy as np
 import pytest
 
 from clusterwire import ClusterSpec, Session
@@ -234,3 +236,47 @@ def test_a_port_in_use_points_at_port_base(slurm):
     assert f"Could not bind {NODES[0]}:{base}" in result.stderr, result.stderr
     assert "--resolver-arg port_base=N" in result.stderr and "CLUSTERWIRE_PORT_BASE" in (
         result.stderr)
+
+
+@pytest.mark.timeout(120)
+def test_a_second_srun_step_joins_the_running_cluster(slurm):
+    """A job that grows: a second step's task joins the first step's running cluster as
+    /job:worker/task:2 (``serve --resolver slurm --join``), and every task learns of it."""
+    base = free_port_base(3)
+    config = json.dumps({"membership_heartbeat_seconds": 0.3})
+    serve = [sys.executable, "-m", "clusterwire", "serve", "--resolver", "slurm", "--config",
+             config, "--grace", "1", "--quiet"]
+    env = {**slurm.env, **_task_env()}
+    steps = [subprocess.Popen(
+        ["srun", "-J", "cw-grow", "-N1", "-n2", *serve, "--jobs", "worker=2",
+         "--resolver-arg", f"port_base={base}"], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)]
+    try:
+        first = _read_ready(steps[0].stdout, 2)
+        steps.append(subprocess.Popen(
+            ["srun", "-J", "cw-grow", "-N1", "-n1", *serve, "--jobs", "worker=1",
+             "--resolver-arg", f"port_base={base + 2}", "--join", first[0]], env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        [joined] = _read_ready(steps[1].stdout, 1)
+        for target in first:
+            with Session(target, timeout=20) as session:
+                deadline = time.monotonic() + 20
+                while len(session.status()["cluster"].task_indices("worker")) != 3:
+                    assert time.monotonic() < deadline, "the cluster did not grow to 3 workers"
+                    time.sleep(0.05)
+                assert session.status()["cluster"].task_address("worker", 2) == \
+                    joined.split("://")[1]
+                session.put("grown", np.arange(3), task="/job:worker/task:2")
+        with Session(joined, timeout=20) as session:
+            np.testing.assert_array_equal(session.get("grown"), np.arange(3))
+            assert session.status(task="/job:worker/task:0")["job"] == "worker"
+        signalled = slurm.run(["scancel", "--signal=TERM", "--name=cw-grow"], timeout=20)
+        assert signalled.returncode == 0, signalled.stderr
+        for step in steps:
+            _, err = step.communicate(timeout=30)
+            assert step.returncode == 0, err
+    finally:
+        for step in steps:
+            if step.poll() is None:
+                step.kill()
+                step.communicate()
