@@ -192,6 +192,20 @@ def alternate(children: dict[str, subprocess.Popen], runs: int) -> dict[str, lis
     return values
 
 
+def compare(children: dict[str, subprocess.Popen], urls: list[str], args: argparse.Namespace,
+            runs: int, what: str, unit: str) -> dict:
+    """A report row: the medians of ``runs`` numbers from the "off" and "on" children, asked
+    in turn while the "on" side's endpoints are scraped."""
+    scraper = Scraper(urls, args.scrape_interval)
+    try:
+        values = alternate(children, runs)
+    finally:
+        scraper.close()
+    off, on = statistics.median(values["off"]), statistics.median(values["on"])
+    return {"what": what, "off": off, "on": on, "unit": unit, "change": on / off - 1,
+            "scrapes": scraper.scrapes}
+
+
 def measure_in_process(args: argparse.Namespace, processes: Processes) -> list[dict]:
     urls: list[str] = []
     children = {}
@@ -203,14 +217,8 @@ def measure_in_process(args: argparse.Namespace, processes: Processes) -> list[d
             command += ["--metrics-port", str(port)]
             urls.append(f"http://127.0.0.1:{port}/metrics")
         children[side] = _child(command, _env(side), processes)
-    scraper = Scraper(urls, args.scrape_interval)
-    try:
-        medians = alternate(children, args.rounds)
-    finally:
-        scraper.close()
-    off, on = statistics.median(medians["off"]), statistics.median(medians["on"])
-    return [{"what": "8 B Session.get, in-process (a Session on its own task)", "off": off,
-             "on": on, "unit": "us", "change": on / off - 1, "scrapes": scraper.scrapes}]
+    return [compare(children, urls, args, args.rounds,
+                    "8 B Session.get, in-process (a Session on its own task)", "us")]
 
 
 # ---- 2. 2 KiB elements ----
@@ -264,14 +272,8 @@ def measure_data(args: argparse.Namespace, processes: Processes) -> list[dict]:
     urls: list[str] = []
     consumers = {side: _data_side(side, args.elements, processes, urls)
                  for side in ("off", "on")}
-    scraper = Scraper(urls, args.scrape_interval)
-    try:
-        rates = alternate(consumers, args.data_runs)
-    finally:
-        scraper.close()
-    off, on = statistics.median(rates["off"]), statistics.median(rates["on"])
-    return [{"what": "2 KiB elements/s, parallel_epochs, 2 workers", "off": off, "on": on,
-             "unit": "el/s", "change": on / off - 1, "scrapes": scraper.scrapes}]
+    return [compare(consumers, urls, args, args.data_runs,
+                    "2 KiB elements/s, parallel_epochs, 2 workers", "el/s")]
 
 
 def render(args: argparse.Namespace, rows: list[dict], seconds: float) -> str:

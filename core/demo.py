@@ -124,22 +124,37 @@ def run_demo(protocol: str = "grpc", steps: int = 60, workers: int = 2, dim: int
 def _verdict(initial_loss: float, loss: float, step: int, total: int, weights: np.ndarray,
              stopped: dict[str, int | None], out) -> int:
     """Print one line saying whether the job did what it should; its exit status."""
+    factor, failures = training_failures(initial_loss, loss, weights, stopped)
+    if step != total:
+        failures.append(f"{step} of {total} steps ran")
+    return say_verdict(failures, f"the loss fell {factor:.3g}x (>= {LOSS_FACTOR}x), "
+                       f"{step}/{total} steps ran, all {len(stopped)} processes stopped "
+                       "cleanly", out)
+
+
+def training_failures(initial_loss: float, loss: float, weights: np.ndarray,
+                      stopped: dict[str, int | None]) -> tuple[float, list[str]]:
+    """How much the loss fell, and what every demo's run must not have: a loss that did not
+    fall ``LOSS_FACTOR``x, weights not finite, a process that did not stop cleanly."""
     factor = initial_loss / loss if loss > 0 else float("inf")
     failures = []
     if not (np.isfinite(loss) and factor >= LOSS_FACTOR):
         failures.append(f"the loss fell {factor:.3g}x, not the {LOSS_FACTOR}x expected")
-    if step != total:
-        failures.append(f"{step} of {total} steps ran")
     if not np.isfinite(weights).all():
         failures.append("the weights are not finite")
     unclean = {task: code for task, code in stopped.items() if code != 0}
     if unclean:
         failures.append(f"processes did not stop cleanly (exit status): {unclean}")
+    return factor, failures
+
+
+def say_verdict(failures: list[str], ok: str, out) -> int:
+    """Print the verdict line (FAILED with the ``failures``, or OK with ``ok``); the exit
+    status."""
     if failures:
         print(f"verdict: FAILED: {'; '.join(failures)}", file=out, flush=True)
         return 1
-    print(f"verdict: OK: the loss fell {factor:.3g}x (>= {LOSS_FACTOR}x), {step}/{total} steps "
-          f"ran, all {len(stopped)} processes stopped cleanly", file=out, flush=True)
+    print(f"verdict: OK: {ok}", file=out, flush=True)
     return 0
 
 

@@ -21,7 +21,15 @@ from typing import Any
 import numpy as np
 
 from clusterwire import errors
-from clusterwire.demo import LOSS_FACTOR, ps_init, ps_progress, ps_pull, worker_train
+from clusterwire.demo import (
+    LOSS_FACTOR,
+    ps_init,
+    ps_progress,
+    ps_pull,
+    say_verdict,
+    training_failures,
+    worker_train,
+)
 from clusterwire.session import Session
 
 #: Workers the ps keeps step counts for (the demo peaks at 4).
@@ -167,24 +175,12 @@ def _wait_down(session: Session, task: str, timeout: float = 30.0) -> None:
 def _verdict(initial_loss: float, loss: float, counts: list[int], steps_of: list[int],
              survivors: list[int], steps: int, weights: np.ndarray,
              stopped: dict[str, int | None], out: Any) -> int:
-    factor = initial_loss / loss if loss > 0 else float("inf")
-    failures = []
-    if not (np.isfinite(loss) and factor >= LOSS_FACTOR):
-        failures.append(f"the loss fell {factor:.3g}x, not the {LOSS_FACTOR}x expected")
+    factor, failures = training_failures(initial_loss, loss, weights, stopped)
     if [c for i, c in enumerate(counts) if i == 0 or c != counts[i - 1]] != [2, 4, 3]:
         failures.append(f"the workers went {' -> '.join(map(str, counts))}, not 2 -> 4 -> 3")
     short = {i: steps_of[i] for i in survivors if steps_of[i] != steps}
     if short:
         failures.append(f"workers ran fewer than {steps} steps: {short}")
-    if not np.isfinite(weights).all():
-        failures.append("the weights are not finite")
-    unclean = {task: code for task, code in stopped.items() if code != 0}
-    if unclean:
-        failures.append(f"processes did not stop cleanly (exit status): {unclean}")
-    if failures:
-        print(f"verdict: FAILED: {'; '.join(failures)}", file=out, flush=True)
-        return 1
-    print(f"verdict: OK: the loss fell {factor:.3g}x (>= {LOSS_FACTOR}x) while the workers "
-          f"went 2 -> 4 -> 3; each of the {len(survivors)} left ran its {steps} steps; "
-          f"all {len(stopped)} processes left stopped cleanly", file=out, flush=True)
-    return 0
+    return say_verdict(failures, f"the loss fell {factor:.3g}x (>= {LOSS_FACTOR}x) while the "
+                       f"workers went 2 -> 4 -> 3; each of the {len(survivors)} left ran its "
+                       f"{steps} steps; all {len(stopped)} processes left stopped cleanly", out)
