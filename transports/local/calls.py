@@ -225,6 +225,9 @@ class CallPool:
                     f"Connecting to the grpc+local server at {self._address} took past the "
                     "deadline (its accept queue is full).") from None
             except OSError as err:
+                elsewhere = unix.another_host(self._address)
+                if elsewhere is not None:
+                    raise elsewhere from None
                 raise ConnectionFailed(
                     f"cannot reach a grpc+local server at {self._address} on this host "
                     f"({err.strerror}); grpc+local connects only tasks of the same "

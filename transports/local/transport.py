@@ -22,6 +22,9 @@
   so the TLS handshake decides who may call), with segment descriptors passed
   over a Unix *segment connection* beside it; a listener with TLS refuses call
   connections. The gRPC port always serves (TLS clients, other clients).
+* A task of another host (its address is none of this host's, which a Unix name cannot
+  reach): a request to it fails at once with FailedPreconditionError saying so, rather than
+  being retried as unreachable until its deadline.
 
 The wire format (both connection kinds) is described in ``wire``. Received buffers
 are read-only; ``.copy()`` an array to modify it. Options (plugins.toml
@@ -441,6 +444,9 @@ class LocalChannel(Channel):
                     sock.connect(unix.socket_name(self._address))
                 except OSError as err:
                     sock.close()
+                    elsewhere = unix.another_host(self._address)
+                    if elsewhere is not None:
+                        raise elsewhere from None
                     raise ConnectionFailed(
                         f"cannot reach a grpc+local server at {self._address} on this host "
                         f"({err}); grpc+local connects only tasks of the same host.") from None

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from clusterwire import errors
+from clusterwire.addressing import split_host_port
 from clusterwire.transports.local import sealed, wire
 
 #: The most descriptors held for one connection (received, not yet claimed).
@@ -46,6 +47,33 @@ def socket_name(address: str) -> str:
     """The abstract Unix name of the grpc+local listener at ``address`` (host:port; see
     ``wire``)."""
     return f"\0clusterwire-local:{address}"
+
+
+def another_host(address: str) -> errors.FailedPreconditionError | None:
+    """The error for a listener at ``address`` that cannot be on this host (None when it may
+    be): its host resolves, and to no address that can be bound here.
+
+    The abstract Unix names grpc+local listens on exist only in the network namespace of
+    their listener, so a task of another host is refused like one that has not started yet;
+    retrying until the deadline could not help it, and would hide why.
+    """
+    host, _ = split_host_port(address)
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
+    except OSError:
+        return None
+    for family, _, _, _, sockaddr in found:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            try:
+                probe.bind((sockaddr[0], 0, *sockaddr[2:]))
+            except OSError as err:
+                if err.errno == errno.EADDRNOTAVAIL:
+                    continue
+            return None
+    return errors.FailedPreconditionError(
+        f"grpc+local connects only tasks of the same host, and {host} (of {address}) is not "
+        "an address of this host: use a protocol that crosses hosts (grpc, grpc+verbs) for "
+        "this cluster.")
 
 
 def peer_uid(conn: socket.socket) -> int:
