@@ -359,3 +359,44 @@ def test_a_partition_splits_the_cluster_both_ways_and_heals():
                                        (far, "to['b'].get('v')", 1)]:
             wait_for(lambda c=client, r=request: reachable(c, r), timeout=15, what=request)
             assert client.eval(request).tolist() == [value] * 4
+
+
+def test_membership_splits_with_a_partition_and_converges_once_it_heals():
+    heartbeat = {"membership_heartbeat_seconds": 0.3, "membership_timeout_seconds": 1.0,
+                 "peer_timeout_seconds": 0.5}
+    with EmulatedHosts(4) as hosts:
+        cluster = {"w": [f"{hosts[i].address}:{PORT}" for i in range(3)]}
+        tasks = [hosts[i].serve("serve", "--cluster", json.dumps(cluster), "--job-name", "w",
+                                "--task-index", str(i), "--config", json.dumps(heartbeat),
+                                env=child_env()) for i in range(3)]
+        for task in tasks:
+            task.wait_ready()
+        client = hosts[3].interpreter(child_env())
+        client.exec(f"import clusterwire\n"
+                    f"to = [clusterwire.Session(t, timeout=5) for t in "
+                    f"{[task.target for task in tasks]!r}]\n"
+                    f"def view(i):\n"
+                    f"    s = to[i].status()\n"
+                    f"    return (s['membership_version'], s['cluster'].as_dict(),\n"
+                    f"            sorted(p['task'] for p in s['peers'] if p['down']))")
+
+        def views(tasks=(0, 1, 2)) -> list:
+            return [client.eval(f"view({i})") for i in tasks]
+
+        wait_for(lambda: all(not down for _, _, down in views()), what="every peer heard")
+        hosts.partition({0, 1, 3}, {2})
+        grown = {**cluster, "spare": [f"{hosts[1].address}:{PORT + 1}"]}
+        assert client.eval(f"to[0].update_cluster({grown!r})") == 1
+        # One side takes the change and marks the other side down; the other side is cut off.
+        wait_for(lambda: [v[0] for v in views((0, 1))] == [1, 1],
+                 what="version 1 on tasks 0, 1")
+        wait_for(lambda: all("/job:w/task:2" in v[2] for v in views((0, 1))),
+                 what="task 2 down on the other side")
+        assert client.eval("view(0)")[1] == grown
+        hosts.heal()
+        wait_for(lambda: client.eval("view(2)")[0] == 1, timeout=15,
+                 what="task 2 at version 1 once healed")
+        healed = views()
+        assert all(version == 1 and spec == grown for version, spec, _ in healed)
+        wait_for(lambda: all(not any(t.startswith("/job:w/") for t in v[2]) for v in views()),
+                 what="no task of w down once healed")
