@@ -149,9 +149,11 @@ def measure_gets(args: argparse.Namespace, processes: Processes) -> list[dict]:
 
 def _in_process_main(metrics_port: int | None, per_round: int) -> None:
     """Time in-process gets (a Session on this process's own task) ``per_round`` at a
-    time, a round per line read; print each round's median in us."""
+    time, a round per line read; print each round's median in us. Pinned to CPU 0: an
+    in-process get runs in the caller's thread, and moving between CPUs is noise only."""
     import clusterwire
 
+    os.sched_setaffinity(0, {0})
     config = {} if metrics_port is None else {"metrics_port": metrics_port}
     server = clusterwire.Server({"w": ["127.0.0.1:0"]}, job_name="w", task_index=0,
                                 config=config)
@@ -211,7 +213,7 @@ def measure_in_process(args: argparse.Namespace, processes: Processes) -> list[d
     children = {}
     for side in ("off", "on"):
         command = [sys.executable, __file__, "--role", "in-process", "--count",
-                   str(args.iterations // args.rounds)]
+                   str(args.iterations)]
         if side == "on":
             port = _free_port()
             command += ["--metrics-port", str(port)]

@@ -239,8 +239,9 @@ class Shell:
 
     def _serve(self, frame: Frame, method: str | None, wire: bool) -> Frame:
         """Serve ``frame`` (its ``method`` if known); ``wire``: it came through the
-        transport, whose bytes the metrics count (an in-process caller moves none)."""
-        started = perf_counter()
+        transport (the metrics time it and count its bytes; an in-process caller's request is
+        only counted)."""
+        started = perf_counter() if wire else 0.0
         stats = self._stats
         with self._lock:
             refusal = self._admit()
@@ -249,8 +250,11 @@ class Shell:
             if stats is not None:
                 method = method or self._method_of(frame)
                 with self._lock:
-                    stats.record(method, refusal.error_code, perf_counter() - started,
-                                 frame if wire else None, response if wire else None)
+                    if wire:
+                        stats.record(method, refusal.error_code, perf_counter() - started,
+                                     frame, response)
+                    else:
+                        stats.count_in_process(method, refusal.error_code)
             return response
         code, response = errors.OK, None
         try:
@@ -263,7 +267,7 @@ class Shell:
                 f"{self.name} failed on a request; see its log."))
         finally:
             counted = stats is not None and response is not None
-            if counted:  # named outside the lock: naming may parse the request
+            if counted and wire:  # named outside the lock: naming may parse the request
                 method = method or self._method_of(frame)
                 seconds = perf_counter() - started
             with self._lock:
@@ -271,8 +275,10 @@ class Shell:
                 if self._draining:
                     self._idle.notify_all()
                 if counted:
-                    stats.record(method, code, seconds, frame if wire else None,
-                                 response if wire else None)
+                    if wire:
+                        stats.record(method, code, seconds, frame, response)
+                    else:
+                        stats.count_in_process(method, code)
         return response
 
     def _admit(self) -> errors.OpError | None:

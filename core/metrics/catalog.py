@@ -43,14 +43,15 @@ REQUESTS = _metric(
     "(RESOURCE_EXHAUSTED) and drain (UNAVAILABLE) included.")
 REQUEST_SECONDS = _metric(
     "clusterwire_request_duration_seconds", "histogram", ("server", "method"), "every server",
-    "Time from a request reaching the server's shell to its response being ready.",
+    "Time from a request reaching the server's shell through its transport to its response "
+    "being ready (requests of callers in the same process are counted, not timed).",
     LATENCY_BUCKETS)
 RECEIVED_BYTES = _metric(
     "clusterwire_received_bytes_total", "counter", ("server", "transport"), "every server",
-    "Request bytes received: header and tensor buffers.")
+    "Request bytes received through the transport: header and tensor buffers.")
 SENT_BYTES = _metric(
     "clusterwire_sent_bytes_total", "counter", ("server", "transport"), "every server",
-    "Response bytes sent: header and tensor buffers.")
+    "Response bytes sent through the transport: header and tensor buffers.")
 IN_FLIGHT = _metric(
     "clusterwire_requests_in_flight", "gauge", ("server",), "every server",
     "Requests being served now (max_concurrent_calls bounds it).")

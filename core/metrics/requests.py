@@ -14,13 +14,23 @@ from clusterwire.transport import Frame
 _BOUNDS = catalog.REQUEST_SECONDS.buckets
 
 
+class _LatencyCells(dict):
+    """method -> [count per latency bucket (the last: +Inf)..., sum of seconds]."""
+
+    def __missing__(self, method: str) -> list:
+        cells = self[method] = [0] * (len(_BOUNDS) + 1) + [0.0]
+        return cells
+
+
 class RequestStats:
     """Requests by method and status, latencies, bytes: one server's, for its shell.
 
-    ``record`` runs under ``lock``, the shell's own (already taken per request to count the
-    requests in flight), so counting adds no lock of its own to a request. A method's
-    latency histogram counts all its requests; errors are counted beside it by code, and
-    the OK count is the difference (one dictionary update less on the common path).
+    Its methods run under ``lock``, the shell's own (already taken per request to count the
+    requests in flight), so counting adds no lock of its own to a request. A request that
+    came through the transport is timed (its method's histogram counts it) and its bytes
+    counted; errors are counted beside the histogram by code, and the OK count is the
+    difference. A request of a caller in this process crossed no transport and is only
+    counted: timing the fastest path would cost a large part of it.
     """
 
     def __init__(self, server: str, transport: str, lock: threading.Lock,
@@ -29,52 +39,57 @@ class RequestStats:
         self.server, self.transport = server, transport
         self._lock = lock
         self._in_flight, self._serving, self._connections = in_flight, serving, connections
-        # method -> [count per latency bucket (the last: +Inf)..., sum of seconds]
-        self._latency: dict[str, list] = {}
+        self._latency = _LatencyCells()
         self._errors: dict[tuple[str, int], int] = {}  # (method, code) -> count
+        self._in_process: dict[tuple[str, int], int] = {}  # (method, code) -> count
         self._received = self._sent = 0
 
-    def record(self, method: str, code: int, seconds: float, request: Frame | None,
-               response: Frame | None) -> None:
-        """Count one request (the caller holds the shell's lock); its bytes if it came
-        through the transport (``request`` and ``response`` given). Inlined: it runs for
-        every request of every server."""
-        if request is not None:  # it crossed the transport
-            # A buffer is a buffer-protocol object, or stands for one and tells its nbytes
-            # (a forwarded response relayed as it arrives).
-            received = len(request.header)
-            for buffer in request.buffers:
-                received += (buffer.nbytes if hasattr(buffer, "nbytes")
-                             else memoryview(buffer).nbytes)
-            sent = len(response.header)
-            for buffer in response.buffers:
-                sent += buffer.nbytes if hasattr(buffer, "nbytes") else memoryview(buffer).nbytes
-            self._received += received
-            self._sent += sent
-        latency = self._latency.get(method)
-        if latency is None:
-            latency = self._latency[method] = [0] * (len(_BOUNDS) + 1) + [0.0]
-        latency[bisect_left(_BOUNDS, seconds)] += 1
+    def record(self, method: str, code: int, seconds: float, request: Frame,
+               response: Frame, _bisect=bisect_left, _bounds=_BOUNDS) -> None:
+        """Count a request that came through the transport: its latency and bytes. It runs
+        for every such request of every server: its helpers are bound as locals, its cells
+        made on first use."""
+        latency = self._latency[method]
+        latency[_bisect(_bounds, seconds)] += 1
         latency[-1] += seconds
         if code:
             key = (method, code)
             self._errors[key] = self._errors.get(key, 0) + 1
+        # A buffer is a buffer-protocol object, or stands for one and tells its nbytes (a
+        # forwarded response relayed as it arrives).
+        received = len(request.header)
+        for buffer in request.buffers:
+            received += buffer.nbytes if hasattr(buffer, "nbytes") else memoryview(buffer).nbytes
+        sent = len(response.header)
+        for buffer in response.buffers:
+            sent += buffer.nbytes if hasattr(buffer, "nbytes") else memoryview(buffer).nbytes
+        self._received += received
+        self._sent += sent
+
+    def count_in_process(self, method: str, code: int) -> None:
+        """Count a request of a caller in this process."""
+        key = (method, code)
+        self._in_process[key] = self._in_process.get(key, 0) + 1
 
     def samples(self) -> Iterator[Sample]:
         """The server's samples (a registry source)."""
         server, transport = self.server, self.transport
         with self._lock:
             latency = {method: list(cell) for method, cell in self._latency.items()}
+            counts = dict(self._in_process)
             errors = dict(self._errors)
             received, sent, in_flight = self._received, self._sent, self._in_flight()
+        for (method, code), count in errors.items():
+            counts[method, code] = counts.get((method, code), 0) + count
+        for method, cell in latency.items():
+            failed = sum(n for (m, _code), n in errors.items() if m == method)
+            counts[method, 0] = counts.get((method, 0), 0) + sum(cell[:-1]) - failed
+        for (method, code), count in sorted(counts.items()):
+            if count:
+                yield Sample(catalog.REQUESTS, (server, method, CODE_NAMES[code]), count)
         for method, cell in sorted(latency.items()):
             histogram = Histogram(_BOUNDS)
             histogram.counts, histogram.sum = cell[:-1], cell[-1]
-            failed = {code: n for (m, code), n in errors.items() if m == method}
-            for code, count in sorted({0: histogram.count - sum(failed.values()),
-                                       **failed}.items()):
-                if count:
-                    yield Sample(catalog.REQUESTS, (server, method, CODE_NAMES[code]), count)
             yield Sample(catalog.REQUEST_SECONDS, (server, method), histogram)
         yield Sample(catalog.RECEIVED_BYTES, (server, transport), received)
         yield Sample(catalog.SENT_BYTES, (server, transport), sent)
