@@ -333,3 +333,13 @@ def test_transports_that_count_connections_report_them(protocol):
         for channel in channels:
             channel.close()
         shell.stop()
+
+
+def test_no_extra_is_imported_until_an_endpoint_serves():
+    imported = fresh_python(
+        "import sys, clusterwire, clusterwire.data, clusterwire.metrics\n"
+        "server = clusterwire.Server.create_local_server()\n"
+        "clusterwire.Session(server.target).status()\n"
+        "server.stop()\n"
+        "print(sorted(m for m in ('prometheus_client', 'rich') if m in sys.modules))")
+    assert imported.strip() == "[]"
