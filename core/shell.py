@@ -14,8 +14,9 @@ new server, port or request type gets it for free:
 * errors: a handler's ``OpError`` becomes the response status (a remote function's
   traceback only with ``send_tracebacks``); any other exception becomes ``InternalError``
   and is logged here, so no server paths or internals leak to clients;
-* metrics: every request is counted by method and status, with its latency and bytes
-  (``clusterwire.metrics.requests``; the server kind names a request's method);
+* metrics: every request is counted by method and status, and one that came through the
+  transport is timed and its bytes counted (``clusterwire.metrics.requests``; the server
+  kind names a request's method);
 * callers in this process, which reach the shell without the transport
   (``clusterwire.in_process``) and get all of the above too.
 """
