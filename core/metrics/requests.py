@@ -22,6 +22,14 @@ class _LatencyCells(dict):
         return cells
 
 
+class _CodeCounts(dict):
+    """method -> [count per status code]."""
+
+    def __missing__(self, method: str) -> list:
+        counts = self[method] = [0] * (max(CODE_NAMES) + 1)
+        return counts
+
+
 class RequestStats:
     """Requests by method and status, latencies, bytes: one server's, for its shell.
 
@@ -41,7 +49,7 @@ class RequestStats:
         self._in_flight, self._serving, self._connections = in_flight, serving, connections
         self._latency = _LatencyCells()
         self._errors: dict[tuple[str, int], int] = {}  # (method, code) -> count
-        self._in_process: dict[tuple[str, int], int] = {}  # (method, code) -> count
+        self._in_process = _CodeCounts()
         self._received = self._sent = 0
 
     def record(self, method: str, code: int, seconds: float, request: Frame,
@@ -68,15 +76,15 @@ class RequestStats:
 
     def count_in_process(self, method: str, code: int) -> None:
         """Count a request of a caller in this process."""
-        key = (method, code)
-        self._in_process[key] = self._in_process.get(key, 0) + 1
+        self._in_process[method][code] += 1
 
     def samples(self) -> Iterator[Sample]:
         """The server's samples (a registry source)."""
         server, transport = self.server, self.transport
         with self._lock:
             latency = {method: list(cell) for method, cell in self._latency.items()}
-            counts = dict(self._in_process)
+            counts = {(method, code): n for method, by_code in self._in_process.items()
+                      for code, n in enumerate(by_code) if n}
             errors = dict(self._errors)
             received, sent, in_flight = self._received, self._sent, self._in_flight()
         for (method, code), count in errors.items():
