@@ -156,7 +156,7 @@ class RequestClient:
                     self._reached(address)
                 return reply
             except errors.UnavailableError as err:
-                self._unreachable_now(address, err.message)
+                self.note_unreachable(address, err.message)
                 retryable = not isinstance(err, HandshakeFailed) and (
                     isinstance(err, ConnectionFailed) or idempotent)
                 remaining = deadline - time.monotonic()
@@ -180,7 +180,9 @@ class RequestClient:
                     f"Request {method!r} to {address} ({self.protocol}, deadline "
                     f"{budget:.3g} s): {err.message}") from None
 
-    def _unreachable_now(self, address: str, error: str) -> None:
+    def note_unreachable(self, address: str, error: str) -> None:
+        """``address`` was found unreachable now (also by a caller that knows a deadline
+        means it: a request answered at once that got no answer)."""
         with self._lock:
             self._unreachable[address] = (time.time(), error)
             self.failures += 1

@@ -164,7 +164,13 @@ class ClusterService:
         request = Request(method="heartbeat", membership_version=view.version,
                           from_task=TaskRef(job=self.job, index=self.index),
                           cluster=view.cluster.as_cluster_def())
-        response, _ = self._peers.send(address, request, timeout=timeout)
+        try:
+            response, _ = self._peers.send(address, request, timeout=timeout)
+        except errors.DeadlineExceededError as err:
+            # A heartbeat is answered at once: no answer in time is a peer cut off with a
+            # connection still open, which a refused connection would have told at once.
+            self._peers.note_unreachable(address, err.message)
+            raise
         return View.of(response.membership.version, ClusterSpec(response.membership.cluster))
 
     def _heartbeat(self, request: Request) -> Frame:

@@ -392,6 +392,10 @@ def test_membership_splits_with_a_partition_and_converges_once_it_heals():
                  what="version 1 on tasks 0, 1")
         wait_for(lambda: all("/job:w/task:2" in v[2] for v in views((0, 1))),
                  what="task 2 down on the other side")
+        # Its connections stay open across the cut: heartbeats that get no answer say so
+        # (the spare task, which nothing serves, is refused).
+        assert sorted(client.eval("[p['task'] for p in to[0].status()['unreachable_peers']]")
+                      ) == ["/job:spare/task:0", "/job:w/task:2"]
         assert client.eval("view(0)")[1] == grown
         hosts.heal()
         wait_for(lambda: client.eval("view(2)")[0] == 1, timeout=15,
