@@ -240,8 +240,9 @@ def test_a_port_in_use_points_at_port_base(slurm):
 
 @pytest.mark.timeout(120)
 def test_a_second_srun_step_joins_the_running_cluster(slurm):
-    """A job that grows: a second step's task joins the first step's running cluster as
-    /job:worker/task:2 (``serve --resolver slurm --join``), and every task learns of it."""
+    """A job that grows: a second step of the same job joins the first step's running
+    cluster as /job:worker/task:2 (``serve --resolver slurm --join``), and every task learns
+    of it."""
     base = free_port_base(3)
     config = json.dumps({"membership_heartbeat_seconds": 0.3})
     serve = [sys.executable, "-m", "clusterwire", "serve", "--resolver", "slurm", "--config",
@@ -253,8 +254,11 @@ def test_a_second_srun_step_joins_the_running_cluster(slurm):
         stderr=subprocess.PIPE, text=True)]
     try:
         first = _read_ready(steps[0].stdout, 2)
+        listed = slurm.run(["squeue", "-h", "-n", "cw-grow", "-o", "%i"], timeout=20)
+        [job_id] = listed.stdout.split()
+        # The second step runs in the same job (its allocation, shared with the first step).
         steps.append(subprocess.Popen(
-            ["srun", "-J", "cw-grow", "-N1", "-n1", *serve, "--jobs", "worker=1",
+            ["srun", f"--jobid={job_id}", "--overlap", "-n1", *serve, "--jobs", "worker=1",
              "--resolver-arg", f"port_base={base + 2}", "--join", first[0]], env=env,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         [joined] = _read_ready(steps[1].stdout, 1)
