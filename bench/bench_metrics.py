@@ -12,8 +12,8 @@ both alike. Measured:
 
 1. 8-byte ``Session.get`` round trips from this process to a task process, over ``grpc``
    and over ``grpc+local`` (bench_session's direct and same-host paths), and in-process
-   (a Session on its own task, in a child process per side: the cheapest path, where the
-   per-request bookkeeping weighs most);
+   (a Session on its own task, in three child processes a side, each pinned to CPU 0: the
+   cheapest path, where the per-request bookkeeping weighs most);
 2. 2 KiB elements/s of a data-service job (bench_data's 2 KiB cell, parallel_epochs, two
    workers): a dispatcher, two workers and the consumer, each its own process, per side.
 
@@ -45,6 +45,9 @@ from bench_session import interleaved_round_trips  # noqa: E402
 from clusterwire.local_cluster import READY_PREFIX, await_ready  # noqa: E402
 
 TARGET = 0.03
+#: Child processes a side for the in-process gets: a process's layout alone moves the time of
+#: a path this short by a few percent, so each side is several processes.
+IN_PROCESS_CHILDREN = 3
 
 
 def _env(side: str) -> dict[str, str]:
@@ -183,21 +186,23 @@ def _child(command: list[str], env: dict[str, str], processes: Processes) -> sub
     return child
 
 
-def alternate(children: dict[str, subprocess.Popen], runs: int) -> dict[str, list[float]]:
-    """Ask each child for a number ``runs`` times, alternating which goes first."""
-    values: dict[str, list[float]] = {side: [] for side in children}
+def alternate(children: dict[tuple[str, int], subprocess.Popen], runs: int
+              ) -> dict[str, list[float]]:
+    """Ask each child, keyed by (side, number), for a number ``runs`` times, alternating
+    which goes first; the numbers of each side."""
+    values: dict[str, list[float]] = {side: [] for side, _ in children}
     for run in range(runs):
-        for side in (list(children) if run % 2 == 0 else list(children)[::-1]):
-            children[side].stdin.write("go\n")
-            children[side].stdin.flush()
-            values[side].append(float(children[side].stdout.readline()))
+        for key in (list(children) if run % 2 == 0 else list(children)[::-1]):
+            children[key].stdin.write("go\n")
+            children[key].stdin.flush()
+            values[key[0]].append(float(children[key].stdout.readline()))
     return values
 
 
-def compare(children: dict[str, subprocess.Popen], urls: list[str], args: argparse.Namespace,
-            runs: int, what: str, unit: str) -> dict:
-    """A report row: the medians of ``runs`` numbers from the "off" and "on" children, asked
-    in turn while the "on" side's endpoints are scraped."""
+def compare(children: dict[tuple[str, int], subprocess.Popen], urls: list[str],
+            args: argparse.Namespace, runs: int, what: str, unit: str) -> dict:
+    """A report row: each side's median of ``runs`` numbers from each of its children,
+    asked in turn while the "on" side's endpoints are scraped."""
     scraper = Scraper(urls, args.scrape_interval)
     try:
         values = alternate(children, runs)
@@ -211,15 +216,16 @@ def compare(children: dict[str, subprocess.Popen], urls: list[str], args: argpar
 def measure_in_process(args: argparse.Namespace, processes: Processes) -> list[dict]:
     urls: list[str] = []
     children = {}
-    for side in ("off", "on"):
-        command = [sys.executable, __file__, "--role", "in-process", "--count",
-                   str(args.iterations)]
-        if side == "on":
-            port = _free_port()
-            command += ["--metrics-port", str(port)]
-            urls.append(f"http://127.0.0.1:{port}/metrics")
-        children[side] = _child(command, _env(side), processes)
-    return [compare(children, urls, args, args.rounds,
+    for number in range(IN_PROCESS_CHILDREN):
+        for side in ("off", "on"):
+            command = [sys.executable, __file__, "--role", "in-process", "--count",
+                       str(args.iterations)]
+            if side == "on":
+                port = _free_port()
+                command += ["--metrics-port", str(port)]
+                urls.append(f"http://127.0.0.1:{port}/metrics")
+            children[side, number] = _child(command, _env(side), processes)
+    return [compare(children, urls, args, args.rounds // IN_PROCESS_CHILDREN,
                     "8 B Session.get, in-process (a Session on its own task)", "us")]
 
 
@@ -272,7 +278,7 @@ def _data_side(side: str, count: int, processes: Processes, urls: list[str]
 
 def measure_data(args: argparse.Namespace, processes: Processes) -> list[dict]:
     urls: list[str] = []
-    consumers = {side: _data_side(side, args.elements, processes, urls)
+    consumers = {(side, 0): _data_side(side, args.elements, processes, urls)
                  for side in ("off", "on")}
     return [compare(consumers, urls, args, args.data_runs,
                     "2 KiB elements/s, parallel_epochs, 2 workers", "el/s")]

@@ -255,7 +255,7 @@ class Shell:
                         stats.record(method, refusal.error_code, perf_counter() - started,
                                      frame, response)
                     else:
-                        stats.count_in_process(method, refusal.error_code)
+                        stats.in_process[method][refusal.error_code] += 1
             return response
         code, response = errors.OK, None
         try:
@@ -279,7 +279,7 @@ class Shell:
                     if wire:
                         stats.record(method, code, seconds, frame, response)
                     else:
-                        stats.count_in_process(method, code)
+                        stats.in_process[method][code] += 1
         return response
 
     def _admit(self) -> errors.OpError | None:
