@@ -181,8 +181,9 @@ class ClusterSpec:
 
 
 def with_address(cluster: ClusterSpec, job: str, index: int, address: str) -> ClusterSpec:
-    """``cluster`` with task ``/job:job/task:index`` at ``address``."""
+    """``cluster`` with task ``/job:job/task:index`` at ``address`` (added if it is not in
+    it, its job too)."""
     tasks = {j: {i: cluster.task_address(j, i) for i in cluster.task_indices(j)}
              for j in cluster.jobs}
-    tasks[job][index] = address
+    tasks.setdefault(job, {})[index] = address
     return ClusterSpec(tasks)

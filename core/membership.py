@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from clusterwire import errors
-from clusterwire.cluster_spec import ClusterSpec
+from clusterwire.cluster_spec import ClusterSpec, with_address
 from clusterwire.security import security_fields
 
 Task = tuple[str, int]
@@ -64,13 +64,6 @@ class View:
         """Every task of the view and its address."""
         return {(job, index): self.cluster.task_address(job, index)
                 for job in self.cluster.jobs for index in self.cluster.task_indices(job)}
-
-
-def _cluster_of(tasks: dict[Task, str]) -> ClusterSpec:
-    jobs: dict[str, dict[int, str]] = {}
-    for (job, index), address in tasks.items():
-        jobs.setdefault(job, {})[index] = address
-    return ClusterSpec(jobs)
 
 
 #: Sends a heartbeat carrying a view to a task's address; returns the receiver's view.
@@ -131,17 +124,12 @@ class Membership:
         return self._view
 
     def update(self, cluster: ClusterSpec) -> View:
-        """A change made here: ``cluster`` as the next version (unless it is the current
-        cluster), spread to the peers at once."""
+        """A change made here: ``cluster`` (which has this task: the caller checks) as the
+        next version, unless it is the current cluster; spread to the peers at once."""
         with self._lock:
             current = self._view
             if digest(cluster) == current.digest:
                 return current
-            if self.me not in View.of(0, cluster).tasks():
-                raise errors.InvalidArgumentError(
-                    f"The new cluster {cluster!r} does not have this task "
-                    f"/job:{self.me[0]}/task:{self.me[1]}; a task cannot remove itself "
-                    "(stop it, and update the others).")
         return self._adopt(View.of(current.version + 1, cluster))
 
     def receive(self, view: View, sender: Task | None) -> View:
@@ -157,10 +145,10 @@ class Membership:
         if not view.newer_than(self._view):
             return self._view
         own = self._view.tasks().get(self.me)
-        theirs = view.tasks()
-        if self.me in theirs and own is not None and theirs[self.me] != own:
-            theirs[self.me] = own
-            return self._adopt(View.of(view.version + 1, _cluster_of(theirs)))
+        theirs = view.tasks().get(self.me)
+        if theirs is not None and own is not None and theirs != own:
+            return self._adopt(View.of(view.version + 1, with_address(view.cluster, *self.me,
+                                                                     own)))
         return self._adopt(view)
 
     def _adopt(self, view: View) -> View:
@@ -288,10 +276,8 @@ def join(target: str, job: str, address: str, protocol: str | None = None,
         cluster: ClusterSpec = status["cluster"]
         taken = cluster.task_indices(job) if job in cluster.jobs else []
         index = (max(taken) + 1 if taken else 0) + rank
-        tasks = {j: {i: cluster.task_address(j, i) for i in cluster.task_indices(j)}
-                 for j in cluster.jobs}
-        tasks.setdefault(job, {})[index] = address
-        server = Server(tasks, job_name=job, task_index=index,
+        server = Server(with_address(cluster, job, index, address), job_name=job,
+                        task_index=index,
                         protocol=protocol or status["protocol"], config=config)
         try:
             session.update_cluster(server.cluster_spec)

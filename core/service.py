@@ -255,8 +255,7 @@ class ClusterService:
                 f"{request.hops} times: the tasks disagree on the cluster spec.")
         address = self._address_of(request.task.job, request.task.index)
         request.hops += 1
-        self._forwarded.inc(self.name, request.method if request.method in METHODS
-                            else "unknown")
+        self._forwarded.inc(self.name, self.method_of(frame))
         timeout = None
         if request.method == "barrier" and request.timeout_seconds:
             timeout = request.timeout_seconds + self._peers.timeout
@@ -514,8 +513,8 @@ class ClusterService:
                        len(self._peers.unreachable(UNREACHABLE_WINDOW_S)))]
 
     def _unreachable_peers(self) -> list[UnreachablePeer]:
-        tasks = {self.cluster.task_address(job, index): TaskRef(job=job, index=index)
-                 for job in self.cluster.jobs for index in self.cluster.task_indices(job)}
+        tasks = {address: TaskRef(job=job, index=index)
+                 for (job, index), address in self.membership.view.tasks().items()}
         return [UnreachablePeer(task=tasks.get(address), address=address,
                                 last_failure_unix_seconds=when, error=error)
                 for address, (when, error)
