@@ -207,20 +207,15 @@ class _ConsumerWaits:
     def _retire(self, waits: Histogram) -> None:
         with self._lock:
             self._live.discard(waits)
-            _add(self._gone, waits)
+            self._gone.add(waits)
 
     def samples(self) -> list[Sample]:
         """The histogram (a registry source)."""
         with self._lock:
             total, live = self._gone.copy(), list(self._live)
         for waits in live:
-            _add(total, waits.copy())
+            total.add(waits)
         return [Sample(catalog.DATA_CONSUMER_WAIT, (), total)]
-
-
-def _add(total: Histogram, more: Histogram) -> None:
-    total.counts = [a + b for a, b in zip(total.counts, more.counts, strict=True)]
-    total.sum += more.sum
 
 
 _WAITS = _ConsumerWaits()

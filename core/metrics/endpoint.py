@@ -27,11 +27,12 @@ from collections import OrderedDict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from clusterwire import errors
-from clusterwire.addressing import is_loopback, join_host_port
+from clusterwire.addressing import join_host_port
 from clusterwire.metrics import catalog
 from clusterwire.metrics.exposition import Exposition
 from clusterwire.metrics.registry import REGISTRY, Registry
 from clusterwire.security import Security, TlsConfig
+from clusterwire.shell import listen_options, warn_if_exposed
 
 #: Seconds a connection may take to send its request (TLS handshake included).
 TIMEOUT_S = 5.0
@@ -197,10 +198,7 @@ def serve_metrics(port: int = 0, host: str = "127.0.0.1", security: Security | N
         raise errors.InvalidArgumentError(
             f"metrics_port must be an int in 0..65535 (0: a free port), got {port!r}.")
     security = security or Security()
-    if not is_loopback(host) and not security.secure:
-        from clusterwire.shell import log
-        log.warning("clusterwire: WARNING: metrics served on %s without TLS or a cluster "
-                    "token: anyone who reaches the port can read them.", host or "*")
+    warn_if_exposed(host, listen_options(security=security), "The metrics endpoint")
     with _lock:
         endpoint = _endpoints.get((host, port)) if port else None
         if endpoint is None:

@@ -40,6 +40,11 @@ class Histogram:
         """Values observed."""
         return sum(self.counts)
 
+    def add(self, other: Histogram) -> None:
+        """Count what ``other`` counted too (same bounds)."""
+        self.counts = [a + b for a, b in zip(self.counts, other.counts, strict=True)]
+        self.sum += other.sum
+
     def copy(self) -> Histogram:
         """A snapshot."""
         other = Histogram(self.bounds)
@@ -81,11 +86,6 @@ class Family:
         """Add ``amount`` to a counter or gauge series."""
         with self._lock:
             self._cell(labels)[0] += amount
-
-    def set(self, *labels: str, value: float) -> None:
-        """Set a gauge series."""
-        with self._lock:
-            self._cell(labels)[0] = value
 
     def observe(self, *labels: str, value: float) -> None:
         """Count ``value`` in a histogram series."""

@@ -48,7 +48,7 @@ class RequestStats:
         self._lock = lock
         self._in_flight, self._serving, self._connections = in_flight, serving, connections
         self._latency = _LatencyCells()
-        self._errors: dict[tuple[str, int], int] = {}  # (method, code) -> count
+        self._errors = _CodeCounts()  # of the timed requests: OK is the histogram's rest
         #: Requests of callers in this process, method -> [count per status code]: the shell
         #: adds to it under its lock (a method call more would be a tenth of that path).
         self.in_process = _CodeCounts()
@@ -63,8 +63,7 @@ class RequestStats:
         latency[_bisect(_bounds, seconds)] += 1
         latency[-1] += seconds
         if code:
-            key = (method, code)
-            self._errors[key] = self._errors.get(key, 0) + 1
+            self._errors[method][code] += 1
         # A buffer is a buffer-protocol object, or stands for one and tells its nbytes (a
         # forwarded response relayed as it arrives).
         received = len(request.header)
@@ -81,15 +80,16 @@ class RequestStats:
         server, transport = self.server, self.transport
         with self._lock:
             latency = {method: list(cell) for method, cell in self._latency.items()}
-            counts = {(method, code): n for method, by_code in self.in_process.items()
-                      for code, n in enumerate(by_code) if n}
-            errors = dict(self._errors)
+            errors = {method: list(cell) for method, cell in self._errors.items()}
+            local = {method: list(cell) for method, cell in self.in_process.items()}
             received, sent, in_flight = self._received, self._sent, self._in_flight()
-        for (method, code), count in errors.items():
-            counts[method, code] = counts.get((method, code), 0) + count
-        for method, cell in latency.items():
-            failed = sum(n for (m, _code), n in errors.items() if m == method)
-            counts[method, 0] = counts.get((method, 0), 0) + sum(cell[:-1]) - failed
+        # Timed requests: OK is their count less their errors.
+        counts = {(method, 0): sum(cell[:-1]) - sum(errors.get(method, ()))
+                  for method, cell in latency.items()}
+        for cells in (errors, local):
+            for method, by_code in cells.items():
+                for code, count in enumerate(by_code):
+                    counts[method, code] = counts.get((method, code), 0) + count
         for (method, code), count in sorted(counts.items()):
             if count:
                 yield Sample(catalog.REQUESTS, (server, method, CODE_NAMES[code]), count)
