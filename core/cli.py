@@ -88,16 +88,14 @@ def _resolve(args: argparse.Namespace) -> int:
 
 def _with_metrics_options(config: Any, args: argparse.Namespace) -> Any:
     """``--config`` with ``--metrics-port`` and ``--metrics-host`` merged in."""
+    from clusterwire.data.cli import check_metrics_arguments
+
     flags = [(field, flag, value) for field, flag, value in (
         ("metrics_port", "--metrics-port", args.metrics_port),
         ("metrics_host", "--metrics-host", args.metrics_host)) if value is not None]
     if not flags:
         return config
-    if args.metrics_host is not None and args.metrics_port is None and not (
-            isinstance(config, dict) and "metrics_port" in config):
-        raise errors.InvalidArgumentError(
-            "--metrics-host without --metrics-port: the endpoint serves only on a port; "
-            "add --metrics-port N (0: a free one).")
+    check_metrics_arguments(args, isinstance(config, dict) and "metrics_port" in config)
     if config is not None and not isinstance(config, dict):
         raise errors.InvalidArgumentError(
             f"{flags[0][1]} needs --config to be a JSON object of ServerOptions fields, got "
@@ -264,6 +262,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``clusterwire`` command."""
+    from clusterwire.data.cli import add_commands, add_metrics_arguments
+
     parser = argparse.ArgumentParser(
         prog="clusterwire",
         description="Run and inspect clusterwire clusters: serve a task, resolve a cluster, "
@@ -285,11 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--grace", type=float, default=5.0,
                        help="seconds in-flight requests get at shutdown (default 5)")
     serve.add_argument("--quiet", action="store_true", help="no banner on stderr")
-    serve.add_argument("--metrics-port", type=int, metavar="N",
-                       help="serve /metrics, /healthz and /readyz over HTTP on port N (0: a "
-                            "free one; the banner gives the URL); needs prometheus_client")
-    serve.add_argument("--metrics-host", metavar="HOST",
-                       help="interface of the metrics endpoint (default 127.0.0.1)")
+    add_metrics_arguments(serve)
     serve.add_argument("--join", metavar="TARGET",
                        help="join the running cluster of TARGET (a task's protocol://host:port) "
                             "as the next task(s) of --job-name, or of the resolver's job: the "
@@ -362,8 +358,6 @@ def build_parser() -> argparse.ArgumentParser:
                       help="change the cluster while it trains: the workers go 2 -> 4 -> 3 "
                            "(one SIGKILLed), each membership change printed as it happens")
     demo.set_defaults(run=_demo)
-
-    from clusterwire.data.cli import add_commands
 
     add_commands(commands)
     return parser

@@ -15,6 +15,7 @@ import sys
 import threading
 from typing import Any
 
+from clusterwire import errors
 from clusterwire.local_cluster import READY_PREFIX, await_ready
 from clusterwire.security import security_fields
 
@@ -87,11 +88,27 @@ def _worker(args: argparse.Namespace) -> int:
     return _serve_until_signal(server, f"{config.protocol}://{server.address}", "worker", args)
 
 
+def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--metrics-port`` and ``--metrics-host``, as every server command has them."""
+    parser.add_argument("--metrics-port", type=int, metavar="N",
+                        help="serve /metrics, /healthz and /readyz over HTTP on port N (0: a "
+                             "free one; the banner gives the URL; protected like the server); "
+                             "needs prometheus_client")
+    parser.add_argument("--metrics-host", metavar="HOST",
+                        help="interface of the metrics endpoint (default 127.0.0.1)")
+
+
+def check_metrics_arguments(args: argparse.Namespace, port_given: bool = False) -> None:
+    """InvalidArgumentError for ``--metrics-host`` without a port (``--metrics-port``, or
+    one given otherwise: ``port_given``)."""
+    if args.metrics_host is not None and args.metrics_port is None and not port_given:
+        raise errors.InvalidArgumentError(
+            "--metrics-host without --metrics-port: the endpoint serves only on a port; "
+            "add --metrics-port N (0: a free one).")
+
+
 def _metrics(args: argparse.Namespace) -> dict[str, Any]:
-    if args.metrics_host is not None and args.metrics_port is None:
-        raise SystemExit(f"clusterwire {args.command}: --metrics-host without --metrics-port: "
-                         "the endpoint serves only on a port; add --metrics-port N (0: a free "
-                         "one)")
+    check_metrics_arguments(args)
     return {"metrics_port": args.metrics_port, "metrics_host": args.metrics_host}
 
 
@@ -109,11 +126,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grace", type=float, default=5.0,
                         help="seconds in-flight requests get at shutdown (default 5)")
     parser.add_argument("--quiet", action="store_true", help="no banner on stderr")
-    parser.add_argument("--metrics-port", type=int, metavar="PORT",
-                        help="serve Prometheus metrics at http://HOST:PORT/metrics (0: a free "
-                        "port, shown in the banner; protected like the server)")
-    parser.add_argument("--metrics-host", metavar="HOST",
-                        help="host the metrics endpoint binds (default 127.0.0.1)")
+    add_metrics_arguments(parser)
     security = parser.add_argument_group(
         "security", "as Server's; the CLUSTERWIRE_* environment and plugins.toml's [security] "
         "apply too (the token itself only from a file or CLUSTERWIRE_AUTH_TOKEN)")
