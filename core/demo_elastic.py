@@ -53,24 +53,42 @@ class MembershipWatch:
 
     def _run(self) -> None:
         while not self._stop.wait(0.05):
-            try:
-                status = self._session.status(timeout=2)
-            except errors.OpError:
-                continue
-            if status["membership_version"] != self.version:
-                workers = _workers(status)
-                joined, left = sorted(workers - self._workers), sorted(self._workers - workers)
-                print(f"  membership: version {self.version} -> {status['membership_version']}"
-                      + (f"; joined {', '.join(joined)}" if joined else "")
-                      + (f"; left {', '.join(left)}" if left else "")
-                      + f"; {len(workers)} workers", file=self._out, flush=True)
-                self.version, self._workers = status["membership_version"], workers
-                self.counts.append(len(workers))
+            self._check()
+
+    def _check(self) -> None:
+        try:
+            status = self._session.status(timeout=2)
+        except errors.OpError:
+            return
+        if status["membership_version"] != self.version:
+            workers = _workers(status)
+            joined, left = sorted(workers - self._workers), sorted(self._workers - workers)
+            say(self._out, f"  membership: version {self.version} -> "
+                f"{status['membership_version']}"
+                + (f"; joined {', '.join(joined)}" if joined else "")
+                + (f"; left {', '.join(left)}" if left else "")
+                + f"; {len(workers)} workers")
+            self.version, self._workers = status["membership_version"], workers
+            self.counts.append(len(workers))
 
     def stop(self) -> None:
-        """Stop watching."""
+        """Stop watching, after one last look (the final version is seen however the
+        polls fell)."""
         self._stop.set()
         self._thread.join()
+        self._check()
+
+
+_OUTPUT = threading.Lock()
+
+
+def say(out: Any, line: str) -> None:
+    """Write ``line`` to ``out`` in one piece: the watcher's thread and the training loop
+    both report, and ``print`` writes a line and its newline separately (a line of one
+    could end up in the middle of the other's)."""
+    with _OUTPUT:
+        out.write(line + "\n")
+        out.flush()
 
 
 def _workers(status: dict[str, Any]) -> set[str]:
@@ -99,9 +117,9 @@ def run_elastic_demo(protocol: str = "grpc", steps: int = 60, dim: int = 2048,
     victim = 2  # a worker that joined, killed a third of the way through its steps
     with cluster, Session(cluster.target("ps")) as session, \
             ThreadPoolExecutor(_MAX_WORKERS) as pool:
-        print(f"cluster up in {time.perf_counter() - started:.2f} s ({protocol}), heartbeats "
-              f"every {_HEARTBEAT['membership_heartbeat_seconds']:g} s: "
-              f"{cluster.cluster_spec}", file=out, flush=True)
+        say(out, f"cluster up in {time.perf_counter() - started:.2f} s ({protocol}), heartbeats "
+                 f"every {_HEARTBEAT['membership_heartbeat_seconds']:g} s: "
+                 f"{cluster.cluster_spec}")
         watch = MembershipWatch(session, out)
         session.call(ps_init, dim, _MAX_WORKERS)
         shards = [shard(), shard()]
@@ -123,43 +141,41 @@ def run_elastic_demo(protocol: str = "grpc", steps: int = 60, dim: int = 2048,
             progress = session.call(ps_progress)
             if progress["step"] >= shown + 10:
                 shown = progress["step"]
-                print(f"  step {shown:4d}  loss {progress['loss']:.3e}  steps per worker "
-                      f"{progress['steps_of'][:len(shards)]}", file=out, flush=True)
+                say(out, f"  step {shown:4d}  loss {progress['loss']:.3e}  steps per worker "
+                         f"{progress['steps_of'][:len(shards)]}")
             if not grown and progress["step"] >= steps // 2:
                 joined = cluster.add_tasks("worker", 2)
-                print(f"  elastic: started {', '.join(f'/job:worker/task:{i}' for i in joined)}"
-                      " and told the cluster", file=out, flush=True)
+                say(out, f"  elastic: started {', '.join(f'/job:worker/task:{i}' for i in joined)}"
+                         " and told the cluster")
                 for index in joined:
                     shards.append(shard())
                     launch(index)
                 grown = True
             if grown and not killed and progress["steps_of"][victim] >= steps // 3:
                 cluster.process("worker", victim).kill()
-                print(f"  elastic: SIGKILLed /job:worker/task:{victim} at step "
-                      f"{progress['step']}", file=out, flush=True)
+                say(out, f"  elastic: SIGKILLed /job:worker/task:{victim} at step "
+                         f"{progress['step']}")
                 _wait_down(session, f"/job:worker/task:{victim}")
-                print(f"  membership: /job:worker/task:{victim} is down (no heartbeat for "
-                      f"{_HEARTBEAT['membership_timeout_seconds']:g} s)", file=out, flush=True)
+                say(out, f"  membership: /job:worker/task:{victim} is down (no heartbeat for "
+                         f"{_HEARTBEAT['membership_timeout_seconds']:g} s)")
                 cluster.remove_task("worker", victim)
                 killed = True
         try:
             runs[victim].result()
         except errors.OpError as err:
-            print(f"  elastic: the killed worker's run ended with {type(err).__name__}",
-                  file=out, flush=True)
+            say(out, f"  elastic: the killed worker's run ended with {type(err).__name__}")
         for index, run in runs.items():
             if index != victim:
                 run.result()
         progress = session.call(ps_progress)
         weights = session.call(ps_pull)
-        time.sleep(0.2)  # the watcher's last poll sees the final version
         watch.stop()
     survivors = [i for i in runs if i != victim]
     stopped = {f"/job:{job}/task:{i}": cluster.process(job, i).poll()
                for job, indices in (("ps", [0]), ("worker", survivors)) for i in indices}
     loss = progress["loss"]
-    print(f"final loss {loss:.3e} (initial {initial_loss:.4f}); {progress['step']} steps in "
-          f"{time.perf_counter() - started:.1f} s", file=out, flush=True)
+    say(out, f"final loss {loss:.3e} (initial {initial_loss:.4f}); {progress['step']} steps in "
+             f"{time.perf_counter() - started:.1f} s")
     return _verdict(initial_loss, loss, watch.counts, progress["steps_of"], survivors, steps,
                     weights, stopped, out)
 
