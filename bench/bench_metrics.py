@@ -4,18 +4,24 @@ Run from the repository root::
 
     python bench/bench_metrics.py
 
-"Off" is a process started with ``CLUSTERWIRE_METRICS=0`` (no recording at all); "on" is
-the default recording plus an open metrics endpoint that a scraper in this process reads
-every second (``--scrape-interval``) while the work runs, as Prometheus would. Both sides
-run at the same time and their rounds are interleaved, so a slow phase of the machine hits
-both alike. Measured:
+"Off" is no recording at all (what ``CLUSTERWIRE_METRICS=0`` gives); "on" is the default
+recording plus an open metrics endpoint that a scraper in this process reads every second
+(``--scrape-interval``) while the work runs, as Prometheus would. The sides' rounds are
+interleaved, so a slow phase of the machine hits both alike. Measured:
 
-1. 8-byte ``Session.get`` round trips from this process to a task process, over ``grpc``
-   and over ``grpc+local`` (bench_session's direct and same-host paths), and in-process
-   (a Session on its own task, in three child processes a side, each pinned to CPU 0: the
-   cheapest path, where the per-request bookkeeping weighs most);
+1. 8-byte ``Session.get`` round trips over ``grpc`` and ``grpc+local`` from this process to
+   a task process (bench_session's direct and same-host paths), and in-process (a Session
+   on its own task, in a task process pinned to CPU 0: the cheapest path, where the
+   per-request bookkeeping weighs most). Each path's task process has metrics on and
+   switches its recording off and on between rounds: two processes of the same code differ
+   by more than the cost (an off/off comparison of three processes a side moves by up to
+   1.5%), one process against itself does not. Its endpoint is scraped throughout (both
+   sides alike), so what scrapes take is measured apart and added to "on": a scrape's CPU
+   time in that process, at the scrape rate;
 2. 2 KiB elements/s of a data-service job (bench_data's 2 KiB cell, parallel_epochs, two
-   workers): a dispatcher, two workers and the consumer, each its own process, per side.
+   workers): a dispatcher, two workers and the consumer, each its own process, a set with
+   recording off (``CLUSTERWIRE_METRICS=0``) against a set with metrics on, their jobs
+   interleaved, over several fresh pairs of sets.
 
 The target (issue "Observability"): "on" within 3% of "off". The Markdown report is printed
 and written to bench/results/metrics-<time>.md.
@@ -40,14 +46,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from _machine import cpu_model  # noqa: E402
-from bench_session import interleaved_round_trips  # noqa: E402
 
-from clusterwire.local_cluster import READY_PREFIX, await_ready  # noqa: E402
+from clusterwire.local_cluster import await_ready  # noqa: E402
 
 TARGET = 0.03
-#: Child processes a side for the in-process gets: a process's layout alone moves the time of
-#: a path this short by a few percent, so each side is several processes.
-IN_PROCESS_CHILDREN = 3
 
 
 def _env(side: str) -> dict[str, str]:
@@ -110,123 +112,135 @@ class Processes:
 
 # ---- 1. 8-byte gets ----
 
-def _task_main(protocol: str, metrics_port: int | None) -> None:
+#: The paths of the gets section: name -> (protocol, whether the gets are in-process).
+PATHS = {"grpc": ("grpc", False), "grpc+local": ("grpc+local", False),
+         "in-process": ("grpc", True)}
+
+
+def _task_main(protocol: str, metrics_port: int, in_process_gets: int) -> None:
+    """A task with metrics on and its endpoint open. Per line read: "on" / "off" switches
+    its shell's recording (answering 0), or with ``in_process_gets``, times that many gets
+    of a Session on its own task with the recording so switched and prints their median in
+    us; "cpu" prints the process's CPU seconds so far.
+
+    Switched, the recording is what ``CLUSTERWIRE_METRICS=0`` leaves at construction (no
+    request statistics) or the default: so both sides run in one process, with one layout.
+    An in-process get runs in the caller's thread: that process is pinned to CPU 0 (moving
+    between CPUs is noise only)."""
     import clusterwire
 
-    config = {} if metrics_port is None else {"metrics_port": metrics_port}
+    if in_process_gets:
+        os.sched_setaffinity(0, {0})
     server = clusterwire.Server({"w": ["127.0.0.1:0"]}, job_name="w", task_index=0,
-                                protocol=protocol, config=config)
-    clusterwire.Session(server.target).put("x", np.arange(1, dtype=np.int64))
-    print(READY_PREFIX + server.target, flush=True)
-    sys.stdin.read()
-    server.stop()
-
-
-def measure_gets(args: argparse.Namespace, processes: Processes) -> list[dict]:
-    import clusterwire
-
-    variants, urls = {}, []
-    for protocol in ("grpc", "grpc+local"):
-        for side in ("off", "on"):
-            command = [sys.executable, __file__, "--role", "task", "--protocol", protocol]
-            if side == "on":
-                port = _free_port()
-                command += ["--metrics-port", str(port)]
-                urls.append(f"http://127.0.0.1:{port}/metrics")
-            target = processes.start(command, _env(side))
-            session = clusterwire.Session(target)
-            variants[(protocol, side)] = (lambda s=session: s.get("x"))
-    scraper = Scraper(urls, args.scrape_interval)
-    try:
-        samples = interleaved_round_trips(variants, args.iterations, args.warmup, args.rounds)
-    finally:
-        scraper.close()
-    rows = []
-    for protocol in ("grpc", "grpc+local"):
-        off = statistics.median(samples[(protocol, "off")]) / 1e3
-        on = statistics.median(samples[(protocol, "on")]) / 1e3
-        rows.append({"what": f"8 B Session.get, {protocol}", "off": off, "on": on,
-                     "unit": "us", "change": on / off - 1, "scrapes": scraper.scrapes})
-    return rows
-
-
-def _in_process_main(metrics_port: int | None, per_round: int) -> None:
-    """Time in-process gets (a Session on this process's own task) ``per_round`` at a
-    time, a round per line read; print each round's median in us. Pinned to CPU 0: an
-    in-process get runs in the caller's thread, and moving between CPUs is noise only."""
-    import clusterwire
-
-    os.sched_setaffinity(0, {0})
-    config = {} if metrics_port is None else {"metrics_port": metrics_port}
-    server = clusterwire.Server({"w": ["127.0.0.1:0"]}, job_name="w", task_index=0,
-                                config=config)
+                                protocol=protocol, config={"metrics_port": metrics_port})
     session = clusterwire.Session(server.target)
     session.put("x", np.arange(1, dtype=np.int64))
-    for _ in range(per_round):
+    shell = server._shell
+    recording = {"on": shell._stats, "off": None}
+    for _ in range(in_process_gets):
         session.get("x")
-    print("ready", flush=True)
+    print("ready", server.target, flush=True)
     clock = time.perf_counter_ns
-    for _ in sys.stdin:
+    for line in sys.stdin:
+        command = line.strip()
+        if command == "cpu":
+            print(time.process_time(), flush=True)
+            continue
+        shell._stats = recording[command]
         times = []
-        for _ in range(per_round):
+        for _ in range(in_process_gets):
             start = clock()
             session.get("x")
             times.append(clock() - start)
-        print(statistics.median(times) / 1e3, flush=True)
+        print(statistics.median(times) / 1e3 if times else 0, flush=True)
     server.stop()
 
 
-def _child(command: list[str], env: dict[str, str], processes: Processes) -> subprocess.Popen:
-    """A child that answers one number per line it reads, after a "ready" line."""
+def _child(command: list[str], env: dict[str, str], processes: Processes
+           ) -> tuple[subprocess.Popen, str]:
+    """A child of this benchmark that answers one line per line it reads, after a "ready"
+    line; the rest of that line (a target, or nothing)."""
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True,
                              env=env)
     processes.children.append(child)
-    if child.stdout.readline().strip() != "ready":
+    first = child.stdout.readline().split()
+    if first[:1] != ["ready"]:
         raise RuntimeError(f"{command} did not start")
-    return child
+    return child, " ".join(first[1:])
 
 
-def alternate(children: dict[tuple[str, int], subprocess.Popen], runs: int
-              ) -> dict[str, list[float]]:
-    """Ask each child, keyed by (side, number), for a number ``runs`` times, alternating
-    which goes first; the numbers of each side."""
-    values: dict[str, list[float]] = {side: [] for side, _ in children}
-    for run in range(runs):
-        for key in (list(children) if run % 2 == 0 else list(children)[::-1]):
-            children[key].stdin.write("go\n")
-            children[key].stdin.flush()
-            values[key[0]].append(float(children[key].stdout.readline()))
-    return values
+def _ask(child: subprocess.Popen, line: str) -> float:
+    child.stdin.write(line + "\n")
+    child.stdin.flush()
+    return float(child.stdout.readline())
 
 
-def compare(children: dict[tuple[str, int], subprocess.Popen], urls: list[str],
-            args: argparse.Namespace, runs: int, what: str, unit: str) -> dict:
-    """A report row: each side's median of ``runs`` numbers from each of its children,
-    asked in turn while the "on" side's endpoints are scraped."""
-    scraper = Scraper(urls, args.scrape_interval)
+def scrape_cpu_seconds(child: subprocess.Popen, url: str, scrapes: int = 40) -> float:
+    """The CPU time ``child`` spends on one scrape of ``url`` (while it does nothing else)."""
+    before = _ask(child, "cpu")
+    for _ in range(scrapes):
+        with urllib.request.urlopen(url, timeout=10) as answer:
+            answer.read()
+    return (_ask(child, "cpu") - before) / scrapes
+
+
+def measure_gets(args: argparse.Namespace, processes: Processes) -> list[dict]:
+    """8-byte gets on each path, recording off and on in the same task process (switched
+    per round; its endpoint scraped throughout, both sides alike), the scrapes' share of
+    that process added to "on": a scrape's CPU time at the scrape rate."""
+    import clusterwire
+
+    children, urls, gets = {}, {}, {}
+    for path, (protocol, in_process) in PATHS.items():
+        port = _free_port()
+        urls[path] = f"http://127.0.0.1:{port}/metrics"
+        children[path], target = _child(
+            [sys.executable, __file__, "--role", "task", "--protocol", protocol,
+             "--metrics-port", str(port), "--in-process-gets",
+             str(args.iterations if in_process else 0)], _env("on"), processes)
+        if not in_process:
+            session = clusterwire.Session(target)
+            gets[path] = lambda session=session: session.get("x")
+            for _ in range(args.warmup):
+                gets[path]()
+    per_round = max(1, args.iterations // args.rounds)
+    samples: dict[tuple[str, str], list[float]] = {
+        (path, side): [] for path in PATHS for side in ("off", "on")}
+    clock = time.perf_counter_ns
+    scraper = Scraper(list(urls.values()), args.scrape_interval)
     try:
-        values = alternate(children, runs)
+        for number in range(args.rounds):
+            for path in PATHS:
+                for side in ("off", "on") if number % 2 == 0 else ("on", "off"):
+                    median_us = _ask(children[path], side)
+                    if path not in gets:
+                        samples[path, side].append(median_us)
+                        continue
+                    get, out = gets[path], samples[path, side]
+                    for _ in range(per_round):
+                        start = clock()
+                        get()
+                        out.append((clock() - start) / 1e3)
     finally:
         scraper.close()
-    off, on = statistics.median(values["off"]), statistics.median(values["on"])
-    return {"what": what, "off": off, "on": on, "unit": unit, "change": on / off - 1,
-            "scrapes": scraper.scrapes}
+    rows = []
+    for path in PATHS:
+        scrape = scrape_cpu_seconds(children[path], urls[path])
+        off = statistics.median(samples[path, "off"])
+        on = statistics.median(samples[path, "on"]) * (1 + scrape / args.scrape_interval)
+        rows.append({"what": f"8 B Session.get, {path}", "off": off, "on": on, "unit": "us",
+                     "change": on / off - 1, "scrapes": scraper.scrapes,
+                     "scrape_ms": scrape * 1e3})
+    return rows
 
 
-def measure_in_process(args: argparse.Namespace, processes: Processes) -> list[dict]:
-    urls: list[str] = []
-    children = {}
-    for number in range(IN_PROCESS_CHILDREN):
-        for side in ("off", "on"):
-            command = [sys.executable, __file__, "--role", "in-process", "--count",
-                       str(args.iterations)]
-            if side == "on":
-                port = _free_port()
-                command += ["--metrics-port", str(port)]
-                urls.append(f"http://127.0.0.1:{port}/metrics")
-            children[side, number] = _child(command, _env(side), processes)
-    return [compare(children, urls, args, args.rounds // IN_PROCESS_CHILDREN,
-                    "8 B Session.get, in-process (a Session on its own task)", "us")]
+def alternate(children: dict[str, subprocess.Popen], runs: int) -> dict[str, list[float]]:
+    """Ask each side's child for a number ``runs`` times, alternating which goes first."""
+    values: dict[str, list[float]] = {side: [] for side in children}
+    for run in range(runs):
+        for side in (list(children) if run % 2 == 0 else list(children)[::-1]):
+            values[side].append(_ask(children[side], "go"))
+    return values
 
 
 # ---- 2. 2 KiB elements ----
@@ -273,67 +287,89 @@ def _data_side(side: str, count: int, processes: Processes, urls: list[str]
                          "--quiet", "--dispatcher-address", target.split("://")[1],
                          "--import", "_data_workload", *metrics()], env)
     return _child([sys.executable, __file__, "--role", "consume", "--target", target,
-                   "--count", str(count), *metrics()], env, processes)
+                   "--count", str(count), *metrics()], env, processes)[0]
 
 
-def measure_data(args: argparse.Namespace, processes: Processes) -> list[dict]:
-    urls: list[str] = []
-    consumers = {(side, 0): _data_side(side, args.elements, processes, urls)
-                 for side in ("off", "on")}
-    return [compare(consumers, urls, args, args.data_runs,
-                    "2 KiB elements/s, parallel_epochs, 2 workers", "el/s")]
+def measure_data(args: argparse.Namespace) -> list[dict]:
+    """Jobs of a set of processes with recording off against a set with metrics on,
+    interleaved; ``--data-sets`` fresh pairs of sets, their jobs pooled (two sets of the same
+    processes differ by a few percent, which pairs average out)."""
+    values: dict[str, list[float]] = {"off": [], "on": []}
+    scrapes = 0
+    for _pair in range(args.data_sets):
+        processes, urls = Processes(), []
+        try:
+            consumers = {side: _data_side(side, args.elements, processes, urls)
+                         for side in ("off", "on")}
+            scraper = Scraper(urls, args.scrape_interval)
+            try:
+                for side, numbers in alternate(consumers, args.data_runs).items():
+                    values[side] += numbers
+            finally:
+                scraper.close()
+                scrapes += scraper.scrapes
+        finally:
+            processes.close()
+    off, on = statistics.median(values["off"]), statistics.median(values["on"])
+    return [{"what": f"2 KiB elements/s, parallel_epochs, 2 workers ({args.data_sets} pairs "
+                     f"of process sets, {args.data_runs} jobs each a side)",
+             "off": off, "on": on, "unit": "el/s", "change": on / off - 1, "scrapes": scrapes}]
 
 
 def render(args: argparse.Namespace, rows: list[dict], seconds: float) -> str:
     lines = [f"# Metrics overhead ({datetime.datetime.now():%Y-%m-%d %H:%M})", "",
              f"Machine: {cpu_model()}, {os.cpu_count()} CPUs. Command: "
              f"`python bench/bench_metrics.py {' '.join(sys.argv[1:])}`. {seconds:.0f} s.", "",
-             "| Work | Metrics off | Metrics on (scraped every "
-             f"{args.scrape_interval:g} s) | Change | Scrapes | Within 3% |",
-             "|---|---|---|---|---|---|"]
+             "| Work | Recording off | Metrics on (scraped every "
+             f"{args.scrape_interval:g} s) | Change | A scrape's CPU | Scrapes | Within 3% |",
+             "|---|---|---|---|---|---|---|"]
     for row in rows:
         # For latency a positive change is a cost; for el/s a negative one is.
         cost = row["change"] if row["unit"] == "us" else -row["change"]
+        scrape = f"{row['scrape_ms']:.2f} ms, added" if "scrape_ms" in row else "in the run"
         lines.append(f"| {row['what']} | {row['off']:,.1f} {row['unit']} | "
-                     f"{row['on']:,.1f} {row['unit']} | {row['change']:+.1%} | "
+                     f"{row['on']:,.1f} {row['unit']} | {row['change']:+.1%} | {scrape} | "
                      f"{row['scrapes']} | {'met' if cost <= TARGET else 'NOT met'} |")
     return "\n".join(lines) + "\n"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--role", choices=["task", "in-process", "consume"],
-                        help=argparse.SUPPRESS)
+    parser.add_argument("--role", choices=["task", "consume"], help=argparse.SUPPRESS)
     parser.add_argument("--protocol", default="grpc", help=argparse.SUPPRESS)
     parser.add_argument("--metrics-port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)
     parser.add_argument("--count", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--iterations", type=int, default=4000, help="timed gets per path")
+    parser.add_argument("--in-process-gets", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--iterations", type=int, default=4000,
+                        help="timed gets per path and side (in-process: per round)")
     parser.add_argument("--warmup", type=int, default=300, help="untimed gets per path")
     parser.add_argument("--rounds", type=int, default=40, help="interleaved rounds of gets")
     parser.add_argument("--elements", type=int, default=20000, help="elements per data job")
-    parser.add_argument("--data-runs", type=int, default=6, help="data jobs per side")
+    parser.add_argument("--data-runs", type=int, default=4,
+                        help="data jobs a side per pair of process sets")
+    parser.add_argument("--data-sets", type=int, default=3,
+                        help="pairs of process sets (off, on) for the data jobs")
     parser.add_argument("--scrape-interval", type=float, default=1.0)
     parser.add_argument("--section", choices=["gets", "data", "all"], default="all",
                         help="what to measure (default: both)")
     args = parser.parse_args()
     if args.role == "task":
-        _task_main(args.protocol, args.metrics_port)
-        return 0
-    if args.role == "in-process":
-        _in_process_main(args.metrics_port, args.count)
+        _task_main(args.protocol, args.metrics_port, args.in_process_gets)
         return 0
     if args.role == "consume":
         _consume_main(args.target, args.count, args.metrics_port)
         return 0
     started = time.monotonic()
-    processes = Processes()
-    try:
-        rows = (measure_gets(args, processes) + measure_in_process(args, processes)
-                if args.section in ("gets", "all") else []) + (
-            measure_data(args, processes) if args.section in ("data", "all") else [])
-    finally:
-        processes.close()
+    rows = []
+    if args.section in ("gets", "all"):
+        processes = Processes()
+        try:
+            rows += measure_gets(args, processes)
+        finally:
+            processes.close()
+    if args.section in ("data", "all"):
+        rows += measure_data(args)
     text = render(args, rows, time.monotonic() - started)
     print(text)
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
