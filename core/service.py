@@ -13,7 +13,7 @@ import os
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -164,13 +164,8 @@ class ClusterService:
         request = Request(method="heartbeat", membership_version=view.version,
                           from_task=TaskRef(job=self.job, index=self.index),
                           cluster=view.cluster.as_cluster_def())
-        try:
+        with self._silence_is_unreachable(address, request.method):
             response, _ = self._peers.send(address, request, timeout=timeout)
-        except errors.DeadlineExceededError as err:
-            # A heartbeat is answered at once: no answer in time is a peer cut off with a
-            # connection still open, which a refused connection would have told at once.
-            self._peers.note_unreachable(address, err.message)
-            raise
         return View.of(response.membership.version, ClusterSpec(response.membership.cluster))
 
     def _heartbeat(self, request: Request) -> Frame:
@@ -248,6 +243,18 @@ class ClusterService:
                 f"No task /job:{job}/task:{index} in the cluster {self.cluster!r} (membership "
                 f"version {self.membership.view.version}).") from None
 
+    @contextlib.contextmanager
+    def _silence_is_unreachable(self, address: str, method: str) -> Iterator[None]:
+        """A request of a method answered at once that got no answer in time: the peer is
+        cut off with a connection still open (a refused connection would have said so at
+        once), so it counts as unreachable; the error goes on."""
+        try:
+            yield
+        except errors.DeadlineExceededError as err:
+            if method in _AT_ONCE:
+                self._peers.note_unreachable(address, err.message)
+            raise
+
     def _forward(self, request: Request, frame: Frame) -> Frame:
         if request.hops >= _MAX_HOPS:
             raise errors.InternalError(
@@ -262,7 +269,7 @@ class ClusterService:
         left = in_process.time_left()  # a caller of this process waits for this long
         if left is not None:
             timeout = min(timeout or self._peers.timeout, left)
-        with parked():
+        with parked(), self._silence_is_unreachable(address, request.method):
             # A caller of this process takes the buffers themselves; for one on the wire,
             # they may stream through this task's listener as they arrive (cut-through).
             reply = self._peers.send_frame(

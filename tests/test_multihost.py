@@ -325,6 +325,10 @@ def test_a_lost_host_fails_requests_to_it_in_time_and_is_reached_again_once_heal
                                  (f"clusterwire.Session({servers['lost'].target!r}).get('v')", 2),
                                  ("to['ps'].get('v', task='/job:lost/task:0')", 3)]:
             assert lost in fails_in_time(client, request, timeout), request
+        # The task that forwarded says it could not reach the lost one.
+        assert [(p["task"], p["address"]) for p in
+                client.eval("to['ps'].status()")["unreachable_peers"]] == [
+            ("/job:lost/task:0", lost)]
         # The other hosts still reach each other, directly and forwarded.
         assert client.eval("to['ps'].get('v')").tolist() == [0] * 4
         assert client.eval("to['ps'].get('v', task='/job:kept/task:0')").tolist() == [2] * 4
