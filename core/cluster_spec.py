@@ -172,6 +172,11 @@ class ClusterSpec:
             raise ValueError(
                 f"No task with index {task_index!r} in job {job_name!r}") from None
 
+    def task_addresses(self) -> dict[tuple[str, int], str]:
+        """Every task, ``(job, index)``, and its address: jobs in order, indices sorted."""
+        return {(job, index): tasks[index] for job, tasks in self._cluster_spec.items()
+                for index in sorted(tasks)}
+
     def job_tasks(self, job_name: str) -> list[str | None]:
         """Addresses of ``job_name`` by index, with None in the gaps of a sparse job."""
         tasks = self._tasks(job_name)

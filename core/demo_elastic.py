@@ -37,6 +37,18 @@ _MAX_WORKERS = 8
 _HEARTBEAT = {"membership_heartbeat_seconds": 0.25, "membership_timeout_seconds": 1.0}
 
 
+_OUTPUT = threading.Lock()
+
+
+def say(out: Any, line: str) -> None:
+    """Write ``line`` to ``out`` in one piece: the watcher's thread and the training loop
+    both report, and ``print`` writes a line and its newline separately (a line of one
+    could end up in the middle of the other's)."""
+    with _OUTPUT:
+        out.write(line + "\n")
+        out.flush()
+
+
 class MembershipWatch:
     """Polls the ps's status and prints each new membership version (who joined and who
     left) as it happens; remembers the worker counts seen."""
@@ -77,18 +89,6 @@ class MembershipWatch:
         self._stop.set()
         self._thread.join()
         self._check()
-
-
-_OUTPUT = threading.Lock()
-
-
-def say(out: Any, line: str) -> None:
-    """Write ``line`` to ``out`` in one piece: the watcher's thread and the training loop
-    both report, and ``print`` writes a line and its newline separately (a line of one
-    could end up in the middle of the other's)."""
-    with _OUTPUT:
-        out.write(line + "\n")
-        out.flush()
 
 
 def _workers(status: dict[str, Any]) -> set[str]:

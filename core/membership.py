@@ -38,8 +38,8 @@ _SENDERS = 16
 
 def digest(cluster: ClusterSpec) -> bytes:
     """A digest of ``cluster`` that equal clusters share (tasks and addresses)."""
-    text = repr(sorted((job, index, cluster.task_address(job, index))
-                       for job in cluster.jobs for index in cluster.task_indices(job)))
+    text = repr(sorted((job, index, address)
+                       for (job, index), address in cluster.task_addresses().items()))
     return hashlib.sha256(text.encode()).digest()
 
 
@@ -62,8 +62,7 @@ class View:
 
     def tasks(self) -> dict[Task, str]:
         """Every task of the view and its address."""
-        return {(job, index): self.cluster.task_address(job, index)
-                for job in self.cluster.jobs for index in self.cluster.task_indices(job)}
+        return self.cluster.task_addresses()
 
 
 #: Sends a heartbeat carrying a view to a task's address; returns the receiver's view.
@@ -235,9 +234,10 @@ class ResolverWatch:
         while not self._stopped.wait(self._interval):
             try:
                 cluster = self._resolver.cluster_spec()
-                if digest(cluster) != self._last:
+                now = digest(cluster)
+                if now != self._last:
                     self._server.update_cluster(cluster)
-                    self._last = digest(cluster)
+                    self._last = now
                 self._failing = ""
             except Exception as err:  # a resolver's outage must not end the watch
                 if str(err) != self._failing:  # say each new failure once

@@ -48,8 +48,7 @@ _AT_ONCE = frozenset({"get", "put", "delete", "list", "status", "heartbeat"})
 SERVED_AT_ONCE = _AT_ONCE | {"unknown"}
 #: Every method a task serves (a metric's ``method`` label is one of these or "unknown").
 METHODS = frozenset({*_AT_ONCE, "call", "barrier", "complete_cluster", "update_cluster",
-                     "barrier_arrive",
-                     "barrier_release", "barrier_withdraw"})
+                     "barrier_arrive", "barrier_release", "barrier_withdraw"})
 #: Threads a coordinating task sends barrier releases from (its server threads never do).
 _RELEASE_SENDERS = 8
 #: How long a peer that could not be reached counts as unreachable (unless reached since).
@@ -329,8 +328,7 @@ class ClusterService:
         raise errors.UnimplementedError(
             f"Unknown method {method!r}; this server serves: status, put, get, delete, list, "
             "call, barrier, complete_cluster, update_cluster (and, between tasks, "
-            "barrier_arrive, "
-            "barrier_release, barrier_withdraw, heartbeat).")
+            "barrier_arrive, barrier_release, barrier_withdraw, heartbeat).")
 
     def _store_put(self, name: str, stored: _Stored) -> None:
         """Store ``stored`` as ``name`` (replacing it) within max_store_bytes."""

@@ -191,9 +191,8 @@ class TaskPoller:
 
         cluster = ClusterSpec(status.cluster)
         self._own = f"/job:{status.task.job}/task:{status.task.index}"
-        self._tasks = [(task, self._target_address if task == self._own
-                        else cluster.task_address(job, index))
-                       for job in cluster.jobs for index in cluster.task_indices(job)
+        self._tasks = [(task, self._target_address if task == self._own else address)
+                       for (job, index), address in cluster.task_addresses().items()
                        for task in [f"/job:{job}/task:{index}"]]
 
     def poll(self) -> list[TaskSnapshot]:

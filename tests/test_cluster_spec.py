@@ -26,6 +26,12 @@ def test_sparse_dict_keeps_indices_and_pads_job_tasks():
     assert spec.job_tasks("worker") == [None, "w1:2222", None, "w3:2222"]
 
 
+def test_task_addresses_lists_every_task_by_job_then_index():
+    spec = ClusterSpec({"worker": {3: "w3:1", 1: "w1:1"}, "ps": ["p0:1"], "idle": {}})
+    assert list(spec.task_addresses().items()) == [
+        (("worker", 1), "w1:1"), (("worker", 3), "w3:1"), (("ps", 0), "p0:1")]
+
+
 def test_sparse_job_with_dense_indices_becomes_a_list():
     assert ClusterSpec({"w": {1: "b:1", 0: "a:1"}}).as_dict() == {"w": ["a:1", "b:1"]}
 
