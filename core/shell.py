@@ -252,8 +252,7 @@ class Shell:
                 method = method or self._method_of(frame)
                 with self._lock:
                     if wire:
-                        stats.record(method, refusal.error_code, perf_counter() - started,
-                                     frame, response)
+                        stats.record(method, refusal.error_code, started, frame, response)
                     else:
                         stats.in_process[method][refusal.error_code] += 1
             return response
@@ -270,14 +269,13 @@ class Shell:
             counted = stats is not None and response is not None
             if counted and wire:  # named outside the lock: naming may parse the request
                 method = method or self._method_of(frame)
-                seconds = perf_counter() - started
-            with self._lock:
+            with self._lock:  # record() reads the clock: a request's time ends here
                 self._in_flight -= 1
                 if self._draining:
                     self._idle.notify_all()
                 if counted:
                     if wire:
-                        stats.record(method, code, seconds, frame, response)
+                        stats.record(method, code, started, frame, response)
                     else:
                         stats.in_process[method][code] += 1
         return response

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
+from time import perf_counter
 
 from clusterwire.errors import CODE_NAMES
 from clusterwire.metrics import catalog
@@ -14,20 +15,63 @@ from clusterwire.transport import Frame
 _BOUNDS = catalog.REQUEST_SECONDS.buckets
 
 
-class _LatencyCells(dict):
-    """method -> [count per latency bucket (the last: +Inf)..., sum of seconds]."""
-
-    def __missing__(self, method: str) -> list:
-        cells = self[method] = [0] * (len(_BOUNDS) + 1) + [0.0]
-        return cells
-
-
 class _CodeCounts(dict):
     """method -> [count per status code]."""
 
     def __missing__(self, method: str) -> list:
         counts = self[method] = [0] * (max(CODE_NAMES) + 1)
         return counts
+
+
+class PythonRequestCells:
+    """The counts of the requests that came through the transport: per method a latency
+    histogram and the errors by code, and the bytes in and out. ``_request_cells.c`` holds
+    the same rules in C (``RequestCells``, used when built); this is the fallback."""
+
+    def __init__(self, bounds: tuple[float, ...], codes: int):
+        self._bounds, self._codes = tuple(bounds), codes
+        self._latency: dict[str, list] = {}
+        self._errors: dict[str, list] = {}
+        self._received = self._sent = 0
+
+    def record(self, method: str, code: int, started: float, request: Frame,
+               response: Frame, _bisect=bisect_left) -> None:
+        """Count one request: its latency (from ``started``, ``perf_counter()`` when it
+        arrived, to now), its code when not OK, its frames' bytes."""
+        seconds = perf_counter() - started
+        received, sent = _frame_bytes(request), _frame_bytes(response)
+        latency = self._latency.get(method)
+        if latency is None:
+            latency = self._latency[method] = [0] * (len(self._bounds) + 1) + [0.0]
+            self._errors[method] = [0] * self._codes
+        latency[_bisect(self._bounds, seconds)] += 1
+        latency[-1] += seconds
+        if code:
+            self._errors[method][code] += 1
+        self._received += received
+        self._sent += sent
+
+    def snapshot(self) -> tuple[dict[str, list], dict[str, list[int]], int, int]:
+        """(method -> [count per bucket (the last: +Inf)..., sum of seconds],
+        method -> [count per status code], bytes received, bytes sent)."""
+        return ({method: list(cells) for method, cells in self._latency.items()},
+                {method: list(counts) for method, counts in self._errors.items()},
+                self._received, self._sent)
+
+
+def _frame_bytes(frame: Frame) -> int:
+    """A frame's header and buffers: each a buffer-protocol object, or one that stands for
+    one and tells its nbytes (a forwarded response relayed as it arrives)."""
+    total = len(frame.header)
+    for buffer in frame.buffers:
+        total += buffer.nbytes if hasattr(buffer, "nbytes") else memoryview(buffer).nbytes
+    return total
+
+
+try:
+    from clusterwire.metrics._request_cells import RequestCells
+except ImportError:  # not built (no C compiler at install)
+    RequestCells = PythonRequestCells
 
 
 class RequestStats:
@@ -47,42 +91,21 @@ class RequestStats:
         self.server, self.transport = server, transport
         self._lock = lock
         self._in_flight, self._serving, self._connections = in_flight, serving, connections
-        self._latency = _LatencyCells()
-        self._errors = _CodeCounts()  # of the timed requests: OK is the histogram's rest
+        self._cells = RequestCells(_BOUNDS, max(CODE_NAMES) + 1)
+        #: ``record(method, code, started, request, response)``: count a request that came
+        #: through the transport (see ``PythonRequestCells``); it runs for every such request.
+        self.record = self._cells.record
         #: Requests of callers in this process, method -> [count per status code]: the shell
         #: adds to it under its lock (a method call more would be a tenth of that path).
         self.in_process = _CodeCounts()
-        self._received = self._sent = 0
-
-    def record(self, method: str, code: int, seconds: float, request: Frame,
-               response: Frame, _bisect=bisect_left, _bounds=_BOUNDS) -> None:
-        """Count a request that came through the transport: its latency and bytes. It runs
-        for every such request of every server: its helpers are bound as locals, its cells
-        made on first use."""
-        latency = self._latency[method]
-        latency[_bisect(_bounds, seconds)] += 1
-        latency[-1] += seconds
-        if code:
-            self._errors[method][code] += 1
-        # A buffer is a buffer-protocol object, or stands for one and tells its nbytes (a
-        # forwarded response relayed as it arrives).
-        received = len(request.header)
-        for buffer in request.buffers:
-            received += buffer.nbytes if hasattr(buffer, "nbytes") else memoryview(buffer).nbytes
-        sent = len(response.header)
-        for buffer in response.buffers:
-            sent += buffer.nbytes if hasattr(buffer, "nbytes") else memoryview(buffer).nbytes
-        self._received += received
-        self._sent += sent
 
     def samples(self) -> Iterator[Sample]:
         """The server's samples (a registry source)."""
         server, transport = self.server, self.transport
         with self._lock:
-            latency = {method: list(cell) for method, cell in self._latency.items()}
-            errors = {method: list(cell) for method, cell in self._errors.items()}
+            latency, errors, received, sent = self._cells.snapshot()
             local = {method: list(cell) for method, cell in self.in_process.items()}
-            received, sent, in_flight = self._received, self._sent, self._in_flight()
+            in_flight = self._in_flight()
         # Timed requests: OK is their count less their errors.
         counts = {(method, 0): sum(cell[:-1]) - sum(errors.get(method, ()))
                   for method, cell in latency.items()}
