@@ -17,7 +17,9 @@ interleaved, so a slow phase of the machine hits both alike. Measured:
    by more than the cost (an off/off comparison of three processes a side moves by up to
    1.5%), one process against itself does not. Its endpoint is scraped throughout (both
    sides alike), so what scrapes take is measured apart and added to "on": a scrape's CPU
-   time in that process, at the scrape rate;
+   time in that process, at the scrape rate. The sides' rounds come in pairs; the change
+   is the median of the pairs' on/off ratios of round medians (a same-host get's latency
+   has two modes, whose mix moves a pooled median by more than the cost);
 2. 2 KiB elements/s of a data-service job (bench_data's 2 KiB cell, parallel_epochs, two
    workers): a dispatcher, two workers and the consumer, each its own process, a set with
    recording off (``CLUSTERWIRE_METRICS=0``) against a set with metrics on, their jobs
@@ -211,7 +213,7 @@ def measure_gets(args: argparse.Namespace, processes: Processes) -> list[dict]:
         for number in range(args.rounds):
             for path in PATHS:
                 for side in ("off", "on") if number % 2 == 0 else ("on", "off"):
-                    median_us = _ask(children[path], side)
+                    median_us = _ask(children[path], "off" if args.control else side)
                     if path in gets:
                         get, times = gets[path], []
                         for _ in range(args.gets_per_round):
@@ -330,7 +332,8 @@ def render(args: argparse.Namespace, rows: list[dict], seconds: float) -> str:
              f"`python bench/bench_metrics.py {' '.join(sys.argv[1:])}`. {seconds:.0f} s. "
              f"Request counts recorded in {cells}. Gets: {args.rounds} rounds a side "
              f"({args.gets_per_round} gets each, in-process {args.in_process_gets_per_round}), "
-             "the change the median of each pair's on/off ratio (quartiles beside it).", "",
+             "the change the median of each pair's on/off ratio (quartiles beside it)."
+             + (" **Control run: recording off on both sides.**" if args.control else ""), "",
              "| Work | Recording off | Metrics on (scraped every "
              f"{args.scrape_interval:g} s) | Change | A scrape's CPU | Scrapes | Within 3% |",
              "|---|---|---|---|---|---|---|"]
@@ -368,6 +371,9 @@ def main() -> int:
     parser.add_argument("--data-sets", type=int, default=3,
                         help="pairs of process sets (off, on) for the data jobs")
     parser.add_argument("--scrape-interval", type=float, default=1.0)
+    parser.add_argument("--control", action="store_true",
+                        help="gets with recording off on both sides: what a change of "
+                             "nothing measures as (the method's noise)")
     parser.add_argument("--section", choices=["gets", "data", "all"], default="all",
                         help="what to measure (default: both)")
     args = parser.parse_args()

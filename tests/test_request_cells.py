@@ -3,6 +3,7 @@ fallback count the same requests the same way."""
 
 from __future__ import annotations
 
+import array
 import random
 import time
 
@@ -42,6 +43,8 @@ def buffers(rng: random.Random) -> list:
         lambda n: memoryview(bytes(n)),
         lambda n: np.zeros(n, np.uint8),
         lambda n: np.zeros((n, 3), np.float32)[:, 1],  # not contiguous
+        lambda n: array.array("d", bytes(8 * n)),  # a buffer without nbytes
+        lambda n: memoryview(array.array("i", bytes(4 * n)))[::2],  # strided
         lambda n: Relayed(n),
     ]
     return [rng.choice(kinds)(rng.randrange(0, 5000)) for _ in range(rng.randrange(0, 4))]

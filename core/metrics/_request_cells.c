@@ -132,7 +132,7 @@ buffer_bytes(PyObject *buffer)
         return -1;
     PyErr_Clear();
     Py_buffer view;
-    if (PyObject_GetBuffer(buffer, &view, PyBUF_SIMPLE) < 0)
+    if (PyObject_GetBuffer(buffer, &view, PyBUF_FULL_RO) < 0)  /* as memoryview() asks */
         return -1;
     Py_ssize_t n = view.len;
     PyBuffer_Release(&view);
