@@ -229,8 +229,10 @@ def measure_gets(args: argparse.Namespace, processes: Processes) -> list[dict]:
         scrape = scrape_cpu_seconds(children[path], urls[path])
         off, on = np.array(rounds[path, "off"]), np.array(rounds[path, "on"])
         # Each round against the other side's round of the same pair: a slow phase of the
-        # machine hits both; the scrapes' share of the process is added to "on".
-        changes = on / off * (1 + scrape / args.scrape_interval) - 1
+        # machine hits both; the scrapes' share of the process is added to "on" (not in a
+        # control run, where both sides are the same).
+        share = 0.0 if args.control else scrape / args.scrape_interval
+        changes = on / off * (1 + share) - 1
         rows.append({"what": f"8 B Session.get, {path}", "off": float(np.median(off)),
                      "on": float(np.median(on)), "unit": "us",
                      "change": float(np.median(changes)),
@@ -340,7 +342,9 @@ def render(args: argparse.Namespace, rows: list[dict], seconds: float) -> str:
     for row in rows:
         # For latency a positive change is a cost; for el/s a negative one is.
         cost = row["change"] if row["unit"] == "us" else -row["change"]
-        scrape = f"{row['scrape_ms']:.2f} ms, added" if "scrape_ms" in row else "in the run"
+        scrape = "in the run"
+        if "scrape_ms" in row:
+            scrape = f"{row['scrape_ms']:.2f} ms{'' if args.control else ', added'}"
         change = f"{row['change']:+.1%}"
         if "quartiles" in row:
             change += " ({:+.1%} to {:+.1%})".format(*row["quartiles"])
