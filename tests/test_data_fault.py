@@ -280,6 +280,27 @@ def test_distributed_epoch_waits_out_a_stalled_worker_and_uses_it_again(processe
 
 
 @pytest.mark.timeout(60)
+def test_a_worker_the_dispatcher_stops_listing_loses_its_reads_at_once(processes, monkeypatch):
+    """A worker stalled (or cut off) past worker_timeout_ms: once the dispatcher no longer
+    lists it, the consumer's reads in flight to it end and its splits move to the other
+    worker, without waiting out the read's timeout (its default, 15 s, here)."""
+    orphaned = spy(monkeypatch, "_orphan")
+    dispatcher = processes("dispatcher", "--port", "0", "--worker-timeout-ms", "1000")
+    servers = [processes("worker", *worker_args(dispatcher), env={"CW_DATA_SLOW_S": "0.0005"})
+               for _ in range(2)]
+    count = 4000
+    ds = data.Dataset.range(count).map(fns.slow_identity).apply(
+        data.distribute("distributed_epoch", dispatcher.target))
+    seen, stall = read_with_stall(ds, servers[0], after=500, seconds=30.0)
+    assert Counter(seen) == Counter(range(count))
+    stalled_at = stall.resumes_at - 30.0
+    moved = [when - stalled_at for address, when in orphaned
+             if address == f"localhost:{servers[0].port}"]
+    assert moved and max(moved) < reader._READ_TIMEOUT_S - 5, moved
+    assert time.monotonic() - stalled_at < reader._READ_TIMEOUT_S  # the victim still stalled
+
+
+@pytest.mark.timeout(60)
 def test_distributed_epoch_fails_clearly_when_no_worker_serves_an_orphaned_split(
         processes, monkeypatch):
     monkeypatch.setattr(reader, "_READ_WAIT_S", 0.2)

@@ -252,8 +252,9 @@ def test_data_service_with_workers_on_three_hosts_reads_every_element_once():
 
 def test_data_service_job_survives_losing_a_worker_host_mid_job():
     """A worker's host is cut off mid-job (alive, but unreachable): the dispatcher drops it
-    after worker_timeout_ms, the consumer moves its splits to the other workers once its
-    reads of it time out, and the job ends with every element exactly once."""
+    after worker_timeout_ms, the consumer ends its reads of it then (not at their 15 s
+    timeout) and moves its splits to the other workers, and the job ends with every element
+    exactly once."""
     count = 3000
     with EmulatedHosts(5) as hosts:
         target = data_service(hosts, 0, [1, 2, 3], "--worker-timeout-ms", "500",
@@ -261,11 +262,7 @@ def test_data_service_job_survives_losing_a_worker_host_mid_job():
         client = consumer(hosts[4], target, 3)
         victim = min(client.eval("workers()"))
         assert victim.startswith(hosts[1].address + ":")
-        # A read in flight to the cut-off worker waits out the reader's read timeout (15 s)
-        # before its split moves: shortened, as the other data-service fault tests do.
-        client.exec(f"from clusterwire.data import reader\n"
-                    f"reader._READ_TIMEOUT_S = 2.0\n"
-                    f"it = iter(data.Dataset.range({count}).map(fns.slow_identity).apply("
+        client.exec(f"it = iter(data.Dataset.range({count}).map(fns.slow_identity).apply("
                     f"data.distribute('distributed_epoch', target)))\n"
                     f"seen = Counter(int(next(it)) for _ in range(300))")
         assert client.eval(f"elements_sent({victim!r})") > 0  # it was serving the job
@@ -274,7 +271,7 @@ def test_data_service_job_survives_losing_a_worker_host_mid_job():
         client.exec("seen.update(int(x) for x in it)", timeout=40)
         assert client.eval("seen") == Counter(range(count))
         since_cut = time.monotonic() - cut_at
-        assert since_cut < 15
+        assert since_cut < 10  # the reads in flight to the victim would wait 15 s
         ages = client.eval("workers()")  # the dispatcher has not heard from the victim since
         assert ages.pop(victim) > since_cut and max(ages.values()) < 0.5, ages
 

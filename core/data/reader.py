@@ -572,7 +572,9 @@ class JobReader(Iterator[Any]):
             workers = [w for w in workers if _is_local(w.address)]
         dynamic = self._job.sharding_policy == ShardingPolicy.DYNAMIC
         with self._lock:
-            self._workers = {w.address: w for w in workers}
+            listed = {w.address: w for w in workers}
+            unlisted = [w for a, w in self._workers.items() if a not in listed]
+            self._workers = listed
             for address in [a for a in self._failed if a not in self._workers]:
                 del self._failed[address]  # listed again later: a fresh start
             new = [w.address for w in workers if w.address not in self._started]
@@ -583,6 +585,11 @@ class JobReader(Iterator[Any]):
                     self._started[address] = 0
         if self._stop.is_set():
             return
+        if dynamic and not self._options.num_consumers:
+            # The dispatcher stopped hearing from these: their reads in flight fail now and
+            # their splits move on (or wait for them), not at the read's timeout.
+            for worker in unlisted:
+                self._channels.close_channel(*self._endpoint_of(worker))
         if self._options.num_consumers:
             if new and not self._round_robin_started:
                 self._round_robin_started = True
@@ -663,8 +670,10 @@ class JobReader(Iterator[Any]):
     def _endpoint(self, address: str) -> tuple[str, str] | None:
         with self._lock:
             worker = self._workers.get(address)
-        if worker is None:
-            return None
+        return None if worker is None else self._endpoint_of(worker)
+
+    def _endpoint_of(self, worker: WorkerInfo) -> tuple[str, str]:
+        """(protocol, address) this consumer reads ``worker`` at."""
         wanted = self._options.data_transfer_protocol
         if wanted and worker.transfer_protocol == wanted:
             return worker.transfer_protocol, worker.transfer_address

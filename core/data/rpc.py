@@ -127,6 +127,14 @@ class WorkerChannels:
         reply = channel.call(Frame(request.SerializeToString(), []), timeout=timeout)
         return parse(reply), list(reply.buffers)
 
+    def close_channel(self, protocol: str, address: str) -> None:
+        """Close the channel to ``address`` if open: its calls in flight end with
+        CancelledError; a later call connects anew."""
+        with self._lock:
+            channel = self._channels.pop((protocol, address), None)
+        if channel is not None:
+            channel.close()
+
     def close(self) -> None:
         """Close every channel."""
         with self._lock:
