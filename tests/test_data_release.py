@@ -184,6 +184,30 @@ def test_an_abandoned_shared_stream_makes_room_and_a_late_joiner_is_told(service
         list(named("left").take(1))
 
 
+def test_idle_split_streams_make_room_and_their_consumer_reads_on_from_where_it_was(
+        service, monkeypatch):
+    """Consumers that stopped reading without releasing their splits' streams (a stopped or
+    killed trainer's) hold a worker's room for streams only while nobody needs it: idle past
+    IDLE_SPLIT_STREAM_S, a new consumer takes it; a stopped one that reads again goes on
+    from where it was, every element once."""
+    monkeypatch.setattr(worker, "MAX_OPEN_STREAMS", 2 * reader.SLOTS_PER_WORKER)
+    monkeypatch.setattr(worker, "IDLE_SPLIT_STREAM_S", 0.5)
+    dispatcher, _ = service
+    count = 2000  # 8 splits of 250; a consumer buffers 16 batches of one element
+
+    def consumer(dataset):
+        return iter(distributed(dataset, "distributed_epoch", dispatcher.target,
+                                max_outstanding_requests=1))
+
+    stopped = [consumer(data.Dataset.range(count)) for _ in range(2)]
+    seen = [[int(next(it)) for _ in range(10)] for it in stopped]  # each holds 2 streams
+    started = time.monotonic()
+    assert sorted(int(x) for x in consumer(data.Dataset.range(100))) == list(range(100))
+    assert time.monotonic() - started < 10  # not the reader's 60 s of retries
+    for it, taken in zip(stopped, seen, strict=True):
+        assert Counter(taken + [int(x) for x in it]) == Counter(range(count))
+
+
 # ---- releases are authenticated ---------------------------------------------------------------
 
 class Peer:

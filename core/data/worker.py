@@ -74,6 +74,10 @@ _IDLE_STREAM_S = 600.0
 #: Unfinished streams a worker runs at once (each buffers up to streams.MAX_BUFFERED_BYTES).
 MAX_OPEN_STREAMS = 64
 MAX_STREAMS_PER_CONSUMER = 16
+#: A split's stream not read for this long gives its room to a new stream when the worker is
+#: at its limits: its consumer stopped (or died) without releasing it, or, if it comes back,
+#: opens it again at the offset it reached (the elements produced ahead are made again).
+IDLE_SPLIT_STREAM_S = 30.0
 #: Jobs a worker keeps a cross-trainer cache of at once (each up to its
 #: cross_trainer_cache_size_bytes, until the dispatcher collects the job).
 MAX_CACHED_JOBS = 4
@@ -462,14 +466,15 @@ class WorkerServer:
                 "another job_name.")
 
     def _admit(self, spec: StreamSpec, key: tuple, attempts: list[tuple]) -> list[Stream]:
-        """Room for a new stream under the limits (evicting abandoned shared streams if
-        need be), or ResourceExhaustedError; returns the streams it replaces (popped).
+        """Room for a new stream under the limits (evicting abandoned streams if need be:
+        ``_abandoned``), or ResourceExhaustedError; returns the streams it replaces (popped).
         Call with the lock held."""
         running = [k for k, s in self._streams.items() if not s.finished and k not in attempts]
         mine = sum(k[0] == key[0] and k[2] == key[2] for k in running)
         evicted = []
+        now = time.monotonic()
         if len(running) >= MAX_OPEN_STREAMS and mine < MAX_STREAMS_PER_CONSUMER:
-            abandoned = sorted((k for k in running if k[1] == -1 and self._streams[k].abandoned),
+            abandoned = sorted((k for k in running if self._abandoned(k, now)),
                                key=lambda k: self._streams[k].last_used)
             evicted = abandoned[:len(running) - MAX_OPEN_STREAMS + 1]
         if len(running) - len(evicted) >= MAX_OPEN_STREAMS or mine >= MAX_STREAMS_PER_CONSUMER:
@@ -478,11 +483,19 @@ class WorkerServer:
                 f"streams, {mine} of them for this consumer of job {spec.job_id}; its limits "
                 f"are {MAX_OPEN_STREAMS} and {MAX_STREAMS_PER_CONSUMER} a consumer. Retry later "
                 "or add workers.")
-        now = time.monotonic()
         for k in evicted:
-            self._evicted[k[0]] = now
+            if k[1] == -1:  # a shared stream: a consumer joining its job later is told
+                self._evicted[k[0]] = now
         # Only once the new stream is admitted do the attempts it replaces go.
         return [self._streams.pop(k) for k in [*attempts, *evicted]]
+
+    def _abandoned(self, key: tuple, now: float) -> bool:
+        """Whether the stream of ``key`` may give its room: a shared stream every consumer
+        released, or a split's stream idle for ``IDLE_SPLIT_STREAM_S``. Lock held."""
+        stream = self._streams[key]
+        if key[1] == -1:
+            return stream.abandoned
+        return now - stream.last_used > IDLE_SPLIT_STREAM_S
 
     @staticmethod
     def _elements(pipe: Pipeline, spec: StreamSpec):
