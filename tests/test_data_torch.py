@@ -75,9 +75,9 @@ def service():
 @pytest.fixture
 def fresh_service():
     """A data service of this test alone. The module's shared workers hold the streams
-    the earlier tests' stopped loader workers left unfinished (about 80-100 each, kept until
-    idle for ten minutes); a test on them timed out once in CI waiting for its first batch
-    (not reproduced in 20 runs), so a test of exact counts does not share them."""
+    the earlier tests' stopped loader workers left (80-100 each, finished or not); a test on
+    them timed out once in CI waiting for its first batch (not reproduced in 20 runs), so a
+    test of exact counts does not share them."""
     with data_service_processes() as dispatcher:
         yield dispatcher
 
