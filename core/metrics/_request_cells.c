@@ -89,11 +89,9 @@ cell_of(RequestCells *self, PyObject *method)
                      Py_TYPE(method)->tp_name);
         return NULL;
     }
-    for (Py_ssize_t i = 0; i < self->ncells; i++) {
-        int equal = PyUnicode_Compare(self->cells[i].name, method) == 0;
-        if (equal)
+    for (Py_ssize_t i = 0; i < self->ncells; i++)  /* the same name, another str */
+        if (PyUnicode_Compare(self->cells[i].name, method) == 0)
             return &self->cells[i];
-    }
     if (self->ncells == self->capacity) {
         Py_ssize_t capacity = self->capacity ? 2 * self->capacity : 8;
         MethodCell *grown = PyMem_Realloc(self->cells, capacity * sizeof(MethodCell));
