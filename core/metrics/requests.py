@@ -13,13 +13,14 @@ from clusterwire.metrics.registry import Histogram, Sample
 from clusterwire.transport import Frame
 
 _BOUNDS = catalog.REQUEST_SECONDS.buckets
+_CODES = max(CODE_NAMES) + 1  # a count per status code, indexed by the code
 
 
 class _CodeCounts(dict):
     """method -> [count per status code]."""
 
     def __missing__(self, method: str) -> list:
-        counts = self[method] = [0] * (max(CODE_NAMES) + 1)
+        counts = self[method] = [0] * _CODES
         return counts
 
 
@@ -91,7 +92,7 @@ class RequestStats:
         self.server, self.transport = server, transport
         self._lock = lock
         self._in_flight, self._serving, self._connections = in_flight, serving, connections
-        self._cells = RequestCells(_BOUNDS, max(CODE_NAMES) + 1)
+        self._cells = RequestCells(_BOUNDS, _CODES)
         #: ``record(method, code, started, request, response)``: count a request that came
         #: through the transport (see ``PythonRequestCells``); it runs for every such request.
         self.record = self._cells.record
