@@ -446,10 +446,13 @@ def test_live_view_in_a_terminal(cluster, tmp_path):
         assert tmux("display", "-p", "-t", "top", "#{cursor_flag}").strip() == "0"
 
         cluster.process("worker", 1).kill()
+        # The error line is drawn below the table: a capture may come before it is.
+        error = "/job:worker/task:1: UnavailableError: Task at 127.0.0.1:"
         screen = wait_for_screen(tmux, lambda s: frame(
             s, {**serving, "/job:worker/task:1": "unreachable"}) and cells(
-            s, "/job:worker/task:1")[3:9] == ["-"] * 6, "the killed task to turn unreachable")
-        assert "/job:worker/task:1: UnavailableError: Task at 127.0.0.1:" in screen
+            s, "/job:worker/task:1")[3:9] == ["-"] * 6 and error in s,
+            "the killed task to turn unreachable, its error below the table")
+        assert error in screen
 
         tmux("send-keys", "-t", "top", "C-c")
         screen = wait_for_screen(tmux, lambda s: "top exited with status" in s,
