@@ -4,7 +4,7 @@
 first time a protocol is asked for.
 """
 
-from clusterwire import errors
+from clusterwire import errors, terminal_text
 from clusterwire.cluster_spec import ClusterSpec
 from clusterwire.functions import remote
 from clusterwire.plugins import ResolverSpec, TransportSpec, get_plugin_manager, hookimpl
@@ -14,6 +14,9 @@ from clusterwire.server import Server
 from clusterwire.session import Session
 
 __version__ = "0.1.0"
+
+# Warnings name peers' addresses and errors: escaped when nothing else is configured.
+terminal_text.protect_last_resort()
 
 __all__ = [
     "ClusterDef",

@@ -13,6 +13,7 @@ from typing import Any
 from clusterwire import errors
 from clusterwire.addressing import is_loopback  # noqa: F401 - re-exported for the CLI's users
 from clusterwire.protos.tensorflow_server_pb2 import ServerOptions
+from clusterwire.terminal_text import LOG_CHARS, printable
 
 
 def _json_arg(text: str, what: str) -> Any:
@@ -234,15 +235,18 @@ def _plugins(args: argparse.Namespace) -> int:
 
     manager = get_plugin_manager()
     listing = sorted(manager.listing(), key=lambda i: (i.kind != "transport", i.kind, i.name))
-    rows = [(i.kind, i.name, i.module, i.distribution, i.version,
-             _runs_here(manager, i.kind, i.name)) for i in listing]
+    # A distribution's metadata and a failing plugin's error are anyone's text.
+    rows = [tuple(printable(v) for v in (i.kind, i.name, i.module, i.distribution, i.version,
+                                         _runs_here(manager, i.kind, i.name)))
+            for i in listing]
     header = ("KIND", "NAME", "MODULE", "DISTRIBUTION", "VERSION", "RUNS HERE")
-    widths = [max(len(str(r[c])) for r in [header, *rows]) for c in range(len(header))]
+    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
     for row in [header, *rows]:
-        print("  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
     for info in get_plugin_manager().listing():
         if info.kind == "broken":
-            print(f"plugin {info.plugin!r} failed to load: {info.description}", file=sys.stderr)
+            print(f"plugin '{printable(info.plugin)}' failed to load: "
+                  f"{printable(info.description)}", file=sys.stderr)
     return 0
 
 
@@ -369,5 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except (errors.OpError, ValueError, TypeError) as err:
-        print(f"clusterwire {args.command}: {type(err).__name__}: {err}", file=sys.stderr)
+        # The message may quote a peer (its error, its address): one escaped line.
+        print(f"clusterwire {args.command}: {type(err).__name__}: "
+              f"{printable(str(err), LOG_CHARS)}", file=sys.stderr)
         return 1

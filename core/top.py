@@ -1,19 +1,25 @@
 """``clusterwire top``: a live table of a cluster's tasks, or of the data service's workers
 and jobs, read from their status (``clusterwire.metrics``; no Prometheus needed).
 
-Each refresh asks every server once, in parallel, with a deadline: a server that does not
-answer is shown as unreachable, never waited for past it. A rate is the difference of a
+Each refresh asks every server once, all at once, with a deadline: a server that does not
+answer is shown as unreachable, never waited for past it. The servers are the target's task
+and the others of the cluster it reports (or the dispatcher and the workers it lists), at
+most ``MAX_SERVERS`` of them: a reply naming a thousand dead addresses costs one deadline
+and ``MAX_SERVERS`` connections, not a thousand. A rate is the difference of a
 counter between two consecutive answers of one server divided by the time between them
 (monotonic clock); the first frame has none. top's own status requests are left out of
 what it shows: the server counts each one (and its bytes) by its next answer, and shows it
 in flight in the answer it is part of, so top subtracts exactly those.
 
 Snapshots turn into rows in pure functions (``task_rows``, ``worker_rows``, ``job_rows``);
-rich, an extra (``pip install 'clusterwire[top]'``), is imported only to draw them.
+rich, an extra (``pip install 'clusterwire[top]'``), is imported only to draw them. Every
+string a server sent (names, addresses, errors) is drawn through
+``clusterwire.terminal_text.printable`` as a rich ``Text``, never parsed as markup.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -28,10 +34,15 @@ from clusterwire.protos.data_service_pb2 import DataServiceStatus
 from clusterwire.protos.service_pb2 import MetricSample, Request, TaskStatus
 from clusterwire.rpc import RequestClient, parse_response, raise_for_status
 from clusterwire.security import Security, load_security
+from clusterwire.terminal_text import MAX_CHARS, printable
 from clusterwire.transport import Frame
 
-#: Servers asked at once.
-PARALLEL = 32
+#: Servers one refresh asks (the target or the dispatcher among them), all at once.
+MAX_SERVERS = 64
+#: Jobs the jobs table shows.
+MAX_JOBS = 100
+#: Characters of a table cell (a name, an address).
+CELL_CHARS = 128
 _STATUS_REQUEST = Request(method="status").SerializeToString()
 
 SERVING, DRAINING, UNREACHABLE = "serving", "draining", "unreachable"
@@ -152,19 +163,23 @@ def task_rows(previous: Sequence[TaskSnapshot] | None,
 
 
 class TaskPoller:
-    """Asks every task of ``target``'s cluster for its status, each directly at its
-    address and all at once, within ``timeout`` seconds; the tasks are the cluster the
-    target last reported."""
+    """Asks the tasks of ``target``'s cluster for their status, each directly at its
+    address and all at once, within ``timeout`` seconds: the target's task and the first
+    others in the cluster's order, ``MAX_SERVERS`` in all; the cluster is the one the target
+    last reported (a later membership version is followed, an invalid one ignored)."""
 
     def __init__(self, target: str, timeout: float, security: Security | None = None):
         protocol, self._target_address = split_target(target)
         self.target = target
         self._timeout = timeout
-        self._client = RequestClient(protocol, timeout=timeout,
-                                     security=security or load_security())
-        self._pool = ThreadPoolExecutor(PARALLEL, thread_name_prefix="clusterwire-top")
+        self._new_client = lambda: RequestClient(protocol, timeout=timeout,
+                                                 security=security or load_security())
+        self._client = self._new_client()
+        self._pool = ThreadPoolExecutor(MAX_SERVERS, thread_name_prefix="clusterwire-top")
         self._own: str | None = None  # the target's task
-        self._tasks: list[tuple[str, str]] = []  # (task, address), in the cluster's order
+        self._tasks: list[tuple[str, str]] = []  # (task, address) asked, in the cluster's order
+        #: Tasks in the cluster the target last reported, asked or not.
+        self.listed = 0
 
     def _ask(self, task: str, address: str) -> TaskSnapshot:
         # Sent as a frame, not through a Session: top needs the bytes of the request and
@@ -186,25 +201,42 @@ class TaskPoller:
                             response_bytes=len(frame.header) + frame.payload_bytes)
 
     def _learn(self, status: TaskStatus) -> None:
-        """Take the tasks from the target's status."""
+        """Take the tasks to ask from the target's status; ValueError or TypeError if its
+        cluster is not a valid ClusterSpec. Asking other addresses than before starts a
+        new client, so no connection to an address no longer asked stays open."""
         from clusterwire.cluster_spec import ClusterSpec
 
-        cluster = ClusterSpec(status.cluster)
-        self._own = f"/job:{status.task.job}/task:{status.task.index}"
-        self._tasks = [(task, self._target_address if task == self._own else address)
-                       for (job, index), address in cluster.task_addresses().items()
-                       for task in [f"/job:{job}/task:{index}"]]
+        cluster = ClusterSpec(status.cluster).task_addresses()
+        own = f"/job:{status.task.job}/task:{status.task.index}"
+        tasks = [(f"/job:{job}/task:{index}", address)
+                 for (job, index), address in cluster.items()]
+        if own not in {task for task, _ in tasks}:
+            tasks.insert(0, (own, self._target_address))
+        asked = {own, *[task for task, _ in tasks if task != own][:MAX_SERVERS - 1]}
+        self.listed = len(tasks)
+        self._own = own
+        tasks = [(task, self._target_address if task == own else address)
+                 for task, address in tasks if task in asked]
+        if self._tasks and tasks != self._tasks:
+            self._client.close()
+            self._client = self._new_client()
+        self._tasks = tasks
 
     def poll(self) -> list[TaskSnapshot]:
-        """One answer (or failure) of every task, in the cluster's order. The first poll
-        asks the target for its cluster first: UnavailableError if it does not answer."""
+        """One answer (or failure) of every task asked, in the cluster's order. The first
+        poll asks the target for its cluster first: UnavailableError if it does not
+        answer, InternalError if its cluster is invalid."""
         if self._own is None:
             first = self._ask(self.target, self._target_address)
             if first.status is None:
                 raise errors.UnavailableError(
                     f"The task at {self.target} did not answer its status request: "
                     f"{first.error}. Is a task serving there? (--timeout gives it longer.)")
-            self._learn(first.status)
+            try:
+                self._learn(first.status)
+            except (ValueError, TypeError) as err:
+                raise errors.InternalError(
+                    f"The task at {self.target} reported an invalid cluster: {err}") from None
             others = [(task, address) for task, address in self._tasks if task != self._own]
             answers = dict(zip(others, self._pool.map(lambda t: self._ask(*t), others),
                                strict=True))
@@ -215,7 +247,8 @@ class TaskPoller:
         snapshots = list(self._pool.map(lambda t: self._ask(*t), self._tasks))
         for snapshot in snapshots:
             if snapshot.task == self._own and snapshot.status is not None:
-                self._learn(snapshot.status)
+                with contextlib.suppress(ValueError, TypeError):  # keep the last valid one
+                    self._learn(snapshot.status)
         return snapshots
 
     def close(self) -> None:
@@ -324,13 +357,13 @@ def worker_rows(previous: DataSnapshot | None, current: DataSnapshot) -> list[Wo
 
 
 def job_rows(previous: DataSnapshot | None, current: DataSnapshot) -> list[JobRow]:
-    """The jobs table of ``current`` (as its dispatcher reports them; none if it did not
-    answer), elements/s summed over the workers that answered both times."""
+    """The jobs table of ``current`` (the first ``MAX_JOBS`` its dispatcher reports; none
+    if it did not answer), elements/s summed over the workers that answered both times."""
     if current.dispatcher.status is None:
         return []
     before = {w.address: w for w in previous.workers} if previous is not None else {}
     rows = []
-    for job in current.dispatcher.status.jobs:
+    for job in current.dispatcher.status.jobs[:MAX_JOBS]:
         rates = [_rate(before.get(w.address), w,
                        lambda m, job_id=str(job.job_id): total(
                            m, catalog.DATA_ELEMENTS.name, job_id=job_id))
@@ -343,21 +376,27 @@ def job_rows(previous: DataSnapshot | None, current: DataSnapshot) -> list[JobRo
 
 
 class DataPoller:
-    """Asks the dispatcher at ``address`` for its status, then every worker it lists, all
-    at once, each within ``timeout`` seconds."""
+    """Asks the dispatcher at ``address`` for its status, then the workers it lists (the
+    first ``MAX_SERVERS`` - 1, over the dispatcher's protocol), all at once, each within
+    ``timeout`` seconds."""
 
     def __init__(self, address: str, protocol: str, timeout: float,
                  security: Security | None = None):
         self.address, self.protocol = address, protocol
         self._timeout = timeout
         self._security = security or load_security()
-        self._pool = ThreadPoolExecutor(PARALLEL, thread_name_prefix="clusterwire-top")
-        self._workers: list[str] = []  # as the dispatcher last listed them
+        self._pool = ThreadPoolExecutor(MAX_SERVERS, thread_name_prefix="clusterwire-top")
+        self._workers: list[str] = []  # asked, as the dispatcher last listed them
         self._answered = False  # the dispatcher, ever
 
     def _ask(self, address: str) -> DataServerSnapshot:
         from clusterwire.data import service_status
 
+        if "://" in address and address != self.address:
+            # service_status would take the protocol from it: a reply does not choose it.
+            return DataServerSnapshot(address, time.monotonic(), error=(
+                f"not asked: listed with a protocol prefix; top asks the workers over "
+                f"the dispatcher's, {self.protocol}"))
         try:
             status = service_status(address, self.protocol, self._timeout, self._security)
         except errors.OpError as err:
@@ -370,7 +409,7 @@ class DataPoller:
         UnavailableError if the dispatcher does not answer."""
         dispatcher = self._ask(self.address)
         if dispatcher.status is not None:
-            self._workers = [w.address for w in dispatcher.status.workers]
+            self._workers = [w.address for w in dispatcher.status.workers[:MAX_SERVERS - 1]]
             self._answered = True
         elif not self._answered:
             raise errors.UnavailableError(
@@ -413,25 +452,41 @@ def _health(health: str) -> Any:
     return Text(health, style=_HEALTH_STYLE[health])
 
 
+def _text(value: object, limit: int = CELL_CHARS, style: str = "") -> Any:
+    """Text a server sent (or one quoting it), as rich draws it: ``printable``, and a
+    ``Text``, which rich never parses as markup."""
+    from rich.text import Text
+
+    return Text(printable(value, limit), style=style)
+
+
+def _caption(failures: Sequence[tuple[str, str]]) -> Any:
+    """The lines saying why each server did not answer; None if all did."""
+    from rich.text import Text
+
+    if not failures:
+        return None
+    return Text("\n").join(_text(f"{who}: {error}", MAX_CHARS) for who, error in failures)
+
+
 def task_table(rows: Sequence[TaskRow], title: str) -> Any:
     """The rich Table of ``rows``; why a task did not answer is in the caption."""
     from rich.table import Table
 
-    table = Table(title=title, title_justify="left", caption_justify="left")
+    table = Table(title=_text(title, MAX_CHARS), title_justify="left", caption_justify="left")
     for name in ("TASK", "ADDRESS", "HEALTH"):
         table.add_column(name, no_wrap=True)
     for name in ("REQ/S", "ERR/S", "IN/S", "OUT/S", "IN FLIGHT", "STORE"):
         table.add_column(name, justify="right", no_wrap=True)
     table.add_column("UNREACHABLE PEERS")
     for row in rows:
-        table.add_row(row.task, row.address, _health(row.health),
+        table.add_row(_text(row.task), _text(row.address), _health(row.health),
                       format_rate(row.requests_per_s), format_rate(row.errors_per_s),
                       format_bytes(row.received_bytes_per_s, "/s"),
                       format_bytes(row.sent_bytes_per_s, "/s"), _count(row.in_flight),
-                      format_bytes(row.store_bytes), ", ".join(row.unreachable_peers) or "-")
-    failed = [f"{row.task}: {row.error}" for row in rows if row.error]
-    if failed:
-        table.caption = "\n".join(failed)
+                      format_bytes(row.store_bytes),
+                      _text(", ".join(row.unreachable_peers) or "-", MAX_CHARS))
+    table.caption = _caption([(row.task, row.error) for row in rows if row.error])
     return table
 
 
@@ -439,7 +494,7 @@ def worker_table(rows: Sequence[WorkerRow], title: str) -> Any:
     """The rich Table of the workers; why one did not answer is in the caption."""
     from rich.table import Table
 
-    table = Table(title=title, title_justify="left", caption_justify="left")
+    table = Table(title=_text(title, MAX_CHARS), title_justify="left", caption_justify="left")
     for name in ("WORKER", "HEALTH"):
         table.add_column(name, no_wrap=True)
     for name in ("HEARTBEAT AGE", "ELEMENTS/S", "BYTES/S", "BUFFERED", "STREAMS", "REQ/S",
@@ -447,28 +502,29 @@ def worker_table(rows: Sequence[WorkerRow], title: str) -> Any:
         table.add_column(name, justify="right", no_wrap=True)
     for row in rows:
         age = row.heartbeat_age_seconds
-        table.add_row(row.address, _health(row.health), "-" if age is None else f"{age:.1f} s",
+        table.add_row(_text(row.address), _health(row.health),
+                      "-" if age is None else f"{age:.1f} s",
                       format_rate(row.elements_per_s),
                       format_bytes(row.element_bytes_per_s, "/s"),
                       _count(row.buffered_elements), _count(row.streams),
                       format_rate(row.requests_per_s), format_rate(row.errors_per_s))
-    failed = [f"{row.address}: {row.error}" for row in rows if row.error]
-    if failed:
-        table.caption = "\n".join(failed)
+    table.caption = _caption([(row.address, row.error) for row in rows if row.error])
     return table
 
 
-def job_table(rows: Sequence[JobRow]) -> Any:
-    """The rich Table of the jobs."""
+def job_table(rows: Sequence[JobRow], listed: int | None = None) -> Any:
+    """The rich Table of the jobs; ``listed``: how many the dispatcher listed, when
+    ``rows`` are fewer."""
     from rich.table import Table
 
-    table = Table(title="jobs", title_justify="left")
+    title = "jobs" if listed is None else f"jobs: the first {len(rows)} of {listed}"
+    table = Table(title=title, title_justify="left")
     for name in ("JOB", "NAME", "MODE", "STATE"):
         table.add_column(name, no_wrap=True)
     for name in ("CONSUMERS", "SPLITS HANDED", "SPLITS DONE", "ELEMENTS/S"):
         table.add_column(name, justify="right", no_wrap=True)
     for row in rows:
-        table.add_row(str(row.job_id), row.name or "-", row.mode,
+        table.add_row(str(row.job_id), _text(row.name or "-"), _text(row.mode),
                       "finished" if row.finished else "running", str(row.consumers),
                       str(row.splits_handed), str(row.splits_completed),
                       format_rate(row.elements_per_s))
@@ -499,8 +555,11 @@ def task_view(target: str, interval: float, timeout: float,
     def render(previous: list[TaskSnapshot] | None, current: list[TaskSnapshot]) -> Any:
         rows = task_rows(previous, current)
         serving = sum(row.health == SERVING for row in rows)
+        bounded = (f" (top asks {len(rows)} of the cluster's {poller.listed})"
+                   if poller.listed > len(rows) else "")
         return task_table(rows, f"clusterwire top {target}: {serving} of {len(rows)} tasks "
-                                f"serving, every {interval:g} s, {time.strftime('%H:%M:%S')}")
+                                f"serving{bounded}, every {interval:g} s, "
+                                f"{time.strftime('%H:%M:%S')}")
 
     return View(poller.poll, render,
                 lambda snapshots: all(s.status is not None for s in snapshots), poller.close)
@@ -510,21 +569,25 @@ def data_view(address: str, protocol: str, interval: float, timeout: float,
               security: Security | None = None) -> View[DataSnapshot]:
     """The data service of the dispatcher at ``address``: its workers and jobs."""
     from rich.console import Group
-    from rich.text import Text
 
     poller = DataPoller(address, protocol, timeout, security)
 
     def render(previous: DataSnapshot | None, current: DataSnapshot) -> Any:
         status = current.dispatcher.status
+        asked = len(current.workers)
         heading = (f"clusterwire top --dispatcher {address}: "
-                   + (f"{len(status.workers)} workers, {len(status.jobs)} jobs"
+                   + (f"{len(status.workers)} workers"
+                      + (f" (top asks {asked})" if len(status.workers) > asked else "")
+                      + f", {len(status.jobs)} jobs"
                       if status is not None else "the dispatcher is unreachable")
                    + f", every {interval:g} s, {time.strftime('%H:%M:%S')}")
         parts: list[Any] = [worker_table(worker_rows(previous, current), heading)]
         if status is None:
-            parts.insert(0, Text(f"dispatcher {address}: {current.dispatcher.error}",
-                                 style=_HEALTH_STYLE[UNREACHABLE]))
-        parts.append(job_table(job_rows(previous, current)))
+            parts.insert(0, _text(f"dispatcher {address}: {current.dispatcher.error}",
+                                  MAX_CHARS, _HEALTH_STYLE[UNREACHABLE]))
+        jobs = job_rows(previous, current)
+        listed = len(status.jobs) if status is not None else 0
+        parts.append(job_table(jobs, listed if listed > len(jobs) else None))
         return Group(*parts)
 
     return View(poller.poll, render,
@@ -554,7 +617,9 @@ def run(view: View[Any], interval: float, once: bool, console: Any = None) -> in
     from rich.console import Console
     from rich.live import Live
 
-    console = console or Console()
+    # Markup off: what a server sent is drawn as Text anyway; this keeps a string that
+    # slips through from styling the screen or raising a MarkupError.
+    console = console or Console(markup=False, emoji=False)
     try:
         started = time.monotonic()
         current = view.poll()
