@@ -54,9 +54,7 @@ class Security:
         """UnauthenticatedError unless ``presented`` equals the token (constant time)."""
         if self.token is None:
             return
-        if isinstance(presented, str):
-            presented = presented.encode()
-        if not presented or not hmac.compare_digest(presented, self.token):
+        if not same_secret(self.token, presented):
             raise UnauthenticatedError(
                 "Missing or wrong cluster token: give this client the cluster's secret "
                 "(CLUSTERWIRE_AUTH_TOKEN or CLUSTERWIRE_AUTH_TOKEN_FILE, or auth_token_file).")
@@ -65,6 +63,25 @@ class Security:
     def secure(self) -> bool:
         """True when TLS or a token is configured."""
         return self.tls is not None or self.token is not None
+
+
+def same_secret(expected: bytes, presented: bytes | str | None) -> bool:
+    """``presented`` is ``expected`` (compared in constant time; empty never is)."""
+    if isinstance(presented, str):
+        presented = presented.encode()
+    return bool(presented) and hmac.compare_digest(presented, expected)
+
+
+def read_secret(path: str | None, value: str | None, what: str) -> bytes | None:
+    """The secret in the file at ``path`` (first) or ``value`` (an environment variable's);
+    None when neither is set; InvalidArgumentError when it is shorter than 16 bytes."""
+    secret = _read(path, f"{what} file").strip() if path else (
+        value.encode() if value else None)
+    if secret is not None and len(secret) < 16:
+        raise InvalidArgumentError(
+            f"The {what} is shorter than 16 bytes; use a random secret, e.g. "
+            "`python -c 'import secrets; print(secrets.token_hex(32))'`.")
+    return secret
 
 
 def _read(path: str, what: str) -> bytes:
@@ -100,15 +117,8 @@ def _settings(options: Mapping[str, Any]) -> dict[str, Any]:
 def load_security(options: Mapping[str, Any] | None = None) -> Security:
     """Build the Security of a server or client from options, environment and plugins.toml."""
     settings = _settings(options or {})
-    token = None
-    if os.environ.get("CLUSTERWIRE_AUTH_TOKEN"):
-        token = os.environ["CLUSTERWIRE_AUTH_TOKEN"].encode()
-    if settings.get("auth_token_file"):
-        token = _read(settings["auth_token_file"], "cluster token file").strip()
-    if token is not None and len(token) < 16:
-        raise InvalidArgumentError(
-            "The cluster token is shorter than 16 bytes; use a random secret, e.g. "
-            "`python -c 'import secrets; print(secrets.token_hex(32))'`.")
+    token = read_secret(settings.get("auth_token_file"),
+                        os.environ.get("CLUSTERWIRE_AUTH_TOKEN"), "cluster token")
     tls = None
     cert, key, ca = (settings.get(k) for k in ("tls_cert_file", "tls_key_file", "tls_ca_file"))
     client_auth = str(settings.get("tls_client_auth", "")).lower() in ("1", "true", "yes")

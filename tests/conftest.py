@@ -11,7 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from cw_data_procs import ServerProcess
+from cw_data_procs import WORKER_TOKEN_ENV, ServerProcess
 
 import clusterwire
 from clusterwire.local_cluster import LocalCluster
@@ -23,9 +23,10 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 
 def child_env() -> dict[str, str]:
-    """Environment for task processes: the tests folder importable (for cw_test_functions)."""
+    """Environment for task processes: the tests folder importable (for cw_test_functions)
+    and the data service's worker token (WORKER_TOKEN_ENV)."""
     path = os.environ.get("PYTHONPATH", "")
-    return {"PYTHONPATH": TESTS_DIR + (os.pathsep + path if path else "")}
+    return {"PYTHONPATH": TESTS_DIR + (os.pathsep + path if path else ""), **WORKER_TOKEN_ENV}
 
 
 def free_ports(count: int) -> list[int]:

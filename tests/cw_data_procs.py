@@ -3,24 +3,29 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import tempfile
 
+from clusterwire.data import worker_auth
 from clusterwire.data.cli import await_ready
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+#: The worker token every dispatcher and worker process of a test run shares (the env).
+WORKER_TOKEN_ENV = {worker_auth.ENV: secrets.token_hex(32)}
 
 
 class ServerProcess:
-    """One server process; ``target`` is read from its ready line."""
+    """One server process; ``target`` is read from its ready line. Dispatchers and workers
+    get WORKER_TOKEN_ENV (``env`` may override it)."""
 
     def __init__(self, command: str, *args: str, env: dict[str, str] | None = None,
                  timeout: float = 30.0):
         path = os.environ.get("PYTHONPATH", "")
         child_env = {**os.environ, "PYTHONPATH": TESTS_DIR + (os.pathsep + path if path else ""),
-                     **(env or {})}
+                     **WORKER_TOKEN_ENV, **(env or {})}
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "clusterwire", command, *args, "--quiet"],

@@ -62,7 +62,7 @@ def _dispatcher(args: argparse.Namespace) -> int:
         job_gc_timeout_ms=args.job_gc_timeout_ms, worker_timeout_ms=args.worker_timeout_ms,
         dataset_gc_timeout_ms=args.dataset_gc_timeout_ms,
         allow_cloudpickle=args.allow_cloudpickle, bind_address=args.bind_address,
-        **_metrics(args), **_security(args))
+        worker_token_file=args.worker_token_file, **_metrics(args), **_security(args))
     server = DispatchServer(config=config)
     report = server.journal_report
     if report.message:
@@ -83,7 +83,7 @@ def _worker(args: argparse.Namespace) -> int:
         allow_cloudpickle=args.allow_cloudpickle, function_modules=args.function_modules,
         readable_dirs=args.readable_dirs, send_tracebacks=args.send_tracebacks,
         cross_trainer_cache_size_bytes=args.cross_trainer_cache_size_bytes,
-        **_metrics(args), **_security(args))
+        worker_token_file=args.worker_token_file, **_metrics(args), **_security(args))
     server = WorkerServer(config=config)
     return _serve_until_signal(server, f"{config.protocol}://{server.address}", "worker", args)
 
@@ -137,6 +137,12 @@ def _common(parser: argparse.ArgumentParser) -> None:
     security.add_argument("--tls-ca-file", metavar="PEM", help="CA that checks peers")
     security.add_argument("--tls-client-auth", action="store_true", default=None,
                           help="require client certificates (mutual TLS)")
+    security.add_argument("--worker-token-file", metavar="FILE",
+                          help="file holding the workers' own secret, which a worker presents "
+                          "to register (not the cluster token; also "
+                          "CLUSTERWIRE_WORKER_TOKEN_FILE). A dispatcher without one makes a "
+                          "random one: only workers of its own process or of its "
+                          "LocalDataService can register")
 
 
 def add_commands(commands: Any) -> None:

@@ -34,7 +34,8 @@ CLIENT_TIMEOUT_MS = 2 * 60 * 1000
 HEARTBEAT_INTERVAL_MS = 30 * 1000
 DISPATCHER_TIMEOUT_MS = 60 * 60 * 1000
 DATASET_GC_TIMEOUT_MS = 60 * 60 * 1000
-#: A worker's cross-trainer cache window when ``cross_trainer_cache_size_bytes`` is None (TF's).
+#: TF's cross-trainer cache window: the most a job's cache takes when
+#: ``cross_trainer_cache_size_bytes`` is None (see ``cross_trainer_cache.cache_plan``).
 CROSS_TRAINER_CACHE_SIZE_BYTES = 10 << 30
 
 
@@ -71,12 +72,20 @@ def _metrics(port: Any, host: Any) -> tuple[int | None, str]:
 _DISPATCHER_FIELDS = ("port", "protocol", "work_dir", "fault_tolerant_mode", "worker_addresses",
                       "job_gc_check_interval_ms", "job_gc_timeout_ms", "worker_timeout_ms",
                       "allow_cloudpickle", "bind_address", "dataset_gc_timeout_ms",
-                      "metrics_port", "metrics_host", *security_fields())
+                      "metrics_port", "metrics_host", "worker_token_file", *security_fields())
 _WORKER_FIELDS = ("dispatcher_address", "worker_address", "port", "protocol",
                   "heartbeat_interval_ms", "dispatcher_timeout_ms", "data_transfer_protocol",
                   "data_transfer_address", "allow_cloudpickle", "function_modules",
                   "readable_dirs", "send_tracebacks", "cross_trainer_cache_size_bytes",
-                  "metrics_port", "metrics_host", *security_fields())
+                  "metrics_port", "metrics_host", "worker_token_file", *security_fields())
+
+
+def _token_file(value: Any) -> str | None:
+    """``worker_token_file`` as stored: None (the environment's, else none) or a path."""
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ValueError(f"`worker_token_file` must be a non-empty path string (or None), "
+                         f"got {value!r}")
+    return value
 
 
 def _security(settings: dict[str, Any]) -> tuple[Any, ...]:
@@ -101,7 +110,7 @@ def _cache_size(value: Any) -> int:
         return 0
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"`cross_trainer_cache_size_bytes` must be a positive int number of "
-                         f"bytes (or None for TF's 10 GiB), got {value!r}")
+                         f"bytes (or None for a share of the worker's memory), got {value!r}")
     return value
 
 
@@ -118,6 +127,10 @@ class DispatcherConfig(collections.namedtuple("DispatcherConfig", _DISPATCHER_FI
     ``metrics_port``: serve the process's metrics over HTTP there (0: a free port; None: no
     endpoint), bound to ``metrics_host`` (default 127.0.0.1) and protected by the
     dispatcher's security (``DispatchServer.metrics_url``).
+    ``worker_token_file``: the file holding the secret workers present to register (see
+    ``clusterwire.data.worker_auth``); None: ``CLUSTERWIRE_WORKER_TOKEN_FILE`` or
+    ``CLUSTERWIRE_WORKER_TOKEN``, else a random token only this process's workers and
+    ``LocalDataService``'s learn.
     """
 
     def __new__(cls, port: int = 0, protocol: str | None = None, work_dir: str | None = None,
@@ -126,7 +139,8 @@ class DispatcherConfig(collections.namedtuple("DispatcherConfig", _DISPATCHER_FI
                 job_gc_timeout_ms: int | None = None, worker_timeout_ms: int | None = None,
                 allow_cloudpickle: bool = False, bind_address: str = "localhost",
                 dataset_gc_timeout_ms: int | None = None, metrics_port: int | None = None,
-                metrics_host: str | None = None, **security: Any):
+                metrics_host: str | None = None, worker_token_file: str | None = None,
+                **security: Any):
         gc_timeout = -1 if job_gc_timeout_ms == -1 else time_field(
             job_gc_timeout_ms, "job_gc_timeout_ms")
         dataset_gc = -1 if dataset_gc_timeout_ms == -1 else time_field(
@@ -140,7 +154,8 @@ class DispatcherConfig(collections.namedtuple("DispatcherConfig", _DISPATCHER_FI
             worker_addresses, time_field(job_gc_check_interval_ms, "job_gc_check_interval_ms"),
             gc_timeout, time_field(worker_timeout_ms, "worker_timeout_ms"),
             bool(allow_cloudpickle), bind_address, dataset_gc,
-            *_metrics(metrics_port, metrics_host), *_security(security))
+            *_metrics(metrics_port, metrics_host), _token_file(worker_token_file),
+            *_security(security))
 
 
 class WorkerConfig(collections.namedtuple("WorkerConfig", _WORKER_FIELDS)):
@@ -155,10 +170,14 @@ class WorkerConfig(collections.namedtuple("WorkerConfig", _WORKER_FIELDS)):
     ``from_files`` may read under (see ``clusterwire.data.permissions``).
     ``send_tracebacks``: pipeline errors carry the worker's traceback to clients.
     ``cross_trainer_cache_size_bytes``: the bytes each job's cross-trainer cache keeps on
-    this worker (see ``clusterwire.data.CrossTrainerCache``; a worker caches at most
-    ``worker.MAX_CACHED_JOBS`` jobs at once); None (stored as 0): TF's 10 GiB.
+    this worker (see ``clusterwire.data.CrossTrainerCache``); None (stored as 0): a quarter
+    of the worker's caches' share of its memory (an eighth), at most TF's 10 GiB. A worker
+    caches as many jobs at once as that share holds (``cross_trainer_cache.cache_plan``).
     ``metrics_port`` and ``metrics_host``: as the DispatcherConfig's
     (``WorkerServer.metrics_url``).
+    ``worker_token_file``: the dispatcher's worker token, presented with every heartbeat;
+    None: ``CLUSTERWIRE_WORKER_TOKEN_FILE`` or ``CLUSTERWIRE_WORKER_TOKEN``, else the token
+    of a dispatcher in this process.
     """
 
     def __new__(cls, dispatcher_address: str | None = None, worker_address: str | None = None,
@@ -170,7 +189,7 @@ class WorkerConfig(collections.namedtuple("WorkerConfig", _WORKER_FIELDS)):
                 function_modules: Any = (), readable_dirs: Any = (),
                 send_tracebacks: bool = False, cross_trainer_cache_size_bytes: int | None = None,
                 metrics_port: int | None = None, metrics_host: str | None = None,
-                **security: Any):
+                worker_token_file: str | None = None, **security: Any):
         if dispatcher_address is None:
             raise ValueError("Must specify a `dispatcher_address`.")
         if not isinstance(dispatcher_address, str) or not dispatcher_address:
@@ -186,7 +205,7 @@ class WorkerConfig(collections.namedtuple("WorkerConfig", _WORKER_FIELDS)):
             bool(allow_cloudpickle), _names(function_modules, "function_modules"),
             _names(readable_dirs, "readable_dirs"), bool(send_tracebacks),
             _cache_size(cross_trainer_cache_size_bytes), *_metrics(metrics_port, metrics_host),
-            *_security(security))
+            _token_file(worker_token_file), *_security(security))
 
 
 def as_config(config: Any, cls: type) -> Any:

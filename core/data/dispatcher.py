@@ -33,11 +33,12 @@ from __future__ import annotations
 import functools
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from clusterwire import errors
 from clusterwire.at_exit import stop_at_exit
-from clusterwire.data import grants, graph
+from clusterwire.data import grants, graph, worker_auth
 from clusterwire.data.config import (
     CLIENT_TIMEOUT_MS,
     DATASET_GC_TIMEOUT_MS,
@@ -62,6 +63,7 @@ from clusterwire.data.journal import (
 from clusterwire.data.modes import STATIC_POLICIES, ShardingPolicy, mode_name
 from clusterwire.data.monitoring import Monitoring
 from clusterwire.data.pipeline import INFINITE, split_plan
+from clusterwire.data.position import check_offset, split_limit
 from clusterwire.data.rpc import serve
 from clusterwire.metrics import REGISTRY, catalog
 from clusterwire.metrics.registry import ENABLED, Sample
@@ -133,7 +135,7 @@ class DispatchServer:
             config.dataset_gc_timeout_ms, DATASET_GC_TIMEOUT_MS) / 1000)
         self._records = 0  # journal records written since the last compaction
         self._state = DispatcherState()
-        self._resumed_rounds: dict[str, int] = {}  # round-robin group -> round resumed from
+        self._resumed_rounds: dict[str, _ResumeWave] = {}  # round-robin group -> its wave
         self._cond = threading.Condition()
         self._journal: Journal | None = None
         self.journal_report = ReadReport([])
@@ -147,6 +149,10 @@ class DispatchServer:
         host = config.bind_address
         self._host = "localhost" if host in _WILDCARDS else host
         security = server_security(config)
+        self._worker_token = worker_auth.load(config.worker_token_file, security)
+        self._made_token = self._worker_token is None  # then only local workers learn it
+        if self._made_token:
+            self._worker_token = worker_auth.new_token()
         self._monitoring = Monitoring("data-dispatcher")
         self._heartbeats = REGISTRY.family(catalog.DATA_HEARTBEATS)
         self._stopping = threading.Event()
@@ -157,6 +163,8 @@ class DispatchServer:
         except BaseException:
             self._monitoring.close()
             raise
+        if self._made_token:
+            worker_auth.publish(self._endpoint.port, self._host, self._worker_token)
         try:
             self._monitoring.start(functools.partial(
                 _samples, self._monitoring.name, self._state, self._cond, self._worker_timeout,
@@ -225,6 +233,8 @@ class DispatchServer:
 
     def stop(self, grace: float | None = None) -> None:
         """Stop serving and free the port (idempotent)."""
+        if self._made_token:
+            worker_auth.withdraw(self._endpoint.port, self._worker_token)
         if self._finalizer.detach() is not None:
             _shutdown(self._endpoint, self._stopping, self._journal, self._monitoring, grace)
             with self._cond:
@@ -445,21 +455,42 @@ class DispatchServer:
             raise errors.InvalidArgumentError(
                 f"The saved position names split {stray[0]}, which job {job.info.job_id} did "
                 f"not hand to consumer {consumer!r}: the position is not this consumer's.")
+        self._check_offsets(job, {p.split_id: p.offset for p in request.partial})
         self._commit(JournalEntry(resumed=JournalResume(
             job_id=job.info.job_id, consumer_id=consumer, handed=request.handed,
             partial=request.partial, completed=request.completed,
             generation=request.generation)))
 
+    def _check_offsets(self, job: Job, offsets: dict[int, int]) -> None:
+        """InvalidArgumentError unless each split's offset is within the split
+        (``position.split_limit``): a consumer cannot make the split's next reader skip
+        elements it never read, nor its worker skip forever. Call with the lock held."""
+        if not offsets:
+            return
+        record = self._dataset(job.info.dataset_id)
+        ops = split_plan(graph.from_def(record.dataset, record.buffers)).ops
+        for split_id, offset in offsets.items():
+            start, end = job.split_range(split_id)
+            check_offset(split_id, offset, split_limit(ops, end - start))
+
     def _check_resume_round(self, request) -> None:
         """Round-robin consumers of one job resume from the same round (else their rounds
-        would be read in different jobs, each waiting for the others' positions)."""
+        would be read in different jobs, each waiting for the others' positions). A resume
+        wave at a round ends when every consumer resumed or after the client timeout; the
+        next one may be at any round (consumers checkpoint and resume again)."""
         group, round_ = request.resume_group, request.resume_round
-        first = self._resumed_rounds.setdefault(group, round_)
-        if first != round_:
+        now = time.monotonic()
+        wave = self._resumed_rounds.get(group)
+        if wave is None or (wave.round != round_ and (
+                len(wave.consumers) >= request.num_consumers
+                or now - wave.started > self._client_timeout)):
+            wave = self._resumed_rounds[group] = _ResumeWave(round_, now)
+        if wave.round != round_:
             raise errors.FailedPreconditionError(
                 f"A consumer of round-robin job {group!r} resumes from round {round_}, another "
-                f"resumed from round {first}: round-robin consumers resume together, from "
-                "positions saved at the same step.")
+                f"resumed from round {wave.round}: round-robin consumers resume together, "
+                "from positions saved at the same step.")
+        wave.consumers.add(request.consumer_id)
         while len(self._resumed_rounds) > MAX_JOBS:
             del self._resumed_rounds[next(iter(self._resumed_rounds))]
 
@@ -514,6 +545,7 @@ class DispatchServer:
         job.last_active = time.monotonic()
         mine = sorted(s for s, c in job.assigned.items() if c == consumer)
         reached = {u.split_id: u.offset for u in request.unfinished}
+        self._check_offsets(job, {s: reached[s] for s in mine if s in reached})
         record = JournalSplitsDone(
             job_id=job.info.job_id, consumer_id=consumer, split_ids=mine,
             offsets=[max(reached.get(s, 0), job.offsets.get(s, 0)) for s in mine])
@@ -544,7 +576,7 @@ class DispatchServer:
 
     def _next_split(self, job: Job, consumer: str, held: set[int], done: list[int]
                     ) -> DataResponse:
-        done_here = [s for s in done if job.assigned.get(s) == consumer or s in job.pool]
+        done_here = [s for s in done if job.assigned.get(s) == consumer]
         if done_here:
             self._commit(JournalEntry(done=JournalSplitsDone(
                 job_id=job.info.job_id, consumer_id=consumer, split_ids=done_here)))
@@ -577,6 +609,7 @@ class DispatchServer:
 
     def _on_worker_heartbeat(self, request, _buffers):
         worker = request.worker
+        worker_auth.check(self._worker_token, request.worker_token, worker.address)
         order = self._config.worker_addresses
         if order and worker.address not in order:
             raise errors.FailedPreconditionError(
@@ -659,6 +692,15 @@ class DispatchServer:
             self._compact()  # no record names their payloads any more
             for dataset_id in unused:
                 remove_payload(self._config.work_dir, dataset_id)
+
+
+@dataclass
+class _ResumeWave:
+    """Round-robin consumers of one job resuming from one round."""
+
+    round: int
+    started: float
+    consumers: set[str] = field(default_factory=set)
 
 
 def _shutdown(endpoint: Shell, stopping: threading.Event, journal: Journal | None,

@@ -2,16 +2,20 @@
 
 What a user tries the data service with before there are input hosts (and what the
 examples train from): ``python -m clusterwire dispatcher`` and ``... worker`` processes on
-127.0.0.1, ports picked by the kernel, each ready before the constructor returns.
+127.0.0.1, ports picked by the kernel, each ready before the constructor returns. The
+workers' token (``clusterwire.data.worker_auth``) is a random one made here, handed to the
+dispatcher and to the workers through their environment.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Sequence
 from typing import Any
 
+from clusterwire.data import worker_auth
 from clusterwire.data.cli import await_ready
 from clusterwire.errors import UnavailableError
 
@@ -31,6 +35,8 @@ class LocalDataService:
     def __init__(self, workers: int = 2, data_transfer_protocol: str | None = None,
                  imports: Sequence[str] = ()):
         self._processes: list[subprocess.Popen] = []
+        self._env = {**os.environ, worker_auth.ENV: worker_auth.new_token().decode()}
+        self._env.pop(worker_auth.ENV_FILE, None)  # the token above, not an inherited one
         extra = ["--data-transfer-protocol", data_transfer_protocol] \
             if data_transfer_protocol else []
         for module in imports:
@@ -46,7 +52,8 @@ class LocalDataService:
 
     def _start(self, command: str, *args: str) -> str:
         process = subprocess.Popen([sys.executable, "-m", "clusterwire", command, "--port", "0",
-                                    "--quiet", *args], stdout=subprocess.PIPE, text=True)
+                                    "--quiet", *args], stdout=subprocess.PIPE, text=True,
+                                   env=self._env)
         self._processes.append(process)
         target = await_ready(process, _READY_S)
         if target is None:

@@ -22,14 +22,17 @@ release would otherwise start one nobody releases); a later attempt at a split m
 A read naming a trainer (``StreamSpec.trainer_id``, from ``CrossTrainerCache``) reads the
 job's shared stream through its cross-trainer cache. TF's requirements (a named,
 parallel_epochs job of an infinite dataset, no round-robin reads) are checked when the stream
-opens; every consumer of a job reads it with a trainer id, or none does. A worker caches at
-most ``MAX_CACHED_JOBS`` jobs at once.
+opens; every consumer of a job reads it with a trainer id, or none does. A worker caches as
+many jobs at once as its memory's share for caches holds (``cross_trainer_cache.cache_plan``);
+a cached job nobody read for ``IDLE_CACHE_S`` gives its slot to a job that needs one (its
+cache is dropped; a trainer coming back starts a new window).
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import threading
 import time
 from typing import Any
@@ -37,7 +40,7 @@ from typing import Any
 from clusterwire import errors
 from clusterwire.addressing import split_host_port, split_target
 from clusterwire.at_exit import stop_at_exit
-from clusterwire.data import compression, elements, grants, graph
+from clusterwire.data import compression, elements, grants, graph, worker_auth
 from clusterwire.data.config import (
     CROSS_TRAINER_CACHE_SIZE_BYTES,
     DISPATCHER_TIMEOUT_MS,
@@ -49,10 +52,12 @@ from clusterwire.data.config import (
     server_security,
     warn_if_unsafe,
 )
+from clusterwire.data.cross_trainer_cache import cache_plan, machine_memory
 from clusterwire.data.modes import COMPRESSION_SNAPPY, ShardingPolicy
 from clusterwire.data.monitoring import Monitoring
 from clusterwire.data.permissions import WorkerPermissions
 from clusterwire.data.pipeline import FilesSource, Pipeline, split_plan
+from clusterwire.data.position import check_offset, split_limit
 from clusterwire.data.rpc import DispatcherClient, serve
 from clusterwire.data.streams import OVER_LIMITS, Stream
 from clusterwire.metrics import REGISTRY, catalog
@@ -78,12 +83,14 @@ MAX_STREAMS_PER_CONSUMER = 16
 #: at its limits: its consumer stopped (or died) without releasing it, or, if it comes back,
 #: opens it again at the offset it reached (the elements produced ahead are made again).
 IDLE_SPLIT_STREAM_S = 30.0
-#: Jobs a worker keeps a cross-trainer cache of at once (each up to its
-#: cross_trainer_cache_size_bytes, until the dispatcher collects the job).
-MAX_CACHED_JOBS = 4
+#: A cached job not read for this long gives its cache slot to another job that needs one
+#: (its trainers read every read's wait while they train).
+IDLE_CACHE_S = 10.0
 _FINISHED_STREAM_S = 30.0
 _MAX_READ_BYTES = 8 << 20  # a read's batch when it names no max_bytes
 _FIRST_REGISTRATION_S = 5.0
+
+log = logging.getLogger("clusterwire")
 
 
 def _substitute(address: str, placeholder: str, port: int) -> str:
@@ -127,6 +134,7 @@ class WorkerServer:
         warn_if_unsafe(config, "worker")
         self._permissions = WorkerPermissions(config.function_modules, config.readable_dirs)
         security = server_security(config)
+        self._worker_token = worker_auth.load(config.worker_token_file, security)
         options = server_listen_options(security)
         host = split_host_port(_substitute(config.worker_address, "%port%", 0))[0]
         self._monitoring = Monitoring("data-worker")
@@ -168,7 +176,9 @@ class WorkerServer:
             config.protocol, dispatcher,
             runtime_ms(config.dispatcher_timeout_ms, DISPATCHER_TIMEOUT_MS) / 1000, security)
         self._heartbeat_s = runtime_ms(config.heartbeat_interval_ms, HEARTBEAT_INTERVAL_MS) / 1000
-        self._cache_bytes = config.cross_trainer_cache_size_bytes or CROSS_TRAINER_CACHE_SIZE_BYTES
+        self._cache_bytes, self._cache_slots = cache_plan(
+            config.cross_trainer_cache_size_bytes, machine_memory(),
+            CROSS_TRAINER_CACHE_SIZE_BYTES)
         # (job, consumer, split or -1) -> (the last attempt released, when)
         self._released: dict[tuple[int, str, int], tuple[int, float]] = {}
         self._evicted: dict[int, float] = {}  # jobs whose abandoned shared stream was closed
@@ -249,12 +259,19 @@ class WorkerServer:
 
     def _heartbeat_loop(self) -> None:
         request = DataRequest(worker_heartbeat=WorkerHeartbeatRequest(worker=self._info))
+        refused = False
         while not self._stopping.is_set():
+            request.worker_heartbeat.worker_token = (
+                self._worker_token or worker_auth.local_token(self._dispatcher.address))
             try:
                 response, _ = self._dispatcher.call(request)
             except errors.CancelledError:
                 return
-            except errors.OpError:
+            except errors.OpError as err:
+                if isinstance(err, errors.PermissionDeniedError) and not refused:
+                    refused = True  # said once; the operator may still fix the dispatcher
+                    log.error("clusterwire: tf.data service worker %s: %s", self._info.address,
+                              err.message)
                 if self._stopping.wait(min(self._heartbeat_s, 1.0)):
                     return
                 continue
@@ -415,19 +432,14 @@ class WorkerServer:
         pipe = self._pipeline(spec.dataset_id)
         if spec.trainer_id:
             _check_cross_trainer_cache(spec, pipe)
+        if offset:
+            _check_offset(spec, offset, pipe)
         with self._lock:
             stream = self._streams.get(key)
             if stream is not None:
                 return stream
             self._check_openable(spec, consumer_id)
-            if spec.trainer_id:
-                cached = sum(s.cache is not None for s in self._streams.values())
-                if cached >= MAX_CACHED_JOBS:
-                    raise errors.ResourceExhaustedError(
-                        f"This tf.data service worker is {OVER_LIMITS}: it keeps cross-trainer "
-                        f"caches of {cached} jobs (of up to {self._cache_bytes} bytes each), "
-                        "its limit. A job's cache goes when the dispatcher collects the job; "
-                        "retry later, share a job_name between the trainers, or add workers.")
+            idle_cache = self._cache_slot() if spec.trainer_id else None
             if offset and not (spec.is_split or spec.owner or spec.num_consumers):
                 raise errors.InvalidArgumentError(
                     f"A read of job {spec.job_id}'s shared stream asked to skip {offset} "
@@ -440,15 +452,36 @@ class WorkerServer:
                     f"Attempt {spec.attempt} at split {spec.split_id} was superseded by a "
                     "later one of the same consumer.")
             replaced = self._admit(spec, key, attempts)
-            elements_iter = self._elements(pipe, spec)
-            if offset:  # a split's later attempt, or a resumed consumer's stream
-                elements_iter = itertools.islice(elements_iter, offset, None)
+            if idle_cache is not None:
+                replaced.append(self._streams.pop(idle_cache))
+            # A split's later attempt, or a resumed consumer's stream, skips `offset`.
             stream = self._streams[key] = Stream(
-                elements_iter, lambda e: elements.encode(e, mode),
-                cache_bytes=self._cache_bytes if spec.trainer_id else 0)
+                self._elements(pipe, spec), lambda e: elements.encode(e, mode),
+                cache_bytes=self._cache_bytes if spec.trainer_id else 0, skip=offset)
         for old in replaced:
             old.close()
         return stream
+
+    def _cache_slot(self) -> tuple | None:
+        """Room for another cached job: None, or the key of the cached job's stream not read
+        for longest if over ``IDLE_CACHE_S`` (to close); else ResourceExhaustedError. Lock
+        held."""
+        cached = [k for k, s in self._streams.items() if s.cache is not None]
+        if len(cached) < self._cache_slots:
+            return None
+        oldest = min(cached, key=lambda k: self._streams[k].last_used)
+        if time.monotonic() - self._streams[oldest].last_used > IDLE_CACHE_S:
+            return oldest
+        raise errors.ResourceExhaustedError(
+            f"This tf.data service worker is {OVER_LIMITS}: it keeps cross-trainer caches of "
+            f"{len(cached)} jobs (of up to {self._cache_bytes} bytes each), its limit; a job "
+            f"nobody reads for {IDLE_CACHE_S:g} s gives its slot up. Retry later, share a "
+            "job_name between the trainers, or add workers.")
+
+    @property
+    def cross_trainer_cache_slots(self) -> int:
+        """Jobs this worker keeps a cross-trainer cache of at once (``cache_plan``)."""
+        return self._cache_slots
 
     def _check_openable(self, spec: StreamSpec, consumer_id: str) -> None:
         """Refuse streams of a released consumer and of a job whose shared stream was
@@ -510,6 +543,21 @@ class WorkerServer:
         if spec.num_shards and policy in (ShardingPolicy.DATA, ShardingPolicy.FILE_OR_DATA):
             return itertools.islice(pipe.run(), spec.shard_index, None, spec.num_shards)
         return pipe.run()
+
+
+def _check_offset(spec: StreamSpec, offset: int, pipe: Pipeline) -> None:
+    """InvalidArgumentError unless a stream can start ``offset`` elements in: within its
+    split, or within a finite dataset."""
+    if spec.is_split:
+        check_offset(spec.split_id, offset,
+                     split_limit(split_plan(pipe).ops, spec.unit_end - spec.unit_start))
+        return
+    cardinality = pipe.cardinality()
+    if offset < 0 or 0 <= cardinality < offset:
+        of = f" of a dataset of {cardinality}" if cardinality >= 0 else ""
+        raise errors.InvalidArgumentError(
+            f"A read of job {spec.job_id} asked to skip {offset} elements{of}: pass the "
+            "position state_dict() returned, unchanged.")
 
 
 def _check_cross_trainer_cache(spec: StreamSpec, pipe: Pipeline) -> None:
