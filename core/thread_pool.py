@@ -216,6 +216,14 @@ class WorkSlots:
             self._working += 1
             return True
 
+    def try_acquire(self) -> bool:
+        """Take a free slot without waiting; False if none is free or ``close()`` ran."""
+        with self._cond:
+            if self._working >= self._limit or self._closed:
+                return False
+            self._working += 1
+            return True
+
     def release(self) -> None:
         """Give back the calling thread's slot."""
         with self._cond:

@@ -76,6 +76,13 @@ class Frame:
 
 Handler = Callable[[Frame], Frame]
 
+#: The slowest a streamed request's body (an upload) may arrive: each window of
+#: ``ListenOptions.message_idle_timeout_seconds`` must bring this many bytes a second
+#: (or the rest of the request), else it is dropped with DeadlineExceededError. A request
+#: sent in the default 1 MiB chunks within the idle timeout brings more.
+MIN_UPLOAD_BYTES_PER_SECOND = 64 << 10
+
+
 @dataclass(frozen=True)
 class ListenOptions:
     """Server-side limits a transport must enforce."""
@@ -94,11 +101,13 @@ class ListenOptions:
     #: Unauthenticated connections held at once; a new one beyond this closes the oldest
     #: unauthenticated one, so a flood of silent connections cannot lock out real clients.
     max_pending_connections: int = 256
-    #: A request whose bytes stop arriving for this many seconds is dropped and its thread
-    #: freed (a trickled upload cannot pin a server thread).
+    #: A request whose bytes stop arriving for this many seconds, or arrive slower than
+    #: ``MIN_UPLOAD_BYTES_PER_SECOND`` over such a window, is dropped (DeadlineExceededError).
     message_idle_timeout_seconds: float = 10.0
     #: Of ``max_workers``, threads kept for requests without a streamed body, so bulk
-    #: uploads cannot starve small calls.
+    #: uploads cannot starve small calls. A streamed request holds one of the others only
+    #: while it works (its bytes arriving, its handler running); waiting for its next bytes
+    #: it holds none, so slow uploads leave the threads to others.
     small_call_reserve: int = 4
     security: Security = field(default_factory=Security)
 

@@ -11,7 +11,7 @@ messages of raw bytes: after the envelope in an upload stream, or in a fetch
 stream the receiver opens with the ``fetch id`` of the response (or, when the
 response names a ``bulk port``, over that TCP port: see ``bulk``). The
 envelope checks the declared sizes against the receiver's limit before any
-allocation.
+allocation; a buffer is allocated when its first bytes arrive.
 """
 
 from __future__ import annotations
@@ -53,19 +53,26 @@ def chunks(views: Sequence[memoryview], chunk_bytes: int) -> Iterator[bytes]:
 
 
 def assemble(messages: Iterator[bytes], lengths: Sequence[int]) -> list[np.ndarray]:
-    """Fill fresh buffers of ``lengths`` from chunk messages; InvalidArgumentError on mismatch."""
-    buffers = [receive_buffers.take(length) for length in lengths]
-    for buffer in buffers:
-        filled, target = 0, memoryview(buffer)
-        while filled < buffer.nbytes:
+    """Fill fresh buffers of ``lengths`` from chunk messages; InvalidArgumentError on mismatch.
+
+    A buffer is taken when its first chunk arrives, so a frame that declares much and
+    sends little holds what it sent (pages of a large buffer are committed as written).
+    """
+    buffers = []
+    for length in lengths:
+        target, filled = memoryview(receive_buffers.take(0)) if length == 0 else None, 0
+        while filled < length:
             chunk = next(messages, None)
             if chunk is None:
                 raise InvalidArgumentError(
-                    f"Frame ended early: {filled} of {buffer.nbytes} bytes of a buffer arrived.")
-            if filled + len(chunk) > buffer.nbytes:
+                    f"Frame ended early: {filled} of {length} bytes of a buffer arrived.")
+            if filled + len(chunk) > length:
                 raise InvalidArgumentError("Malformed frame: a chunk overruns its buffer.")
+            if target is None:
+                target = memoryview(receive_buffers.take(length))
             target[filled:filled + len(chunk)] = chunk
             filled += len(chunk)
+        buffers.append(target.obj)
     if next(messages, None) is not None:
         raise InvalidArgumentError("Malformed frame: more data than the declared buffers.")
     return buffers

@@ -19,12 +19,18 @@ from about there on it beats a unary reply, whose bytes grpcio copies).
 Limits (``ListenOptions``): gRPC core enforces the connection limits
 (``_grpc_common.server.connection_args``); with a token, calls without it are refused
 before their request is read. Upload and Fetch are streamed calls: at most
-``max_workers - small_call_reserve`` run at once, the others are refused as
+``max_workers - small_call_reserve`` work at once, the others are refused as
 busy before anything is read and the channel sends them again until its
-deadline. An upload whose next chunk does not arrive within
-``message_idle_timeout_seconds`` is dropped with DeadlineExceededError (a
-timeout, not a malformed frame: sent again promptly, it would succeed). The
-bulk port applies the same limits itself (``bulk``).
+deadline. An upload works only while its chunks arrive: waiting for the next
+one its thread is parked (``clusterwire.thread_pool``) and its slot free, so
+slow uploads cannot hold the threads; at most ``max_concurrent_calls`` uploads
+are open at once. An upload whose next chunk does not arrive within
+``message_idle_timeout_seconds``, or that brings less than
+``MIN_UPLOAD_BYTES_PER_SECOND`` over such a window, is dropped with
+DeadlineExceededError (a timeout, not a malformed frame: sent again promptly,
+it would succeed); its buffers are allocated as their bytes arrive, so it
+holds what it sent, not what it declared. The bulk port applies the same
+limits itself (``bulk``).
 """
 
 from __future__ import annotations
@@ -47,7 +53,16 @@ from clusterwire import errors
 from clusterwire.addressing import split_host_port
 from clusterwire.envelope import BULK, Envelope, bulk_lengths, interleave, split_inline
 from clusterwire.security import Security
-from clusterwire.transport import Channel, Frame, Handler, Listener, ListenOptions, Transport
+from clusterwire.thread_pool import WorkSlots, parked
+from clusterwire.transport import (
+    MIN_UPLOAD_BYTES_PER_SECOND,
+    Channel,
+    Frame,
+    Handler,
+    Listener,
+    ListenOptions,
+    Transport,
+)
 from clusterwire.transport_options import OptionReader
 from clusterwire.transports._grpc_common.client import open_channel, token_metadata
 from clusterwire.transports._grpc_common.server import ControlServer
@@ -112,7 +127,9 @@ class GrpcListener(Listener):
         self._pending = _Pending(transport.fetch_ttl)
         self._security = options.security
         self._stream_slots = _stream_slots(options)
-        self._streams = threading.BoundedSemaphore(self._stream_slots)
+        self._streams = WorkSlots(self._stream_slots)  # streamed calls working, not parked
+        self._max_uploads = options.max_concurrent_calls
+        self._uploads = threading.BoundedSemaphore(self._max_uploads)  # open, parked or not
         self._idle = options.message_idle_timeout_seconds
         limit = _message_limit(transport.inline_bytes, transport.chunk_bytes)
         # No maximum_concurrent_rpcs: gRPC's Python-side accounting costs ~45 us per call
@@ -176,18 +193,17 @@ class GrpcListener(Listener):
                                    self.bulk_port or 0)
 
     def _admit(self, context: grpc.ServicerContext) -> None:
-        """Take a thread for a streamed call until it ends, or refuse it as busy at once.
+        """Take a slot for a streamed call's work, or refuse it as busy at once.
 
-        Streamed calls get at most ``max_workers - small_call_reserve`` threads, so calls
-        without a streamed body (the token gate has refused unauthenticated ones before
-        they took a thread) always find one. Waiting here would hold a thread too.
+        Streamed calls get at most ``max_workers - small_call_reserve`` working threads, so
+        calls without a streamed body (the token gate has refused unauthenticated ones
+        before they took a thread) always find one. Waiting here would hold a thread too.
+        The caller gives the slot back (``_streams.release``) from the same thread.
         """
-        if not self._streams.acquire(blocking=False):
+        if not self._streams.try_acquire():
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"{_BUSY} the {self._stream_slots} threads for streamed requests "
-                          "(max_workers - small_call_reserve) are all in use.")
-        if not context.add_callback(self._streams.release):  # the call ended already
-            self._streams.release()
+                          "(max_workers - small_call_reserve) are all working.")
 
     def _call(self, message: bytes, context: grpc.ServicerContext) -> bytes:
         try:
@@ -200,22 +216,37 @@ class GrpcListener(Listener):
         return self._respond(self._handler(request))
 
     def _upload(self, messages: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
-        self._admit(context)
+        if not self._uploads.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{_BUSY} {self._max_uploads} uploads (max_concurrent_calls) are "
+                          "open.")
         try:
-            messages = _paced(messages, self._idle)
+            self._admit(context)
+            try:
+                return self._respond(self._handler(self._received(messages, context)))
+            finally:
+                self._streams.release()
+        finally:
+            self._uploads.release()
+
+    def _received(self, messages: Iterator[bytes], context: grpc.ServicerContext) -> Frame:
+        """The frame an upload's messages carry, as they arrive (see ``_paced``)."""
+        try:
+            messages = _paced(messages, self._idle, self._streams)
             first = next(messages, None)
             if first is None:
                 raise errors.InvalidArgumentError("Malformed frame: empty upload.")
             envelope = framing.LAYOUT.decode(first, self._limit)
-            request = Frame(envelope.header, interleave(
+            return Frame(envelope.header, interleave(
                 envelope.kinds, split_inline(envelope),
                 framing.assemble(messages, bulk_lengths(envelope))))
         except errors.OpError as err:
             context.abort(grpc.StatusCode(status_code(err.error_code)), err.message)
-        return self._respond(self._handler(request))
 
     def _fetch(self, message: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         self._admit(context)
+        if not context.add_callback(self._streams.release):  # the call ended already
+            self._streams.release()
         key = int.from_bytes(message[:8], "little") if len(message) == 8 else 0
         source = self._pending.take(key)
         if source is None:
@@ -431,12 +462,14 @@ def _started(messages: Iterator[bytes]) -> Iterator[bytes]:
     return messages if first is None else itertools.chain([first], messages)
 
 
-def _paced(messages: Iterator[bytes], idle: float) -> Iterator[bytes]:
-    """``messages``, or DeadlineExceededError once the next takes over ``idle`` seconds.
+def _paced(messages: Iterator[bytes], idle: float, slots: WorkSlots) -> Iterator[bytes]:
+    """``messages``, or DeadlineExceededError once the next takes over ``idle`` seconds or a
+    window of ``idle`` seconds brings less than ``MIN_UPLOAD_BYTES_PER_SECOND``.
 
     grpcio's request iterator waits without a timeout, so a helper thread reads it and
-    the handler waits on a queue instead; the helper ends when gRPC ends the call. The
-    unit is a whole message (a chunk): a client must send one per ``idle`` seconds.
+    the handler waits on a queue instead; the helper ends when gRPC ends the call. While
+    the handler waits, its thread is parked and its slot of ``slots`` given back: an
+    upload takes a thread for streamed requests only while its bytes arrive.
     """
     arrived: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
 
@@ -450,14 +483,49 @@ def _paced(messages: Iterator[bytes], idle: float) -> Iterator[bytes]:
             arrived.put(None)
 
     threading.Thread(target=pump, name="clusterwire-grpc-upload", daemon=True).start()
+    owed = MIN_UPLOAD_BYTES_PER_SECOND * idle  # bytes each window must bring
+    last = time.monotonic()
+    window_end, received = last + idle, 0
     while True:
         try:
-            message = arrived.get(timeout=idle)
+            message = arrived.get_nowait()
         except queue.Empty:
+            message = _wait_parked(arrived, min(last + idle, window_end), slots)
+        now = time.monotonic()
+        if message is None:
+            return
+        if message is _TIMED_OUT and now >= last + idle:
             raise errors.DeadlineExceededError(
                 f"No data of the request arrived for {idle:g} s "
                 "(message_idle_timeout_seconds): the server dropped it. Send each chunk "
-                "sooner, or raise message_idle_timeout_seconds on the server.") from None
-        if message is None:
-            return
-        yield message
+                "sooner, or raise message_idle_timeout_seconds on the server.")
+        if message is not _TIMED_OUT:
+            received += len(message)
+            last = now
+        if now >= window_end:
+            if received < owed:
+                raise errors.DeadlineExceededError(
+                    f"The request's data arrived at {received / idle:.0f} B/s over "
+                    f"{idle:g} s (message_idle_timeout_seconds), below the "
+                    f"{MIN_UPLOAD_BYTES_PER_SECOND} B/s an upload must keep: the server "
+                    "dropped it. Send faster, or in smaller requests.")
+            window_end, received = now + idle, 0
+        if message is not _TIMED_OUT:
+            yield message
+
+
+#: What ``_wait_parked`` returns when nothing arrived in time.
+_TIMED_OUT: Any = object()
+
+
+def _wait_parked(arrived: queue.SimpleQueue, until: float, slots: WorkSlots) -> Any:
+    """The next of ``arrived`` (``_TIMED_OUT`` if none by monotonic time ``until``), waited
+    for with the thread parked and its slot of ``slots`` free."""
+    slots.park()
+    try:
+        with parked():
+            return arrived.get(timeout=max(until - time.monotonic(), 0))
+    except queue.Empty:
+        return _TIMED_OUT
+    finally:
+        slots.unpark()
