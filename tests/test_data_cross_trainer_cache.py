@@ -20,12 +20,12 @@ import pytest
 from clusterwire import data, errors
 from clusterwire.data import elements
 from clusterwire.data.cross_trainer_cache import (
+    MAX_CACHED_JOBS,
     MAX_TRAINER_ID_CHARS,
     CrossTrainerCache,
     element_bytes,
 )
 from clusterwire.data.rpc import DispatcherClient, WorkerChannels
-from clusterwire.data.worker import MAX_CACHED_JOBS
 from clusterwire.protos.data_service_pb2 import (
     DataRequest,
     GetElementsRequest,
@@ -337,7 +337,7 @@ def take(dataset, count: int) -> list[int]:
 
 
 def test_trainers_through_distribute_and_from_dataset_id_read_the_same_elements():
-    with cluster(None) as (dispatcher, _):  # TF's 10 GiB: nothing is evicted here
+    with cluster(None) as (dispatcher, _):  # the default size: nothing is evicted here
         first = iter(distributed(dispatcher, trainer="Trainer 1"))
         assert [int(next(first)) for _ in range(10)] == list(range(10))
         dataset_id = data.register_dataset(dispatcher.target, INFINITE, compression=None)
@@ -464,10 +464,12 @@ def test_a_peer_cannot_name_trainers_without_bound(trainers):
         trainers("x" * (MAX_TRAINER_ID_CHARS + 1)).read(1)
 
 
-def test_a_worker_caches_a_bounded_number_of_jobs(trainers):
-    for job in range(MAX_CACHED_JOBS):
+def test_a_worker_caches_a_bounded_number_of_jobs(service, trainers):
+    slots = service[1].cross_trainer_cache_slots
+    assert slots == MAX_CACHED_JOBS  # caches of 8 elements: the memory holds the most jobs
+    for job in range(slots):
         assert trainers("Trainer 1", job=f"job {job}").read(1) == [0]
     with pytest.raises(errors.ResourceExhaustedError,
-                       match=f"keeps cross-trainer caches of {MAX_CACHED_JOBS} jobs"):
+                       match=f"keeps cross-trainer caches of {slots} jobs"):
         trainers("Trainer 1", job="one job too many").read(1)
     assert trainers("Trainer 2", job="job 0").read(1) == [0]  # the cached jobs go on

@@ -17,6 +17,11 @@ beyond that a new trainer id is refused with ResourceExhaustedError), and the le
 trainer id. A failure (the stream's error, its end, an oversized element) fails every later
 read: no trainer silently misses an element the others got.
 
+A worker's caches together hold at most ``CACHE_MEMORY_SHARE`` of its memory by default
+(``cache_plan``): the physical memory, or the cgroup's limit if lower. Each job's cache
+defaults to a quarter of that (at most TF's 10 GiB), and the worker keeps as many cached jobs
+as that share holds caches of the configured size (1 to ``MAX_CACHED_JOBS``).
+
 A retried read (same consumer and request sequence number: its answer was lost) gets the same
 elements again, those still cached; each cursor remembers positions of its last read only,
 never elements.
@@ -25,6 +30,7 @@ never elements.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from collections import deque
@@ -39,6 +45,12 @@ from clusterwire.thread_pool import parked
 #: Trainer cursors a cache keeps at most, and the longest trainer id it accepts.
 MAX_TRAINERS = 1024
 MAX_TRAINER_ID_CHARS = 1024
+#: The share of a worker's memory its cross-trainer caches hold together (by default), the
+#: cached jobs a worker keeps at most, and how many share it when their size is the default.
+CACHE_MEMORY_SHARE = 1 / 8
+MAX_CACHED_JOBS = 16
+DEFAULT_CACHED_JOBS = 4
+_CGROUP_LIMIT = "/sys/fs/cgroup/memory.max"
 
 #: ``pull(wait)``: the stream's next element (None if none came within ``wait`` s) and
 #: whether the stream has ended; raises the stream's error.
@@ -202,6 +214,27 @@ class CrossTrainerCache:
             self._start += 1
         self._window.append((element, size))
         self._bytes += size
+
+
+def machine_memory() -> int:
+    """This process's memory: the physical memory, or its cgroup's limit if lower."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open(_CGROUP_LIMIT) as limit:
+            text = limit.read().strip()
+    except OSError:
+        return memory
+    return min(memory, int(text)) if text.isdigit() else memory
+
+
+def cache_plan(configured: int, memory: int, tf_default: int) -> tuple[int, int]:
+    """``(bytes of each job's cache, jobs cached at once)`` on a worker of ``memory`` bytes:
+    ``configured`` bytes (0: a ``DEFAULT_CACHED_JOBS``-th of the caches' share, at most
+    ``tf_default``), and as many jobs as the share holds caches of that size (1 to
+    ``MAX_CACHED_JOBS``)."""
+    share = int(memory * CACHE_MEMORY_SHARE)
+    size = configured or max(1, min(tf_default, share // DEFAULT_CACHED_JOBS))
+    return size, min(max(1, share // size), MAX_CACHED_JOBS)
 
 
 def _check_trainer_id(trainer_id: str) -> None:

@@ -14,7 +14,14 @@ It is a small JSON-serialisable dict, saved beside a model checkpoint:
 * round-robin reads (``num_consumers``): the rounds returned (``elements``, one a round) and
   the workers they went to. The consumers of a job resume together, from the same round (as
   a synchronous trainer's ranks saved at one step), in a job of the rounds from there on
-  whose worker streams skip the earlier rounds' elements.
+  whose worker streams skip the earlier rounds' elements. ``group`` names the job they read
+  by a digest of its grant, which only its consumers hold: another client cannot join or
+  block their resume without having joined that job.
+
+What the service trusts of a position: the dispatcher checks a distributed_epoch position
+against what the job handed the consumer (its own splits only, each offset within its
+split: ``split_limit``); a worker skips a resumed stream's elements only while a reader
+reads it (``streams.Stream``).
 """
 
 from __future__ import annotations
@@ -24,6 +31,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from clusterwire.data.modes import ShardingPolicy
+from clusterwire.data.pipeline import (
+    Batch,
+    Enumerate,
+    Filter,
+    Map,
+    Op,
+    Prefetch,
+    Repeat,
+    Shuffle,
+    Skip,
+    Take,
+)
 from clusterwire.errors import InvalidArgumentError
 
 VERSION = 1
@@ -47,6 +66,7 @@ class Position:
     consumer_index: int = 0
     num_consumers: int = 0
     finished: bool = False  # the iteration had ended: a resumed one ends at once
+    group: str = ""  # round-robin reads: the digest of the job's grant (see the module doc)
 
     def to_dict(self) -> dict[str, Any]:
         """The position as a JSON-serialisable dict."""
@@ -58,7 +78,7 @@ class Position:
                 "completed": sorted(self.completed), "streams": dict(sorted(self.streams.items())),
                 "elements": self.elements, "workers": list(self.workers),
                 "consumer_index": self.consumer_index, "num_consumers": self.num_consumers,
-                "finished": self.finished}
+                "finished": self.finished, "group": self.group}
 
     @classmethod
     def from_dict(cls, state: Any) -> Position:
@@ -90,7 +110,8 @@ class Position:
                 workers=tuple(_key(worker) for worker in _typed(state, "workers", list)),
                 consumer_index=_count(state, "consumer_index"),
                 num_consumers=_count(state, "num_consumers"),
-                finished=_typed(state, "finished", bool))
+                finished=_typed(state, "finished", bool),
+                group=_typed(state, "group", str) if "group" in state else "")
         except (TypeError, ValueError) as err:  # e.g. a partial entry that is not a pair
             raise InvalidArgumentError(f"Malformed data-service position: {err}.") from None
 
@@ -130,3 +151,34 @@ def _key(value: Any) -> str:
         raise InvalidArgumentError(
             f"Data-service position names worker {value!r}, not an address.")
     return value
+
+
+def split_limit(ops: tuple[Op, ...], units: int) -> int | None:
+    """The most elements a split of ``units`` source units yields through ``ops`` (a split
+    plan's), or None where an op's output is not bounded by its input (``unbatch``, an
+    endless ``repeat``): the largest offset a position may hold for the split."""
+    limit = units
+    for op in ops:
+        if isinstance(op, (Map, Filter, Prefetch, Shuffle, Enumerate)):
+            continue
+        if isinstance(op, Batch):
+            limit = -(-limit // op.batch_size)
+        elif isinstance(op, Take):
+            limit = limit if op.count < 0 else min(limit, op.count)
+        elif isinstance(op, Skip):
+            limit = 0 if op.count < 0 else max(0, limit - op.count)
+        elif isinstance(op, Repeat) and (op.count >= 0 or limit == 0):
+            limit *= max(op.count, 0)
+        else:
+            return None
+    return limit
+
+
+def check_offset(split_id: int, offset: int, limit: int | None) -> None:
+    """InvalidArgumentError unless ``offset`` elements of split ``split_id`` (of at most
+    ``limit`` elements; None: unbounded) can have been read."""
+    if offset < 0 or (limit is not None and offset > limit):
+        bound = "" if limit is None else f" (it holds at most {limit} elements)"
+        raise InvalidArgumentError(
+            f"A position or release puts split {split_id} at offset {offset}, outside the "
+            f"split{bound}: pass the position state_dict() returned, unchanged.")

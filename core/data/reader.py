@@ -57,6 +57,7 @@ for a consumer's user to take what it fetched).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import logging
 import queue
@@ -326,9 +327,13 @@ class JobReader(Iterator[Any]):
         _check_resumable(options, position)
         self._elements = position.elements
         if options.num_consumers:
-            # Every consumer resumes from the same round, in the job of the rounds from there.
-            request.job_key = f"{key}/round-{position.elements}"
-            request.resume_group, request.resume_round = key, position.elements
+            # Every consumer resumes from the same round, in the job of the rounds from there,
+            # named by the group only the read job's consumers know (another client cannot
+            # take or block it; the last part of a key is not shown in status).
+            group = position.group or key
+            request.job_key = f"{key}/round-{position.elements}" + (
+                f"/{position.group}" if position.group else "")
+            request.resume_group, request.resume_round = group, position.elements
             self._first_round, self._saved_workers = position.elements, list(position.workers)
             return request
         if options.policy != ShardingPolicy.DYNAMIC:
@@ -388,7 +393,8 @@ class JobReader(Iterator[Any]):
             handed=self._handed, partial=partial, completed=completed,
             streams={**self._start_offsets, **streams}, elements=self._elements,
             workers=tuple(workers), consumer_index=self._options.consumer_index or 0,
-            num_consumers=self._options.num_consumers, finished=self._returned_all)
+            num_consumers=self._options.num_consumers, finished=self._returned_all,
+            group=_group(self._job.grant) if self._options.num_consumers else "")
 
     def keep_splits(self) -> None:
         """distributed_epoch: have the dispatcher keep this consumer's splits for it while it
@@ -970,6 +976,11 @@ class JobReader(Iterator[Any]):
                 failure.delay = _backoff(failure.delay)
         if not self._stop.is_set():
             self._start_slots(slots)
+
+
+def _group(grant: bytes) -> str:
+    """A round-robin position's ``group``: a digest of the job's grant (see position.py)."""
+    return hashlib.sha256(b"clusterwire round-robin group\x00" + grant).hexdigest()[:32]
 
 
 def _check_resumable(options: ReadOptions, position: Position) -> None:

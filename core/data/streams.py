@@ -6,6 +6,10 @@ batch is remembered under its request sequence number, so a retried request
 (its answer was lost) gets the same elements again rather than losing them;
 the consumer's next sequence number releases them.
 
+A resumed stream (``skip``) passes over the elements its reader had, on the producer thread,
+only while a reader reads it: one that has not asked for ``READER_GONE_S`` pauses the skip
+(its thread waits, costing nothing) until a reader asks again or the stream is closed.
+
 A job read through a cross-trainer cache (``cache_bytes``) serves its consumers from the
 stream's ``cache`` instead (``fetch_cached``), which takes the elements one at a time and
 keeps a window of them for every trainer (see ``cross_trainer_cache``).
@@ -13,6 +17,7 @@ keeps a window of them for every trainer (see ``cross_trainer_cache``).
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import traceback
@@ -33,6 +38,11 @@ MAX_BUFFERED_ELEMENTS = 8192
 #: In a worker's ResourceExhaustedError when it cannot open another stream now; a consumer
 #: seeing it retries with backoff (other consumers' streams end or are released).
 OVER_LIMITS = "over its stream limits"
+#: A stream skipping a resumed position's elements pauses when no reader asked for this long
+#: (a reader waiting for its first element asks again every read's wait, about a second).
+READER_GONE_S = 5.0
+_SKIP_CHUNK = 4096  # elements skipped between looks at the stream's reader
+_NONE = object()
 
 
 def pipeline_error(err: BaseException) -> errors.OpError:
@@ -49,9 +59,10 @@ class Stream:
 
     def __init__(self, elements: Iterator[Any], encode: Callable[[Any], Encoded],
                  max_bytes: int = MAX_BUFFERED_BYTES, max_elements: int = MAX_BUFFERED_ELEMENTS,
-                 cache_bytes: int = 0):
+                 cache_bytes: int = 0, skip: int = 0):
         """With ``cache_bytes``, trainers read it through a cross-trainer cache of that many
-        bytes (``fetch_cached``), which takes its elements one at a time."""
+        bytes (``fetch_cached``), which takes its elements one at a time. ``skip``: elements
+        to pass over first, while a reader reads (a resumed position's)."""
         self.cache = CrossTrainerCache(self._take, cache_bytes) if cache_bytes else None
         if self.cache is not None:
             max_elements = 1  # produced one ahead, as TF's; the cache holds what was read
@@ -68,12 +79,16 @@ class Stream:
         self._released: set[str] = set()  # consumers that stopped reading it
         self._reader_left = False  # one of them had read it
         self.last_used = time.monotonic()
-        self._thread = threading.Thread(target=self._produce, args=(elements, encode),
+        self._skipping = False  # the producer waits for a reader to skip on
+        self._thread = threading.Thread(target=self._produce, args=(elements, encode, skip),
                                         daemon=True, name="clusterwire-data-stream")
         self._thread.start()
 
-    def _produce(self, elements: Iterator[Any], encode: Callable[[Any], Encoded]) -> None:
+    def _produce(self, elements: Iterator[Any], encode: Callable[[Any], Encoded],
+                 skip: int) -> None:
         try:
+            if skip and not self._skip(elements, skip):
+                return
             for element in elements:
                 encoded = encode(element)
                 with self._cond:
@@ -97,13 +112,36 @@ class Stream:
                 self._done = True
                 self._cond.notify_all()
 
+    def _skip(self, elements: Iterator[Any], count: int) -> bool:
+        """Pass over ``count`` elements (fewer if the stream ends first) while a reader reads;
+        False if the stream was closed meanwhile."""
+        while count > 0:
+            step = min(count, _SKIP_CHUNK)
+            if next(itertools.islice(elements, step - 1, step), _NONE) is _NONE:
+                return True
+            count -= step
+            with self._cond:
+                self._skipping = True
+                self._cond.wait_for(lambda: self._closed or (
+                    time.monotonic() - self.last_used < READER_GONE_S))
+                self._skipping = False
+                if self._closed:
+                    return False
+        return True
+
+    def _touch(self) -> None:
+        """A reader asked: note when, and wake a skip waiting for one (lock held)."""
+        self.last_used = time.monotonic()
+        if self._skipping:
+            self._cond.notify_all()
+
     def fetch(self, consumer: str, seq: int, max_elements: int, max_bytes: int,
               wait: float) -> tuple[list[Encoded], bool]:
         """Up to ``max_elements``/``max_bytes`` elements and as many buffers as one frame
         carries (at least one element if any come within ``wait`` s), and whether the stream
         has ended after them."""
         with self._cond:
-            self.last_used = time.monotonic()
+            self._touch()
             last = self._claims.get(consumer)
             if last is not None and last[0] == seq:
                 return last[1], last[2]
@@ -135,7 +173,7 @@ class Stream:
         """The element at ``position`` (empty if not produced within ``wait`` s) and
         whether the stream ended before it."""
         with self._cond:
-            self.last_used = time.monotonic()
+            self._touch()
             last = self._claims.get(consumer)
             if last is not None and last[0] == seq:
                 return last[1], last[2]
@@ -168,7 +206,7 @@ class Stream:
         """``CrossTrainerCache.get`` of the stream's cache, for a consumer still reading."""
         assert self.cache is not None
         with self._cond:
-            self.last_used = time.monotonic()
+            self._touch()
             self._check_open(consumer)
         return self.cache.get(trainer_id, consumer, seq, max_elements, max_bytes, wait)
 
