@@ -118,7 +118,8 @@ class LocalCluster:
     ``imports`` are modules each task imports (to register ``@remote``
     functions). ``targets[job][index]`` is each task's target. ``env`` is added
     to this process's environment for the tasks. ``add_tasks`` and ``remove_task`` change
-    the cluster while it runs (clusterwire.membership).
+    the cluster while it runs (clusterwire.membership): its tasks take membership changes
+    (``allow_membership_changes``) unless ``config`` sets it False.
     """
 
     def __init__(self, jobs: Mapping[str, int], protocol: str = "grpc", host: str = "127.0.0.1",
@@ -129,7 +130,8 @@ class LocalCluster:
         self._processes: dict[tuple[str, int], TaskProcess] = {}
         self._removed: set[tuple[str, int]] = set()
         self._host = host
-        self._options = {"protocol": protocol, "imports": list(imports), "config": config,
+        self._options = {"protocol": protocol, "imports": list(imports),
+                         "config": {"allow_membership_changes": True, **(config or {})},
                          "timeout": start_timeout}
         self._launcher = TaskLauncher({**os.environ, **(env or {})})
         spec = {job: [f"{host}:0"] * count for job, count in jobs.items()}

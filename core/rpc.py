@@ -198,6 +198,13 @@ class RequestClient:
         with self._lock:
             return {a: seen for a, seen in self._unreachable.items() if seen[0] >= since}
 
+    def drop(self, address: str) -> None:
+        """Close the channel to ``address``, if one is open (a later request opens one)."""
+        with self._lock:
+            channel = self._channels.pop(address, None)
+        if channel is not None:
+            channel.close()
+
     def close(self) -> None:
         """Close every channel (idempotent)."""
         self._closing.set()

@@ -82,7 +82,7 @@ class Server:
             cluster, sd.job_name, sd.task_index, sd.protocol, lambda: self.target,
             options.peer_timeout_seconds or _DEFAULT_PEER_TIMEOUT, transport.info, self._security,
             options.max_store_bytes or None, options.membership_heartbeat_seconds,
-            options.membership_timeout_seconds)
+            options.membership_timeout_seconds, options.allow_membership_changes)
         # ServerOptions has a field of the same name for every limit of ListenOptions.
         shell_options = listen_options(security=self._security, **{
             f.name: getattr(options, f.name) for f in fields(ListenOptions)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import threading
 import time
 import traceback
@@ -24,7 +25,7 @@ from clusterwire import barrier, codec, errors, functions, in_process
 from clusterwire.addressing import split_host_port
 from clusterwire.barrier import Arrival, Releases, Rounds
 from clusterwire.cluster_spec import ClusterSpec, with_address
-from clusterwire.membership import Membership, View
+from clusterwire.membership import Membership, PeerLink, View, check_identity, identity_proof
 from clusterwire.metrics import REGISTRY, catalog, snapshot
 from clusterwire.metrics.registry import Sample
 from clusterwire.protos.service_pb2 import (
@@ -43,7 +44,7 @@ from clusterwire.transport import Buffer, Frame
 
 _MAX_HOPS = 2
 #: Methods answered without waiting for other requests (here, or forwarded to their task).
-_AT_ONCE = frozenset({"get", "put", "delete", "list", "status", "heartbeat"})
+_AT_ONCE = frozenset({"get", "put", "delete", "list", "status", "heartbeat", "identify"})
 #: Answered at once as well: a malformed request or an unknown method (an error).
 SERVED_AT_ONCE = _AT_ONCE | {"unknown"}
 #: Every method a task serves (a metric's ``method`` label is one of these or "unknown").
@@ -115,7 +116,8 @@ class ClusterService:
                  target: Callable[[], str], peer_timeout: float,
                  transport_info: Callable[[], dict[str, str]],
                  security: Security | None = None, max_store_bytes: int | None = None,
-                 heartbeat_seconds: float = 0.0, membership_timeout: float = 0.0):
+                 heartbeat_seconds: float = 0.0, membership_timeout: float = 0.0,
+                 allow_membership_changes: bool = False):
         self.job, self.index, self.protocol = job, index, protocol
         self.name = f"/job:{job}/task:{index}"
         self._target = target
@@ -132,9 +134,10 @@ class ClusterService:
         # Peers are reached with this server's own credentials (its certificate
         # doubles as the client certificate under mutual TLS).
         self._peers = RequestClient(protocol, timeout=peer_timeout, security=security)
-        self.membership = Membership((job, index), cluster, self._membership_changed,
-                                     self._send_heartbeat, heartbeat_seconds,
-                                     membership_timeout)
+        link = PeerLink(self._send_heartbeat, self._identify_peer, self._peers.drop)
+        self.membership = Membership((job, index), cluster, self._membership_changed, link,
+                                     heartbeat_seconds, membership_timeout,
+                                     allow_membership_changes)
         # Request header -> what serves it (see _prepare); its method (method_of).
         self._prepared: dict[bytes, Serve] = {}
         self._methods: dict[bytes, str] = {}
@@ -175,6 +178,27 @@ class ClusterService:
         return Frame(Response(membership=MembershipView(
             version=view.version, cluster=view.cluster.as_cluster_def())).SerializeToString(),
             [])
+
+    def _identify_peer(self, task: tuple[str, int], address: str, timeout: float) -> None:
+        """Raise unless ``address`` answers ``identify`` as ``task``, with the proof."""
+        nonce = secrets.token_bytes(32)
+        response, buffers = self._peers.send(address, Request(method="identify", nonce=nonce),
+                                             timeout=timeout)
+        check_identity(self._peers.security.token, nonce, task, address,
+                       codec.decode(response.value, buffers))
+
+    def _identify(self, request: Request) -> Frame:
+        """This task and its address, with the proof of the cluster token for the
+        challenge (see clusterwire.membership)."""
+        if not 16 <= len(request.nonce) <= 64:
+            raise errors.InvalidArgumentError(
+                f"identify needs a challenge (nonce) of 16 to 64 bytes, got "
+                f"{len(request.nonce)}.")
+        me = (self.job, self.index)
+        address = self.cluster.task_address(*me)
+        return value_response({"job": self.job, "index": self.index, "address": address,
+                               "proof": identity_proof(self._peers.security.token,
+                                                       request.nonce, me, address)})
 
     def cancel_waits(self) -> None:
         """Answer the waits left with CancelledError (the server's shell is stopping):
@@ -320,15 +344,22 @@ class ClusterService:
             self.complete_cluster(ClusterSpec(request.cluster))
             return value_response(None)
         if method == "update_cluster":
+            if not self.membership.allow_changes:
+                raise errors.PermissionDeniedError(
+                    f"update_cluster: {self.name} takes membership changes from clients only "
+                    "when its operator enables them: allow_membership_changes in its server "
+                    "config, or `clusterwire serve --allow-membership-changes`.")
             return value_response(self.update_cluster(ClusterSpec(request.cluster)))
         if method == "status":
             return Frame(Response(task_status=self.status()).SerializeToString(), [])
         if method == "heartbeat":
             return self._heartbeat(request)
+        if method == "identify":
+            return self._identify(request)
         raise errors.UnimplementedError(
             f"Unknown method {method!r}; this server serves: status, put, get, delete, list, "
             "call, barrier, complete_cluster, update_cluster (and, between tasks, "
-            "barrier_arrive, barrier_release, barrier_withdraw, heartbeat).")
+            "barrier_arrive, barrier_release, barrier_withdraw, heartbeat, identify).")
 
     def _store_put(self, name: str, stored: _Stored) -> None:
         """Store ``stored`` as ``name`` (replacing it) within max_store_bytes."""

@@ -23,7 +23,7 @@ from clusterwire.membership import View
 pytestmark = pytest.mark.timeout(60)
 
 HEARTBEAT = {"membership_heartbeat_seconds": 0.2, "membership_timeout_seconds": 0.6,
-             "peer_timeout_seconds": 0.5}
+             "peer_timeout_seconds": 0.5, "allow_membership_changes": True}
 
 
 def start_task(cluster: dict, index: int, config: dict | None = None) -> clusterwire.Server:
@@ -157,9 +157,13 @@ def _barrier_waiting(server: clusterwire.Server) -> bool:
 
 
 def test_changes_made_at_once_on_two_tasks_converge_on_one():
-    with tasks(3) as (servers, full):
-        a = {"w": [*full["w"], "127.0.0.1:1"]}
-        b = {"w": [*full["w"], "127.0.0.1:2"]}
+    with tasks(3) as (servers, full), contextlib.ExitStack() as stack:
+        # Two launchers start a task each: /job:w/task:3 and /job:x/task:0.
+        w3 = stack.enter_context(start_task({"w": [*full["w"], "127.0.0.1:0"]}, 3))
+        x0 = stack.enter_context(clusterwire.Server(
+            {**full, "x": ["127.0.0.1:0"]}, job_name="x", task_index=0, config=HEARTBEAT))
+        a = {"w": [*full["w"], w3.cluster_spec.task_address("w", 3)]}
+        b = {**full, "x": [x0.cluster_spec.task_address("x", 0)]}
         both = [threading.Thread(target=servers[0].update_cluster, args=(a,)),
                 threading.Thread(target=servers[1].update_cluster, args=(b,))]
         for thread in both:
@@ -171,7 +175,7 @@ def test_changes_made_at_once_on_two_tasks_converge_on_one():
                               for s in servers}) == 1,
                  what="one view on every task")
         assert servers[2].membership_version in (2, 3)
-        assert servers[2].cluster_spec.task_address("w", 3) in ("127.0.0.1:1", "127.0.0.1:2")
+        assert servers[2].cluster_spec.as_dict() in (a, b)
 
 
 class MovingResolver:
@@ -212,22 +216,27 @@ def test_a_server_follows_its_resolver():
         other.stop()
 
 
-@pytest.mark.parametrize("bad, match", [
-    ({"w": ["127.0.0.1:1"], "x": ["127.0.0.1:2"]}, None),
-    ({"x": ["127.0.0.1:2"]}, "does not have this task /job:w/task:0"),
+def test_update_cluster_corrects_this_tasks_own_address():
+    with start_task({"w": ["127.0.0.1:0"]}, 0) as server, clusterwire.Server(
+            {"w": ["127.0.0.1:1"], "x": ["127.0.0.1:0"]}, job_name="x", task_index=0) as x:
+        # Another job joins; this task's address stays its own.
+        assert server.update_cluster({"w": ["127.0.0.1:1"], "x": [x.cluster_spec.task_address(
+            "x", 0)]}) == 1
+        assert server.cluster_spec.task_address("w", 0) == server.target.split("://")[1]
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    ({"x": ["127.0.0.1:2"]}, errors.InvalidArgumentError,
+     "does not have this task /job:w/task:0"),
+    # Nothing serves there: a task joins only where it answers as itself.
+    ({"w": ["127.0.0.1:1"], "x": ["127.0.0.1:2"]}, errors.FailedPreconditionError,
+     r"/job:x/task:0 does not answer at 127.0.0.1:2"),
 ])
-def test_update_cluster_checks_its_argument(bad, match):
-    server = start_task({"w": ["127.0.0.1:0"]}, 0)
-    try:
-        if match is None:  # another job, and this task's address corrected to its own
-            assert server.update_cluster(bad) == 1
-            assert server.cluster_spec.task_address("w", 0) == server.target.split("://")[1]
-        else:
-            with pytest.raises(errors.InvalidArgumentError, match=match):
-                server.update_cluster(bad)
-            assert server.membership_version == 0
-    finally:
-        server.stop()
+def test_update_cluster_checks_its_argument(bad, error, match):
+    with start_task({"w": ["127.0.0.1:0"]}, 0) as server:
+        with pytest.raises(error, match=match):
+            server.update_cluster(bad)
+        assert server.membership_version == 0
 
 
 @pytest.mark.parametrize("watch", [0, -1, "1", True])
