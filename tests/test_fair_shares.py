@@ -1,0 +1,182 @@
+"""Fair shares of a server's streamed-request threads and upload memory (issue 29).
+
+A task runs in a process of its own (``clusterwire serve``) and slow uploads come from
+another (``cw_upload_flood.py``): the token holder's own puts and gets must go on within 1 s,
+and a trickled upload must hold only the bytes it sent, until the rate rule drops it. Every
+wait polls a condition with a deadline; every process is ended at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from conftest import TESTS_DIR, wait_for
+from cw_data_procs import ServerProcess
+
+from clusterwire import Session
+from clusterwire.transport import MIN_UPLOAD_BYTES_PER_SECOND
+
+TOKEN = "f" * 32
+_MiB = 1 << 20
+#: How long a token holder's put or get may take beside the slow uploads.
+BUDGET_S = 1.0
+#: What a trickled upload may add to its server's memory (it sent a few bytes).
+HELD_BOUND_MIB = 32
+
+
+def proc_status(pid: int, field: str) -> int:
+    """A number from /proc/PID/status (VmRSS in KiB, Threads)."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise AssertionError(f"/proc/{pid}/status has no {field}")
+
+
+@contextlib.contextmanager
+def task(tmp_path, **config) -> Iterator[tuple[ServerProcess, dict]]:
+    """A one-task grpc server process with a token and ``config``; yields it and the client
+    config that holds the token."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    client = {"auth_token_file": str(token_file)}
+    server = ServerProcess("serve", "--cluster", '{"w": ["127.0.0.1:0"]}',
+                           "--config", json.dumps({**client, **config}))
+    try:
+        yield server, client
+    finally:
+        server.close()
+
+
+class Flood:
+    """``cw_upload_flood.py`` in a process of its own (see there)."""
+
+    def __init__(self, address: str, count: int, period: float, step: int, buffers: int = 1):
+        self.process = subprocess.Popen(
+            [sys.executable, os.path.join(TESTS_DIR, "cw_upload_flood.py"), address, TOKEN,
+             str(count), str(period), str(step), str(buffers)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._lines: queue.SimpleQueue[str] = queue.SimpleQueue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self._lines.put(line.strip())
+        self._lines.put("")
+
+    def line(self, timeout: float) -> str:
+        try:
+            return self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"the flood process said nothing in {timeout} s") from None
+
+    def still_open(self) -> int:
+        """How many of its uploads have not ended."""
+        self.process.stdin.write("?\n")
+        self.process.stdin.flush()
+        answer = self.line(30)
+        assert answer.startswith("open "), answer
+        return int(answer.split()[1])
+
+    def finish(self) -> list[str]:
+        """End it; the ``ended CODE details`` lines of the uploads that ended before."""
+        self.process.stdin.close()
+        ended = []
+        while line := self.line(30):
+            ended.append(line)
+        self.process.wait(30)
+        return ended
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(30)
+
+
+@contextlib.contextmanager
+def flooding(*args, **kwargs) -> Iterator[Flood]:
+    flood = Flood(*args, **kwargs)
+    try:
+        yield flood
+    finally:
+        flood.close()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("uploads", [16, 32])
+def test_trickled_uploads_leave_a_token_holder_its_puts_and_gets(tmp_path, uploads):
+    """More uploads trickling 1 KiB every 2 s than the task has threads (16, 12 of them for
+    streamed requests): they wait for their bytes holding none, so another client's 2.4 MiB
+    put (itself an upload) and 8-byte get run at once. Their window (60 s here) is longer
+    than the test, so none is dropped meanwhile."""
+    with task(tmp_path, message_idle_timeout_seconds=60) as (server, client):
+        pid = server.process.pid
+        threads_before = proc_status(pid, "Threads")
+        with flooding(server.address, uploads, period=2.0, step=1024) as flood:
+            assert flood.line(60) == f"sent {uploads}"
+            # Each upload being read has a reader thread and a parked handler thread.
+            wait_for(lambda: proc_status(pid, "Threads") >= threads_before + 2 * uploads,
+                     timeout=30, what=f"the server to read {uploads} uploads")
+            big = np.random.default_rng(29).integers(0, 255, int(2.4 * _MiB), np.uint8)
+            worst_put = worst_get = 0.0
+            with Session(server.target, config=client, timeout=10) as session:
+                session.put("small", np.arange(1, dtype=np.int64))
+                for round_ in range(5):
+                    started = time.monotonic()
+                    session.put(f"big-{round_}", big)
+                    put_s = time.monotonic() - started
+                    started = time.monotonic()
+                    small = session.get("small")
+                    get_s = time.monotonic() - started
+                    assert small.tolist() == [0]
+                    worst_put, worst_get = max(worst_put, put_s), max(worst_get, get_s)
+                assert np.array_equal(session.get("big-4"), big)
+            assert worst_put < BUDGET_S, f"a 2.4 MiB put took {worst_put:.3f} s"
+            assert worst_get < BUDGET_S, f"an 8-byte get took {worst_get:.3f} s"
+            assert flood.still_open() == uploads  # none refused, none dropped
+            assert flood.finish() == []
+        print(f"\n{uploads} uploads trickling from another process: 2.4 MiB put at most "
+              f"{worst_put * 1000:.0f} ms, 8 B get at most {worst_get * 1000:.1f} ms")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("buffers", [1, 65536], ids=["one-4GiB-buffer", "65536-buffers"])
+def test_a_trickled_upload_holds_what_it_sent_until_the_rate_rule_drops_it(tmp_path,
+                                                                            buffers):
+    """A put declaring 4 GiB (the default max_message_bytes) that sends one byte every 0.5 s:
+    the server allocates a buffer when its bytes arrive, so the upload holds what it sent;
+    it brings less than MIN_UPLOAD_BYTES_PER_SECOND over a message_idle_timeout_seconds
+    window (4 s here) and is dropped with DEADLINE_EXCEEDED at the window's end."""
+    window = 4.0
+    with task(tmp_path, message_idle_timeout_seconds=window) as (server, client):
+        pid = server.process.pid
+        with Session(server.target, config=client, timeout=10) as session:
+            session.put("warm", np.ones(3 * _MiB, np.uint8))  # the upload path, used once
+        rss_before = peak = proc_status(pid, "VmRSS")
+        with flooding(server.address, 1, period=0.5, step=1, buffers=buffers) as flood:
+            assert flood.line(60) == "sent 1"
+            started = time.monotonic()
+            deadline = started + window * 3 + 30
+            while flood.still_open():
+                peak = max(peak, proc_status(pid, "VmRSS"))
+                assert time.monotonic() < deadline, "the trickled upload was never dropped"
+                time.sleep(0.05)
+            took = time.monotonic() - started
+            ended = flood.finish()
+        held_mib = (peak - rss_before) / 1024
+        assert held_mib < HELD_BOUND_MIB, f"the server grew by {held_mib:.0f} MiB"
+        assert len(ended) == 1 and ended[0].startswith("ended DEADLINE_EXCEEDED"), ended
+        assert f"{MIN_UPLOAD_BYTES_PER_SECOND} B/s" in ended[0]
+        assert window * 0.5 <= took < window * 3 + 5, took
+        print(f"\na 4 GiB put in {buffers} buffer(s) trickling 2 B/s: the server grew by "
+              f"{held_mib:.1f} MiB at most; dropped after {took:.1f} s: {ended[0]}")
