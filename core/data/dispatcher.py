@@ -143,6 +143,7 @@ class DispatchServer:
             self._journal = Journal(config.work_dir)
             self.journal_report = self._replay(self._journal)
             self._records = len(self.journal_report.entries)
+            self._state.unread_jobs.clear()  # their consumers count as just seen
         if not self._state.grant_key:
             with self._cond:
                 self._commit(JournalEntry(grant_key=grants.new_key()))
@@ -311,7 +312,7 @@ class DispatchServer:
                     return self._registered(known_id), []
                 dataset_id = self._state.new_dataset_id()
             lengths = [memoryview(b).nbytes for b in buffers]
-            self._check_dataset_quota(sum(lengths))
+            self._make_room_for_dataset(sum(lengths))
             if self._journal is not None:
                 write_payload(self._config.work_dir, dataset_id, buffers)
             self._commit(JournalEntry(dataset=JournalDataset(
@@ -320,15 +321,35 @@ class DispatchServer:
                 buffer_lengths=lengths)), buffers)
         return self._registered(dataset_id), []
 
-    def _check_dataset_quota(self, nbytes: int) -> None:
-        datasets = self._state.datasets.values()
-        held = sum(record.nbytes for record in datasets)
-        if len(datasets) >= MAX_DATASETS or held + nbytes > MAX_DATASET_BYTES:
-            raise errors.ResourceExhaustedError(
-                f"The tf.data service dispatcher holds {len(datasets)} datasets of {held} "
-                f"bytes; another of {nbytes} bytes would pass its limits ({MAX_DATASETS} "
-                f"datasets, {MAX_DATASET_BYTES} bytes). Unused datasets are collected after "
-                "dataset_gc_timeout_ms.")
+    def _make_room_for_dataset(self, nbytes: int) -> None:
+        """Collect the oldest datasets no job has used until one of ``nbytes`` fits in the
+        limits; ResourceExhaustedError (collecting nothing) when it cannot fit."""
+        state = self._state
+        count, held = len(state.datasets), sum(r.nbytes for r in state.datasets.values())
+        unused, collect = iter(state.unused_datasets), []
+        while count >= MAX_DATASETS or held + nbytes > MAX_DATASET_BYTES:
+            dataset_id = next(unused, None)
+            if dataset_id is None or nbytes > MAX_DATASET_BYTES:
+                raise errors.ResourceExhaustedError(
+                    f"The tf.data service dispatcher holds {len(state.datasets)} datasets of "
+                    f"{sum(r.nbytes for r in state.datasets.values())} bytes, "
+                    f"{len(state.datasets) - len(state.unused_datasets)} of them used by "
+                    f"jobs; another of {nbytes} bytes would pass its limits ({MAX_DATASETS} "
+                    f"datasets, {MAX_DATASET_BYTES} bytes) even without the datasets no job "
+                    "used. Datasets jobs used are collected dataset_gc_timeout_ms after "
+                    "their last job.")
+            collect.append(dataset_id)
+            count, held = count - 1, held - state.datasets[dataset_id].nbytes
+        self._remove_datasets(collect)
+
+    def _remove_datasets(self, dataset_ids: list[str]) -> None:
+        """Forget datasets (and their payload files). Call with the lock held."""
+        for dataset_id in dataset_ids:
+            self._commit(JournalEntry(removed_dataset=dataset_id))
+        if dataset_ids and self._journal is not None:
+            self._compact()  # no record names their payloads any more
+            for dataset_id in dataset_ids:
+                remove_payload(self._config.work_dir, dataset_id)
 
     @staticmethod
     def _registered(dataset_id: str) -> DataResponse:
@@ -383,10 +404,11 @@ class DispatchServer:
         return response, []
 
     def _create_job(self, request, record, policy: ShardingPolicy) -> int:
-        if len(self._state.jobs) >= MAX_JOBS:
+        if len(self._state.jobs) >= MAX_JOBS and not self._state.unread_jobs:
             raise errors.ResourceExhaustedError(
                 f"The tf.data service dispatcher runs {len(self._state.jobs)} jobs, its limit "
-                f"({MAX_JOBS}); finished jobs are collected after job_gc_timeout_ms.")
+                f"({MAX_JOBS}), and consumers read every one of them; jobs without "
+                "consumers are collected after job_gc_timeout_ms.")
         pipe = graph.from_def(record.dataset, record.buffers)
         order = self._config.worker_addresses
         if policy in STATIC_POLICIES and not order:
@@ -422,6 +444,8 @@ class DispatchServer:
                         _MAX_SPLIT_UNITS)
             job.split_units = -(-units // plan.align) * plan.align
             job.total_units, job.epochs = plan.units, plan.epochs
+        if len(self._state.jobs) >= MAX_JOBS:  # the oldest job nobody read makes room
+            self._commit(JournalEntry(removed_job=next(iter(self._state.unread_jobs))))
         self._commit(JournalEntry(job=job))
         return info.job_id
 
@@ -516,6 +540,7 @@ class DispatchServer:
     def _seen(self, job: Job, consumer: str) -> None:
         now = time.monotonic()
         job.last_active = now
+        self._state.unread_jobs.pop(job.info.job_id, None)
         if consumer not in job.released:  # a heartbeat overtaken by the release
             job.consumers[consumer] = now
 
@@ -686,12 +711,7 @@ class DispatchServer:
         used = {job.info.dataset_id for job in self._state.jobs.values()}
         unused = [d for d, record in self._state.datasets.items()
                   if d not in used and now - record.last_used > self._dataset_gc_timeout]
-        for dataset_id in unused:
-            self._commit(JournalEntry(removed_dataset=dataset_id))
-        if unused and self._journal is not None:
-            self._compact()  # no record names their payloads any more
-            for dataset_id in unused:
-                remove_payload(self._config.work_dir, dataset_id)
+        self._remove_datasets(unused)
 
 
 @dataclass

@@ -161,6 +161,11 @@ class DispatcherState:
         self.workers: dict[str, WorkerInfo] = {}
         self.worker_seen: dict[str, float] = {}
         self.grant_key = b""
+        # Jobs no consumer has read yet and datasets no job has used, oldest first: what a
+        # full table gives up first. A consumer's first heartbeat or split request marks its
+        # job read (DispatchServer); after a replay every job counts as read.
+        self.unread_jobs: dict[int, None] = {}
+        self.unused_datasets: dict[str, None] = {}
 
     def apply(self, entry: JournalEntry, buffers: list[Any] | None = None) -> None:
         """Apply one decision (``buffers``: a dataset entry's payload buffers)."""
@@ -171,6 +176,7 @@ class DispatcherState:
             self.datasets[d.dataset_id] = DatasetRecord(
                 d.dataset_id, d.fingerprint, d.compression, d.dataset, list(buffers or []))
             self.by_fingerprint.setdefault((d.fingerprint, d.compression), d.dataset_id)
+            self.unused_datasets[d.dataset_id] = None
         elif kind == "job":
             j = entry.job
             info = JobInfo()
@@ -178,6 +184,8 @@ class DispatcherState:
             self.jobs[info.job_id] = Job(info, j.job_key, j.named, j.split_units,
                                          j.total_units, j.epochs)
             self.job_keys[j.job_key] = info.job_id
+            self.unread_jobs[info.job_id] = None
+            self.unused_datasets.pop(info.dataset_id, None)
         elif kind == "assign":
             job = self.jobs.get(entry.assign.job_id)
             if job is not None:
@@ -232,6 +240,7 @@ class DispatcherState:
             if job is not None:
                 job.info.finished = True
         elif kind == "removed_job":
+            self.unread_jobs.pop(entry.removed_job, None)
             job = self.jobs.pop(entry.removed_job, None)
             if job is not None and self.job_keys.get(job.key) == job.info.job_id:
                 del self.job_keys[job.key]
@@ -241,6 +250,7 @@ class DispatcherState:
         elif kind == "grant_key":
             self.grant_key = entry.grant_key
         elif kind == "removed_dataset":
+            self.unused_datasets.pop(entry.removed_dataset, None)
             record = self.datasets.pop(entry.removed_dataset, None)
             if record is not None:
                 key = (record.fingerprint, record.compression)
