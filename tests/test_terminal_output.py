@@ -1,0 +1,354 @@
+"""Output a terminal can trust (issue 29): what ``top``, ``status``, ``plugins``, the CLI's
+error line and log lines print of a string from the network. The hostile servers are real
+processes (tests/cw_hostile_server.py); the dead tasks are real listening sockets that
+accept and never answer, so every connection to them is counted."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import selectors
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from conftest import TESTS_DIR, child_env
+from cw_hostile_server import HOSTILE, HUGE
+from test_top import Tmux, wait_for_screen
+
+from clusterwire import top
+from clusterwire.local_cluster import await_ready
+from clusterwire.terminal_text import (
+    LOG_CHARS,
+    TerminalFormatter,
+    printable,
+    printable_lines,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+#: HOSTILE as printable() shows it: every sequence visible, none acted on.
+SHOWN = (r"\x1b]0;pwned\x07\x1b[2J\x1b]8;;evil.example/x\x07link\x1b]8;;\x07"
+         r"[/pwned][bold]x\u202eevil\u202c\x00\x9b31m\x7f")
+
+
+def raw_controls(data: bytes) -> set[str]:
+    """What in ``data`` (UTF-8, strictly) a terminal would act on or render deceptively:
+    every character ``str.isprintable()`` refuses, but the newline."""
+    return {repr(char) for char in data.decode("utf-8") if char != "\n"
+            and not char.isprintable()}
+
+
+# -- the rule ---------------------------------------------------------------------------
+
+
+def test_printable_escapes_every_control_and_keeps_the_rest_readable():
+    assert printable(HOSTILE) == SHOWN
+    assert printable("tab\there\r\nnext \\ é 中 ok") == r"tab\there\r\nnext \\ é 中 ok"
+    # C1 controls, NBSP, zero-width and line separators, BOM, private use, a tag character.
+    for char, shown in (("\x85", r"\x85"), ("\xa0", r"\xa0"), ("\u200b", r"\u200b"),
+                        ("\u2028", r"\u2028"), ("\ufeff", r"\ufeff"), ("\ue000", r"\ue000"),
+                        ("\U000e0041", r"\U000e0041"), ("\u2067", r"\u2067")):
+        assert printable(f"a{char}b") == f"a{shown}b"
+    # It reads back: the escapes are a Python literal's.
+    assert eval(f'"{printable(HOSTILE)}"') == HOSTILE  # noqa: S307 - our own output
+    assert printable(42) == "42" and printable("plain") == "plain"
+
+
+def test_printable_bounds_the_length_and_says_what_it_cut():
+    assert printable("x" * 5000, 100) == "x" * 100 + "...(+4900 characters)"
+    cut = printable("\x1b" * 5000, 100)
+    assert cut == r"\x1b" * 25 + "...(+4975 characters)"
+    assert printable("ab\x1b", 5) == "ab...(+1 characters)"  # an escape is never split
+    started = time.monotonic()
+    assert len(printable(HUGE * 64)) < 1100  # 64 MB in, the first 1024 characters looked at
+    assert time.monotonic() - started < 1
+
+
+def test_printable_lines_keep_line_breaks_and_bound_their_number():
+    assert printable_lines("a\x1b[2J\nb\u202e") == "a\\x1b[2J\nb\\u202e"
+    assert printable_lines("x\n" * 500, lines=3) == "x\nx\nx\n...(+498 lines)"
+
+
+def test_the_log_formatter_escapes_message_arguments_and_tracebacks():
+    formatter = TerminalFormatter("%(levelname)s %(message)s")
+    record = logging.LogRecord("clusterwire", logging.WARNING, __file__, 1,
+                               "worker %s failed: %s", (HOSTILE + ":1", "bad\nforged line"),
+                               None)
+    assert formatter.format(record) == (
+        f"WARNING worker {SHOWN}:1 failed: bad\\nforged line")
+    try:
+        raise RuntimeError(HOSTILE)
+    except RuntimeError:
+        record = logging.LogRecord("clusterwire", logging.ERROR, __file__, 1, "failed", (),
+                                   sys.exc_info())
+    lines = formatter.format(record).split("\n")
+    assert lines[0] == "ERROR failed" and lines[1] == "Traceback (most recent call last):"
+    assert lines[-1] == f"RuntimeError: {SHOWN}"
+    huge = logging.LogRecord("clusterwire", logging.WARNING, __file__, 1, "%s", (HUGE,), None)
+    assert len(formatter.format(huge)) < LOG_CHARS + 100
+
+
+def test_import_clusterwire_escapes_the_last_resort_log_handler():
+    """An application that configured no logging prints clusterwire's warnings through
+    logging's last-resort handler: escaped, every line."""
+    code = ("import logging, sys, clusterwire\n"
+            f"logging.getLogger('clusterwire.data.reader').warning('worker %s', {HOSTILE!r})\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+    assert done.returncode == 0 and done.stderr.decode() == f"worker {SHOWN}\n"
+
+
+# -- the commands against a hostile server ----------------------------------------------
+
+
+@contextlib.contextmanager
+def hostile_server(kind: str, tmp_path, listed: list[str] = ()):
+    """The hostile server of ``kind`` ("task" or "dispatcher"), also listing ``listed``;
+    yields its address."""
+    listed_file = tmp_path / f"listed-{kind}.json"
+    listed_file.write_text(json.dumps(list(listed)))
+    process = subprocess.Popen(
+        [sys.executable, os.path.join(TESTS_DIR, "cw_hostile_server.py"), kind,
+         str(listed_file)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env={**os.environ, **child_env()})
+    try:
+        address = await_ready(process, 60)
+        assert address is not None, "the hostile server did not start"
+        yield address
+    finally:
+        process.stdin.close()
+        try:
+            process.wait(20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(20)
+
+
+def clusterwire(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "clusterwire", *args], capture_output=True,
+                          timeout=timeout, env={**os.environ, **child_env()})
+
+
+def test_top_once_shows_a_hostile_task_escaped(tmp_path):
+    with hostile_server("task", tmp_path) as address:
+        result = clusterwire("top", f"grpc://{address}", "--once", "--interval", "0.2",
+                             "--timeout", "5")
+    assert result.returncode == 1, result.stderr  # task 1's host does not resolve
+    assert raw_controls(result.stdout) == raw_controls(result.stderr) == set()
+    out = result.stdout.decode()
+    # The names and addresses as cells (cut to 128 characters), the errors whole.
+    assert f"/job:{SHOWN[:100]}" in out
+    assert f"/job:worker/task:2: {SHOWN}" in out  # the UNAVAILABLE message of a task
+    assert f"/job:worker/task:1: UnavailableError: Task at {SHOWN}:1 (grpc)" in out
+    assert "[/pwned][bold]x" in out  # markup shown, not applied and not a MarkupError
+    assert f"/job:{SHOWN}/task:7" in out  # an unreachable peer
+    assert len(out) < 100_000
+    assert "Traceback" not in result.stderr.decode()
+
+
+def test_top_once_shows_a_hostile_dispatcher_escaped(tmp_path):
+    with hostile_server("dispatcher", tmp_path) as address:
+        result = clusterwire("top", "--dispatcher", address, "--once", "--interval", "0.2",
+                             "--timeout", "5")
+    assert result.returncode == 1, result.stderr
+    assert raw_controls(result.stdout) == raw_controls(result.stderr) == set()
+    out = result.stdout.decode()
+    jobs = {cells[1]: cells for line in out.splitlines()
+            if len(cells := [c.strip() for c in line.split("│")[1:-1]]) == 8}
+    assert jobs["[/pwned]"][0] == "2" and jobs["[bold]x"][0] == "3"
+    assert jobs[SHOWN][2] == SHOWN  # name and processing mode
+    assert any(name.startswith("HHHH") and name.endswith("characters)") for name in jobs)
+    assert f"{SHOWN}:1: UnavailableError:" in out  # the worker's address and its error
+    assert f": UnavailableError: {SHOWN}" in out  # the failing worker's message
+
+
+def test_a_real_dispatcher_with_markup_job_names(tmp_path):
+    """Jobs named ``[/pwned]`` and ``[bold]x`` on a real data service: top neither raises
+    rich's MarkupError nor styles anything."""
+    from conftest import in_process_data_service
+
+    from clusterwire import data
+
+    with in_process_data_service(workers=1) as dispatcher:
+        iterators = [iter(data.Dataset.range(10**6).apply(data.distribute(
+            processing_mode="parallel_epochs", service=dispatcher.target, job_name=name)))
+            for name in ("[/pwned]", "[bold]x")]
+        for iterator in iterators:
+            next(iterator)
+        result = clusterwire("top", "--dispatcher", dispatcher.target.removeprefix("grpc://"),
+                             "--once", "--interval", "0.2", "--timeout", "10")
+        for iterator in iterators:
+            iterator.close()
+    assert result.returncode == 0, result.stderr
+    names = [c.strip() for line in result.stdout.decode().splitlines()
+             for c in line.split("│")[2:3]]
+    assert "[/pwned]" in names and "[bold]x" in names
+
+
+def test_status_prints_hostile_strings_as_ascii_json_and_loses_nothing(tmp_path):
+    with hostile_server("task", tmp_path) as address:
+        one = clusterwire("status", f"grpc://{address}", "--timeout", "10")
+        every = clusterwire("status", "--all", f"grpc://{address}", "--timeout", "10")
+    assert one.returncode == 0, one.stderr
+    # ensure_ascii: every byte is printable ASCII or a newline.
+    for output in (one.stdout, every.stdout):
+        assert set(output) <= set(range(0x20, 0x7f)) | {0x0A}
+    status = json.loads(one.stdout)
+    assert status["job"] == status["protocol"] == status["target"] == HOSTILE
+    assert status["cluster"]["worker"][1] == f"{HOSTILE}:1"
+    assert status["unreachable_peers"][0]["error"] == HOSTILE + HUGE
+    assert "\\u001b]0;pwned\\u0007" in one.stdout.decode()  # readable
+    assert every.returncode == 1
+    assert all(entry == {"error": f"InternalError: {HOSTILE}"}
+               for entry in json.loads(every.stdout).values())
+
+
+def test_the_cli_error_line_carries_a_peers_message_escaped(tmp_path):
+    with hostile_server("task", tmp_path) as address:
+        result = clusterwire("status", f"grpc://{address}", "--task", "/job:worker/task:1",
+                             "--timeout", "10")
+    assert result.returncode == 1
+    assert raw_controls(result.stderr) == set()
+    assert result.stderr.decode() == f"clusterwire status: InternalError: {SHOWN}\n"
+
+
+def test_a_log_line_of_the_cli_is_escaped():
+    """The client's retry warning names the address and the resolver's error; the host is
+    HOSTILE (but NUL, which an argument cannot hold)."""
+    host = HOSTILE.replace("\x00", "")
+    shown = printable(host)
+    result = clusterwire("status", f"grpc://{host}:1", "--timeout", "3")
+    assert result.returncode == 1
+    assert raw_controls(result.stderr) == set()
+    lines = result.stderr.decode().splitlines()
+    assert lines[0].startswith(f"clusterwire: the task at {shown}:1 (grpc) is unreachable ("
+                               f"errors resolving {shown}")
+    assert lines[-1].startswith(f"clusterwire status: UnavailableError: Task at {shown}:1")
+
+
+def test_plugins_escapes_a_hostile_distribution(tmp_path):
+    dist = tmp_path / "cw_hostile-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: cw-hostile\n"
+                                   "Version: 1.0\x1b]0;pwned\x07\x1b[2J\n")
+    (dist / "entry_points.txt").write_text("[clusterwire]\nhostile = cw_hostile_plugin\n")
+    (tmp_path / "cw_hostile_plugin.py").write_text(f"raise ImportError({HOSTILE!r})\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    env.pop("CLUSTERWIRE_PLUGINS", None)
+    result = subprocess.run([sys.executable, "-m", "clusterwire", "plugins"],
+                            capture_output=True, timeout=60, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert raw_controls(result.stdout) == raw_controls(result.stderr) == set()
+    assert any(line.split()[:2] == ["broken", "hostile"] and r"1.0\x1b]0;pwned\x07\x1b[2J"
+               in line for line in result.stdout.decode().splitlines())
+    assert "plugin 'hostile' failed to load: " in result.stderr.decode()
+    assert SHOWN in result.stderr.decode()
+
+
+# -- top in a real terminal -------------------------------------------------------------
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+def test_live_top_of_a_hostile_task_in_a_terminal(tmp_path):
+    tmux = Tmux(tmp_path)
+    log = tmp_path / "pane.log"
+    with hostile_server("task", tmp_path) as address:
+        command = (f"bash -c '{sys.executable} -m clusterwire top grpc://{address} "
+                   "--interval 0.3 --timeout 2; echo top exited with status $?'")
+        try:
+            tmux("new-session", "-d", "-s", "top", "-x", "250", "-y", "50", command)
+            tmux("set-option", "-t", "top", "-w", "remain-on-exit", "on")
+            tmux("pipe-pane", "-t", "top", f"cat >> {log}")
+            # Task 1's host does not resolve: its error, whole, is below the table.
+            error = f"/job:worker/task:1: UnavailableError: Task at {SHOWN}:1"
+            screen = wait_for_screen(tmux, lambda s: error[:200] in s.replace("\n", ""),
+                                     "the hostile task's rows and errors", timeout=30)
+            assert "[/pwned][bold]x" in screen
+            # OSC 0 would have set the pane's title.
+            assert tmux("display", "-p", "-t", "top", "#{pane_title}").strip() != "pwned"
+            tmux("send-keys", "-t", "top", "C-c")
+            screen = wait_for_screen(tmux, lambda s: "top exited with status" in s,
+                                     "top to exit on Ctrl-C")
+            assert "top exited with status 0" in screen and "Traceback" not in screen
+        finally:
+            tmux.kill()
+    written = log.read_bytes()
+    for raw in (b"\x1b]0;pwned", b"\x1b[2J", b"\x1b]8;;evil", "\u202e".encode(), b"\x00",
+                "\x9b".encode(), b"\x7f"):
+        assert raw not in written, raw
+
+
+# -- a reply naming a thousand dead tasks --------------------------------------------------
+
+
+class BlackHoles:
+    """``count`` listening sockets on 127.0.0.1 that accept every connection and never
+    answer; ``connected`` counts the connections each port took."""
+
+    def __init__(self, count: int):
+        self._servers = [socket.create_server(("127.0.0.1", 0)) for _ in range(count)]
+        self.addresses = [f"127.0.0.1:{s.getsockname()[1]}" for s in self._servers]
+        self.connected: dict[int, int] = {}
+        self._held: list[socket.socket] = []
+        self._selector = selectors.DefaultSelector()
+        for server in self._servers:
+            server.setblocking(False)
+            self._selector.register(server, selectors.EVENT_READ)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            for key, _ in self._selector.select(0.1):
+                with contextlib.suppress(BlockingIOError):
+                    connection, _ = key.fileobj.accept()
+                    self._held.append(connection)
+                    port = key.fileobj.getsockname()[1]
+                    self.connected[port] = self.connected.get(port, 0) + 1
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self._selector.close()
+        for sock in self._servers + self._held:
+            sock.close()
+
+
+@pytest.mark.parametrize("kind", ["task", "dispatcher"])
+def test_top_asks_a_bounded_number_of_the_servers_a_reply_names(kind, tmp_path):
+    """A reply listing 1,000 dead servers (before: 65 s and 1,000 connections): one
+    refresh asks at most MAX_SERVERS, all at once, so --once takes about the interval and
+    three deadlines."""
+    holes = BlackHoles(1000)
+    try:
+        with hostile_server(kind, tmp_path, holes.addresses) as address:
+            target = (("--dispatcher", address) if kind == "dispatcher"
+                      else (f"grpc://{address}",))
+            started = time.monotonic()
+            result = clusterwire("top", *target, "--once", "--interval", "0.2",
+                                 "--timeout", "1")
+            took = time.monotonic() - started
+    finally:
+        holes.close()
+    assert result.returncode == 1, result.stderr
+    out = result.stdout.decode()
+    # Besides the dead: the target (twice: its own name, task 0), the unresolvable host
+    # and the failing server; the dispatcher lists the last two and the dead as workers.
+    asked = top.MAX_SERVERS - (4 if kind == "task" else 3)
+    assert len(holes.connected) == asked, holes.connected
+    assert sum(holes.connected.values()) <= 2 * asked  # a reconnect at most, per address
+    assert took < 20, took  # about 3 s on an idle machine
+    if kind == "task":
+        assert re.search(rf"\(top asks {top.MAX_SERVERS} of the cluster's 1004\)", out)
+    else:
+        assert f"1002 workers (top asks {top.MAX_SERVERS - 1})" in out
+    print(f"{kind}: {took:.1f} s, {len(holes.connected)} addresses, "
+          f"{sum(holes.connected.values())} connections")
