@@ -3,8 +3,8 @@ before a request is read, and gRPC core's connection limits set from ``ListenOpt
 
 It also serves the standard gRPC health-checking service (``grpc.health.v1.Health``, for
 Kubernetes' gRPC probes and load balancers): SERVING once started, NOT_SERVING from the
-moment its shell drains until the port closes. Health calls need no cluster token: a probe
-carries none, and the status tells nothing else.
+moment its shell drains until the port closes. Health calls need no cluster token (a probe
+carries none); ``health`` bounds what they may hold.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import logging
 from collections.abc import Mapping
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from clusterwire import errors
 from clusterwire.addressing import join_host_port, split_host_port
@@ -21,10 +20,12 @@ from clusterwire.security import Security
 from clusterwire.thread_pool import ElasticPool
 from clusterwire.transport import ListenOptions
 from clusterwire.transports._grpc_common.client import TOKEN_METADATA, message_size_args
+from clusterwire.transports._grpc_common.health import SERVICE as HEALTH_SERVICE
+from clusterwire.transports._grpc_common.health import HealthService
 
 _STOP_SLACK_S = 10.0
 _LOG = logging.getLogger(__name__)
-_HEALTH_METHODS = "/grpc.health.v1.Health/"
+_HEALTH_METHODS = f"/{HEALTH_SERVICE}/"
 
 
 def bind(server: grpc.Server, address: str, security: Security) -> str:
@@ -124,9 +125,8 @@ class ControlServer:
         # Registered methods (what grpc_tools generates): gRPC core matches them itself, with
         # no per-call Python lookup of the method; clients mark theirs _registered_method.
         self.server.add_registered_method_handlers(service, dict(handlers))
-        # Non-blocking: a Watch stream holds no pool thread while it waits for a change.
-        self.health = health.HealthServicer(experimental_non_blocking=True)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.health = HealthService([service], limits, name)
+        self.server.add_registered_method_handlers(HEALTH_SERVICE, self.health.handlers())
         self.address = address  # the contact address (bound port) once bound
         try:
             self.address = bind(self.server, address, security)
@@ -137,11 +137,11 @@ class ControlServer:
     def start(self) -> None:
         """Start serving."""
         self.server.start()
-        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self.health.start()
 
     def drain(self) -> None:
         """Report NOT_SERVING from now on (the shell takes no more work)."""
-        self.health.enter_graceful_shutdown()
+        self.health.drain()
 
     def stop(self, grace: float | None) -> None:
         """Stop (in-flight calls get ``grace`` seconds), then release the pool."""
@@ -149,4 +149,5 @@ class ControlServer:
         if not self.server.stop(grace).wait((grace or 0.0) + _STOP_SLACK_S):
             _LOG.warning("The gRPC server at %s did not confirm its stop within %.0f s.",
                          self.address, (grace or 0.0) + _STOP_SLACK_S)
+        self.health.close()
         self.pool.shutdown(wait=False)
