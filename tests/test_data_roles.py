@@ -216,3 +216,37 @@ def test_a_flood_of_jobs_or_datasets_leaves_others_their_share(processes, kind):
         assert len(status.jobs) <= 4096
     assert counts["created"] > (4096 if kind == "jobs" else 1024), counts
     print(kind, counts, times)
+
+
+def test_a_full_job_table_gives_up_the_oldest_job_nobody_read(monkeypatch):
+    """MAX_JOBS = 3: a job a consumer reads (a heartbeat) stays; a new job takes the place
+    of the oldest one never read; with every job read, a new one is refused."""
+    from clusterwire.data import dispatcher as dispatcher_module
+    from clusterwire.protos.data_service_pb2 import ClientHeartbeatRequest
+
+    monkeypatch.setattr(dispatcher_module, "MAX_JOBS", 3)
+    with data.DispatchServer(port=0) as dispatcher:
+        client = DispatcherClient("grpc", dispatcher.target.split("://")[1], 10.0, Security())
+        dataset_id = data.register_dataset(dispatcher.target, data.Dataset.range(5))
+
+        def job(name: str) -> int:
+            return client.call(DataRequest(get_or_create_job=GetOrCreateJobRequest(
+                dataset_id=dataset_id, job_key=name, consumer_id=name)))[0].job.job_id
+
+        def read(job_id: int, consumer: str) -> None:
+            client.call(DataRequest(client_heartbeat=ClientHeartbeatRequest(
+                job_id=job_id, consumer_id=consumer)))
+
+        try:
+            read_job, unread_old, unread_new = job("a"), job("b"), job("c")
+            read(read_job, "a")
+            newest = job("d")
+            assert dispatcher.num_jobs() == 3
+            with pytest.raises(errors.NotFoundError, match=str(unread_old)):
+                read(unread_old, "b")
+            for job_id, consumer in ((read_job, "a"), (unread_new, "c"), (newest, "d")):
+                read(job_id, consumer)
+            with pytest.raises(errors.ResourceExhaustedError, match="read every one"):
+                job("e")
+        finally:
+            client.close()

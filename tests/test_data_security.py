@@ -272,15 +272,27 @@ def test_hostile_stream_requests_do_not_grow_a_worker(processes):
 
 
 def test_the_dispatcher_holds_a_bounded_number_of_datasets(monkeypatch):
+    """At the limit a new dataset takes the place of the oldest one no job used; when jobs
+    used them all, it is refused."""
     from clusterwire.data import dispatcher as dispatcher_module
 
     monkeypatch.setattr(dispatcher_module, "MAX_DATASETS", 2)
     with data.DispatchServer(port=0) as dispatcher:
-        for n in (1, 2):
-            data.register_dataset(dispatcher.target, data.Dataset.range(n))
-        data.register_dataset(dispatcher.target, data.Dataset.range(1))  # known: no new one
-        with pytest.raises(errors.ResourceExhaustedError, match="2 datasets"):
-            data.register_dataset(dispatcher.target, data.Dataset.range(3))
+        first, second = (data.register_dataset(dispatcher.target, data.Dataset.range(n))
+                         for n in (1, 2))
+        assert data.register_dataset(dispatcher.target, data.Dataset.range(1)) == first
+        third = data.register_dataset(dispatcher.target, data.Dataset.range(3))
+        with pytest.raises(errors.NotFoundError, match=first):
+            list(data.from_dataset_id("parallel_epochs", dispatcher.target, first))
+        client = DispatcherClient("grpc", dispatcher.target.split("://")[1], 10.0, Security())
+        try:
+            for dataset_id in (second, third):  # a job uses each
+                client.call(DataRequest(get_or_create_job=GetOrCreateJobRequest(
+                    dataset_id=dataset_id, job_key=f"uses/{dataset_id}")))
+        finally:
+            client.close()
+        with pytest.raises(errors.ResourceExhaustedError, match="2 datasets.*2 of them used"):
+            data.register_dataset(dispatcher.target, data.Dataset.range(4))
 
 
 @pytest.mark.timeout(60)
