@@ -50,6 +50,7 @@ sys.path.insert(0, HERE)
 
 import _data_workload  # noqa: E402
 
+from clusterwire.data import worker_auth  # noqa: E402
 from clusterwire.data.cli import READY_PREFIX, await_ready  # noqa: E402
 
 WORKLOADS = {"2 KiB": ("fill_2k", 256, 20000), "1 MiB": ("fill_1m", 131072, 1000)}
@@ -86,7 +87,8 @@ class Servers:
 
     def __init__(self, kind: str, workers: int = 2, transfer: str | None = None):
         self.processes: list[subprocess.Popen] = []
-        env = {**os.environ, "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        env = {**os.environ, "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               worker_auth.ENV: worker_auth.new_token().decode()}  # the workers' own secret
         try:
             if kind == "clusterwire":
                 self.target = self._start([sys.executable, "-m", "clusterwire", "dispatcher",

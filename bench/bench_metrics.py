@@ -49,13 +49,18 @@ sys.path.insert(0, HERE)
 
 from _machine import cpu_model  # noqa: E402
 
+from clusterwire.data import worker_auth  # noqa: E402
 from clusterwire.local_cluster import await_ready  # noqa: E402
 
 TARGET = 0.03
 
 
+_WORKER_TOKEN = worker_auth.new_token().decode()
+
+
 def _env(side: str) -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           worker_auth.ENV: _WORKER_TOKEN}  # the data service's workers' own secret
     if side == "off":
         env["CLUSTERWIRE_METRICS"] = "0"
     return env

@@ -39,6 +39,7 @@ import numpy as np
 
 import clusterwire
 from clusterwire import data
+from clusterwire.data import worker_auth
 from clusterwire.data.cli import await_ready
 from clusterwire.local_cluster import LocalCluster
 
@@ -54,11 +55,12 @@ def data_service(token_file: str | None) -> Iterator[str]:
     """A dispatcher and a worker process (with ``token_file``: requiring the token)."""
     security = ["--auth-token-file", token_file] if token_file else []
     procs: list[subprocess.Popen] = []
+    workers = {worker_auth.ENV: worker_auth.new_token().decode()}  # the workers' own secret
     try:
         def start(*args: str) -> str:
             proc = subprocess.Popen([sys.executable, "-m", "clusterwire", *args, *security,
                                      "--quiet"], stdout=subprocess.PIPE, text=True,
-                                    env={**os.environ, "PYTHONPATH": HERE})
+                                    env={**os.environ, "PYTHONPATH": HERE, **workers})
             procs.append(proc)
             target = await_ready(proc, 30)
             if target is None:

@@ -3,8 +3,9 @@
     python examples/data_service.py
 
 Servers run in this process here for brevity; in production each runs as its
-own process: ``clusterwire dispatcher --port 5050`` and ``clusterwire worker
---dispatcher-address HOST:5050 --worker-address HOST:%port% --import MODULE``.
+own process: ``clusterwire dispatcher --port 5050 --worker-token-file FILE`` and
+``clusterwire worker --dispatcher-address HOST:5050 --worker-address HOST:%port%
+--worker-token-file FILE --import MODULE`` (the workers' own secret: only they register).
 Functions in a pipeline must be importable by the workers (module level), so
 this example uses numpy's.
 """
