@@ -109,6 +109,15 @@ def _with_metrics_options(config: Any, args: argparse.Namespace) -> Any:
     return config
 
 
+def _with_membership_changes(config: Any) -> dict:
+    """``--config`` with allow_membership_changes (``--allow-membership-changes``)."""
+    if config is not None and not isinstance(config, dict):
+        raise errors.InvalidArgumentError(
+            "--allow-membership-changes needs --config to be a JSON object of ServerOptions "
+            f"fields, got {config!r}.")
+    return {**(config or {}), "allow_membership_changes": True}
+
+
 def _serve(args: argparse.Namespace) -> int:
     from clusterwire.data.cli import import_modules
     from clusterwire.local_cluster import READY_PREFIX
@@ -117,6 +126,8 @@ def _serve(args: argparse.Namespace) -> int:
     import_modules("serve", args.imports)
     config = _json_arg(args.config, "--config") if args.config else None
     config = _with_metrics_options(config, args)
+    if args.allow_membership_changes:
+        config = _with_membership_changes(config)
     if args.join:
         server = _join(args, config)
     elif args.resolver:
@@ -294,6 +305,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="join the running cluster of TARGET (a task's protocol://host:port) "
                             "as the next task(s) of --job-name, or of the resolver's job: the "
                             "grown cluster becomes its next membership version")
+    serve.add_argument("--allow-membership-changes", action="store_true",
+                       help="take membership changes from clients and peers that join or "
+                            "remove tasks (update_cluster, --join): an elastic cluster "
+                            "(default: refused)")
     serve.add_argument("--address", metavar="HOST:PORT",
                        help="with --join and --job-name: this task's address (default "
                             "127.0.0.1:0)")

@@ -22,9 +22,9 @@ request to each peer every interval (O(n) requests a task per interval, O(n^2) i
 each is answered at once and holds no thread), and a peer not heard from (no request or
 answer) within ``membership_timeout_seconds`` is down in ``status()``. A peer whose last
 ``FAILS_BEFORE_BACKOFF`` heartbeats failed has its channel closed and is heartbeated less
-and less often (at most every ``MAX_BACKOFF_INTERVALS`` intervals), by senders of its own,
-so dead addresses never hold up the heartbeats of live peers. A task restarted on a new
-address is reached there once a view with that address spreads.
+and less often (at most every ``MAX_BACKOFF_INTERVALS`` intervals); peers heard recently
+have senders of their own, so dead addresses never hold up the heartbeats of live peers.
+A task restarted on a new address is reached there once a view with that address spreads.
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ from clusterwire.security import security_fields
 
 Task = tuple[str, int]
 _LOG = logging.getLogger("clusterwire")
-#: Heartbeats a task sends at once to peers that answer, and to peers that failed.
+#: Heartbeats a task sends at once to peers heard recently, and to the others.
 _SENDERS = 16
-_FAILING_SENDERS = 4
+_OTHER_SENDERS = 8
 #: Addresses a task probes at once when a change joins or moves tasks.
 _PROBES = 16
 #: The highest version a view may have (a pin at 2^64-1 would leave no next version).
@@ -175,7 +175,7 @@ class Membership:
         self._heard: dict[Task, tuple[float, float]] = {}  # task -> (monotonic, time.time())
         self._since = time.monotonic()  # a task never heard from counts from here
         self._entered: dict[Task, float] = {}  # or from when a view brought it in
-        self._in_flight: set[Task] = set()  # peers whose heartbeat is not answered yet
+        self._in_flight: dict[Task, bool] = {}  # peer heartbeated now -> in the live lane
         self._failures: dict[Task, int] = {}  # peer -> heartbeats failed in a row
         self._retry_at: dict[Task, float] = {}  # backed-off peer -> next heartbeat (monotonic)
         self._warned: dict[Task, str] = {}  # peer -> the refusal last logged
@@ -404,23 +404,38 @@ class Membership:
             self._thread.join(5)
 
     def _beat(self) -> None:
-        with ThreadPoolExecutor(_SENDERS, thread_name_prefix="clusterwire-heartbeat") as live, \
-                ThreadPoolExecutor(_FAILING_SENDERS,
-                                   thread_name_prefix="clusterwire-heartbeat-failing") as failing:
+        lanes = {True: _SENDERS, False: _OTHER_SENDERS}
+        with ThreadPoolExecutor(sum(lanes.values()),
+                                thread_name_prefix="clusterwire-heartbeat") as senders:
             while not self._stopped.is_set():
                 self._wake.clear()
                 view = self._view
-                now = time.monotonic()
-                with self._lock:
-                    due = [(task, address) for task, address in view.tasks().items()
-                           if task != self.me and task not in self._in_flight
-                           and self._retry_at.get(task, 0.0) <= now]
-                    self._in_flight.update(task for task, _ in due)
-                    failed = {task for task, _ in due if task in self._failures}
-                for task, address in due:
-                    pool = failing if task in failed else live
-                    pool.submit(self._beat_one, task, address, view)
+                for task, address in self._due(view, lanes):
+                    senders.submit(self._beat_one, task, address, view)
                 self._wake.wait(self.heartbeat_seconds)
+
+    def _due(self, view: View, lanes: dict[bool, int]) -> list[tuple[Task, str]]:
+        """The peers to heartbeat now, each in its lane: peers heard within the timeout
+        have senders of their own; the others (never heard, or failing: fewest failures
+        first) share the rest. A lane takes only as many as it has idle senders, so a peer
+        that does not answer never queues ahead of one that does."""
+        now = time.monotonic()
+        with self._lock:
+            due = sorted(((self._failures.get(task, 0), task, address)
+                          for task, address in view.tasks().items()
+                          if task != self.me and task not in self._in_flight
+                          and self._retry_at.get(task, 0.0) <= now))
+            idle = dict(lanes)
+            for lane in self._in_flight.values():
+                idle[lane] -= 1
+            chosen = []
+            for _, task, address in due:
+                live = now - self._heard.get(task, (-1e9, 0.0))[0] <= self.timeout_seconds
+                if idle[live] > 0:
+                    idle[live] -= 1
+                    self._in_flight[task] = live
+                    chosen.append((task, address))
+        return chosen
 
     def _beat_one(self, task: Task, address: str, view: View) -> None:
         try:
@@ -436,7 +451,7 @@ class Membership:
             _LOG.exception("clusterwire: heartbeat to /job:%s/task:%d failed", *task)
         finally:
             with self._lock:
-                self._in_flight.discard(task)
+                self._in_flight.pop(task, None)
 
     def _failed(self, task: Task, address: str) -> None:
         with self._lock:

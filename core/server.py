@@ -133,7 +133,8 @@ class Server:
         resolver's ``rpc_layer`` (default "grpc"). With ``watch`` (seconds), the server
         follows the resolver: it polls ``cluster_spec()`` that often (as the resolver
         contract asks: the cluster may change) and makes each change a new membership
-        version (``update_cluster``), which spreads to the other tasks.
+        version (``update_cluster``), which spreads to the other tasks; it then takes the
+        changes of its peers' views too (``allow_membership_changes``).
         """
         if watch is not None and (isinstance(watch, bool) or not isinstance(watch, int | float)
                                   or watch <= 0):
@@ -149,6 +150,7 @@ class Server:
                      protocol=protocol or resolver.rpc_layer or None, config=config,
                      start=start)
         if watch is not None:
+            server._service.membership.allow_changes = True
             server._watch = ResolverWatch(resolver, watch, server)
         return server
 

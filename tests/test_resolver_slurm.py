@@ -246,7 +246,7 @@ def test_a_second_srun_step_joins_the_running_cluster(slurm):
     base = free_port_base(3)
     config = json.dumps({"membership_heartbeat_seconds": 0.3})
     serve = [sys.executable, "-m", "clusterwire", "serve", "--resolver", "slurm", "--config",
-             config, "--grace", "1", "--quiet"]
+             config, "--allow-membership-changes", "--grace", "1", "--quiet"]
     env = {**slurm.env, **_task_env()}
     steps = [subprocess.Popen(
         ["srun", "-J", "cw-grow", "-N1", "-n2", *serve, "--jobs", "worker=2",
