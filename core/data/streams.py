@@ -26,13 +26,16 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from clusterwire import errors
-from clusterwire.data.cross_trainer_cache import CrossTrainerCache
+from clusterwire.data.cross_trainer_cache import CrossTrainerCache, element_bytes
 from clusterwire.data.elements import Encoded
 from clusterwire.envelope import MAX_BUFFERS
 from clusterwire.thread_pool import parked
 
 # Two 8 MiB batches ahead keep a reader busy; buffering more lets elements go cold before the
-# transport copies them (64 MiB cost 5-15 % of 1 MiB-element throughput).
+# transport copies them (64 MiB cost 5-15 % of 1 MiB-element throughput). Counted with the
+# elements' headers (cross_trainer_cache.element_bytes) and with the batches remembered for
+# the consumers' retries: a stream holds at most this plus one element (the one that filled
+# it), whatever its readers ask; a worker's streams, MAX_OPEN_STREAMS times that.
 MAX_BUFFERED_BYTES = 16 << 20
 MAX_BUFFERED_ELEMENTS = 8192
 #: In a worker's ResourceExhaustedError when it cannot open another stream now; a consumer
@@ -59,10 +62,13 @@ class Stream:
 
     def __init__(self, elements: Iterator[Any], encode: Callable[[Any], Encoded],
                  max_bytes: int = MAX_BUFFERED_BYTES, max_elements: int = MAX_BUFFERED_ELEMENTS,
-                 cache_bytes: int = 0, skip: int = 0):
+                 cache_bytes: int = 0, skip: int = 0, owner: str = ""):
         """With ``cache_bytes``, trainers read it through a cross-trainer cache of that many
         bytes (``fetch_cached``), which takes its elements one at a time. ``skip``: elements
-        to pass over first, while a reader reads (a resumed position's)."""
+        to pass over first, while a reader reads (a resumed position's). ``owner``: the
+        consumer whose stream it is (a split's, an anonymous job's), counted in its share of
+        the worker's streams; empty for a stream its job's consumers share."""
+        self.owner = owner
         self.cache = CrossTrainerCache(self._take, cache_bytes) if cache_bytes else None
         if self.cache is not None:
             max_elements = 1  # produced one ahead, as TF's; the cache holds what was read
@@ -76,6 +82,7 @@ class Stream:
         self._closed = False
         self._error: errors.OpError | None = None
         self._claims: dict[str, tuple[int, list[Encoded], bool]] = {}
+        self._claimed_bytes = 0  # of the batches in _claims: they count against max_bytes
         self._released: set[str] = set()  # consumers that stopped reading it
         self._reader_left = False  # one of them had read it
         self.last_used = time.monotonic()
@@ -89,16 +96,24 @@ class Stream:
         try:
             if skip and not self._skip(elements, skip):
                 return
-            for element in elements:
-                encoded = encode(element)
+            while True:
+                # Room first, then the next element: a full stream holds no element besides
+                # its buffer's (a stream's memory is its buffer plus the element that filled it).
                 with self._cond:
                     self._cond.wait_for(lambda: self._closed or (
-                        self._ready_bytes < self._max_bytes
+                        self._ready_bytes + self._claimed_bytes < self._max_bytes
                         and len(self._ready) < self._max_elements))
                     if self._closed:
                         return
+                element = next(elements, _NONE)
+                if element is _NONE:
+                    break
+                encoded = encode(element)
+                with self._cond:
+                    if self._closed:
+                        return
                     self._ready.append(encoded)
-                    self._ready_bytes += encoded.nbytes
+                    self._ready_bytes += element_bytes(encoded)
                     self._cond.notify_all()
         except BaseException as err:  # handed to the consumer that reaches it
             error = pipeline_error(err)
@@ -129,6 +144,24 @@ class Stream:
                     return False
         return True
 
+    def _claim(self, consumer: str, claim: tuple[int, list[Encoded], bool]) -> None:
+        """Remember ``consumer``'s batch for its retry (lock held)."""
+        self._claims[consumer] = claim
+        self._claimed_bytes += sum(element_bytes(e) for e in claim[1])
+
+    def _unclaim(self, consumer: str, reading: bool = False) -> bool:
+        """Forget ``consumer``'s remembered batch, if any (lock held): its room is the
+        producer's again. ``reading``: the consumer asks for its next batch, and is still
+        one of the stream's readers meanwhile (``abandoned``)."""
+        claim = self._claims.pop(consumer, None)
+        if claim is None:
+            return False
+        if reading:
+            self._claims[consumer] = (-1, [], False)
+        self._claimed_bytes -= sum(element_bytes(e) for e in claim[1])
+        self._cond.notify_all()
+        return True
+
     def _touch(self) -> None:
         """A reader asked: note when, and wake a skip waiting for one (lock held)."""
         self.last_used = time.monotonic()
@@ -145,6 +178,7 @@ class Stream:
             last = self._claims.get(consumer)
             if last is not None and last[0] == seq:
                 return last[1], last[2]
+            self._unclaim(consumer, reading=True)
             self._check_open(consumer)
             with parked():  # a consumer's long poll must not take a thread from producers
                 self._cond.wait_for(lambda: self._ready or self._done or self._closed
@@ -159,12 +193,12 @@ class Stream:
                 taken.append(element)
                 size += element.nbytes
                 buffers += len(element.buffers)
-            self._ready_bytes -= size
+            self._ready_bytes -= sum(element_bytes(e) for e in taken)
             self._base += len(taken)
             if not self._ready and self._done and self._error is not None and not taken:
                 raise self._error
             end = self._done and not self._ready and self._error is None
-            self._claims[consumer] = (seq, taken, end)
+            self._claim(consumer, (seq, taken, end))
             self._cond.notify_all()
             return taken, end
 
@@ -177,6 +211,7 @@ class Stream:
             last = self._claims.get(consumer)
             if last is not None and last[0] == seq:
                 return last[1], last[2]
+            self._unclaim(consumer, reading=True)
             self._check_open(consumer)
             with parked():
                 self._cond.wait_for(lambda: self._closed or self._done
@@ -195,9 +230,9 @@ class Stream:
             self._taken.add(position)
             while self._ready and self._base in self._taken:
                 self._taken.discard(self._base)
-                self._ready_bytes -= self._ready.popleft().nbytes
+                self._ready_bytes -= element_bytes(self._ready.popleft())
                 self._base += 1
-            self._claims[consumer] = (seq, [element], False)
+            self._claim(consumer, (seq, [element], False))
             self._cond.notify_all()
             return [element], False
 
@@ -223,7 +258,7 @@ class Stream:
                     raise self._error
                 return None, self._done
             element = self._ready.popleft()
-            self._ready_bytes -= element.nbytes
+            self._ready_bytes -= element_bytes(element)
             self._base += 1
             self._cond.notify_all()
             return element, False
@@ -232,7 +267,7 @@ class Stream:
         """``consumer`` stopped reading: drop the batch remembered for its retry, and take
         no more elements for it (a read of it racing the release would lose them)."""
         with self._cond:
-            if self._claims.pop(consumer, None) is not None:
+            if self._unclaim(consumer):
                 self._reader_left = True
             self._released.add(consumer)
             self._cond.notify_all()
@@ -268,6 +303,7 @@ class Stream:
             self._closed = True
             self._ready.clear()
             self._claims.clear()
+            self._claimed_bytes = 0
             self._cond.notify_all()
         if self.cache is not None:
             self.cache.close()

@@ -451,13 +451,14 @@ class WorkerServer:
                 raise errors.CancelledError(
                     f"Attempt {spec.attempt} at split {spec.split_id} was superseded by a "
                     "later one of the same consumer.")
-            replaced = self._admit(spec, key, attempts)
+            replaced = self._admit(spec, key, attempts, consumer_id)
             if idle_cache is not None:
                 replaced.append(self._streams.pop(idle_cache))
             # A split's later attempt, or a resumed consumer's stream, skips `offset`.
             stream = self._streams[key] = Stream(
                 self._elements(pipe, spec), lambda e: elements.encode(e, mode),
-                cache_bytes=self._cache_bytes if spec.trainer_id else 0, skip=offset)
+                cache_bytes=self._cache_bytes if spec.trainer_id else 0, skip=offset,
+                owner=consumer_id if spec.is_split or spec.owner else "")
         for old in replaced:
             old.close()
         return stream
@@ -498,12 +499,16 @@ class WorkerServer:
                 "joining that job later cannot continue it: start a new iteration or use "
                 "another job_name.")
 
-    def _admit(self, spec: StreamSpec, key: tuple, attempts: list[tuple]) -> list[Stream]:
+    def _admit(self, spec: StreamSpec, key: tuple, attempts: list[tuple], consumer_id: str
+               ) -> list[Stream]:
         """Room for a new stream under the limits (evicting abandoned streams if need be:
         ``_abandoned``), or ResourceExhaustedError; returns the streams it replaces (popped).
         Call with the lock held."""
         running = [k for k, s in self._streams.items() if not s.finished and k not in attempts]
-        mine = sum(k[0] == key[0] and k[2] == key[2] for k in running)
+        # A consumer's share counts its split streams and its anonymous jobs' streams, in
+        # every job (a named job's shared stream is nobody's).
+        mine = sum(self._streams[k].owner == consumer_id for k in running) \
+            if spec.is_split or spec.owner else 0
         evicted = []
         now = time.monotonic()
         if len(running) >= MAX_OPEN_STREAMS and mine < MAX_STREAMS_PER_CONSUMER:
@@ -513,9 +518,9 @@ class WorkerServer:
         if len(running) - len(evicted) >= MAX_OPEN_STREAMS or mine >= MAX_STREAMS_PER_CONSUMER:
             raise errors.ResourceExhaustedError(
                 f"This tf.data service worker is {OVER_LIMITS}: it runs {len(running)} "
-                f"streams, {mine} of them for this consumer of job {spec.job_id}; its limits "
-                f"are {MAX_OPEN_STREAMS} and {MAX_STREAMS_PER_CONSUMER} a consumer. Retry later "
-                "or add workers.")
+                f"streams, {mine} of them for this consumer (reading job {spec.job_id}); its "
+                f"limits are {MAX_OPEN_STREAMS} and {MAX_STREAMS_PER_CONSUMER} a consumer. Retry "
+                "later or add workers.")
         for k in evicted:
             if k[1] == -1:  # a shared stream: a consumer joining its job later is told
                 self._evicted[k[0]] = now
