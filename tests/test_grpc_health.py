@@ -5,6 +5,7 @@ the cluster token (a Kubernetes probe carries none)."""
 from __future__ import annotations
 
 import threading
+import time
 
 import grpc
 import pytest
@@ -12,11 +13,13 @@ from conftest import wait_for
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clusterwire import errors
+from clusterwire.local_cluster import LocalCluster
 from clusterwire.plugins import get_plugin_manager
 from clusterwire.security import Security
 from clusterwire.shell import Shell, listen_options
 from clusterwire.testing.peer import echo_handler
 from clusterwire.transport import Frame
+from clusterwire.transports._grpc_common.client import TOKEN_METADATA
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -81,3 +84,115 @@ def test_the_cluster_service_still_needs_the_token(protocol):
     finally:
         channel.close()
         shell.stop(1)
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+@pytest.fixture
+def token_task(tmp_path):
+    """A task process with a cluster token (and ``tmp_path/limits`` as extra config)."""
+    token_file = tmp_path / "token"
+    token_file.write_bytes(b"t" * 32)
+
+    def start(**limits):
+        config = {"auth_token_file": str(token_file), **limits}
+        return LocalCluster({"w": 1}, config=config), config
+
+    return start
+
+
+def watch(address: str, name: str, metadata=None, timeout: float | None = 30):
+    """A Watch on a channel of its own (its own connection)."""
+    channel = grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1),
+                                                      ("grpc.max_send_message_length", -1)])
+    call = health_pb2_grpc.HealthStub(channel).Watch(
+        health_pb2.HealthCheckRequest(service=name), timeout=timeout, metadata=metadata)
+    return channel, call
+
+
+def ending(call) -> grpc.StatusCode:
+    """How a Watch ended (its answers read until then)."""
+    try:
+        for _ in call:
+            pass
+    except grpc.RpcError as err:
+        return err.code()
+    return grpc.StatusCode.OK
+
+
+@pytest.mark.timeout(120)
+def test_only_served_names_are_answered_and_nothing_is_kept_for_others(token_task):
+    cluster, _ = token_task()
+    with cluster:
+        pid, address = cluster.process("w").pid, cluster.target("w").split("://")[1]
+        with grpc.insecure_channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            for served in ("", "clusterwire.Transport"):
+                assert stub.Check(health_pb2.HealthCheckRequest(service=served),
+                                  timeout=5).status == SERVING
+            with pytest.raises(grpc.RpcError) as unknown:
+                stub.Check(health_pb2.HealthCheckRequest(service="invented"), timeout=5)
+            assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+        _, invented = watch(address, "invented")
+        assert ending(invented) == grpc.StatusCode.NOT_FOUND  # at once, not kept open
+        before, grown = rss_mib(pid), 0.0
+        for _ in range(2):  # the attack of the issue (20 Watches on 16 MiB names), twice
+            calls = [watch(address, "x" * (16 << 20) + str(i)) for i in range(20)]
+            try:
+                assert {ending(call) for _, call in calls} == {grpc.StatusCode.NOT_FOUND}
+            finally:
+                for channel, _ in calls:
+                    channel.close()
+            grown = max(grown, rss_mib(pid) - before)
+        # Measured: about +160 MiB after the first round (gRPC's receive buffers, kept by
+        # the allocator), no more after the second; it was +390 MiB a round, kept.
+        assert grown < 250, f"the task grew by {grown:.0f} MiB"
+        print(f"\n2 x 20 Watches on 16 MiB names: NOT_FOUND, RSS +{grown:.0f} MiB")
+
+
+@pytest.mark.timeout(60)
+def test_tokenless_watches_end_at_the_handshake_timeout_and_a_token_holders_lasts(token_task):
+    cluster, _ = token_task(handshake_timeout_seconds=1.0)
+    with cluster:
+        address = cluster.target("w").split("://")[1]
+        token = ((TOKEN_METADATA, b"t" * 32),)
+        held_channel, held = watch(address, "", metadata=token, timeout=None)
+        tokenless = [watch(address, "") for _ in range(4)]
+        try:
+            assert next(held).status == SERVING
+            start = time.monotonic()
+            for _, call in tokenless:
+                assert next(call).status == SERVING  # a probe learns the status ...
+            for _, call in tokenless:  # ... and its watch ends at the handshake timeout
+                assert ending(call) in (grpc.StatusCode.DEADLINE_EXCEEDED,
+                                        grpc.StatusCode.UNAVAILABLE)
+            took = time.monotonic() - start
+            assert 0.5 < took < 10, took
+            assert not held.done()  # open since before them: past the handshake timeout
+        finally:
+            held_channel.close()
+            for channel, _ in tokenless:
+                channel.close()
+
+
+@pytest.mark.timeout(60)
+def test_tokenless_watches_beyond_the_pending_limit_end_the_oldest(token_task):
+    cluster, _ = token_task(max_pending_connections=4, handshake_timeout_seconds=20.0)
+    with cluster:
+        address = cluster.target("w").split("://")[1]
+        calls = []
+        try:
+            for _ in range(6):
+                calls.append(watch(address, ""))
+                assert next(calls[-1][1]).status == SERVING
+            first_two = [ending(call) for _, call in calls[:2]]  # pushed out by the 5th, 6th
+            assert set(first_two) <= {grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                      grpc.StatusCode.UNAVAILABLE}, first_two
+            assert not any(call.done() for _, call in calls[2:])
+        finally:
+            for channel, _ in calls:
+                channel.close()

@@ -34,6 +34,7 @@ from clusterwire import errors
 from clusterwire.pending import PendingConnections
 from clusterwire.transport import ListenOptions
 from clusterwire.transports._grpc_common.client import TOKEN_METADATA
+from clusterwire.transports._grpc_common.door import Door
 
 #: The health service's full name (its methods are ``/grpc.health.v1.Health/...``).
 SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
@@ -57,8 +58,10 @@ class _Watch:
 class HealthService:
     """The health service of one control server serving ``served`` (service names)."""
 
-    def __init__(self, served: Iterable[str], limits: ListenOptions, name: str):
+    def __init__(self, served: Iterable[str], limits: ListenOptions, name: str,
+                 door: Door | None = None):
         self._security = limits.security
+        self._door = door
         self._timeout = limits.handshake_timeout_seconds
         self._status = dict.fromkeys(("", *served), NOT_SERVING)
         self._max_request = max(
@@ -191,7 +194,11 @@ class HealthService:
         try:
             self._security.check_token(presented)
         except errors.UnauthenticatedError:
+            if self._door:
+                self._door.refused(context.peer())
             return False
+        if self._door:
+            self._door.authenticated(context.peer())
         return True
 
     def _forget(self, watch: _Watch) -> None:

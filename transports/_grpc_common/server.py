@@ -20,6 +20,7 @@ from clusterwire.security import Security
 from clusterwire.thread_pool import ElasticPool
 from clusterwire.transport import ListenOptions
 from clusterwire.transports._grpc_common.client import TOKEN_METADATA, message_size_args
+from clusterwire.transports._grpc_common.door import Door
 from clusterwire.transports._grpc_common.health import SERVICE as HEALTH_SERVICE
 from clusterwire.transports._grpc_common.health import HealthService
 
@@ -58,16 +59,17 @@ def connection_args(limits: ListenOptions) -> list[tuple[str, int]]:
 
     gRPC core cannot tell an authenticated connection from another (the token rides on
     each call) and has one quota for all of them, closing the newest connection over it
-    at accept; it cannot close the oldest unauthenticated one instead. So the quota is
-    ``max_connections + max_pending_connections`` and unauthenticated connections leave
-    by time: a connection whose TLS handshake and HTTP/2 settings are not done within
+    at accept. With a token, the ``Door`` keeps unauthenticated connections to their own
+    rules (``clusterwire.pending``); the quota leaves room for ``max_pending_connections``
+    twice, as a connection the door closes leaves gRPC's count a moment later. A
+    connection whose TLS handshake and HTTP/2 settings are not done within
     ``handshake_timeout_seconds`` is closed, and so is one with no call for as long
     (gRPC's idle limit; it also ends idle client connections, which reconnect on their
     next call).
     """
     handshake_ms = max(int(limits.handshake_timeout_seconds * 1000), 1)
     return [("grpc.max_allowed_incoming_connections",
-             limits.max_connections + limits.max_pending_connections),
+             limits.max_connections + 2 * limits.max_pending_connections),
             ("grpc.server_handshake_timeout_ms", handshake_ms),
             ("grpc.max_connection_idle_ms", handshake_ms)]
 
@@ -81,8 +83,9 @@ class _TokenGate(grpc.ServerInterceptor):
     timeout).
     """
 
-    def __init__(self, security: Security):
+    def __init__(self, security: Security, door: Door):
         self._security = security
+        self._door = door
 
     def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         if details.method.startswith(_HEALTH_METHODS):
@@ -93,10 +96,29 @@ class _TokenGate(grpc.ServerInterceptor):
             self._security.check_token(presented)
         except errors.UnauthenticatedError as err:
             message = err.message  # ``err`` is unbound once the except block ends
-            return grpc.stream_unary_rpc_method_handler(
-                lambda requests, context: context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                                        message))
+            door = self._door
+
+            def refuse(requests, context: grpc.ServicerContext):
+                door.refused(context.peer())
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+            return grpc.stream_unary_rpc_method_handler(refuse)
         return continuation(details)
+
+
+def _opening(handler: grpc.RpcMethodHandler, door: Door) -> grpc.RpcMethodHandler:
+    """``handler``, telling ``door`` that its caller's connection is authenticated (the
+    token gate let the call in) while any connection is pending."""
+    kind = next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
+                if getattr(handler, k) is not None)
+    behavior = getattr(handler, kind)
+
+    def opened(request, context: grpc.ServicerContext):
+        if door.pending:
+            door.authenticated(context.peer())
+        return behavior(request, context)
+
+    return handler._replace(**{kind: opened})
 
 
 class ControlServer:
@@ -115,17 +137,22 @@ class ControlServer:
                  name: str, max_workers: int | None = None,
                  max_receive_bytes: int | None = None):
         security = limits.security
+        self._door = Door(limits, name) if security.token else None
         # Handlers that wait on other requests park (clusterwire.thread_pool.parked) and
         # leave the max_workers threads to the requests that end their waits.
         self.pool = ElasticPool(max_workers or limits.max_workers, f"clusterwire-{name}")
         self.server = grpc.server(
-            self.pool, interceptors=[_TokenGate(security)] if security.token else None,
+            self.pool, interceptors=[_TokenGate(security, self._door)] if self._door else None,
             options=[("grpc.so_reuseport", 0), *connection_args(limits),
-                     *message_size_args(max_receive_bytes)])
+                     *message_size_args(max_receive_bytes),
+                     *([self._door.argument()] if self._door else [])])
+        if self._door:
+            handlers = {method: _opening(handler, self._door)
+                        for method, handler in handlers.items()}
         # Registered methods (what grpc_tools generates): gRPC core matches them itself, with
         # no per-call Python lookup of the method; clients mark theirs _registered_method.
         self.server.add_registered_method_handlers(service, dict(handlers))
-        self.health = HealthService([service], limits, name)
+        self.health = HealthService([service], limits, name, self._door)
         self.server.add_registered_method_handlers(HEALTH_SERVICE, self.health.handlers())
         self.address = address  # the contact address (bound port) once bound
         try:
@@ -138,6 +165,8 @@ class ControlServer:
         """Start serving."""
         self.server.start()
         self.health.start()
+        if self._door:
+            self._door.start()
 
     def drain(self) -> None:
         """Report NOT_SERVING from now on (the shell takes no more work)."""
@@ -150,4 +179,6 @@ class ControlServer:
             _LOG.warning("The gRPC server at %s did not confirm its stop within %.0f s.",
                          self.address, (grace or 0.0) + _STOP_SLACK_S)
         self.health.close()
+        if self._door:
+            self._door.close()
         self.pool.shutdown(wait=False)

@@ -1,0 +1,225 @@
+"""The gRPC port's pending connections, held to the rules of every other listener.
+
+gRPC core accepts connections in C and counts them all in one quota, so a peer without the
+token that keeps reconnecting could hold that quota and lock token holders out. gRPC has
+no accept hook in Python, but it applies a *socket mutator* (``grpc.socket_mutator``, a C
+struct passed as a pointer argument) to every socket it accepts: ``Door`` is one, built
+with ctypes, that records each accepted connection. From then on the connection is pending
+(``clusterwire.pending``): at most ``max_pending_connections`` are, a new one beyond that
+closing the oldest of the peer (IP address) holding the most, and one that has not shown
+the token by ``handshake_timeout_seconds`` after its accept is closed. A call that shows
+the token (``authenticated``) ends its connection's pending state.
+
+The door closes a connection with ``shutdown`` on a duplicate of gRPC's descriptor, taken
+only after checking that it still is the socket accepted (same inode): gRPC sees the
+connection end as if the peer had closed it. The mutator is always told "applied": a
+refusal there would make gRPC stop accepting altogether.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import socket
+import threading
+import time
+import weakref
+
+from clusterwire.pending import PendingConnections
+from clusterwire.transport import ListenOptions
+
+_LOG = logging.getLogger(__name__)
+_SERVER_CONNECTION = 2  # grpc_fd_usage: GRPC_FD_SERVER_CONNECTION_USAGE
+
+
+class _SocketInfo(ctypes.Structure):  # grpc_mutate_socket_info
+    _fields_ = [("fd", ctypes.c_int), ("usage", ctypes.c_int)]
+
+
+_MUTATE = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_int, ctypes.c_void_p)
+_COMPARE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+_DESTROY = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_MUTATE_2 = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.POINTER(_SocketInfo), ctypes.c_void_p)
+
+
+class _VTable(ctypes.Structure):  # grpc_socket_mutator_vtable
+    _fields_ = [("mutate_fd", _MUTATE), ("compare", _COMPARE), ("destroy", _DESTROY),
+                ("mutate_fd_2", _MUTATE_2)]
+
+
+class _Mutator(ctypes.Structure):  # grpc_socket_mutator: vtable, gpr_refcount
+    _fields_ = [("vtable", ctypes.POINTER(_VTable)), ("refcount", ctypes.c_ssize_t)]
+
+
+_doors: dict[int, weakref.ref[Door]] = {}  # by their mutator's address
+
+
+def _accepted(info, mutator: int) -> bool:
+    try:
+        if info.contents.usage == _SERVER_CONNECTION:
+            door = _doors.get(mutator or 0)
+            if door is not None and (door := door()) is not None:
+                door._accepted(info.contents.fd)
+    except Exception:  # noqa: BLE001 - an exception would make gRPC stop accepting
+        _LOG.exception("The gRPC port's door failed to record a connection.")
+    return True
+
+
+def _compare(a: int, b: int) -> int:
+    return ((a or 0) > (b or 0)) - ((a or 0) < (b or 0))
+
+
+# The callbacks live as long as the process: gRPC may call them until its server is freed.
+_VTABLE = _VTable(_MUTATE(lambda fd, mutator: True), _COMPARE(_compare),
+                  _DESTROY(lambda mutator: None), _MUTATE_2(_accepted))
+_mutators: list[_Mutator] = []  # never freed: gRPC holds their address (a few bytes each)
+
+
+class _Pointer:
+    """What grpcio passes as a pointer argument: an object whose ``int()`` is the address."""
+
+    def __init__(self, address: int):
+        self._address = address
+
+    def __int__(self) -> int:
+        return self._address
+
+
+class _Connection:
+    """An accepted socket: gRPC's descriptor, its inode and its peer address."""
+
+    __slots__ = ("fd", "inode", "peer")
+
+    def __init__(self, fd: int, inode: int, peer: tuple[str, int]):
+        self.fd, self.inode, self.peer = fd, inode, peer
+
+
+def peer_key(address: tuple) -> tuple[str, int]:
+    """(IP address, port) of a socket address, IPv4-mapped IPv6 as IPv4."""
+    return address[0].removeprefix("::ffff:"), address[1]
+
+
+def context_peer(peer: str) -> tuple[str, int] | None:
+    """(IP address, port) of gRPC's peer string ("ipv4:10.0.0.1:5000", "ipv6:[::1]:5000")."""
+    scheme, _, rest = peer.partition(":")
+    if scheme not in ("ipv4", "ipv6"):
+        return None
+    host, _, port = rest.rpartition(":")
+    return peer_key((host.strip("[]"), int(port)))
+
+
+class Door:
+    """The pending connections of one gRPC server (see the module's docstring)."""
+
+    def __init__(self, limits: ListenOptions, name: str):
+        self._pending: PendingConnections[_Connection] = PendingConnections(
+            limits.max_pending_connections, limits.handshake_timeout_seconds)
+        #: The pending connections by peer address; empty (false) when none is pending.
+        self.pending: dict[tuple[str, int], _Connection] = {}
+        self._tokenless: dict[_Connection, None] = {}  # pending ones a call showed tokenless
+        self._lock = threading.Condition()
+        self._closed = False
+        mutator = _Mutator(ctypes.pointer(_VTABLE), 1)  # one reference: ours, never dropped
+        _mutators.append(mutator)
+        self._address = ctypes.addressof(mutator)
+        _doors[self._address] = weakref.ref(self)
+        self._reaper = threading.Thread(target=self._reap, daemon=True,
+                                        name=f"clusterwire-{name}-door")
+
+    def argument(self) -> tuple[str, object]:
+        """The gRPC server argument that installs the door."""
+        return "grpc.socket_mutator", _Pointer(self._address)
+
+    def start(self) -> None:
+        self._reaper.start()
+
+    def close(self) -> None:
+        """Stop watching (the server has stopped)."""
+        _doors.pop(self._address, None)
+        with self._lock:
+            self._closed = True
+            self.pending.clear()
+            self._lock.notify_all()
+
+    def authenticated(self, peer: str) -> None:
+        """A call from ``peer`` (gRPC's peer string) showed the token: its connection is no
+        longer pending."""
+        with self._lock:
+            connection = self.pending.get(context_peer(peer))
+            if connection is not None:
+                self._forget(connection)
+
+    def refused(self, peer: str) -> None:
+        """A call from ``peer`` came without the token: its connection is the first to close
+        when a new one needs room (before any whose first call has not come yet, which may
+        be a token holder's)."""
+        with self._lock:
+            connection = self.pending.get(context_peer(peer))
+            if connection is not None:
+                self._tokenless[connection] = None
+
+    def _forget(self, connection: _Connection) -> None:
+        self._pending.discard(connection)
+        del self.pending[connection.peer]
+        self._tokenless.pop(connection, None)
+
+    def _accepted(self, fd: int) -> None:
+        probe = socket.socket(fileno=fd)
+        try:
+            peer = peer_key(probe.getpeername())
+        finally:
+            probe.detach()  # gRPC's descriptor: not ours to close
+        connection = _Connection(fd, os.fstat(fd).st_ino, peer)
+        with self._lock:
+            if self._closed:
+                return
+            stale = self.pending.get(peer)  # its port reused: that one is gone
+            if stale is not None:
+                self._forget(stale)
+            evicted = None
+            if len(self._pending) >= self._pending.limit and self._tokenless:
+                evicted = next(iter(self._tokenless))
+                self._forget(evicted)
+            displaced = self._pending.add(connection, peer[0], time.monotonic())
+            if displaced is not None:  # none known tokenless: the oldest of the biggest peer
+                evicted = displaced
+                del self.pending[displaced.peer]
+            self.pending[peer] = connection
+            self._lock.notify_all()
+        if evicted is not None:
+            _shut(evicted)
+
+    def _reap(self) -> None:
+        """Close the connections still pending at their deadline."""
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                expired = self._pending.expire(time.monotonic())
+                for connection in expired:
+                    del self.pending[connection.peer]
+                    self._tokenless.pop(connection, None)
+                if not expired:
+                    deadline = self._pending.next_deadline()
+                    self._lock.wait(None if deadline is None else deadline - time.monotonic())
+                    continue
+            for connection in expired:
+                _shut(connection)
+
+
+def _shut(connection: _Connection) -> None:
+    """Shut ``connection`` down if its descriptor still is the socket accepted (gRPC may
+    have closed it, and the number may name another file since)."""
+    with contextlib.suppress(OSError):  # closed already
+        duplicate = os.dup(connection.fd)
+        try:
+            if os.fstat(duplicate).st_ino == connection.inode:
+                probe = socket.socket(fileno=duplicate)
+                try:
+                    probe.shutdown(socket.SHUT_RDWR)
+                finally:
+                    probe.detach()
+        finally:
+            os.close(duplicate)
