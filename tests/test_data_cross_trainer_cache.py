@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import uuid
 
 import cw_data_functions as fns
@@ -19,13 +20,17 @@ import pytest
 
 from clusterwire import data, errors
 from clusterwire.data import elements
+from clusterwire.data.config import CROSS_TRAINER_CACHE_SIZE_BYTES
 from clusterwire.data.cross_trainer_cache import (
     MAX_CACHED_JOBS,
     MAX_TRAINER_ID_CHARS,
     CrossTrainerCache,
+    cache_plan,
     element_bytes,
+    machine_memory,
 )
 from clusterwire.data.rpc import DispatcherClient, WorkerChannels
+from clusterwire.data.worker import IDLE_CACHE_S
 from clusterwire.protos.data_service_pb2 import (
     DataRequest,
     GetElementsRequest,
@@ -473,3 +478,43 @@ def test_a_worker_caches_a_bounded_number_of_jobs(service, trainers):
                        match=f"keeps cross-trainer caches of {slots} jobs"):
         trainers("Trainer 1", job="one job too many").read(1)
     assert trainers("Trainer 2", job="job 0").read(1) == [0]  # the cached jobs go on
+
+
+# ---- bounds from the machine ------------------------------------------------------------------
+
+def test_the_default_cache_and_its_slots_scale_with_the_worker_memory():
+    """1/8 of the memory for every cache together, a job's cache a quarter of that by default
+    (at most TF's 10 GiB), as many jobs as the share holds caches of the size (1 to 16)."""
+    gib = 1 << 30
+    tf_default = CROSS_TRAINER_CACHE_SIZE_BYTES
+    assert cache_plan(0, 24 * gib, tf_default) == (768 << 20, 4)
+    assert cache_plan(0, 512 * gib, tf_default) == (10 * gib, 6)
+    assert cache_plan(10 * gib, 24 * gib, tf_default) == (10 * gib, 1)
+    assert cache_plan(1 << 20, 24 * gib, tf_default) == (1 << 20, MAX_CACHED_JOBS)
+    assert cache_plan(0, 1 << 20, tf_default) == (32 << 10, 4)
+
+
+def test_a_cached_job_nobody_reads_gives_its_slot_up(processes):
+    """Every slot of a worker process (default size) held by jobs read once and then left:
+    another trainer gets its first element once they have not been read for IDLE_CACHE_S
+    (they held the slots for 5 minutes before), and a trainer of a job whose cache went reads
+    on from a new window."""
+    dispatcher = processes("dispatcher")
+    worker = processes("worker", "--dispatcher-address", dispatcher.address)
+    slots = cache_plan(0, machine_memory(), CROSS_TRAINER_CACHE_SIZE_BYTES)[1]
+    idle = []
+    try:
+        for job in range(slots):
+            dataset_id = data.register_dataset(dispatcher.target, INFINITE, compression=None)
+            idle.append(Trainer(dispatcher, worker, dataset_id, "Trainer 1", f"job {job}"))
+            assert idle[-1].read(1) == [0]
+        started = time.monotonic()
+        newcomer = iter(distributed(dispatcher, trainer="Trainer 2", job_name="newcomer"))
+        assert int(next(newcomer)) == 0
+        waited = time.monotonic() - started
+        newcomer.close()
+        assert IDLE_CACHE_S - 1 < waited < IDLE_CACHE_S + 15, waited
+        assert idle[0].read(1) == [0]  # the oldest job's cache went: a new window
+    finally:
+        for trainer in idle:
+            trainer.close()
