@@ -19,7 +19,6 @@ string a server sent (names, addresses, errors) is drawn through
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -163,23 +162,28 @@ def task_rows(previous: Sequence[TaskSnapshot] | None,
 
 
 class TaskPoller:
-    """Asks the tasks of ``target``'s cluster for their status, each directly at its
-    address and all at once, within ``timeout`` seconds: the target's task and the first
-    others in the cluster's order, ``MAX_SERVERS`` in all; the cluster is the one the target
-    last reported (a later membership version is followed, an invalid one ignored)."""
+    """Asks the tasks of the cluster ``target`` reports on the first poll for their
+    status, each directly at its address and all at once, within ``timeout`` seconds: the
+    target's task and the first others in the cluster's order, ``MAX_SERVERS`` in all.
+
+    The tasks stay those of that first answer: a later reply cannot send top to other
+    addresses (each handshake a silent address holds lasts gRPC's connect timeout, past
+    the request's deadline); ``version`` says when the target's membership moved on."""
 
     def __init__(self, target: str, timeout: float, security: Security | None = None):
         protocol, self._target_address = split_target(target)
         self.target = target
         self._timeout = timeout
-        self._new_client = lambda: RequestClient(protocol, timeout=timeout,
-                                                 security=security or load_security())
-        self._client = self._new_client()
+        self._client = RequestClient(protocol, timeout=timeout,
+                                     security=security or load_security())
         self._pool = ThreadPoolExecutor(MAX_SERVERS, thread_name_prefix="clusterwire-top")
         self._own: str | None = None  # the target's task
         self._tasks: list[tuple[str, str]] = []  # (task, address) asked, in the cluster's order
-        #: Tasks in the cluster the target last reported, asked or not.
+        #: Tasks of the target's cluster, asked or not.
         self.listed = 0
+        #: The target's membership version when top learnt its cluster, and in its last
+        #: answer.
+        self.learnt_version = self.version = 0
 
     def _ask(self, task: str, address: str) -> TaskSnapshot:
         # Sent as a frame, not through a Session: top needs the bytes of the request and
@@ -201,9 +205,8 @@ class TaskPoller:
                             response_bytes=len(frame.header) + frame.payload_bytes)
 
     def _learn(self, status: TaskStatus) -> None:
-        """Take the tasks to ask from the target's status; ValueError or TypeError if its
-        cluster is not a valid ClusterSpec. Asking other addresses than before starts a
-        new client, so no connection to an address no longer asked stays open."""
+        """Take the tasks to ask from the target's first status; ValueError or TypeError
+        if its cluster is not a valid ClusterSpec."""
         from clusterwire.cluster_spec import ClusterSpec
 
         cluster = ClusterSpec(status.cluster).task_addresses()
@@ -214,13 +217,10 @@ class TaskPoller:
             tasks.insert(0, (own, self._target_address))
         asked = {own, *[task for task, _ in tasks if task != own][:MAX_SERVERS - 1]}
         self.listed = len(tasks)
+        self.learnt_version = self.version = status.membership_version
         self._own = own
-        tasks = [(task, self._target_address if task == own else address)
-                 for task, address in tasks if task in asked]
-        if self._tasks and tasks != self._tasks:
-            self._client.close()
-            self._client = self._new_client()
-        self._tasks = tasks
+        self._tasks = [(task, self._target_address if task == own else address)
+                       for task, address in tasks if task in asked]
 
     def poll(self) -> list[TaskSnapshot]:
         """One answer (or failure) of every task asked, in the cluster's order. The first
@@ -247,8 +247,7 @@ class TaskPoller:
         snapshots = list(self._pool.map(lambda t: self._ask(*t), self._tasks))
         for snapshot in snapshots:
             if snapshot.task == self._own and snapshot.status is not None:
-                with contextlib.suppress(ValueError, TypeError):  # keep the last valid one
-                    self._learn(snapshot.status)
+                self.version = snapshot.status.membership_version
         return snapshots
 
     def close(self) -> None:
@@ -557,9 +556,12 @@ def task_view(target: str, interval: float, timeout: float,
         serving = sum(row.health == SERVING for row in rows)
         bounded = (f" (top asks {len(rows)} of the cluster's {poller.listed})"
                    if poller.listed > len(rows) else "")
+        changed = (f"; the cluster changed since top started (membership version "
+                   f"{poller.learnt_version} -> {poller.version}): restart top to follow it"
+                   if poller.version != poller.learnt_version else "")
         return task_table(rows, f"clusterwire top {target}: {serving} of {len(rows)} tasks "
                                 f"serving{bounded}, every {interval:g} s, "
-                                f"{time.strftime('%H:%M:%S')}")
+                                f"{time.strftime('%H:%M:%S')}{changed}")
 
     return View(poller.poll, render,
                 lambda snapshots: all(s.status is not None for s in snapshots), poller.close)

@@ -1,13 +1,15 @@
 """A hostile clusterwire server in its own process, for the tests of what operator tools print.
 
-``python cw_hostile_server.py task|dispatcher LISTED_FILE`` listens over grpc on two ports
+``python cw_hostile_server.py task|dispatcher LISTED_FILE ROTATE`` listens over grpc on two ports
 of 127.0.0.1 and prints ``CLUSTERWIRE_READY <address>`` (the one to point a tool at); then
 it answers until stdin closes or SIGTERM:
 
 * at the first address, every status request (a task's ``status`` or a dispatcher's
   ``get_status``) with a reply made against the operator's terminal: ``HOSTILE`` in every
   name and message, an address whose host is ``HOSTILE``, ``HUGE`` in an error, and the
-  addresses of LISTED_FILE (a JSON list) as more tasks of its cluster or more workers;
+  addresses of LISTED_FILE (a JSON list) as more tasks of its cluster or more workers (all
+  of them; with ROTATE > 0, the next ROTATE of them in each reply, a task's under the
+  next membership version);
   a ``status`` for another task (``status --all``) fails with ``HOSTILE`` as its message;
 * at the second address (listed as a task or a worker too), every request with an
   UNAVAILABLE error whose message is ``HOSTILE``.
@@ -15,6 +17,7 @@ it answers until stdin closes or SIGTERM:
 
 from __future__ import annotations
 
+import itertools
 import json
 import signal
 import sys
@@ -49,7 +52,7 @@ HOSTILE = ("\x1b]0;pwned\x07\x1b[2J\x1b]8;;evil.example/x\x07link\x1b]8;;\x07"
 HUGE = "H" * 1_000_000
 
 
-def task_reply(own: str, failing: str, listed: list[str]) -> Response:
+def task_reply(own: str, failing: str, listed: list[str], version: int) -> Response:
     cluster = ClusterDef(job=[JobDef(name="worker", tasks={
         0: own, 1: f"{HOSTILE}:1", 2: failing,
         **{3 + i: address for i, address in enumerate(listed)}})])
@@ -60,7 +63,8 @@ def task_reply(own: str, failing: str, listed: list[str]) -> Response:
         metrics=[MetricSample(name="clusterwire_serving", labels={"server": HOSTILE}, value=1),
                  MetricSample(name="clusterwire_requests_in_flight", value=1)],
         unreachable_peers=[UnreachablePeer(task=TaskRef(job=HOSTILE, index=7),
-                                           address=f"{HOSTILE}:2", error=HOSTILE + HUGE)]))
+                                           address=f"{HOSTILE}:2", error=HOSTILE + HUGE)],
+        membership_version=version))
 
 
 def dispatcher_reply(failing: str, listed: list[str]) -> DataResponse:
@@ -78,9 +82,18 @@ def dispatcher_reply(failing: str, listed: list[str]) -> DataResponse:
 
 
 def main(argv: list[str]) -> int:
-    kind, listed_file = argv
+    kind, listed_file, rotate = argv[0], argv[1], int(argv[2])
     with open(listed_file, encoding="utf-8") as handle:
-        listed = json.load(handle)
+        addresses = json.load(handle)
+    replies = itertools.count()
+
+    def listed() -> tuple[list[str], int]:
+        """The addresses a reply lists, and its membership version."""
+        if not rotate:
+            return addresses, 0
+        reply = next(replies)
+        start = reply * rotate % len(addresses)
+        return addresses[start:start + rotate], reply
     transport = get_plugin_manager().transport("grpc")
     refused = Status(code=errors.UNAVAILABLE, message=HOSTILE)
     failing = transport.listen("127.0.0.1:0", lambda frame: Frame(
@@ -91,12 +104,12 @@ def main(argv: list[str]) -> int:
 
     def answer(frame: Frame) -> Frame:
         if kind == "dispatcher":
-            return Frame(dispatcher_reply(failing.address, listed).SerializeToString(), [])
+            return Frame(dispatcher_reply(failing.address, listed()[0]).SerializeToString(), [])
         request = Request.FromString(bytes(frame.header))
         if request.HasField("task"):
             reply = Response(status=Status(code=errors.INTERNAL, message=HOSTILE))
         else:
-            reply = task_reply(own[0], failing.address, listed)
+            reply = task_reply(own[0], failing.address, *listed())
         return Frame(reply.SerializeToString(), [])
 
     listener = transport.listen("127.0.0.1:0", answer, ListenOptions())

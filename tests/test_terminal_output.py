@@ -6,6 +6,7 @@ accept and never answer, so every connection to them is counted."""
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import os
@@ -109,14 +110,14 @@ def test_import_clusterwire_escapes_the_last_resort_log_handler():
 
 
 @contextlib.contextmanager
-def hostile_server(kind: str, tmp_path, listed: list[str] = ()):
-    """The hostile server of ``kind`` ("task" or "dispatcher"), also listing ``listed``;
-    yields its address."""
+def hostile_server(kind: str, tmp_path, listed: list[str] = (), rotate: int = 0):
+    """The hostile server of ``kind`` ("task" or "dispatcher"), also listing ``listed``
+    (with ``rotate``, the next ``rotate`` of them in each reply); yields its address."""
     listed_file = tmp_path / f"listed-{kind}.json"
     listed_file.write_text(json.dumps(list(listed)))
     process = subprocess.Popen(
         [sys.executable, os.path.join(TESTS_DIR, "cw_hostile_server.py"), kind,
-         str(listed_file)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+         str(listed_file), str(rotate)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         env={**os.environ, **child_env()})
     try:
         address = await_ready(process, 60)
@@ -290,17 +291,17 @@ def test_live_top_of_a_hostile_task_in_a_terminal(tmp_path):
 
 class BlackHoles:
     """``count`` listening sockets on 127.0.0.1 that accept every connection and never
-    answer; ``connected`` counts the connections each port took."""
+    answer; ``connected`` counts the connections each address took."""
 
     def __init__(self, count: int):
         self._servers = [socket.create_server(("127.0.0.1", 0)) for _ in range(count)]
         self.addresses = [f"127.0.0.1:{s.getsockname()[1]}" for s in self._servers]
-        self.connected: dict[int, int] = {}
+        self.connected: dict[str, int] = {}
         self._held: list[socket.socket] = []
         self._selector = selectors.DefaultSelector()
-        for server in self._servers:
+        for server, address in zip(self._servers, self.addresses, strict=True):
             server.setblocking(False)
-            self._selector.register(server, selectors.EVENT_READ)
+            self._selector.register(server, selectors.EVENT_READ, address)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._accept, daemon=True)
         self._thread.start()
@@ -309,10 +310,8 @@ class BlackHoles:
         while not self._stop.is_set():
             for key, _ in self._selector.select(0.1):
                 with contextlib.suppress(BlockingIOError):
-                    connection, _ = key.fileobj.accept()
-                    self._held.append(connection)
-                    port = key.fileobj.getsockname()[1]
-                    self.connected[port] = self.connected.get(port, 0) + 1
+                    self._held.append(key.fileobj.accept()[0])
+                    self.connected[key.data] = self.connected.get(key.data, 0) + 1
 
     def close(self) -> None:
         self._stop.set()
@@ -352,3 +351,58 @@ def test_top_asks_a_bounded_number_of_the_servers_a_reply_names(kind, tmp_path):
         assert f"1002 workers (top asks {top.MAX_SERVERS - 1})" in out
     print(f"{kind}: {took:.1f} s, {len(holes.connected)} addresses, "
           f"{sum(holes.connected.values())} connections")
+
+
+def test_top_asks_its_own_task_and_63_others_of_a_real_cluster_of_1000():
+    """A real Server whose cluster lists 999 dead tasks before its own: one poll asks
+    the target's task (last in the cluster's order) and the first 63 others, at once."""
+    from clusterwire import Server
+
+    holes = BlackHoles(999)
+    server = Server({"worker": [*holes.addresses, "127.0.0.1:0"]}, job_name="worker",
+                    task_index=999)
+    poller = top.TaskPoller(server.target, timeout=1.0)
+    try:
+        started = time.monotonic()
+        snapshots = poller.poll()
+        took = time.monotonic() - started
+        assert [s.task for s in snapshots] == [
+            *(f"/job:worker/task:{i}" for i in range(top.MAX_SERVERS - 1)),
+            "/job:worker/task:999"]
+        assert snapshots[-1].status is not None
+        assert all(s.status is None for s in snapshots[:-1])
+        assert sorted(holes.connected) == sorted(holes.addresses[:top.MAX_SERVERS - 1])
+        assert poller.listed == 1000
+        assert took < 10, took  # one deadline, as all are asked at once
+    finally:
+        poller.close()
+        server.stop()
+        holes.close()
+
+
+def test_top_keeps_asking_the_tasks_of_the_first_answer(tmp_path):
+    """A target whose every reply lists 100 other dead tasks, under a new membership
+    version: top asks the tasks of its first answer, every refresh, no other address, and
+    says the cluster changed."""
+    from rich.console import Console
+
+    holes = BlackHoles(1000)
+    try:
+        with hostile_server("task", tmp_path, holes.addresses, rotate=100) as address:
+            view = top.task_view(f"grpc://{address}", interval=1.0, timeout=1.0)
+            try:
+                asked = []
+                for _ in range(3):
+                    snapshots = view.poll()
+                    assert len(snapshots) == top.MAX_SERVERS
+                    asked.append({s.address for s in snapshots} & set(holes.addresses))
+                out = io.StringIO()
+                Console(file=out, width=400).print(view.render(None, snapshots))
+            finally:
+                view.close()
+    finally:
+        holes.close()
+    assert asked[0] == asked[1] == asked[2] == set(holes.connected)
+    assert len(asked[0]) == top.MAX_SERVERS - 4
+    assert re.search(r"the cluster changed since top started \(membership version 0 -> "
+                     r"\d+\): restart top to follow it", out.getvalue().replace("\n", ""))
