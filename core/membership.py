@@ -182,6 +182,7 @@ class Membership:
         self._refused: dict[tuple[Task, str], float] = {}  # did not answer as its task, when
         self._pending: View | None = None  # a received view waiting for its probes
         self._verifier: threading.Thread | None = None
+        self._prober: ThreadPoolExecutor | None = None  # one for every change: bounded
         self._wake = threading.Event()
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
@@ -233,7 +234,7 @@ class Membership:
         before its port was bound) is adopted with this task's own address, as the next
         version, so the peers learn where it is. A view without this task is not
         adopted."""
-        if sender is not None:
+        if sender is not None and sender in self._view.tasks():
             with self._lock:
                 self._heard[sender] = (time.monotonic(), time.time())
                 self._failures.pop(sender, None)  # it is alive: heartbeat it again
@@ -300,17 +301,22 @@ class Membership:
                     raise errors.FailedPreconditionError(
                         f"/job:{pair[0][0]}/task:{pair[0][1]} did not answer at {pair[1]} "
                         f"{now - self._refused[pair]:.1f} s ago; start it there first.")
-        pool = ThreadPoolExecutor(min(len(pairs), _PROBES),
-                                  thread_name_prefix="clusterwire-membership-probe")
+        with self._lock:
+            if self._stopped.is_set():
+                raise errors.CancelledError("This task is stopping: it probes no peer.")
+            if self._prober is None:
+                self._prober = ThreadPoolExecutor(
+                    _PROBES, thread_name_prefix="clusterwire-membership-probe")
+            prober = self._prober
+        probes = [prober.submit(self._probe, task, address) for task, address in pairs]
         try:
-            probes = {pool.submit(self._probe, task, address): (task, address)
-                      for task, address in pairs}
             wait_futures(probes, return_when=FIRST_EXCEPTION)
             for probe in probes:
                 if probe.done() and probe.exception() is not None:
                     raise probe.exception()
         finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+            for probe in probes:
+                probe.cancel()  # those not started yet
 
     def _probe(self, task: Task, address: str) -> None:
         try:
@@ -397,9 +403,13 @@ class Membership:
         return rows
 
     def stop(self) -> None:
-        """Stop heartbeating."""
+        """Stop heartbeating and probing."""
         self._stopped.set()
         self._wake.set()
+        with self._lock:
+            prober, self._prober = self._prober, None
+        if prober is not None:
+            prober.shutdown(wait=False, cancel_futures=True)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(5)
 
