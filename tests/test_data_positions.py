@@ -299,3 +299,32 @@ def test_streams_nobody_reads_hold_at_most_their_buffers(processes):
     finally:
         for reader in readers:
             reader.close()
+
+
+def test_one_consumer_holds_at_most_its_share_of_a_worker_streams(processes):
+    """A raw consumer opening anonymous jobs' streams under one consumer id, all kept busy:
+    the 17th is refused (ResourceExhaustedError naming the share), and another consumer
+    reads meanwhile."""
+    dispatcher, [worker] = start_service(processes, workers=1)
+    dataset_id = data.register_dataset(dispatcher.target, data.Dataset.range(10).repeat())
+    client, channels = raw_client(dispatcher), WorkerChannels(Security())
+
+    def open_stream(job: int) -> None:
+        response, _ = client.call(DataRequest(get_or_create_job=GetOrCreateJobRequest(
+            dataset_id=dataset_id, sharding_policy=data.ShardingPolicy.OFF,
+            job_key=f"anonymous/hog-{job}", consumer_id="hog")))
+        spec = StreamSpec(job_id=response.job.job_id, dataset_id=dataset_id,
+                          grant=response.job.grant, owner="hog")
+        channels.call("grpc", worker.address, DataRequest(get_elements=GetElementsRequest(
+            stream=spec, consumer_id="hog", request_seq=1, max_elements=1)), 10.0)
+
+    try:
+        for job in range(16):
+            open_stream(job)
+        with pytest.raises(errors.ResourceExhaustedError, match="16 of them for this consumer"):
+            open_stream(16)
+        assert sorted(int(x) for x in data.Dataset.range(50).apply(
+            data.distribute("parallel_epochs", dispatcher.target))) == list(range(50))
+    finally:
+        channels.close()
+        client.close()
