@@ -9,7 +9,7 @@ it answers until stdin closes or SIGTERM:
   name and message, an address whose host is ``HOSTILE``, ``HUGE`` in an error, and the
   addresses of LISTED_FILE (a JSON list) as more tasks of its cluster or more workers (all
   of them; with ROTATE > 0, the next ROTATE of them in each reply, a task's under the
-  next membership version);
+  next membership version; a dispatcher also lists ``PREFIXED``);
   a ``status`` for another task (``status --all``) fails with ``HOSTILE`` as its message;
 * at the second address (listed as a task or a worker too), every request with an
   UNAVAILABLE error whose message is ``HOSTILE``.
@@ -50,6 +50,8 @@ from clusterwire.transport import Frame, ListenOptions
 HOSTILE = ("\x1b]0;pwned\x07\x1b[2J\x1b]8;;evil.example/x\x07link\x1b]8;;\x07"
            "[/pwned][bold]x\u202eevil\u202c\x00\x9b31m\x7f")
 HUGE = "H" * 1_000_000
+#: A worker address naming another transport than the dispatcher's.
+PREFIXED = "grpc+local:///tmp/cw-hostile.sock"
 
 
 def task_reply(own: str, failing: str, listed: list[str], version: int) -> Response:
@@ -68,7 +70,7 @@ def task_reply(own: str, failing: str, listed: list[str], version: int) -> Respo
 
 
 def dispatcher_reply(failing: str, listed: list[str]) -> DataResponse:
-    workers = [f"{HOSTILE}:1", failing, *listed]
+    workers = [f"{HOSTILE}:1", failing, PREFIXED, *listed]
     return DataResponse(status_report=DataServiceStatus(
         kind="dispatcher", address=HOSTILE, protocol=HOSTILE, version=HOSTILE,
         workers=[WorkerSummary(address=address, heartbeat_age_seconds=1.0)

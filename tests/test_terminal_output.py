@@ -21,7 +21,7 @@ import time
 
 import pytest
 from conftest import TESTS_DIR, child_env
-from cw_hostile_server import HOSTILE, HUGE
+from cw_hostile_server import HOSTILE, HUGE, PREFIXED
 from test_top import Tmux, wait_for_screen
 
 from clusterwire import top
@@ -168,6 +168,9 @@ def test_top_once_shows_a_hostile_dispatcher_escaped(tmp_path):
     assert any(name.startswith("HHHH") and name.endswith("characters)") for name in jobs)
     assert f"{SHOWN}:1: UnavailableError:" in out  # the worker's address and its error
     assert f": UnavailableError: {SHOWN}" in out  # the failing worker's message
+    # The reply does not choose the transport top uses.
+    assert (f"{PREFIXED}: not asked: listed with a protocol prefix; top asks the workers "
+            "over the dispatcher's, grpc") in out
 
 
 def test_a_real_dispatcher_with_markup_job_names(tmp_path):
@@ -340,15 +343,16 @@ def test_top_asks_a_bounded_number_of_the_servers_a_reply_names(kind, tmp_path):
     assert result.returncode == 1, result.stderr
     out = result.stdout.decode()
     # Besides the dead: the target (twice: its own name, task 0), the unresolvable host
-    # and the failing server; the dispatcher lists the last two and the dead as workers.
-    asked = top.MAX_SERVERS - (4 if kind == "task" else 3)
+    # and the failing server; the dispatcher lists the last two, PREFIXED and the dead as
+    # workers.
+    asked = top.MAX_SERVERS - 4
     assert len(holes.connected) == asked, holes.connected
     assert sum(holes.connected.values()) <= 2 * asked  # a reconnect at most, per address
     assert took < 20, took  # about 3 s on an idle machine
     if kind == "task":
         assert re.search(rf"\(top asks {top.MAX_SERVERS} of the cluster's 1004\)", out)
     else:
-        assert f"1002 workers (top asks {top.MAX_SERVERS - 1})" in out
+        assert f"1003 workers (top asks {top.MAX_SERVERS - 1})" in out
     print(f"{kind}: {took:.1f} s, {len(holes.connected)} addresses, "
           f"{sum(holes.connected.values())} connections")
 

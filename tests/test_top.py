@@ -135,6 +135,44 @@ def test_table_shows_every_column_and_why_a_task_did_not_answer():
     assert "/job:ps/task:0: UnavailableError: refused" in out.getvalue()
 
 
+def test_tables_draw_what_servers_sent_escaped_and_never_as_markup():
+    """Names, addresses, modes and errors from a server: control characters escaped, rich
+    markup shown as written (``[/pwned]`` alone would raise rich's MarkupError)."""
+    from rich.console import Console
+
+    hostile = "\x1b]0;pwned\x07[/pwned]\u202e"
+    shown = r"\x1b]0;pwned\x07[/pwned]\u202e"
+    peers = (UnreachablePeer(address=f"{hostile}:1"),)
+    rows = top.task_rows(None, [
+        top.TaskSnapshot(f"/job:{hostile}/task:0", f"{hostile}:1", 1.0,
+                         task_status(peers=peers)),
+        top.TaskSnapshot("/job:ps/task:0", "127.0.0.1:6000", 1.0, error=f"gone: {hostile}")])
+    Server = top.DataServerSnapshot
+    dispatcher = data_status("dispatcher", [], jobs=[
+        JobSummary(job_id=1, job_name="[/pwned]", processing_mode=hostile),
+        JobSummary(job_id=2, job_name="[bold]x", processing_mode="parallel_epochs")])
+    snapshot = top.DataSnapshot(Server("d:0", 1.0, dispatcher),
+                                (Server(f"{hostile}:2", 1.0, error=hostile),))
+    out = io.StringIO()
+    console = Console(file=out, width=300, force_terminal=True, color_system=None)
+    for table in (top.task_table(rows, f"title {hostile}"),
+                  top.worker_table(top.worker_rows(None, snapshot), hostile),
+                  top.job_table(top.job_rows(None, snapshot))):
+        console.print(table)
+    screen = out.getvalue()
+    assert all(c.isprintable() or c == "\n" for c in screen), repr(screen)
+    assert cells(screen, f"/job:{shown}/task:0")[1::8] == [f"{shown}:1", f"{shown}:1"]
+    assert f"/job:ps/task:0: gone: {shown}" in screen and f"title {shown}" in screen
+    assert f"{shown}:2: {shown}" in screen
+    assert cells(screen, "1")[1:3] == ["[/pwned]", shown] and cells(screen, "2")[1] == "[bold]x"
+
+
+def test_a_huge_name_is_cut_in_its_cell():
+    row = top.JobRow(1, "n" * 10**6, "parallel_epochs", 1, 0, 0, False, None)
+    [name] = [cell.plain for cell in top.job_table([row]).columns[1].cells]
+    assert name == "n" * top.CELL_CHARS + f"...(+{10**6 - top.CELL_CHARS} characters)"
+
+
 def data_status(kind: str, samples: list[tuple[str, dict[str, str], float]],
                 workers=(), jobs=()) -> DataServiceStatus:
     return DataServiceStatus(kind=kind, metrics=[
