@@ -13,10 +13,13 @@ import os
 import time
 from collections import Counter
 
+import cw_data_functions as fns
 import pytest
 from conftest import read_together, wait_for
 
 from clusterwire import data, errors
+from clusterwire.data.pipeline import split_plan
+from clusterwire.data.position import split_limit
 from clusterwire.data.rpc import DispatcherClient, WorkerChannels
 from clusterwire.data.streams import MAX_BUFFERED_BYTES, READER_GONE_S
 from clusterwire.protos.data_service_pb2 import (
@@ -90,6 +93,21 @@ def rss_bytes(pid: int) -> int:
 
 
 # ---- distributed_epoch: a co-consumer cannot plant split offsets --------------------------------
+
+@pytest.mark.parametrize("dataset,limit", [
+    (data.Dataset.range(1000), 100),
+    (data.Dataset.range(1000).map(fns.square).filter(fns.is_even), 100),
+    (data.Dataset.range(1000).batch(7), 15),
+    (data.Dataset.range(1000).batch(7).take(3), 3),
+    (data.Dataset.range(1000).batch(7).unbatch(), None),
+    (data.Dataset.range(1000).batch(7).repeat(), None),
+    (data.Dataset.range(1000).batch(7).repeat(2), 30),
+    (data.Dataset.from_files(["a", "b"]), None),  # a file has any number of lines
+])
+def test_a_split_offset_is_bounded_by_what_the_split_yields(dataset, limit):
+    pipe = dataset.pipeline
+    assert split_limit(pipe.source, split_plan(pipe).ops, 100) == limit
+
 
 def test_a_co_consumer_cannot_plant_split_offsets_and_the_victim_reads_every_element_once(
         processes):
@@ -269,9 +287,7 @@ def test_streams_nobody_reads_hold_at_most_their_buffers(processes):
     worker grew 453 MiB here when the remembered batch and the element waiting for room came
     on top)."""
     dispatcher, [worker] = start_service(processes, workers=1)
-    from cw_data_functions import fill_1m
-
-    dataset = data.Dataset.range(10 ** 9).map(fill_1m)
+    dataset = data.Dataset.range(10 ** 9).map(fns.fill_1m)
     baseline = rss_bytes(worker.process.pid)
     readers = [iter(dataset.apply(data.distribute("parallel_epochs", dispatcher.target,
                                                   compression=None))) for _ in range(16)]

@@ -492,10 +492,11 @@ class DispatchServer:
         if not offsets:
             return
         record = self._dataset(job.info.dataset_id)
-        ops = split_plan(graph.from_def(record.dataset, record.buffers)).ops
+        pipe = graph.from_def(record.dataset, record.buffers)
+        ops = split_plan(pipe).ops
         for split_id, offset in offsets.items():
             start, end = job.split_range(split_id)
-            check_offset(split_id, offset, split_limit(ops, end - start))
+            check_offset(split_id, offset, split_limit(pipe.source, ops, end - start))
 
     def _check_resume_round(self, request) -> None:
         """Round-robin consumers of one job resume from the same round (else their rounds

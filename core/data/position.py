@@ -41,6 +41,7 @@ from clusterwire.data.pipeline import (
     Repeat,
     Shuffle,
     Skip,
+    Source,
     Take,
 )
 from clusterwire.errors import InvalidArgumentError
@@ -153,10 +154,13 @@ def _key(value: Any) -> str:
     return value
 
 
-def split_limit(ops: tuple[Op, ...], units: int) -> int | None:
-    """The most elements a split of ``units`` source units yields through ``ops`` (a split
-    plan's), or None where an op's output is not bounded by its input (``unbatch``, an
-    endless ``repeat``): the largest offset a position may hold for the split."""
+def split_limit(source: Source, ops: tuple[Op, ...], units: int) -> int | None:
+    """The most elements a split of ``units`` units of ``source`` yields through ``ops`` (a
+    split plan's): the largest offset a position may hold for the split. None where that is
+    not known: a source whose units are not one element each (files: lines), an op whose
+    output is not bounded by its input (``unbatch``, an endless ``repeat``)."""
+    if source.cardinality() != source.units():
+        return None
     limit = units
     for op in ops:
         if isinstance(op, (Map, Filter, Prefetch, Shuffle, Enumerate)):

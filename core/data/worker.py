@@ -554,8 +554,8 @@ def _check_offset(spec: StreamSpec, offset: int, pipe: Pipeline) -> None:
     """InvalidArgumentError unless a stream can start ``offset`` elements in: within its
     split, or within a finite dataset."""
     if spec.is_split:
-        check_offset(spec.split_id, offset,
-                     split_limit(split_plan(pipe).ops, spec.unit_end - spec.unit_start))
+        check_offset(spec.split_id, offset, split_limit(
+            pipe.source, split_plan(pipe).ops, spec.unit_end - spec.unit_start))
         return
     cardinality = pipe.cardinality()
     if offset < 0 or 0 <= cardinality < offset:
