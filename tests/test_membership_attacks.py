@@ -296,3 +296,28 @@ def test_peers_that_never_answer_do_not_hold_up_the_heartbeats_of_live_ones():
     assert failed_enough <= forgotten
     assert max(sends.get(address, 0) for address in dead) <= 8
     assert min(sends[addresses[task]] for task in live) >= window / interval / 2
+
+
+def test_a_version_bumped_on_the_same_cluster_does_not_abort_a_barrier():
+    """Raw heartbeats that only raise the version (each within MAX_VERSION_STEP) are adopted,
+    and a barrier waiting meanwhile goes on to complete."""
+    with heartbeating(2, {}) as (w0, w1):
+        outcome: list[BaseException] = []
+
+        def arrive() -> None:
+            try:
+                clusterwire.Session(w1.target).barrier("step", timeout=30)
+            except errors.OpError as err:
+                outcome.append(err)
+
+        waiter = threading.Thread(target=arrive)
+        waiter.start()
+        wait_for(lambda: any(s.name == "clusterwire_requests_in_flight" and s.value >= 1
+                             for s in w0._service.status().metrics), 20, "the arrival held")
+        cluster = w0.cluster_spec.as_dict()
+        for bump in range(1, 11):
+            raw(address_of(w0), heartbeat(1 + bump * MAX_VERSION_STEP, cluster, ("w", 1)))
+        assert w0.membership_version == 1 + 10 * MAX_VERSION_STEP
+        clusterwire.Session(w0.target).barrier("step", timeout=30)
+        waiter.join(30)
+        assert not waiter.is_alive() and not outcome
