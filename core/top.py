@@ -29,7 +29,7 @@ from clusterwire import errors
 from clusterwire.addressing import split_target
 from clusterwire.metrics import catalog
 from clusterwire.metrics.snapshot import total
-from clusterwire.protos.data_service_pb2 import DataServiceStatus
+from clusterwire.protos.data_service_pb2 import DataRequest, DataServiceStatus, GetStatusRequest
 from clusterwire.protos.service_pb2 import MetricSample, Request, TaskStatus
 from clusterwire.rpc import RequestClient, parse_response, raise_for_status
 from clusterwire.security import Security, load_security
@@ -43,6 +43,7 @@ MAX_JOBS = 100
 #: Characters of a table cell (a name, an address).
 CELL_CHARS = 128
 _STATUS_REQUEST = Request(method="status").SerializeToString()
+_DATA_STATUS_REQUEST = DataRequest(get_status=GetStatusRequest()).SerializeToString()
 
 SERVING, DRAINING, UNREACHABLE = "serving", "draining", "unreachable"
 _HEALTH_STYLE = {SERVING: "green", DRAINING: "yellow", UNREACHABLE: "bold red"}
@@ -375,29 +376,38 @@ def job_rows(previous: DataSnapshot | None, current: DataSnapshot) -> list[JobRo
 
 
 class DataPoller:
-    """Asks the dispatcher at ``address`` for its status, then the workers it lists (the
-    first ``MAX_SERVERS`` - 1, over the dispatcher's protocol), all at once, each within
-    ``timeout`` seconds."""
+    """Asks the dispatcher at ``address`` for its status, then the workers it lists, all
+    at once, each within ``timeout`` seconds, over the dispatcher's protocol: at most
+    ``MAX_SERVERS`` - 1 worker addresses in all, the first listed (a reply cannot send top
+    to other addresses on every refresh); one connection to each, kept."""
 
     def __init__(self, address: str, protocol: str, timeout: float,
                  security: Security | None = None):
+        if "://" in address:
+            from clusterwire.data.modes import parse_service
+
+            protocol, address = parse_service(address)
         self.address, self.protocol = address, protocol
         self._timeout = timeout
-        self._security = security or load_security()
+        self._client = RequestClient(protocol, timeout=timeout,
+                                     security=security or load_security())
         self._pool = ThreadPoolExecutor(MAX_SERVERS, thread_name_prefix="clusterwire-top")
+        self._known: dict[str, None] = {}  # the worker addresses top asks, in order
         self._workers: list[str] = []  # asked, as the dispatcher last listed them
         self._answered = False  # the dispatcher, ever
 
     def _ask(self, address: str) -> DataServerSnapshot:
-        from clusterwire.data import service_status
+        from clusterwire.data.rpc import parse
 
-        if "://" in address and address != self.address:
-            # service_status would take the protocol from it: a reply does not choose it.
+        if "://" in address:
             return DataServerSnapshot(address, time.monotonic(), error=(
                 f"not asked: listed with a protocol prefix; top asks the workers over "
                 f"the dispatcher's, {self.protocol}"))
         try:
-            status = service_status(address, self.protocol, self._timeout, self._security)
+            frame = self._client.send_frame(address, Frame(_DATA_STATUS_REQUEST, []),
+                                            "data.get_status", self._timeout,
+                                            idempotent=True)
+            status = parse(frame).status_report
         except errors.OpError as err:
             return DataServerSnapshot(address, time.monotonic(),
                                       error=f"{type(err).__name__}: {err.message}")
@@ -408,7 +418,12 @@ class DataPoller:
         UnavailableError if the dispatcher does not answer."""
         dispatcher = self._ask(self.address)
         if dispatcher.status is not None:
-            self._workers = [w.address for w in dispatcher.status.workers[:MAX_SERVERS - 1]]
+            listed = [w.address for w in dispatcher.status.workers]
+            for worker in listed:
+                if len(self._known) >= MAX_SERVERS - 1:
+                    break
+                self._known.setdefault(worker)
+            self._workers = [worker for worker in listed if worker in self._known]
             self._answered = True
         elif not self._answered:
             raise errors.UnavailableError(
@@ -418,7 +433,8 @@ class DataPoller:
         return DataSnapshot(dispatcher, tuple(self._pool.map(self._ask, self._workers)))
 
     def close(self) -> None:
-        """Stop asking (requests in flight end within their timeout)."""
+        """Cancel requests in flight and release the connections."""
+        self._client.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 

@@ -410,3 +410,23 @@ def test_top_keeps_asking_the_tasks_of_the_first_answer(tmp_path):
     assert len(asked[0]) == top.MAX_SERVERS - 4
     assert re.search(r"the cluster changed since top started \(membership version 0 -> "
                      r"\d+\): restart top to follow it", out.getvalue().replace("\n", ""))
+
+
+def test_top_asks_at_most_63_worker_addresses_in_all(tmp_path):
+    """A dispatcher whose every reply lists 100 other dead workers: top asks the first
+    reply's, each over one connection kept, and no other address ever."""
+    holes = BlackHoles(1000)
+    try:
+        with hostile_server("dispatcher", tmp_path, holes.addresses, rotate=100) as address:
+            poller = top.DataPoller(address, "grpc", timeout=1.0)
+            try:
+                asked = [{w.address for w in poller.poll().workers} & set(holes.addresses)
+                         for _ in range(3)]
+            finally:
+                poller.close()
+    finally:
+        holes.close()
+    # The first reply lists 3 others first (an unresolvable host, a failing worker and
+    # PREFIXED); the later ones list only addresses top does not know.
+    assert len(asked[0]) == top.MAX_SERVERS - 4 and asked[1] == asked[2] == set()
+    assert holes.connected == dict.fromkeys(asked[0], 1)
