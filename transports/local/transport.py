@@ -58,7 +58,7 @@ from clusterwire.addressing import split_host_port
 from clusterwire.envelope import INLINE_BUDGET
 from clusterwire.pending import PendingConnections
 from clusterwire.security import Security
-from clusterwire.thread_pool import WorkSlots
+from clusterwire.thread_pool import WorkSlots, parked
 from clusterwire.transport import (
     Channel,
     ConnectionFailed,
@@ -377,7 +377,7 @@ class LocalListener(Listener):
             client_id, transfer_id = control.fields
             peer = self._clients.get(client_id)  # a dict read needs no lock
             if peer is None:
-                with self._clients_lock:
+                with parked(), self._clients_lock:
                     # The client's HELLO races its first call: give the Unix reader a moment.
                     self._clients_lock.wait_for(lambda: client_id in self._clients,
                                                 _HELLO_WAIT)
@@ -389,9 +389,12 @@ class LocalListener(Listener):
                     f"(over its max_connections, {self._max_connections}) or the client is "
                     "not on this host (grpc+local connects only tasks of the same host).")
             # Sent before the call, so they are there unless the client stalls: a transfer
-            # idle for message_idle_timeout_seconds frees this thread.
-            fds = (peer.inbox.take(transfer_id, segments, self._segment_wait)
-                   if segments else [])
+            # idle for message_idle_timeout_seconds is dropped, and until then this thread
+            # waits parked (it holds none of the max_workers threads).
+            fds = []
+            if segments:
+                with parked():
+                    fds = peer.inbox.take(transfer_id, segments, self._segment_wait)
             request = Frame(control.header, received_buffers(control, fds))
             response = self._handler(request)
             views, kinds, places, fds = plan_buffers(response.buffers, self.segment_bytes)

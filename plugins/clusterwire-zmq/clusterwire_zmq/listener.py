@@ -49,11 +49,12 @@ class ZmqListener(Listener):
             settings.configure(sock, ipv6)
             TokenGate.configure_server(sock)
             # libzmq drops a peer sending a larger part before allocating it. It hands a
-            # multipart message over only once every part arrived, so it still buffers a
-            # whole message (of parts each within this bound, however many) before part 0's
-            # declared sizes are checked against max_message_bytes (wire.decode, before it
-            # looks at any other part). Only a token holder gets a message through, and
-            # this plugin's channels never send a frame over the limit WELCOME announced.
+            # multipart message over only once every part arrived and bounds neither their
+            # number nor their sum, so it buffers a whole message (of parts each within this
+            # bound, however many) before anything here can look at it; the router then
+            # keeps at most wire.MAX_PARTS of its parts and _serve refuses it unread when
+            # they are too many or too large. Only a token holder gets a message through,
+            # and this plugin's channels never send a frame over the limit WELCOME announced.
             sock.setsockopt(zmq.MAXMSGSIZE, options.max_message_bytes + wire.PART0_OVERHEAD)
             sock.bind(endpoint)
             port = bound_port(sock.getsockopt(zmq.LAST_ENDPOINT))
@@ -68,7 +69,8 @@ class ZmqListener(Listener):
                 "let the system pick one, and a host name of this machine.") from None
         self._address = join_host_port(host, port)
         self._guard.watch(bound_ip(endpoint), port)
-        self._router = SharedRouter(sock)
+        self._max_parts = 1 + wire.MAX_PARTS  # the routing id first
+        self._router = SharedRouter(sock, self._max_parts)
         self._handler = handler
         self._limit = options.max_message_bytes
         self._max_calls = options.max_concurrent_calls
@@ -196,6 +198,14 @@ class ZmqListener(Listener):
         if len(parts) < 2:
             return  # a routing id without a body: nothing to answer
         ident = parts[0].bytes
+        if len(parts) > self._max_parts or (
+                len(parts) > 2 and sum(map(len, parts[2:])) > self._limit):
+            self._router.send([ident, *wire.encode_error(
+                wire.peek_request_id(parts[1]), errors.RESOURCE_EXHAUSTED,
+                f"Message too large: more than {wire.MAX_PARTS} parts or more than the "
+                f"max_message_bytes ({self._limit}) of the zmq listener at {self._address} "
+                "in its buffer parts. Send less per call, or raise max_message_bytes.")])
+            return
         if not self._guard.admit(ident, parts[1]):
             self._router.send([ident, *wire.encode_error(
                 wire.peek_request_id(parts[1]), errors.RESOURCE_EXHAUSTED,

@@ -28,8 +28,11 @@ from clusterwire_zmq.sockets import NOBLOCK, readable, recv_parts, send_parts
 class SharedRouter:
     """A bound ROUTER socket: ``receive`` from any thread, ``send`` from any thread."""
 
-    def __init__(self, sock: zmq.Socket):
+    def __init__(self, sock: zmq.Socket, max_parts: int):
+        """``max_parts``: a message of more parts is received as its first ``max_parts + 1``
+        (see ``recv_parts``)."""
         self._sock = sock
+        self._max_parts = max_parts
         self._fd = sock.getsockopt(zmq.FD)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -67,7 +70,7 @@ class SharedRouter:
                 if self._queued:
                     return self._queued.popleft()
                 if readable(self._sock):
-                    parts = recv_parts(self._sock, NOBLOCK)
+                    parts = recv_parts(self._sock, NOBLOCK, self._max_parts)
                     self._drain()
                     poke = bool(self._queued and self._waiting)
                     break
@@ -83,7 +86,7 @@ class SharedRouter:
     def _drain(self) -> None:
         """Under the lock: queue every message still readable, leaving libzmq's signal armed."""
         while readable(self._sock):
-            self._queued.append(recv_parts(self._sock, NOBLOCK))
+            self._queued.append(recv_parts(self._sock, NOBLOCK, self._max_parts))
 
     def _wait(self, poller: select.epoll) -> None:
         try:

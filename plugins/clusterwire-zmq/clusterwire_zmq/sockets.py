@@ -33,11 +33,17 @@ def send_parts(sock: zmq.Socket, parts: Sequence, flags: int = 0) -> None:
         sock.send(part, flags | more, copy=memoryview(part).nbytes < zmq.COPY_THRESHOLD)
 
 
-def recv_parts(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
-    """Receive one multipart message as frames (no copies)."""
+def recv_parts(sock: zmq.Socket, flags: int = 0, max_parts: int = 0) -> list[zmq.Frame]:
+    """Receive one multipart message as frames (no copies).
+
+    With ``max_parts``, a message of more parts gives its first ``max_parts + 1`` only: the
+    rest are received and dropped at once, so a message of millions of tiny parts does not
+    become millions of frames here.
+    """
     frame = sock.recv(flags, copy=False)
     parts = [frame]
     while frame.more:
         frame = sock.recv(flags, copy=False)
-        parts.append(frame)
+        if not max_parts or len(parts) <= max_parts:
+            parts.append(frame)
     return parts

@@ -19,7 +19,15 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from clusterwire.envelope import BULK, Layout, bulk_lengths, inline_kinds, interleave, split_inline
+from clusterwire.envelope import (
+    BULK,
+    MAX_BUFFERS,
+    Layout,
+    bulk_lengths,
+    inline_kinds,
+    interleave,
+    split_inline,
+)
 from clusterwire.errors import InvalidArgumentError
 
 MAGIC = b"CWZ1"
@@ -30,6 +38,8 @@ LAYOUT = Layout(MAGIC, "zmq", "B3xQI")
 _LIMIT = struct.Struct("<Q")
 #: Bytes of part 0 beyond its inline buffers: the largest prefix, buffer table and header.
 PART0_OVERHEAD = LAYOUT.max_bytes(0)
+#: The most parts a message has: part 0 and a part per BULK buffer.
+MAX_PARTS = 1 + MAX_BUFFERS
 
 
 @dataclass
