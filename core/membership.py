@@ -63,7 +63,8 @@ MAX_TASKS_CHANGED = 256
 FAILS_BEFORE_BACKOFF = 3
 #: A backed-off peer is heartbeated at least every this many intervals.
 MAX_BACKOFF_INTERVALS = 32
-#: Seconds an address that did not answer as its task is not probed again for.
+#: A probe's deadline (an address where nothing listens fails at once), and how long an
+#: address that did not answer as its task is not probed again.
 PROBE_SECONDS = 5.0
 REFUSED_SECONDS = 5.0
 #: Errors with which a peer refuses a view: it is alive.

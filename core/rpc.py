@@ -30,6 +30,9 @@ IDEMPOTENT = frozenset({"status", "put", "get", "delete", "list", "barrier", "ba
 DEFAULT_TIMEOUT = 30.0
 #: A retry loop with more time than this left says at once that the task is unreachable.
 _QUIET_RETRY_S = 1.0
+#: Unreachable addresses remembered (the oldest forgotten first): a client told to probe
+#: addresses it did not choose keeps a bounded table.
+_MAX_UNREACHABLE = 4096
 _LOG = logging.getLogger("clusterwire")
 _BACKOFF_START, _BACKOFF_MAX = 0.02, 1.0
 # Our own generator: retries must not consume (or race on) the user's seeded global one.
@@ -115,24 +118,27 @@ class RequestClient:
             return channel
 
     def send(self, address: str, request: Request, buffers: Sequence[Buffer] = (),
-             timeout: float | None = None) -> tuple[Response, Sequence[Any]]:
+             timeout: float | None = None, *,
+             retry: bool = True) -> tuple[Response, Sequence[Any]]:
         """Send ``request`` to ``address``; return the OK response and its buffers."""
         frame = self.send_frame(address, Frame(request.SerializeToString(), buffers),
-                                request.method, timeout)
+                                request.method, timeout, retry=retry)
         response = parse_response(frame)
         raise_for_status(response)
         return response, frame.buffers
 
     def send_frame(self, address: str, frame: Frame, method: str,
                    timeout: float | None = None, *, idempotent: bool | None = None,
-                   attempt_timeout: float | None = None, relay: bool = False) -> Frame:
+                   attempt_timeout: float | None = None, relay: bool = False,
+                   retry: bool = True) -> Frame:
         """Send a ready frame, retrying while ``address`` is unreachable, until the deadline.
 
         A request is sent again after a broken connection only if it is ``idempotent``
         (default: by its method); one never sent is always retried. Each attempt gets the
         time left, or at most ``attempt_timeout``. ``close()`` ends the retrying with
         CancelledError. With ``relay``, the response is only passed on through a listener
-        of this protocol (``Channel.call_relayed``).
+        of this protocol (``Channel.call_relayed``). Without ``retry``, an unreachable
+        address is an UnavailableError at once (a probe of whether something serves there).
         """
         budget = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + budget
@@ -157,7 +163,7 @@ class RequestClient:
                 return reply
             except errors.UnavailableError as err:
                 self.note_unreachable(address, err.message)
-                retryable = not isinstance(err, HandshakeFailed) and (
+                retryable = retry and not isinstance(err, HandshakeFailed) and (
                     isinstance(err, ConnectionFailed) or idempotent)
                 remaining = deadline - time.monotonic()
                 if not retryable:
@@ -185,6 +191,8 @@ class RequestClient:
         means it: a request answered at once that got no answer)."""
         with self._lock:
             self._unreachable[address] = (time.time(), error)
+            if len(self._unreachable) > _MAX_UNREACHABLE:
+                del self._unreachable[next(iter(self._unreachable))]
             self.failures += 1
 
     def _reached(self, address: str) -> None:

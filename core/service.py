@@ -185,7 +185,7 @@ class ClusterService:
         """Raise unless ``address`` answers ``identify`` as ``task``, with the proof."""
         nonce = secrets.token_bytes(32)
         response, buffers = self._peers.send(address, Request(method="identify", nonce=nonce),
-                                             timeout=timeout)
+                                             timeout=timeout, retry=False)
         check_identity(self._peers.security.token, nonce, task, address,
                        codec.decode(response.value, buffers))
 

@@ -199,7 +199,7 @@ def test_two_thousand_invented_tasks_are_refused_and_real_workers_stay_up():
         with pytest.raises(errors.FailedPreconditionError, match=r"/job:ghost/task:\d+ does not"):
             ps.update_cluster(few)
         refused_in = time.monotonic() - started
-        assert refused_in < 15
+        assert refused_in < 2  # nothing listens there: refused at once
         down_seen += [p["task"] for p in ps.status()["peers"] if p["down"]]
         assert not down_seen
         assert ps.status()["membership_version"] == version
@@ -321,3 +321,27 @@ def test_a_version_bumped_on_the_same_cluster_does_not_abort_a_barrier():
         clusterwire.Session(w0.target).barrier("step", timeout=30)
         waiter.join(30)
         assert not waiter.is_alive() and not outcome
+
+
+def test_a_task_restarted_far_behind_catches_up_from_its_peers():
+    """A task restarted (version 0, on a new port) in a cluster more than MAX_VERSION_STEP
+    versions on: the views its peers push are too far ahead for it, but the answers to its
+    own heartbeats bring it up to date, and its new address, confirmed, reaches them."""
+    with heartbeating(2, {}) as (w0, w1):
+        cluster = w0.cluster_spec.as_dict()
+        for bump in range(1, 3):
+            raw(address_of(w0), heartbeat(1 + bump * MAX_VERSION_STEP, cluster, ("w", 1)))
+        far = 1 + 2 * MAX_VERSION_STEP
+        wait_for(lambda: w1.membership_version == far, 20, "task 1 at the bumped version")
+        w1.stop()
+        again = clusterwire.Server({"w": [address_of(w0), "127.0.0.1:0"]}, job_name="w",
+                                   task_index=1, config=HEARTBEAT)
+        try:
+            wait_for(lambda: w0.cluster_spec.task_address("w", 1) == address_of(again), 20,
+                     "task 0 learning task 1's new address")
+            assert again.membership_version == w0.membership_version == far + 1
+            puts_reach(clusterwire.Session(w0.target), "/job:w/task:1",
+                       clusterwire.Session(again.target), clusterwire.Session(w0.target),
+                       "caught-up")
+        finally:
+            again.stop()
