@@ -250,3 +250,25 @@ def test_a_full_job_table_gives_up_the_oldest_job_nobody_read(monkeypatch):
                 job("e")
         finally:
             client.close()
+
+
+def test_a_dataset_past_the_byte_limit_takes_the_place_of_unused_ones(monkeypatch):
+    """MAX_DATASET_BYTES = 2,500: a third 1,000-byte dataset collects the oldest unused one;
+    one larger than the limit is refused and collects nothing."""
+    from clusterwire.data import dispatcher as dispatcher_module
+
+    monkeypatch.setattr(dispatcher_module, "MAX_DATASET_BYTES", 2500)
+    with data.DispatchServer(port=0) as dispatcher:
+        def register(value: int, size: int = 1000) -> str:
+            payload = np.full((1, size), value, dtype=np.uint8)
+            return data.register_dataset(dispatcher.target,
+                                         data.Dataset.from_tensor_slices(payload),
+                                         compression=None)
+
+        first, second, third = register(1), register(2), register(3)
+        with pytest.raises(errors.NotFoundError, match=first):
+            list(data.from_dataset_id("parallel_epochs", dispatcher.target, first))
+        with pytest.raises(errors.ResourceExhaustedError, match="another of 3000 bytes"):
+            register(4, 3000)
+        for dataset_id in (second, third):  # both still there
+            data.from_dataset_id("parallel_epochs", dispatcher.target, dataset_id)

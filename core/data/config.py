@@ -7,7 +7,8 @@ dispatcher's ``bind_address``, the worker's ``function_modules`` and ``readable_
 both servers' security fields (``tls_cert_file``, ``tls_key_file``, ``tls_ca_file``,
 ``tls_client_auth``, ``auth_token_file``: as ``Server``'s, see ``clusterwire.security``) and
 their ``metrics_port`` and ``metrics_host`` (as ``Server``'s: an HTTP endpoint of the
-process's metrics, see ``clusterwire.metrics``) are clusterwire additions.
+process's metrics, see ``clusterwire.metrics``) and their ``worker_token_file`` (the secret
+only workers hold, see ``clusterwire.data.worker_auth``) are clusterwire additions.
 """
 
 from __future__ import annotations
