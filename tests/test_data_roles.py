@@ -214,8 +214,7 @@ def test_a_flood_of_jobs_or_datasets_leaves_others_their_share(processes, kind):
         flood.kill()
     if kind == "jobs":
         assert len(status.jobs) <= 4096
-    assert counts["created"] > (4096 if kind == "jobs" else 1024), counts
-    print(kind, counts, times)
+    assert counts["created"] >= (4096 if kind == "jobs" else 1024), counts
 
 
 def test_a_full_job_table_gives_up_the_oldest_job_nobody_read(monkeypatch):
