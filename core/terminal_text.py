@@ -20,7 +20,7 @@ MAX_CHARS = 1024
 LOG_CHARS = 4096
 LOG_LINES = 200
 
-_NAMED = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
 def _escape(char: str) -> str:
@@ -39,19 +39,20 @@ def printable(text: object, limit: int = MAX_CHARS) -> str:
 
     Every character ``str.isprintable()`` refuses -- C0 and C1 controls (ESC, BEL, NUL,
     newlines...), DEL, bidi overrides and other format characters, line and paragraph
-    separators, unassigned and private-use code points -- and the backslash are shown as
-    Python writes them in a literal (``\\x1b``, ``\\n``, ``\\u202e``, ``\\\\``), so the line
-    reads back unambiguously and no escape sequence reaches the terminal.
+    separators, unassigned and private-use code points -- is shown as Python writes it in
+    a literal (``\\x1b``, ``\\n``, ``\\u202e``), so no escape sequence reaches the terminal
+    and a message that quotes a value with ``repr`` reads the same. (A backslash is left as
+    it is: text can spell ``\\x1b`` without being one, which harms nothing.)
     """
     if not isinstance(text, str):
         text = str(text)
     head = text[:limit]
-    if head.isprintable() and "\\" not in head:
+    if head.isprintable():
         out = head
     else:
         pieces, length = [], 0
         for char in head:
-            piece = char if char.isprintable() and char != "\\" else _escape(char)
+            piece = char if char.isprintable() else _escape(char)
             if length + len(piece) > limit:
                 break
             pieces.append(piece)

@@ -3,9 +3,9 @@ and jobs, read from their status (``clusterwire.metrics``; no Prometheus needed)
 
 Each refresh asks every server once, all at once, with a deadline: a server that does not
 answer is shown as unreachable, never waited for past it. The servers are the target's task
-and the others of the cluster it reports (or the dispatcher and the workers it lists), at
-most ``MAX_SERVERS`` of them: a reply naming a thousand dead addresses costs one deadline
-and ``MAX_SERVERS`` connections, not a thousand. A rate is the difference of a
+and the others of the cluster of its first answer (or the dispatcher and the workers it
+lists), at most ``MAX_SERVERS`` of them: a reply naming a thousand dead addresses costs one
+deadline and ``MAX_SERVERS`` connections, not a thousand. A rate is the difference of a
 counter between two consecutive answers of one server divided by the time between them
 (monotonic clock); the first frame has none. top's own status requests are left out of
 what it shows: the server counts each one (and its bytes) by its next answer, and shows it

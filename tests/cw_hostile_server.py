@@ -1,8 +1,8 @@
 """A hostile clusterwire server in its own process, for the tests of what operator tools print.
 
-``python cw_hostile_server.py task|dispatcher LISTED_FILE ROTATE`` listens over grpc on two ports
-of 127.0.0.1 and prints ``CLUSTERWIRE_READY <address>`` (the one to point a tool at); then
-it answers until stdin closes or SIGTERM:
+``python cw_hostile_server.py task|dispatcher|invalid LISTED_FILE ROTATE`` listens over grpc
+on two ports of 127.0.0.1 and prints ``CLUSTERWIRE_READY <address>`` (the one to point a
+tool at); then it answers until stdin closes or SIGTERM:
 
 * at the first address, every status request (a task's ``status`` or a dispatcher's
   ``get_status``) with a reply made against the operator's terminal: ``HOSTILE`` in every
@@ -11,6 +11,7 @@ it answers until stdin closes or SIGTERM:
   of them; with ROTATE > 0, the next ROTATE of them in each reply, a task's under the
   next membership version; a dispatcher also lists ``PREFIXED``);
   a ``status`` for another task (``status --all``) fails with ``HOSTILE`` as its message;
+  ``invalid`` answers as ``task`` with ``HOSTILE`` as a job name of its cluster;
 * at the second address (listed as a task or a worker too), every request with an
   UNAVAILABLE error whose message is ``HOSTILE``.
 """
@@ -54,8 +55,9 @@ HUGE = "H" * 1_000_000
 PREFIXED = "grpc+local:///tmp/cw-hostile.sock"
 
 
-def task_reply(own: str, failing: str, listed: list[str], version: int) -> Response:
-    cluster = ClusterDef(job=[JobDef(name="worker", tasks={
+def task_reply(own: str, failing: str, listed: list[str], version: int,
+               job: str = "worker") -> Response:
+    cluster = ClusterDef(job=[JobDef(name=job, tasks={
         0: own, 1: f"{HOSTILE}:1", 2: failing,
         **{3 + i: address for i, address in enumerate(listed)}})])
     return Response(task_status=TaskStatus(
@@ -99,7 +101,7 @@ def main(argv: list[str]) -> int:
     transport = get_plugin_manager().transport("grpc")
     refused = Status(code=errors.UNAVAILABLE, message=HOSTILE)
     failing = transport.listen("127.0.0.1:0", lambda frame: Frame(
-        (Response(status=refused) if kind == "task" else DataResponse(status=refused))
+        (DataResponse(status=refused) if kind == "dispatcher" else Response(status=refused))
         .SerializeToString(), []), ListenOptions())
     failing.start()
     own: list[str] = []
@@ -111,7 +113,8 @@ def main(argv: list[str]) -> int:
         if request.HasField("task"):
             reply = Response(status=Status(code=errors.INTERNAL, message=HOSTILE))
         else:
-            reply = task_reply(own[0], failing.address, *listed())
+            reply = task_reply(own[0], failing.address, *listed(),
+                               job=HOSTILE if kind == "invalid" else "worker")
         return Frame(reply.SerializeToString(), [])
 
     listener = transport.listen("127.0.0.1:0", answer, ListenOptions())
