@@ -79,6 +79,15 @@ class TerminalFormatter(logging.Formatter):
     ``LOG_CHARS``, a traceback keeps its lines, each escaped. Set it on the handlers of an
     application that logs clusterwire's records to a terminal."""
 
+    def format(self, record: logging.LogRecord) -> str:
+        # Another handler's formatter may have cached the traceback on the record raw.
+        cached = record.exc_text
+        record.exc_text = printable_lines(cached) if cached and not record.exc_info else None
+        try:
+            return super().format(record)
+        finally:
+            record.exc_text = cached
+
     def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
         return printable(super().formatMessage(record), LOG_CHARS)
 

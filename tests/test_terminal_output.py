@@ -90,9 +90,12 @@ def test_the_log_formatter_escapes_message_arguments_and_tracebacks():
     except RuntimeError:
         record = logging.LogRecord("clusterwire", logging.ERROR, __file__, 1, "failed", (),
                                    sys.exc_info())
+    logging.Formatter().format(record)  # another handler's first: it caches its traceback
     lines = formatter.format(record).split("\n")
     assert lines[0] == "ERROR failed" and lines[1] == "Traceback (most recent call last):"
     assert lines[-1] == f"RuntimeError: {SHOWN}"
+    record.exc_info = None  # a record that came with its traceback as text
+    assert formatter.format(record).split("\n")[-1] == f"RuntimeError: {SHOWN}"
     huge = logging.LogRecord("clusterwire", logging.WARNING, __file__, 1, "%s", (HUGE,), None)
     assert len(formatter.format(huge)) < LOG_CHARS + 100
 
