@@ -4,9 +4,8 @@ import pytest
 
 from clusterwire.testing import Capabilities, TransportSuite
 
-# Its gRPC control port cannot close the oldest pending connection (see the grpc suite), and
-# its request bytes travel over UCX, not through the kit's TCP proxy.
-_VERBS = Capabilities(evicts_oldest_pending_tcp=False, trickle_via_proxy=False)
+# Its request bytes travel over UCX, not through the kit's TCP proxy.
+_VERBS = Capabilities(trickle_via_proxy=False)
 
 pytest.importorskip("ucxx", reason="the verbs extra is not installed: pip install '.[verbs]'")
 

@@ -7,9 +7,13 @@ condition with a deadline, and every socket, call and listener is closed at the 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import resource
 import selectors
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +24,7 @@ import pytest
 from conftest import wait_for
 
 from clusterwire import Server, Session, errors
+from clusterwire.local_cluster import LocalCluster
 from clusterwire.protos.service_pb2 import Request
 from clusterwire.security import Security
 from clusterwire.testing.peer import ANNOUNCE, echo_handler
@@ -380,3 +385,49 @@ def test_grpc_verbs_control_plane_has_the_same_limits():
     finally:
         close_all(silent)
         listener.stop(0)
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+@pytest.mark.timeout(180)
+def test_a_reconnecting_tokenless_flood_does_not_lock_token_holders_out(tmp_path):
+    """1,280 tokenless connections from another process, each holding a health Watch and
+    reconnecting whenever the server closes it (the attack that held gRPC's connection
+    quota): every token holder's new session gets its 8-byte tensor within 1 s."""
+    token_file = tmp_path / "token"
+    token_file.write_bytes(TOKEN)
+    config = {"auth_token_file": str(token_file)}
+    with LocalCluster({"w": 1}, config=config) as cluster:
+        pid, target = cluster.process("w").pid, cluster.target("w")
+        with Session(target, config=config, timeout=10) as session:
+            session.put("small", np.arange(1, dtype=np.int64))  # 8 bytes
+        before = rss_mib(pid)
+        flood = subprocess.Popen(
+            [sys.executable, os.path.join(os.path.dirname(__file__), "cw_health_flood.py"),
+             target.split("://")[1], "1280"], stdout=subprocess.PIPE, text=True)
+        try:
+            ended = 0
+            while ended < 5000:  # the flood is reconnecting (about 800 connects a second)
+                line = flood.stdout.readline()
+                assert line, "the flood process ended"
+                if line.startswith("{"):
+                    ended = sum(json.loads(line).values())
+            took = []
+            for _ in range(8):
+                start = time.monotonic()
+                with Session(target, config=config, timeout=10) as session:
+                    assert session.get("small").tolist() == [0]
+                took.append(time.monotonic() - start)
+            grown = rss_mib(pid) - before
+        finally:
+            flood.kill()
+            flood.wait(10)
+            flood.stdout.close()
+        assert max(took) < 1.0, took
+        assert grown < 150, f"the task grew by {grown:.0f} MiB"
+        print(f"\nreconnecting tokenless flood ({ended}+ watches ended): 8 sessions' gets "
+              f"took {min(took) * 1000:.0f}-{max(took) * 1000:.0f} ms; RSS +{grown:.0f} MiB")

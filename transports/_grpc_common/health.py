@@ -14,7 +14,8 @@ A probe carries no token, so health calls are answered without one; what bounds 
   (DEADLINE_EXCEEDED), and at most ``max_pending_connections`` are open, a new one ending the
   oldest of the peer (IP address) holding the most (RESOURCE_EXHAUSTED). A ``Watch`` that
   presents the token lasts until the server stops. Watches are answered without a thread
-  (grpcio's non-blocking streams).
+  (grpcio's non-blocking streams). A call without the token also leaves its connection
+  pending at the server's ``Door``, which closes it first when room is needed.
 
 A peer without the token learns SERVING or NOT_SERVING, and which names are served.
 """

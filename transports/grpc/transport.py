@@ -17,20 +17,17 @@ default, or "grpc": everything on the gRPC port), ``bulk_bytes`` (default
 from about there on it beats a unary reply, whose bytes grpcio copies).
 
 Limits (``ListenOptions``): gRPC core enforces the connection limits
-(``_grpc_common.server.connection_args``); with a token, calls without it are refused
-before their request is read. Upload and Fetch are streamed calls: at most
+(``_grpc_common.server.connection_args``), with a token its port's door the pending
+connections' (``_grpc_common.door``); calls without the token are refused before their
+request is read. Upload and Fetch are streamed calls: at most
 ``max_workers - small_call_reserve`` work at once, the others are refused as
 busy before anything is read and the channel sends them again until its
-deadline. An upload works only while its chunks arrive: waiting for the next
-one its thread is parked (``clusterwire.thread_pool``) and its slot free, so
-slow uploads cannot hold the threads; at most ``max_concurrent_calls`` uploads
-are open at once. An upload whose next chunk does not arrive within
-``message_idle_timeout_seconds``, or that brings less than
-``MIN_UPLOAD_BYTES_PER_SECOND`` over such a window, is dropped with
-DeadlineExceededError (a timeout, not a malformed frame: sent again promptly,
-it would succeed); its buffers are allocated as their bytes arrive, so it
-holds what it sent, not what it declared. The bulk port applies the same
-limits itself (``bulk``).
+deadline. An upload works only while its chunks arrive; how many may be open,
+how fast they must come and which one makes room for a new one is ``uploads``.
+A dropped upload gets DeadlineExceededError (a timeout, not a malformed frame:
+sent again promptly, it would succeed); its buffers are allocated as their
+bytes arrive, so it holds what it sent, not what it declared. The bulk port
+applies the same limits itself (``bulk``).
 """
 
 from __future__ import annotations
@@ -38,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import queue
 import random
 import secrets
 import threading
@@ -53,16 +49,8 @@ from clusterwire import errors
 from clusterwire.addressing import split_host_port
 from clusterwire.envelope import BULK, Envelope, bulk_lengths, interleave, split_inline
 from clusterwire.security import Security
-from clusterwire.thread_pool import WorkSlots, parked
-from clusterwire.transport import (
-    MIN_UPLOAD_BYTES_PER_SECOND,
-    Channel,
-    Frame,
-    Handler,
-    Listener,
-    ListenOptions,
-    Transport,
-)
+from clusterwire.thread_pool import WorkSlots
+from clusterwire.transport import Channel, Frame, Handler, Listener, ListenOptions, Transport
 from clusterwire.transport_options import OptionReader
 from clusterwire.transports._grpc_common.client import open_channel, token_metadata
 from clusterwire.transports._grpc_common.server import ControlServer
@@ -70,6 +58,7 @@ from clusterwire.transports._grpc_common.status import grpc_error, status_code
 from clusterwire.transports.grpc import framing
 from clusterwire.transports.grpc.bulk import BulkClient, BulkServer, Unreachable
 from clusterwire.transports.grpc.relay import Incoming, Relay, RelayPart, relay_of
+from clusterwire.transports.grpc.uploads import Upload, Uploads
 
 SERVICE = "clusterwire.Transport"
 _CALL, _UPLOAD, _FETCH = (f"/{SERVICE}/{m}" for m in ("Call", "Upload", "Fetch"))
@@ -128,9 +117,8 @@ class GrpcListener(Listener):
         self._security = options.security
         self._stream_slots = _stream_slots(options)
         self._streams = WorkSlots(self._stream_slots)  # streamed calls working, not parked
-        self._max_uploads = options.max_concurrent_calls
-        self._uploads = threading.BoundedSemaphore(self._max_uploads)  # open, parked or not
-        self._idle = options.message_idle_timeout_seconds
+        self._uploads = Uploads(options.max_concurrent_calls,
+                                options.message_idle_timeout_seconds, self._streams)
         limit = _message_limit(transport.inline_bytes, transport.chunk_bytes)
         # No maximum_concurrent_rpcs: gRPC's Python-side accounting costs ~45 us per call
         # here; the cluster service enforces max_concurrent_calls itself.
@@ -216,23 +204,24 @@ class GrpcListener(Listener):
         return self._respond(self._handler(request))
 
     def _upload(self, messages: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
-        if not self._uploads.acquire(blocking=False):
+        upload = self._uploads.open(messages, context.peer())
+        if upload is None:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"{_BUSY} {self._max_uploads} uploads (max_concurrent_calls) are "
-                          "open.")
+                          f"{_BUSY} the {self._uploads.limit} uploads it holds open "
+                          "(max_concurrent_calls) all keep their pace.")
         try:
             self._admit(context)
             try:
-                return self._respond(self._handler(self._received(messages, context)))
+                return self._respond(self._handler(self._received(upload, context)))
             finally:
                 self._streams.release()
         finally:
-            self._uploads.release()
+            self._uploads.close(upload)
 
-    def _received(self, messages: Iterator[bytes], context: grpc.ServicerContext) -> Frame:
-        """The frame an upload's messages carry, as they arrive (see ``_paced``)."""
+    def _received(self, upload: Upload, context: grpc.ServicerContext) -> Frame:
+        """The frame an upload carries, as its messages arrive (see ``uploads``)."""
         try:
-            messages = _paced(messages, self._idle, self._streams)
+            messages = upload.messages()
             first = next(messages, None)
             if first is None:
                 raise errors.InvalidArgumentError("Malformed frame: empty upload.")
@@ -460,72 +449,3 @@ def _started(messages: Iterator[bytes]) -> Iterator[bytes]:
     messages = iter(messages)
     first = next(messages, None)
     return messages if first is None else itertools.chain([first], messages)
-
-
-def _paced(messages: Iterator[bytes], idle: float, slots: WorkSlots) -> Iterator[bytes]:
-    """``messages``, or DeadlineExceededError once the next takes over ``idle`` seconds or a
-    window of ``idle`` seconds brings less than ``MIN_UPLOAD_BYTES_PER_SECOND``.
-
-    grpcio's request iterator waits without a timeout, so a helper thread reads it and
-    the handler waits on a queue instead; the helper ends when gRPC ends the call. While
-    the handler waits, its thread is parked and its slot of ``slots`` given back: an
-    upload takes a thread for streamed requests only while its bytes arrive.
-    """
-    arrived: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-
-    def pump() -> None:
-        try:
-            for message in messages:
-                arrived.put(message)
-        except grpc.RpcError:
-            pass  # the client cancelled or the call ended: the handler has stopped reading
-        finally:
-            arrived.put(None)
-
-    threading.Thread(target=pump, name="clusterwire-grpc-upload", daemon=True).start()
-    owed = MIN_UPLOAD_BYTES_PER_SECOND * idle  # bytes each window must bring
-    last = time.monotonic()
-    window_end, received = last + idle, 0
-    while True:
-        try:
-            message = arrived.get_nowait()
-        except queue.Empty:
-            message = _wait_parked(arrived, min(last + idle, window_end), slots)
-        now = time.monotonic()
-        if message is None:
-            return
-        if message is _TIMED_OUT and now >= last + idle:
-            raise errors.DeadlineExceededError(
-                f"No data of the request arrived for {idle:g} s "
-                "(message_idle_timeout_seconds): the server dropped it. Send each chunk "
-                "sooner, or raise message_idle_timeout_seconds on the server.")
-        if message is not _TIMED_OUT:
-            received += len(message)
-            last = now
-        if now >= window_end:
-            if received < owed:
-                raise errors.DeadlineExceededError(
-                    f"The request's data arrived at {received / idle:.0f} B/s over "
-                    f"{idle:g} s (message_idle_timeout_seconds), below the "
-                    f"{MIN_UPLOAD_BYTES_PER_SECOND} B/s an upload must keep: the server "
-                    "dropped it. Send faster, or in smaller requests.")
-            window_end, received = now + idle, 0
-        if message is not _TIMED_OUT:
-            yield message
-
-
-#: What ``_wait_parked`` returns when nothing arrived in time.
-_TIMED_OUT: Any = object()
-
-
-def _wait_parked(arrived: queue.SimpleQueue, until: float, slots: WorkSlots) -> Any:
-    """The next of ``arrived`` (``_TIMED_OUT`` if none by monotonic time ``until``), waited
-    for with the thread parked and its slot of ``slots`` free."""
-    slots.park()
-    try:
-        with parked():
-            return arrived.get(timeout=max(until - time.monotonic(), 0))
-    except queue.Empty:
-        return _TIMED_OUT
-    finally:
-        slots.unpark()
