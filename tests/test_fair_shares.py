@@ -61,10 +61,11 @@ def task(tmp_path, **config) -> Iterator[tuple[ServerProcess, dict]]:
 class Flood:
     """``cw_upload_flood.py`` in a process of its own (see there)."""
 
-    def __init__(self, address: str, count: int, period: float, step: int, buffers: int = 1):
+    def __init__(self, address: str, count: int, period: float, step: int, buffers: int = 1,
+                 again: bool = False):
         self.process = subprocess.Popen(
             [sys.executable, os.path.join(TESTS_DIR, "cw_upload_flood.py"), address, TOKEN,
-             str(count), str(period), str(step), str(buffers)],
+             str(count), str(period), str(step), str(buffers), "1" if again else "0"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._lines: queue.SimpleQueue[str] = queue.SimpleQueue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -127,26 +128,52 @@ def test_trickled_uploads_leave_a_token_holder_its_puts_and_gets(tmp_path, uploa
             # Each upload being read has a reader thread and a parked handler thread.
             wait_for(lambda: proc_status(pid, "Threads") >= threads_before + 2 * uploads,
                      timeout=30, what=f"the server to read {uploads} uploads")
-            big = np.random.default_rng(29).integers(0, 255, int(2.4 * _MiB), np.uint8)
-            worst_put = worst_get = 0.0
-            with Session(server.target, config=client, timeout=10) as session:
-                session.put("small", np.arange(1, dtype=np.int64))
-                for round_ in range(5):
-                    started = time.monotonic()
-                    session.put(f"big-{round_}", big)
-                    put_s = time.monotonic() - started
-                    started = time.monotonic()
-                    small = session.get("small")
-                    get_s = time.monotonic() - started
-                    assert small.tolist() == [0]
-                    worst_put, worst_get = max(worst_put, put_s), max(worst_get, get_s)
-                assert np.array_equal(session.get("big-4"), big)
+            worst_put, worst_get = puts_and_gets(server.target, client)
             assert worst_put < BUDGET_S, f"a 2.4 MiB put took {worst_put:.3f} s"
             assert worst_get < BUDGET_S, f"an 8-byte get took {worst_get:.3f} s"
             assert flood.still_open() == uploads  # none refused, none dropped
             assert flood.finish() == []
         print(f"\n{uploads} uploads trickling from another process: 2.4 MiB put at most "
               f"{worst_put * 1000:.0f} ms, 8 B get at most {worst_get * 1000:.1f} ms")
+
+
+def puts_and_gets(target: str, client: dict, rounds: int = 5) -> tuple[float, float]:
+    """A token holder's 2.4 MiB puts and 8-byte gets, each checked; the slowest of each (s)."""
+    big = np.random.default_rng(29).integers(0, 255, int(2.4 * _MiB), np.uint8)
+    worst_put = worst_get = 0.0
+    with Session(target, config=client, timeout=10) as session:
+        session.put("small", np.arange(1, dtype=np.int64))
+        for round_ in range(rounds):
+            started = time.monotonic()
+            session.put(f"big-{round_}", big)
+            put_s = time.monotonic() - started
+            started = time.monotonic()
+            assert session.get("small").tolist() == [0]
+            get_s = time.monotonic() - started
+            worst_put, worst_get = max(worst_put, put_s), max(worst_get, get_s)
+        assert np.array_equal(session.get(f"big-{rounds - 1}"), big)
+    return worst_put, worst_get
+
+
+@pytest.mark.timeout(180)
+def test_slow_uploads_beyond_the_open_bound_make_room_for_a_token_holder(tmp_path):
+    """48 slow uploads, each sent again as soon as it ends, against a task holding at most 16
+    open (max_concurrent_calls): a new upload drops the open one slowest since it began
+    (below MIN_UPLOAD_BYTES_PER_SECOND), so the slow ones only displace each other and a
+    token holder's puts get in at once."""
+    with task(tmp_path, message_idle_timeout_seconds=60, max_concurrent_calls=16) as (
+            server, client):
+        with flooding(server.address, 48, period=2.0, step=1024, again=True) as flood:
+            assert flood.line(60) == "sent 48"
+            worst_put, worst_get = puts_and_gets(server.target, client)
+            churn = flood.finish()
+        assert worst_put < BUDGET_S, f"a 2.4 MiB put took {worst_put:.3f} s"
+        assert worst_get < BUDGET_S, f"an 8-byte get took {worst_get:.3f} s"
+        assert len(churn) == 1 and churn[0].startswith("ended "), churn
+        assert int(churn[0].split()[1]) >= 48 - 16  # the bound was reached: uploads dropped
+        print(f"\n48 slow uploads sent again as they end, 16 open at most: 2.4 MiB put at most "
+              f"{worst_put * 1000:.0f} ms, 8 B get at most {worst_get * 1000:.1f} ms; the "
+              f"slow uploads were dropped for others {churn[0].split()[1]} times")
 
 
 @pytest.mark.timeout(120)
