@@ -20,7 +20,7 @@ import threading
 import time
 
 import pytest
-from conftest import TESTS_DIR, child_env
+from conftest import TESTS_DIR, child_env, in_process_data_service
 from cw_hostile_server import HOSTILE, HUGE, PREFIXED
 from test_top import Tmux, wait_for_screen
 
@@ -114,7 +114,7 @@ def test_import_clusterwire_escapes_the_last_resort_log_handler():
 
 @contextlib.contextmanager
 def hostile_server(kind: str, tmp_path, listed: list[str] = (), rotate: int = 0):
-    """The hostile server of ``kind`` ("task" or "dispatcher"), also listing ``listed``
+    """The hostile server of ``kind`` ("task", "dispatcher", "invalid"), also listing ``listed``
     (with ``rotate``, the next ``rotate`` of them in each reply); yields its address."""
     listed_file = tmp_path / f"listed-{kind}.json"
     listed_file.write_text(json.dumps(list(listed)))
@@ -189,8 +189,6 @@ def test_top_once_shows_a_hostile_dispatcher_escaped(tmp_path):
 def test_a_real_dispatcher_with_markup_job_names(tmp_path):
     """Jobs named ``[/pwned]`` and ``[bold]x`` on a real data service: top neither raises
     rich's MarkupError nor styles anything."""
-    from conftest import in_process_data_service
-
     from clusterwire import data
 
     with in_process_data_service(workers=1) as dispatcher:
