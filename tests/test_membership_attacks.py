@@ -26,7 +26,6 @@ from clusterwire.membership import (
     Membership,
     PeerLink,
     View,
-    join,
 )
 from clusterwire.protos.service_pb2 import Request, TaskRef
 from clusterwire.rpc import RequestClient
@@ -151,7 +150,7 @@ def test_a_heartbeat_cannot_move_a_task_and_a_version_cannot_be_pinned(token_con
         assert w0.membership_version == 1
         puts_reach(session, "/job:w/task:1", real, spy, "pinned")
 
-        # The operator's change, status() and `serve --join` (its function) still work.
+        # The operator's change, status() and `serve --join` still work.
         newcomer = clusterwire.Server({"w": [address_of(w0), address_of(w1), "127.0.0.1:0"]},
                                       job_name="w", task_index=2,
                                       config={**HEARTBEAT, **token_config,
@@ -162,13 +161,20 @@ def test_a_heartbeat_cannot_move_a_task_and_a_version_cannot_be_pinned(token_con
             assert session.update_cluster(grown) == 2
             assert session.status()["membership_version"] == 2
             wait_for(lambda: w1.membership_version == 2, 20, "version 2 on task 1")
-            joined = join(w1.target, "w", "127.0.0.1:0", config={**HEARTBEAT, **token_config})
-            assert joined.cluster_spec.task_indices("w") == [0, 1, 2, 3]
+            joined = subprocess.Popen(
+                [sys.executable, "-m", "clusterwire", "serve", "--join", w1.target,
+                 "--job-name", "w", "--quiet", "--config",
+                 json.dumps({**HEARTBEAT, **token_config})], stdout=subprocess.PIPE, text=True)
+            target = await_ready(joined, 30)
+            assert target is not None
             wait_for(lambda: w0.membership_version == 3, 20, "the join spread to task 0")
+            assert w0.cluster_spec.task_address("w", 3) == target.split("://")[1]
         finally:
             newcomer.stop()
             if joined is not None:
-                joined.stop()
+                joined.terminate()
+                joined.wait(30)
+                joined.stdout.close()
 
 
 def test_two_thousand_invented_tasks_are_refused_and_real_workers_stay_up():
