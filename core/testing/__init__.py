@@ -1,6 +1,7 @@
-"""clusterwire.testing: the conformance kit every transport plugin runs against itself.
+"""clusterwire.testing: the kits every transport plugin and every server surface run
+against themselves.
 
-A plugin's whole test file can be::
+**Transports.** A plugin's whole test file can be::
 
     from clusterwire.testing import Capabilities, TransportSuite
 
@@ -13,8 +14,44 @@ concurrency, deadlines, cancellation, killed peers, stop with calls in
 flight, closed ports, size limits, malformed input, port 0, and a real
 3-process cluster over the protocol) against that transport. Capability
 flags switch off the checks for what a transport does not support.
+
+**Server surfaces** (a task's port, a metrics endpoint, a dispatcher, a worker, and every
+surface added later) run the hostile-input kit. Start the surface's server in its own
+process with the cluster token set, and describe it in a ``surface`` fixture::
+
+    from clusterwire.testing import Surface, SurfaceSuite
+
+    class TestMySurface(SurfaceSuite):
+        @pytest.fixture(scope="class")
+        def surface(self, my_server_process):
+            return Surface(
+                "my surface", my_server_process.address, my_server_process.pid,
+                {"new widget": make_a_widget},      # a token holder's work, each < 1 s
+                TOKEN, requests=[WidgetRequest(name="w")], response_type=WidgetResponse,
+                show=print_a_widget_named,          # plant a string, return what prints
+                log=my_server_process.stderr)
+
+pytest then runs, each check bounded in time and against a stated bound: tokenless floods
+from another process (``FLOOD_CONNECTIONS`` silent, reconnecting, garbage-sending and
+HTTP/2-preface connections, and gRPC health Watch streams on huge invented names), during
+which every operation succeeds within ``OPERATION_SECONDS`` and the server's RSS grows by
+less than ``Surface.max_rss_growth_bytes``; each request without the token and with a
+wrong one (``UnauthenticatedError``); every field of every request at its extremes (1 MiB
+strings, negative and 2^63 / 2^64-1 numbers, NaN, 65,536 items, wrong wire types, bad
+UTF-8), answered within ``ANSWER_SECONDS`` with OK or an error that blames the request,
+never a crash, a hang or a traceback; and every ``HOSTILE_STRINGS`` through ``show``,
+whose output must pass ``assert_terminal_safe``. ``known_failures`` marks checks that fail
+for a known reason as ``xfail``.
 """
 
 from clusterwire.testing.suite import Capabilities, TransportSuite
+from clusterwire.testing.surfaces import (
+    HOSTILE_STRINGS,
+    Surface,
+    SurfaceSuite,
+    assert_terminal_safe,
+    malformed_variants,
+)
 
-__all__ = ["Capabilities", "TransportSuite"]
+__all__ = ["HOSTILE_STRINGS", "Capabilities", "Surface", "SurfaceSuite", "TransportSuite",
+           "assert_terminal_safe", "malformed_variants"]

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import errno
-import os
-import resource
 import selectors
 import signal
 import socket
@@ -24,6 +21,7 @@ from clusterwire.plugins import get_plugin_manager
 from clusterwire.security import Security, TlsConfig
 from clusterwire.server import Server
 from clusterwire.session import Session
+from clusterwire.testing.floods import SilentFlood, peer_closed, require_descriptors, wait_for
 from clusterwire.testing.peer import ANNOUNCE, FAIL, SLEEP, echo_handler
 from clusterwire.transport import Channel, Frame, Listener, ListenOptions, Transport
 
@@ -147,75 +145,6 @@ _TOKEN = b"t" * 32
 #: How long closing silent connections may take beyond their deadline (far below libzmq's
 #: and gRPC's own handshake timeouts, so those cannot pass for the listener's).
 _CLOSE_SLACK = 5.0
-
-
-def _wait_for(condition, timeout: float, what: str) -> None:
-    """Poll ``condition`` until it holds; fail naming ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
-        time.sleep(0.02)
-
-
-def _raise_descriptor_limit(needed: int) -> None:
-    """Raise RLIMIT_NOFILE's soft limit to ``needed``; skip the test if the hard one is lower."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft >= needed or soft == resource.RLIM_INFINITY:
-        return
-    if hard != resource.RLIM_INFINITY and hard < needed:
-        pytest.skip(f"{needed} descriptors needed; the hard limit is {hard}")
-    resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
-
-
-def _peer_closed(sock: socket.socket) -> bool:
-    """Whether the listener closed non-blocking ``sock`` (what it sent before is dropped)."""
-    try:
-        while sock.recv(65536):
-            pass
-    except BlockingIOError:
-        return False
-    except OSError:  # reset by the peer
-        return True
-    return True
-
-
-def _connect(sock: socket.socket, address) -> None:
-    """Connect ``sock``, retrying while a Unix listener's backlog is full (connect fails at
-    once then, where TCP waits)."""
-    deadline = time.monotonic() + 10
-    while (code := sock.connect_ex(address)) == errno.EAGAIN and time.monotonic() < deadline:
-        time.sleep(0.001)
-    if code:
-        raise OSError(code, f"cannot connect to {address!r}: {os.strerror(code)}")
-
-
-class _SilentFlood:
-    """``count`` raw connections to ``address`` that never send a byte."""
-
-    def __init__(self, count: int, family: int, kind: int, address):
-        self.sockets: list[socket.socket] = []
-        self._closed: set[socket.socket] = set()
-        try:
-            for _ in range(count):
-                sock = socket.socket(family, kind)
-                self.sockets.append(sock)
-                sock.settimeout(10)
-                _connect(sock, address)
-                sock.setblocking(False)
-        except BaseException:
-            self.close()
-            raise
-
-    def closed(self) -> int:
-        """How many of the connections the listener has closed so far."""
-        for sock in self.sockets:
-            if sock not in self._closed and _peer_closed(sock):
-                self._closed.add(sock)
-        return len(self._closed)
-
-    def close(self) -> None:
-        for sock in self.sockets:
-            sock.close()
 
 
 # A token holder in its own process (so grpc+local goes through its sockets, not an
@@ -679,14 +608,14 @@ class TransportSuite:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         return family, socket.SOCK_STREAM, (host.strip("[]"), int(port))
 
-    def _small_call_under(self, listener: Listener, path: str) -> tuple[_SilentFlood, float]:
+    def _small_call_under(self, listener: Listener, path: str) -> tuple[SilentFlood, float]:
         """Let an unauthenticated peer hold ``_FLOOD`` silent connections to the listener,
         then time a token holder's fresh 8-byte call (from another process)."""
         target = self._flood_target(listener, path)
-        _raise_descriptor_limit(4 * _FLOOD + 4096)  # both ends are in this process
+        require_descriptors(4 * _FLOOD + 4096)  # both ends are in this process
         holder = _TokenHolder(self.protocol, listener.address, _TOKEN)
         try:
-            flood = _SilentFlood(_FLOOD, *target)
+            flood = SilentFlood(_FLOOD, *target)
             try:
                 return flood, holder.call()
             except BaseException:
@@ -707,7 +636,7 @@ class TransportSuite:
                 assert seconds < _SMALL_CALL_BUDGET, (
                     f"a token holder's call took {seconds:.3f} s under {_FLOOD} silent "
                     "connections")
-                _wait_for(lambda: flood.closed() == _FLOOD,
+                wait_for(lambda: flood.closed() == _FLOOD,
                           options.handshake_timeout_seconds + _CLOSE_SLACK,
                           f"the listener closing {_FLOOD} silent connections")
             finally:
@@ -730,9 +659,9 @@ class TransportSuite:
                     f"a token holder's call took {seconds:.3f} s while {_FLOOD} silent "
                     "connections were held")
                 evicted = _FLOOD - options.max_pending_connections
-                _wait_for(lambda: flood.closed() >= evicted, _CLOSE_SLACK,
+                wait_for(lambda: flood.closed() >= evicted, _CLOSE_SLACK,
                           f"the listener closing the {evicted} oldest silent connections")
-                assert not _peer_closed(flood.sockets[-1]), "the newest one was closed"
+                assert not peer_closed(flood.sockets[-1]), "the newest one was closed"
             finally:
                 flood.close()
         finally:
@@ -764,7 +693,7 @@ class TransportSuite:
             for upload in uploads:
                 callers.append(_call_in_background(upload, Frame(b"up", [_payload(4 * _MiB)]),
                                                    120)[0])
-            _wait_for(lambda: proxy.trickling(len(uploads)), 60,
+            wait_for(lambda: proxy.trickling(len(uploads)), 60,
                       "16 uploads being trickled through the proxy")
             assert all(caller.is_alive() for caller in callers), "an upload ended early"
             small = transport.connect(listener.address, Security(token=_TOKEN))

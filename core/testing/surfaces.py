@@ -1,0 +1,494 @@
+"""The hostile-input checks every server surface runs against itself (see
+``clusterwire.testing``): tokenless floods, huge and malformed fields from a token holder,
+and control sequences in what reaches the operator's terminal."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import select
+import subprocess
+import sys
+import threading
+import time
+import unicodedata
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import pytest
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import DecodeError, Message
+
+from clusterwire import errors
+from clusterwire.plugins import get_plugin_manager
+from clusterwire.security import Security
+from clusterwire.testing.floods import FLOODS, require_descriptors
+from clusterwire.testing.load import process_usage
+from clusterwire.transport import Channel, Frame, ListenOptions
+
+_MiB = 1 << 20
+#: Seconds each legitimate operation of a token holder may take, during a flood and after.
+OPERATION_SECONDS = 1.0
+#: Seconds a hostile request may take to be answered (longer is a hang).
+ANSWER_SECONDS = 5.0
+#: How much a surface's resident memory may grow under a flood, unless its Surface says.
+RSS_GROWTH_BYTES = 64 * _MiB
+#: Connections a tokenless flood holds: past every default connection quota, gRPC's joint
+#: one (``max_connections + max_pending_connections``) included.
+FLOOD_CONNECTIONS = (ListenOptions().max_connections + ListenOptions().max_pending_connections
+                     + 64)
+#: Streams of the ``health_names`` flood (each on its own connection, each naming an
+#: invented service of ``hostile_peer.HEALTH_NAME_BYTES``).
+HEALTH_NAME_STREAMS = 24
+#: Seconds anything the kit waits for (a flood starting, a hung operation) may take
+#: before the check fails.
+_GIVE_UP_S = 60.0
+
+#: Strings a token holder or a hostile server plants wherever a string can go.
+HOSTILE_STRINGS: tuple[str, ...] = (
+    "\x1b]0;pwned\x07",                                  # OSC 0: sets the window title
+    "\x1b[2J\x1b[Hpwned",                                # CSI 2J: clears the screen
+    "\x1b]8;;https://example.invalid/\x1b\\click\x1b]8;;\x1b\\",  # OSC 8: a hyperlink
+    "\x9b2Jpwned",                                       # C1 CSI
+    "user\u202etxt.exe",                                 # bidi override
+    "nul\x00byte",
+    "del\x7fete",
+    "[/pwned]",                                          # rich markup: a closing tag
+    "[bold red]x",                                       # rich markup: a style
+    "x" * _MiB,
+)
+_HOSTILE_IDS = ("osc0-title", "csi-clear", "osc8-link", "c1-csi", "bidi-override", "nul",
+                "del", "markup-close", "markup-style", "1mib")
+#: Bidirectional-text controls: they reorder what a terminal shows.
+_BIDI = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+#: The errors that blame the request, the right answers to a malformed one.
+_REFUSALS = (errors.CancelledError,  # e.g. a stream superseded by the same consumer's
+             errors.InvalidArgumentError, errors.ResourceExhaustedError, errors.NotFoundError,
+             errors.PermissionDeniedError, errors.FailedPreconditionError,
+             errors.OutOfRangeError, errors.UnimplementedError, errors.AlreadyExistsError)
+_TRACEBACK = "Traceback (most recent call last)"
+
+
+def assert_terminal_safe(output: str, allow_cr: bool = False) -> None:
+    """Fail naming the first raw control character in ``output`` (C0 but newline and tab,
+    and CR if ``allow_cr``; DEL; C1; bidi controls): what a terminal would act on."""
+    allowed = "\n\t\r" if allow_cr else "\n\t"
+    for index, char in enumerate(output):
+        if (unicodedata.category(char) == "Cc" and char not in allowed) or char in _BIDI:
+            context = output[max(0, index - 40):index + 40]
+            raise AssertionError(f"raw control character {char!r} at {index} of "
+                                 f"{len(output)} characters: ...{context!r}...")
+
+
+@dataclass(frozen=True)
+class Surface:
+    """A running server surface the kit attacks."""
+
+    #: What it is, for messages ("task server", "dispatcher", ...).
+    name: str
+    #: host:port of the port under attack.
+    address: str
+    #: The server's process (its memory is read from /proc and it must stay alive); not
+    #: the test's own.
+    pid: int
+    #: A token holder's legitimate operations by name: each must succeed within
+    #: OPERATION_SECONDS before, during and after every attack. Each call must do its
+    #: work anew (a fresh connection, a new job...), not reuse what an earlier one made.
+    operations: Mapping[str, Callable[[], object]]
+    #: The cluster token the server checks.
+    token: bytes
+    #: The port speaks gRPC (the health floods apply).
+    grpc: bool = True
+    #: The transport that carries ``requests`` (a clusterwire protocol name).
+    protocol: str = "grpc"
+    #: Well-formed request headers (protobuf messages) a token holder sends; the kit sends
+    #: each without the token and malformed variants of each with it. Leave out requests
+    #: that wait by design (a barrier) or that change who serves (membership).
+    requests: Sequence[Message] = ()
+    #: The protobuf type of the replies' headers (it has a ``status`` field).
+    response_type: type[Message] | None = None
+    #: Plants a string in the surface (as a token holder or a hostile server would) and
+    #: returns what the operator's terminal would get from the tool that shows it: the
+    #: string must reach that output.
+    show: Callable[[str], str] | None = None
+    #: The server's stderr so far (no traceback may appear in it).
+    log: Callable[[], str] | None = None
+    #: How much the server's resident memory may grow under a flood.
+    max_rss_growth_bytes: int = RSS_GROWTH_BYTES
+
+
+def _bounded(call: Callable[[], object], limit: float) -> tuple[float, BaseException | None]:
+    """(seconds, error or None) of ``call`` run on a thread; fail if it runs past ``limit``."""
+    outcome: list[tuple[float, BaseException | None]] = []
+
+    def run() -> None:
+        started = time.monotonic()
+        try:
+            call()
+            outcome.append((time.monotonic() - started, None))
+        except BaseException as err:  # reported by the caller
+            outcome.append((time.monotonic() - started, err))
+
+    thread = threading.Thread(target=run, daemon=True, name="surface-kit")
+    thread.start()
+    thread.join(limit)
+    assert outcome, f"did not return within {limit} s"
+    return outcome[0]
+
+
+def check_operations(surface: Surface, during: str) -> dict[str, float]:
+    """Run every legitimate operation once; each must succeed within OPERATION_SECONDS.
+    Returns their seconds by name."""
+    seconds = {}
+    for name, operation in surface.operations.items():
+        took, error = _bounded(operation, _GIVE_UP_S)
+        assert error is None, (
+            f"{surface.name}: a token holder's {name} failed {during}: "
+            f"{type(error).__name__}: {error}")
+        assert took < OPERATION_SECONDS, (
+            f"{surface.name}: a token holder's {name} took {took:.3f} s {during} "
+            f"(allowed: {OPERATION_SECONDS} s)")
+        seconds[name] = took
+    return seconds
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/status", encoding="ascii") as status:
+        return next(line.split()[1] for line in status if line.startswith("State:"))
+
+
+def assert_alive(surface: Surface) -> None:
+    """The surface's server process still runs."""
+    try:
+        state = _state(surface.pid)
+    except FileNotFoundError:
+        state = "gone"
+    assert state not in ("Z", "X", "gone"), f"{surface.name}: its process died ({state})"
+
+
+class _MemoryWatch:
+    """The highest resident memory of a process, sampled on a thread until ``stop``."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.start = self.peak = process_usage(pid)[0]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True, name="surface-rss")
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while True:
+            try:
+                self.peak = max(self.peak, process_usage(self.pid)[0])
+            except FileNotFoundError:
+                return
+            if self._stop.wait(0.05):
+                return
+
+    def stop(self) -> int:
+        """Stop sampling; the growth over the start, in bytes."""
+        self._stop.set()
+        self._thread.join(5)
+        return self.peak - self.start
+
+
+class HostilePeer:
+    """A ``clusterwire.testing.hostile_peer`` process flooding ``address``."""
+
+    def __init__(self, kind: str, address: str, count: int):
+        self.kind = kind
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "clusterwire.testing.hostile_peer", kind, address,
+             str(count)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            words = self._line(_GIVE_UP_S).split()
+            assert words[:1] == ["READY"], f"the {kind} flood did not start: {words}"
+            #: Connections (or streams) the flood held once it was up.
+            self.held = int(words[1])
+        except BaseException:
+            self.close()
+            raise
+
+    def _line(self, timeout: float) -> str:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        assert ready, f"the {self.kind} flood said nothing within {timeout} s"
+        return self.proc.stdout.readline()
+
+    def stop(self) -> int:
+        """End the flood; the connections it opened in all."""
+        self.proc.stdin.close()
+        words = self._line(_GIVE_UP_S).split()
+        assert words[:1] == ["DONE"], f"the {self.kind} flood ended with {words}"
+        return int(words[1])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+        for stream in (self.proc.stdin, self.proc.stdout):
+            stream.close()
+
+
+# -- malformed fields --------------------------------------------------------------------
+
+_INT_RANGES = {
+    FieldDescriptor.TYPE_INT32: (-(1 << 31), (1 << 31) - 1),
+    FieldDescriptor.TYPE_SINT32: (-(1 << 31), (1 << 31) - 1),
+    FieldDescriptor.TYPE_SFIXED32: (-(1 << 31), (1 << 31) - 1),
+    FieldDescriptor.TYPE_INT64: (-(1 << 63), (1 << 63) - 1),
+    FieldDescriptor.TYPE_SINT64: (-(1 << 63), (1 << 63) - 1),
+    FieldDescriptor.TYPE_SFIXED64: (-(1 << 63), (1 << 63) - 1),
+    FieldDescriptor.TYPE_UINT32: (0, (1 << 32) - 1),
+    FieldDescriptor.TYPE_FIXED32: (0, (1 << 32) - 1),
+    FieldDescriptor.TYPE_UINT64: (0, (1 << 64) - 1),
+    FieldDescriptor.TYPE_FIXED64: (0, (1 << 64) - 1),
+}
+_REPEATED_ITEMS = 1 << 16
+_MAX_DEPTH = 4
+
+
+def _extremes(descriptor: FieldDescriptor) -> list[tuple[str, object]]:
+    """(label, value) of hostile values for one scalar field."""
+    kind = descriptor.type
+    if kind in _INT_RANGES:
+        low, high = _INT_RANGES[kind]
+        values = {-1, low, high} if low else {high, min(high, 1 << 63)}
+        return [(str(v), v) for v in sorted(values)]
+    if kind in (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT):
+        big = 1e308 if kind == FieldDescriptor.TYPE_DOUBLE else 3e38
+        return [(str(v), v) for v in (math.nan, math.inf, -math.inf, -1.0, big)]
+    if kind == FieldDescriptor.TYPE_STRING:
+        return [("1 MiB", "x" * _MiB), ("control characters", "\x1b]0;pwned\x07\x00\x9b")]
+    if kind == FieldDescriptor.TYPE_BYTES:
+        return [("1 MiB", b"\xff" * _MiB)]
+    if kind == FieldDescriptor.TYPE_ENUM:
+        return [("an unknown value", (1 << 31) - 1)]
+    return []  # bool: every value is a valid one
+
+
+def _fields(message: Message, depth: int = 0
+            ) -> Iterator[tuple[tuple[str, ...], FieldDescriptor]]:
+    """(path, descriptor) of every scalar field of ``message``, descending into the
+    submessages it sets (a repeated one's first item) down to _MAX_DEPTH."""
+    for descriptor in message.DESCRIPTOR.fields:
+        if descriptor.message_type is None:
+            yield (descriptor.name,), descriptor
+            continue
+        if depth >= _MAX_DEPTH or descriptor.message_type.GetOptions().map_entry:
+            continue
+        value = getattr(message, descriptor.name)
+        if descriptor.is_repeated:
+            if not len(value):
+                continue
+            value = value[0]
+            prefix = (descriptor.name, 0)
+        elif message.HasField(descriptor.name):
+            prefix = (descriptor.name,)
+        else:
+            continue
+        for path, inner in _fields(value, depth + 1):
+            yield (*prefix, *path), inner
+
+
+def _set(message: Message, path: tuple, value: object, repeated: bool) -> Message:
+    copy = type(message)()
+    copy.CopyFrom(message)
+    holder = copy
+    for step in path[:-1]:
+        holder = holder[step] if isinstance(step, int) else getattr(holder, step)
+    if repeated:
+        getattr(holder, path[-1]).extend([value] * _REPEATED_ITEMS)
+    else:
+        setattr(holder, path[-1], value)
+    return copy
+
+
+def _wire_tag(number: int, wire_type: int) -> bytes:
+    tag, out = number << 3 | wire_type, bytearray()
+    while tag > 0x7F:
+        out.append(tag & 0x7F | 0x80)
+        tag >>= 7
+    return bytes([*out, tag])
+
+
+def malformed_variants(request: Message) -> Iterator[tuple[str, bytes]]:
+    """(what, serialized header) of hostile variants of well-formed ``request``: every scalar
+    field at its extremes (1 MiB and control characters in strings, negative and 2^63 / 2^64-1
+    numbers, NaN and infinities, unknown enum values, 65,536 items in repeated ones), every
+    top-level field with the wrong wire type, and a string that is not UTF-8."""
+    for path, descriptor in _fields(request):
+        where = ".".join(str(step) for step in path)
+        repeated = descriptor.is_repeated
+        for label, value in _extremes(descriptor):
+            if repeated and isinstance(value, str | bytes):
+                label, value = f"{_REPEATED_ITEMS} items", value[:16]
+            try:
+                variant = _set(request, path, value, repeated)
+            except (ValueError, TypeError):  # a value protobuf itself refuses to set
+                continue
+            yield f"{where}={label}", variant.SerializeToString()
+    well_formed = request.SerializeToString()
+    for descriptor in request.DESCRIPTOR.fields:
+        length_delimited = (descriptor.message_type is not None or descriptor.type in (
+            FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES))
+        wrong = (_wire_tag(descriptor.number, 0) + b"\x7f" if length_delimited
+                 else _wire_tag(descriptor.number, 2) + b"\x03abc")
+        yield f"{descriptor.name} as the wrong wire type", well_formed + wrong
+        if descriptor.type == FieldDescriptor.TYPE_STRING:
+            yield (f"{descriptor.name} not UTF-8",
+                   well_formed + _wire_tag(descriptor.number, 2) + b"\x02\xff\xfe")
+
+
+def _answer(channel: Channel, surface: Surface, header: bytes) -> BaseException | None:
+    """The clusterwire error the surface answered ``header`` with (None: OK); a reply that
+    is not a clusterwire reply, or that carries a server traceback, is an AssertionError."""
+    try:
+        reply = channel.call(Frame(header, []), timeout=ANSWER_SECONDS)
+    except errors.OpError as err:
+        return err
+    try:
+        status = surface.response_type.FromString(bytes(reply.header)).status
+    except DecodeError as err:
+        return AssertionError(f"the reply's header is not a {surface.response_type.__name__}:"
+                              f" {err}")
+    if _TRACEBACK in status.message or status.remote_traceback:
+        return AssertionError(f"the reply carries a server traceback: {status.message[:400]}")
+    if status.code == errors.OK:
+        return None
+    return errors.error_from_code(status.code, status.message)
+
+
+def _connect(surface: Surface, token: bytes | None) -> Channel:
+    return get_plugin_manager().transport(surface.protocol).connect(
+        surface.address, Security(token=token))
+
+
+class SurfaceSuite:
+    """Subclass as ``TestXxx`` with a ``surface`` fixture (any scope) yielding a Surface."""
+
+    #: Seconds each flood is held while the legitimate operations run again and again.
+    flood_seconds: float = 1.0
+    #: Checks failing for a known reason: test id (``test_tokenless_flood[health_watch]``)
+    #: to the reason. They run as ``xfail(strict=False)``.
+    known_failures: Mapping[str, str] = {}
+
+    @pytest.fixture
+    def surface(self) -> Surface:
+        raise NotImplementedError("a SurfaceSuite subclass gives a `surface` fixture")
+
+    @pytest.fixture(autouse=True)
+    def _known_failure(self, request) -> None:
+        reason = self.known_failures.get(request.node.name)
+        if reason is not None:
+            request.node.add_marker(pytest.mark.xfail(strict=False, reason=reason))
+
+    @pytest.fixture
+    def _server_log(self, surface) -> Iterator[None]:
+        """Fail the check if the server wrote a traceback meanwhile."""
+        before = len(surface.log()) if surface.log else 0
+        yield
+        if surface.log:
+            written = surface.log()[before:]
+            assert _TRACEBACK not in written, (
+                f"{surface.name} logged a traceback: {written[written.index(_TRACEBACK):][:2000]}")
+
+    # -- floods without the token ------------------------------------------------------
+
+    @pytest.mark.parametrize("kind", FLOODS)
+    @pytest.mark.usefixtures("_server_log")
+    def test_tokenless_flood(self, surface: Surface, kind: str) -> None:
+        """``kind`` of flood (``floods.FLOODS``) of FLOOD_CONNECTIONS connections, held
+        ``flood_seconds``: every legitimate operation succeeds within OPERATION_SECONDS
+        throughout, the server's memory grows by less than ``max_rss_growth_bytes``, and it
+        still serves after."""
+        if kind.startswith("health") and not surface.grpc:
+            pytest.skip(f"{surface.name} does not speak gRPC")
+        count = HEALTH_NAME_STREAMS if kind == "health_names" else FLOOD_CONNECTIONS
+        require_descriptors(count + 4096)  # the hostile peer inherits the limit
+        check_operations(surface, "before the flood")
+        memory = _MemoryWatch(surface.pid)
+        peer = HostilePeer(kind, surface.address, count)
+        try:
+            rounds, slowest = 0, 0.0
+            deadline = time.monotonic() + self.flood_seconds
+            while rounds < 2 or time.monotonic() < deadline:
+                took = check_operations(
+                    surface, f"under a {kind} flood of {peer.held} tokenless connections")
+                slowest = max(slowest, *took.values())
+                rounds += 1
+            assert_alive(surface)
+            connects = peer.stop()
+        finally:
+            growth = memory.stop()
+            peer.close()
+        print(f"{surface.name}, {kind} flood: {peer.held} held, {connects} opened, "
+              f"{rounds} rounds of operations, slowest {slowest:.3f} s, "
+              f"RSS +{growth / _MiB:.1f} MiB")
+        assert growth < surface.max_rss_growth_bytes, (
+            f"{surface.name} grew by {growth / _MiB:.1f} MiB under a {kind} flood "
+            f"(allowed: {surface.max_rss_growth_bytes / _MiB:.0f} MiB)")
+        check_operations(surface, f"after a {kind} flood")
+
+    # -- requests ----------------------------------------------------------------------
+
+    def _requests(self, surface: Surface) -> Sequence[Message]:
+        if not surface.requests:
+            pytest.skip(f"{surface.name} takes no clusterwire requests")
+        return surface.requests
+
+    def test_requests_without_the_token_are_refused(self, surface: Surface) -> None:
+        requests = self._requests(surface)
+        for token in (None, os.urandom(32)):
+            channel = _connect(surface, token)
+            try:
+                for request in requests:
+                    answer = _answer(channel, surface, request.SerializeToString())
+                    assert isinstance(answer, errors.UnauthenticatedError), (
+                        f"{surface.name} answered {request} with "
+                        f"{'no' if token is None else 'a wrong'} token: {answer!r}")
+            finally:
+                channel.close()
+
+    @pytest.mark.usefixtures("_server_log")
+    def test_huge_and_malformed_fields(self, surface: Surface) -> None:
+        """Every ``malformed_variants`` of every request, from a token holder: answered within
+        ANSWER_SECONDS, OK or an error that blames the request (never InternalError,
+        UnknownError, a deadline or a traceback); the server stays up and serves after."""
+        requests = self._requests(surface)
+        failures, sent = [], 0
+        channel = _connect(surface, surface.token)
+        try:
+            for request in requests:
+                for what, header in malformed_variants(request):
+                    sent += 1
+                    answer = _answer(channel, surface, header)
+                    if answer is not None and not isinstance(answer, _REFUSALS):
+                        failures.append(f"{type(request).__name__} with {what}: "
+                                        f"{type(answer).__name__}: {str(answer)[:300]}")
+        finally:
+            channel.close()
+        print(f"{surface.name}: {sent} malformed variants sent")
+        assert not failures, f"{len(failures)} of {sent}:\n" + "\n".join(failures[:20])
+        assert_alive(surface)
+        check_operations(surface, "after malformed requests")
+
+    # -- the operator's terminal -------------------------------------------------------
+
+    @pytest.mark.parametrize("text", HOSTILE_STRINGS, ids=_HOSTILE_IDS)
+    def test_printed_strings_are_terminal_safe(self, surface: Surface, text: str) -> None:
+        """``show`` plants ``text`` and returns what the terminal gets: no raw control
+        character reaches it, and markup is shown as text, not interpreted."""
+        if surface.show is None:
+            pytest.skip(f"{surface.name} prints no string from the network")
+        output: list[str] = []
+        _, error = _bounded(lambda: output.append(surface.show(text)), _GIVE_UP_S)
+        assert error is None, f"{surface.name} failed to show {text[:40]!r}: {error!r}"
+        assert_terminal_safe(output[0])
+        if len(text) < 100:  # it reached the output (escaped or not)
+            words = re.findall(r"[a-z]{3,}", text)
+            assert any(word in output[0] for word in words), (
+                f"{text!r} did not reach the output:\n{output[0][:2000]}")
+        if text.isprintable() and len(text) < 100:
+            assert text in output[0], f"{text!r} is not shown as it is:\n{output[0][:2000]}"

@@ -1,0 +1,253 @@
+"""The surface kit (``clusterwire.testing.SurfaceSuite``) run against every server surface:
+a task server over grpc, its metrics endpoint, a data-service dispatcher and worker, each
+in its own process with the cluster token set."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import itertools
+import json
+import os
+import urllib.request
+from unittest import mock
+
+import numpy as np
+import pytest
+from conftest import free_ports
+from cw_data_procs import ServerProcess
+
+import clusterwire
+from clusterwire import cli, data, errors
+from clusterwire.data.rpc import DispatcherClient
+from clusterwire.plugins import get_plugin_manager
+from clusterwire.protos import data_service_pb2 as pb
+from clusterwire.protos.service_pb2 import Request, Response, TaskRef, TaskStatus, Value
+from clusterwire.security import Security
+from clusterwire.testing import Surface, SurfaceSuite
+from clusterwire.transport import Frame, ListenOptions
+
+pytestmark = pytest.mark.timeout(120)
+
+TOKEN = b"surface-kit-token-0123456789abcdef"
+ENV = {"CLUSTERWIRE_AUTH_TOKEN": TOKEN.decode()}
+_made = itertools.count()  # every operation makes something new
+
+
+@pytest.fixture(scope="module")
+def client_config(tmp_path_factory) -> dict[str, str]:
+    path = tmp_path_factory.mktemp("token") / "token"
+    path.write_bytes(TOKEN)
+    return {"auth_token_file": str(path)}
+
+
+@pytest.fixture(scope="module")
+def task_process():
+    """One task with a metrics endpoint (and ``clusterwire.testing.load.echo``), token set."""
+    [metrics_port] = free_ports(1)
+    process = ServerProcess(
+        "serve", "--cluster", json.dumps({"w": ["127.0.0.1:0"]}), "--job-name", "w",
+        "--task-index", "0", "--import", "clusterwire.testing.load",
+        "--config", json.dumps({"metrics_port": metrics_port}), env=ENV)
+    process.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    yield process
+    process.close()
+
+
+def _small_get(target: str, config: dict[str, str]) -> None:
+    key = f"k{next(_made)}"
+    with clusterwire.Session(target, config=config, timeout=10) as session:
+        session.put(key, np.array([next(_made)], np.int64))
+        assert session.get(key).nbytes == 8
+        session.delete(key)
+
+
+def _printed(*commands: list[str]) -> str:
+    """What ``clusterwire COMMAND...`` prints for each command (stdout and stderr; a pipe's
+    rendering, without styles), with the cluster token in the environment."""
+    out = io.StringIO()
+    with mock.patch.dict(os.environ, ENV), contextlib.redirect_stdout(out), \
+            contextlib.redirect_stderr(out):
+        for command in commands:
+            cli.main(command)
+    return out.getvalue()
+
+
+def _task_show(text: str) -> str:
+    """``top --once`` and ``status --all`` pointed at a hostile server: it answers as task 0
+    of a cluster whose task 1 is at ``text``:1, unreachable with the error ``text``."""
+    listener = get_plugin_manager().transport("grpc").listen(
+        "127.0.0.1:0", lambda frame: Frame(reply.SerializeToString(), []), ListenOptions())
+    reply = Response(task_status=TaskStatus(task=TaskRef(job="w", index=0), protocol="grpc",
+                                            version=text))
+    job = reply.task_status.cluster.job.add(name="w")
+    job.tasks[0], job.tasks[1] = listener.address, f"{text}:1"
+    reply.task_status.unreachable_peers.add(task=TaskRef(job="w", index=1),
+                                            address=f"{text}:1", error=text)
+    listener.start()
+    try:
+        target = f"grpc://{listener.address}"
+        return _printed(["top", target, "--once", "--interval", "0.05", "--timeout", "0.2"],
+                        ["status", target, "--all", "--timeout", "0.2"])
+    finally:
+        listener.stop(0)
+
+
+_STATUS = Request(method="status")
+_PUT = Request(method="put", name="surface", value=Value(int_value=7))
+_CALL = Request(method="call", name="clusterwire.testing.load.echo",
+                value=Value(list_value={"items": [Value(int_value=1)]}))
+_TASK_REQUESTS = (
+    _STATUS, _PUT, Request(method="get", name="surface"), Request(method="list"),
+    Request(method="delete", name="surface"), _CALL,
+    Request(method="get", name="surface", task=TaskRef(job="w", index=0), has_task=True,
+            hops=1),
+)
+
+
+class TestTaskServer(SurfaceSuite):
+    known_failures = {
+        **{f"test_tokenless_flood[{kind}]": "issue 29: gRPC's port counts pending and "
+           "authenticated connections in one quota, being fixed"
+           for kind in ("silent", "reconnecting", "h2_preface", "health_watch")},
+        "test_tokenless_flood[health_names]":
+            "issue 29: health Watch on huge invented names, being fixed",
+    }
+
+    @pytest.fixture(scope="class")
+    def surface(self, task_process, client_config) -> Surface:
+        return Surface(
+            "task server", task_process.address, task_process.process.pid,
+            {"8-byte put and get": lambda: _small_get(task_process.target, client_config)},
+            TOKEN, requests=_TASK_REQUESTS, response_type=Response, show=_task_show,
+            log=task_process.stderr)
+
+
+def _scrape(url: str) -> None:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {TOKEN.decode()}"})
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        assert b"clusterwire_serving" in answer.read()
+
+
+class TestMetricsEndpoint(SurfaceSuite):
+    @pytest.fixture(scope="class")
+    def surface(self, task_process) -> Surface:
+        url = task_process.metrics_url
+        return Surface(
+            "metrics endpoint", url.split("/")[2], task_process.process.pid,
+            {"scrape": lambda: _scrape(url)}, TOKEN, grpc=False, log=task_process.stderr)
+
+
+@pytest.fixture(scope="module")
+def data_service(client_config):
+    """A dispatcher and a worker process, token set, and a dataset registered."""
+    dispatcher = ServerProcess("dispatcher", env=ENV)
+    try:
+        worker = ServerProcess("worker", "--dispatcher-address", dispatcher.address, env=ENV)
+    except BaseException:
+        dispatcher.close()
+        raise
+    try:
+        dataset_id = data.register_dataset(dispatcher.target, data.Dataset.range(10),
+                                           config=client_config)
+        yield dispatcher, worker, dataset_id
+    finally:
+        worker.close()
+        dispatcher.close()
+
+
+def _data_operations(target: str, config: dict[str, str]) -> dict:
+    def new_dataset() -> None:
+        data.register_dataset(target, data.Dataset.range(100 + next(_made)), config=config)
+
+    def new_job_and_read() -> None:
+        read = data.Dataset.range(4).apply(data.distribute(
+            "parallel_epochs", target, job_name=f"surface{next(_made)}", config=config))
+        assert sorted(int(x) for x in read) == [0, 1, 2, 3]
+
+    return {"new dataset": new_dataset, "new job and read": new_job_and_read}
+
+
+def _dispatcher_requests(dataset_id: str) -> tuple:
+    definition, _ = data.graph.to_def(data.Dataset.range(3).pipeline)
+    return tuple(pb.DataRequest(**kind) for kind in (
+        {"register_dataset": pb.RegisterDatasetRequest(dataset=definition)},
+        {"get_dataset": pb.GetDatasetRequest(dataset_id=dataset_id)},
+        {"get_or_create_job": pb.GetOrCreateJobRequest(
+            dataset_id=dataset_id, sharding_policy=data.ShardingPolicy.DYNAMIC,
+            job_key="hostile/0", named=True, consumer_id="c")},
+        {"client_heartbeat": pb.ClientHeartbeatRequest(job_id=1, consumer_id="c")},
+        {"get_split": pb.GetSplitRequest(job_id=1, consumer_id="c", held=[1], done=[2])},
+    ))
+
+
+def _dispatcher_show(text: str, config: dict[str, str]) -> str:
+    """``top --dispatcher --once`` of a dispatcher with a job named ``text`` (or what a
+    client prints if the dispatcher refuses the name)."""
+    refused = ""
+    with data.DispatchServer(data.DispatcherConfig(bind_address="127.0.0.1", **config)
+                             ) as dispatcher:
+        address = dispatcher.target.split("://")[1]
+        dataset_id = data.register_dataset(dispatcher.target, data.Dataset.range(3),
+                                           config=config)
+        client = DispatcherClient("grpc", address, 10.0, Security(token=TOKEN))
+        try:
+            client.call(pb.DataRequest(get_or_create_job=pb.GetOrCreateJobRequest(
+                dataset_id=dataset_id, sharding_policy=data.ShardingPolicy.OFF,
+                job_key=f"{text}/0", named=True)))
+        except errors.OpError as err:
+            refused = f"{type(err).__name__}: {err}\n"
+        finally:
+            client.close()
+        return refused + _printed(["top", "--dispatcher", address, "--once", "--interval",
+                                   "0.05", "--timeout", "2"])
+
+
+class TestDispatcher(SurfaceSuite):
+    known_failures = {
+        "test_huge_and_malformed_fields": "issue 29 (found by this kit): an unknown "
+        "sharding_policy in get_or_create_job is an InternalError with a traceback",
+        "test_tokenless_flood[health_names]":
+            "issue 29: health Watch on huge invented names, being fixed",
+    }
+
+    @pytest.fixture(scope="class")
+    def surface(self, data_service, client_config) -> Surface:
+        dispatcher, _, dataset_id = data_service
+
+        return Surface(
+            "dispatcher", dispatcher.address, dispatcher.process.pid,
+            _data_operations(dispatcher.target, client_config), TOKEN,
+            requests=_dispatcher_requests(dataset_id), response_type=pb.DataResponse,
+            show=lambda text: _dispatcher_show(text, client_config), log=dispatcher.stderr)
+
+
+class TestWorker(SurfaceSuite):
+    known_failures = {
+        "test_tokenless_flood[health_names]":
+            "issue 29: health Watch on huge invented names, being fixed",
+    }
+
+    @pytest.fixture(scope="class")
+    def surface(self, data_service, client_config) -> Surface:
+        dispatcher, worker, dataset_id = data_service
+        client = DispatcherClient("grpc", dispatcher.address, 10.0, Security(token=TOKEN))
+        try:
+            job, _ = client.call(pb.DataRequest(get_or_create_job=pb.GetOrCreateJobRequest(
+                dataset_id=dataset_id, sharding_policy=data.ShardingPolicy.DYNAMIC,
+                job_key="worker-surface/0", named=True)))
+            split, _ = client.call(pb.DataRequest(get_split=pb.GetSplitRequest(
+                job_id=job.job.job_id, consumer_id="alice")))
+        finally:
+            client.close()
+        granted = split.get_split.split
+        spec = pb.StreamSpec(job_id=job.job.job_id, dataset_id=dataset_id, is_split=True,
+                             split_id=granted.split_id, unit_start=granted.unit_start,
+                             unit_end=granted.unit_end, grant=granted.grant, attempt=1)
+        read = pb.DataRequest(get_elements=pb.GetElementsRequest(
+            stream=spec, consumer_id="alice", request_seq=1, max_elements=2,
+            wait_seconds=0.1))
+        return Surface(
+            "worker", worker.address, worker.process.pid,
+            _data_operations(dispatcher.target, client_config), TOKEN,
+            requests=(read,), response_type=pb.DataResponse, log=worker.stderr)
