@@ -2,7 +2,8 @@
 
 A task runs in a process of its own (``clusterwire serve``) and slow uploads come from
 another (``cw_upload_flood.py``): the token holder's own puts and gets must go on within 1 s,
-and a trickled upload must hold only the bytes it sent, until the rate rule drops it. Every
+and a trickled upload must hold only the bytes it sent, until the rate rule drops it. The
+last tests check the open-upload rules and ``WorkSlots.try_acquire`` without a server. Every
 wait polls a condition with a deadline; every process is ended at the end.
 """
 
@@ -23,8 +24,10 @@ import pytest
 from conftest import TESTS_DIR, wait_for
 from cw_data_procs import ServerProcess
 
-from clusterwire import Session
+from clusterwire import Session, errors
+from clusterwire.thread_pool import WorkSlots
 from clusterwire.transport import MIN_UPLOAD_BYTES_PER_SECOND
+from clusterwire.transports.grpc.uploads import Uploads
 
 TOKEN = "f" * 32
 _MiB = 1 << 20
@@ -207,3 +210,44 @@ def test_a_trickled_upload_holds_what_it_sent_until_the_rate_rule_drops_it(tmp_p
         assert window * 0.5 <= took < window * 3 + 5, took
         print(f"\na 4 GiB put in {buffers} buffer(s) trickling 2 B/s: the server grew by "
               f"{held_mib:.1f} MiB at most; dropped after {took:.1f} s: {ended[0]}")
+
+
+def test_at_the_open_bound_a_new_upload_drops_one_of_the_connection_holding_the_most():
+    """The rules of ``transports/grpc/uploads.py`` without a server: the fair share first,
+    then pace; with neither, the new upload is refused (None)."""
+    uploads = Uploads(limit=4, idle=10.0, slots=WorkSlots(2))
+    held = [uploads.open(iter(()), "ipv4:10.0.0.1:1") for _ in range(3)]
+    other = uploads.open(iter(()), "ipv4:10.0.0.2:1")
+    assert None not in held and other is not None
+    # 3 held by one connection, 0 by the new one's: the busiest gives one up.
+    newcomer = uploads.open(iter(()), "ipv4:10.0.0.3:1")
+    assert newcomer is not None
+    dropped = [u for u in held if u._arrived.qsize()]
+    assert len(dropped) == 1
+    with pytest.raises(errors.DeadlineExceededError, match="max_concurrent_calls"):
+        next(dropped[0].messages())
+    # 2, 1 and 1 now: no connection holds more than its share, every upload is young.
+    assert uploads.open(iter(()), "ipv4:10.0.0.2:1") is None
+    # One open past the grace, slower than the minimum pace since it began: it goes.
+    slow = next(u for u in held if u is not dropped[0])
+    slow.started -= 60
+    slow.received = MIN_UPLOAD_BYTES_PER_SECOND
+    assert uploads.open(iter(()), "ipv4:10.0.0.2:1") is not None
+    assert slow._arrived.qsize() == 1
+    for upload in (*held, other, newcomer):
+        uploads.close(upload)
+    assert uploads.open(iter(()), "ipv4:10.0.0.4:1") is not None  # room again
+
+
+def test_work_slots_try_acquire_never_waits():
+    slots = WorkSlots(2)
+    assert slots.try_acquire() and slots.try_acquire()
+    assert not slots.try_acquire()
+    slots.park()  # a parked holder frees its slot for another
+    assert slots.try_acquire()
+    slots.unpark()  # back to work at once, over the limit for a moment
+    assert slots.working == 3 and not slots.try_acquire()
+    slots.close()
+    for _ in range(3):
+        slots.release()
+    assert not slots.try_acquire()  # closed
