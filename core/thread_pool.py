@@ -182,7 +182,9 @@ class WorkSlots:
 
     For a transport whose connections have a thread each (grpc+local's Unix call
     connections): such a thread calls ``serve_parking(slots)`` once, then holds a slot
-    (``acquire``/``release``) around each request it serves. A handler's ``parked()`` wait
+    (``acquire``/``release``) around each request it serves. The grpc transport's streamed
+    requests take one without waiting (``try_acquire``) and park it while their bytes are
+    on their way. A handler's ``parked()`` wait
     gives the slot back, so waits never starve the work that would end them; after the
     wait the thread counts again at once, as an ``ElasticPool`` worker does (briefly more
     than ``limit`` may work, rather than a finished wait queueing behind new work).
