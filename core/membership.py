@@ -140,6 +140,16 @@ class PeerLink:
     forget: Callable[[str], None]
 
 
+@dataclass
+class _Lane:
+    """Received views waiting for their probes: the newest, its thread, its probers."""
+
+    solicited: bool
+    pending: View | None = None
+    verifier: threading.Thread | None = None
+    prober: ThreadPoolExecutor | None = None
+
+
 def _completes(old: str | None, new: str) -> bool:
     """Whether ``new`` is the bound port of ``old``, an address with port 0."""
     if old is None:
@@ -181,9 +191,10 @@ class Membership:
         self._retry_at: dict[Task, float] = {}  # backed-off peer -> next heartbeat (monotonic)
         self._warned: dict[Task, str] = {}  # peer -> the refusal last logged
         self._refused: dict[tuple[Task, str], float] = {}  # did not answer as its task, when
-        self._pending: View | None = None  # a received view waiting for its probes
-        self._verifier: threading.Thread | None = None
-        self._prober: ThreadPoolExecutor | None = None  # one for every change: bounded
+        # Received views waiting for their probes: answers to this task's heartbeats (from
+        # addresses it chose) in one lane, whatever anyone sent in the other, so views
+        # others send cannot hold up the task's peers' changes.
+        self._lanes = {solicited: _Lane(solicited) for solicited in (True, False)}
         self._wake = threading.Event()
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
@@ -221,7 +232,7 @@ class Membership:
                 return current
         view = View.of(current.version + 1, cluster)
         self._check(view, current, solicited=False, allow_changes=True)
-        self._confirm(self._unconfirmed(view))
+        self._confirm(self._unconfirmed(view), self._lanes[False])
         return self._adopt(view)
 
     def receive(self, view: View, sender: Task | None, solicited: bool = False) -> View:
@@ -247,7 +258,7 @@ class Membership:
             return current
         self._check(view, current, solicited, self.allow_changes)
         if self._unconfirmed(view):
-            self._verify_later(view)
+            self._verify_later(view, self._lanes[solicited])
             return self._view
         return self._adopt_received(view)
 
@@ -288,8 +299,9 @@ class Membership:
                 if task != self.me and own.get(task) != address
                 and not _completes(own.get(task), address)]
 
-    def _confirm(self, pairs: list[tuple[Task, str]]) -> None:
-        """Probe that every address answers as its task; raise the first failure."""
+    def _confirm(self, pairs: list[tuple[Task, str]], lane: _Lane) -> None:
+        """Probe that every address answers as its task (with ``lane``'s probers); raise
+        the first failure."""
         if not pairs:
             return
         if self._link is None:
@@ -305,11 +317,14 @@ class Membership:
         with self._lock:
             if self._stopped.is_set():
                 raise errors.CancelledError("This task is stopping: it probes no peer.")
-            if self._prober is None:
-                self._prober = ThreadPoolExecutor(
+            if lane.prober is None:
+                lane.prober = ThreadPoolExecutor(
                     _PROBES, thread_name_prefix="clusterwire-membership-probe")
-            prober = self._prober
-        probes = [prober.submit(self._probe, task, address) for task, address in pairs]
+            prober = lane.prober
+        try:
+            probes = [prober.submit(self._probe, task, address) for task, address in pairs]
+        except RuntimeError:  # shut down by stop()
+            raise errors.CancelledError("This task is stopping: it probes no peer.") from None
         try:
             wait_futures(probes, return_when=FIRST_EXCEPTION)
             for probe in probes:
@@ -332,31 +347,33 @@ class Membership:
                 f"/job:{task[0]}/task:{task[1]} does not answer at {address}: {err.message}; "
                 "a task joins or moves only once it serves there.") from None
 
-    def _verify_later(self, view: View) -> None:
-        """Probe ``view``'s joined and moved tasks in the background (one view at a time,
-        the newest waiting), then adopt it."""
+    def _verify_later(self, view: View, lane: _Lane) -> None:
+        """Probe ``view``'s joined and moved tasks in the background (one view of a lane
+        at a time, the newest waiting), then adopt it."""
         with self._lock:
-            if self._pending is not None and not view.newer_than(self._pending):
+            if lane.pending is not None and not view.newer_than(lane.pending):
                 return
-            self._pending = view
-            if self._verifier is None:
-                self._verifier = threading.Thread(target=self._verify, daemon=True,
-                                                  name="clusterwire-membership-verify")
-                self._verifier.start()
+            lane.pending = view
+            if lane.verifier is None:
+                lane.verifier = threading.Thread(target=self._verify, args=(lane,),
+                                                 daemon=True,
+                                                 name="clusterwire-membership-verify")
+                lane.verifier.start()
 
-    def _verify(self) -> None:
+    def _verify(self, lane: _Lane) -> None:
         while True:
             with self._lock:
-                view, self._pending = self._pending, None
+                view, lane.pending = lane.pending, None
                 if view is None or self._stopped.is_set():
-                    self._verifier = None
+                    lane.verifier = None
                     return
             try:
-                self._confirm(self._unconfirmed(view))
+                self._confirm(self._unconfirmed(view), lane)
                 self._adopt_received(view)
-            except errors.OpError as err:
-                _LOG.warning("clusterwire: /job:%s/task:%d: membership version %d not adopted: "
-                             "%s", *self.me, view.version, err.message)
+            except errors.OpError as err:  # said once a peer's own answer fails
+                _LOG.log(logging.WARNING if lane.solicited else logging.DEBUG,
+                         "clusterwire: /job:%s/task:%d: membership version %d not adopted: "
+                         "%s", *self.me, view.version, err.message)
 
     def _adopt_received(self, view: View) -> View:
         own = self._view.tasks().get(self.me)
@@ -408,9 +425,10 @@ class Membership:
         self._stopped.set()
         self._wake.set()
         with self._lock:
-            prober, self._prober = self._prober, None
-        if prober is not None:
-            prober.shutdown(wait=False, cancel_futures=True)
+            probers = [lane.prober for lane in self._lanes.values()]
+        for prober in probers:
+            if prober is not None:
+                prober.shutdown(wait=False, cancel_futures=True)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(5)
 

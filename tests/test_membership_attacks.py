@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +24,7 @@ from clusterwire.membership import (
     FAILS_BEFORE_BACKOFF,
     MAX_TASKS_CHANGED,
     MAX_VERSION_STEP,
+    PROBE_SECONDS,
     Membership,
     PeerLink,
     View,
@@ -351,3 +353,33 @@ def test_a_task_restarted_far_behind_catches_up_from_its_peers():
                        "caught-up")
         finally:
             again.stop()
+
+
+def test_views_that_hang_their_probes_do_not_hold_up_a_real_change():
+    """Raw heartbeats moving a task to a listener that never answers (each probe hangs for
+    its whole deadline) keep one verification lane busy; a real join spreading from a peer
+    is still adopted at once, through the answers to the task's own heartbeats."""
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(64)  # the kernel completes connections; nothing ever answers on them
+    try:
+        with heartbeating(2, {"allow_membership_changes": True}) as (w0, w1):
+            hanging = {"w": [address_of(w0), f"127.0.0.1:{hole.getsockname()[1]}"]}
+            for bump in range(2, 6):
+                raw(address_of(w0), heartbeat(bump, hanging, ("w", 1)))
+            newcomer = clusterwire.Server(
+                {"w": [address_of(w0), address_of(w1), "127.0.0.1:0"]}, job_name="w",
+                task_index=2, config={**HEARTBEAT, "allow_membership_changes": True})
+            try:
+                started = time.monotonic()
+                w1.update_cluster({"w": [address_of(w0), address_of(w1),
+                                         address_of(newcomer)]})
+                wait_for(lambda: w0.cluster_spec.task_indices("w") == [0, 1, 2], 20,
+                         "task 0 adopting the join")
+                adopted_in = time.monotonic() - started
+                assert adopted_in < PROBE_SECONDS / 2, adopted_in
+                assert w0.cluster_spec.task_address("w", 1) == address_of(w1)
+            finally:
+                newcomer.stop()
+    finally:
+        hole.close()
