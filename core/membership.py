@@ -70,8 +70,9 @@ REFUSED_SECONDS = 5.0
 #: Errors with which a peer refuses a view: it is alive.
 _REFUSALS = (errors.InvalidArgumentError, errors.PermissionDeniedError,
              errors.ResourceExhaustedError, errors.FailedPreconditionError)
-_CHANGES_FIX = ("start every task with allow_membership_changes (server config) or "
-                "`clusterwire serve --allow-membership-changes`")
+#: How an operator enables membership changes (what a refusal says).
+CHANGES_FIX = ("start every task with allow_membership_changes (server config) or "
+               "`clusterwire serve --allow-membership-changes`")
 
 
 def digest(cluster: ClusterSpec) -> bytes:
@@ -290,7 +291,7 @@ class Membership:
             names = ", ".join(f"/job:{j}/task:{i}" for j, i in sorted(joined + left)[:4])
             raise errors.PermissionDeniedError(
                 f"A membership change that joins or removes tasks ({names}) is refused: this "
-                f"task takes such changes only with allow_membership_changes; {_CHANGES_FIX}.")
+                f"task takes such changes only with allow_membership_changes; {CHANGES_FIX}.")
 
     def _unconfirmed(self, view: View) -> list[tuple[Task, str]]:
         """The tasks ``view`` joins or moves (but this task, and ports being bound)."""

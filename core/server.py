@@ -37,7 +37,9 @@ class Server:
     max_store_bytes, handshake_timeout_seconds, message_idle_timeout_seconds,
     max_pending_connections, small_call_reserve, send_tracebacks, transport_options,
     metrics_port and metrics_host (an HTTP endpoint of the process's metrics, protected by
-    the server's security: see clusterwire.metrics), and the security options tls_cert_file,
+    the server's security: see clusterwire.metrics), membership_heartbeat_seconds,
+    membership_timeout_seconds and allow_membership_changes (see clusterwire.membership),
+    and the security options tls_cert_file,
     tls_key_file, tls_ca_file, tls_client_auth, auth_token_file: see clusterwire.security).
 
     Unlike TF's: port 0 binds a free port that ``target`` and ``server_def``

@@ -25,7 +25,14 @@ from clusterwire import barrier, codec, errors, functions, in_process
 from clusterwire.addressing import split_host_port
 from clusterwire.barrier import Arrival, Releases, Rounds
 from clusterwire.cluster_spec import ClusterSpec, with_address
-from clusterwire.membership import Membership, PeerLink, View, check_identity, identity_proof
+from clusterwire.membership import (
+    CHANGES_FIX,
+    Membership,
+    PeerLink,
+    View,
+    check_identity,
+    identity_proof,
+)
 from clusterwire.metrics import REGISTRY, catalog, snapshot
 from clusterwire.metrics.registry import Sample
 from clusterwire.protos.service_pb2 import (
@@ -349,8 +356,7 @@ class ClusterService:
             if not self.membership.allow_changes:
                 raise errors.PermissionDeniedError(
                     f"update_cluster: {self.name} takes membership changes from clients only "
-                    "when its operator enables them: allow_membership_changes in its server "
-                    "config, or `clusterwire serve --allow-membership-changes`.")
+                    f"when its operator enables them: {CHANGES_FIX}.")
             return value_response(self.update_cluster(ClusterSpec(request.cluster)))
         if method == "status":
             return Frame(Response(task_status=self.status()).SerializeToString(), [])
