@@ -282,6 +282,28 @@ def test_round_robin_consumers_resume_at_every_checkpoint_whatever_another_clien
         assert seen[c] == [((r // 2) * 2 + c) % 1000 for r in range(17)]
 
 
+def test_round_robin_consumers_resume_twice_from_one_checkpoint(processes):
+    """Restarted from the same checkpoint twice (the trainer died again before its next
+    one): each wave of resumes reads a job of its own, so the second gets rounds 5-12 as the
+    first did (it joined the first's job, whose positions were read already, before)."""
+    dispatcher, _ = start_service(processes)
+    dataset_id = data.register_dataset(dispatcher.target, data.Dataset.range(1000).repeat())
+    consumers = [round_robin(dispatcher.target, dataset_id, c) for c in range(2)]
+    before = [take(consumer, 5) for consumer in consumers]
+    states = [consumer.state_dict() for consumer in consumers]
+    for consumer in consumers:
+        consumer.close()
+    waves = []
+    for _ in range(2):
+        resumed = [round_robin(dispatcher.target, dataset_id, c, states[c]) for c in range(2)]
+        waves.append([take(consumer, 8) for consumer in resumed])
+        for consumer in resumed:
+            consumer.close()
+    for c in range(2):
+        expected = [((r // 2) * 2 + c) % 1000 for r in range(13)]
+        assert before[c] + waves[0][c] == before[c] + waves[1][c] == expected
+
+
 # ---- worker memory under streams a client keeps -----------------------------------------------
 
 def test_streams_nobody_reads_hold_at_most_their_buffers(processes):

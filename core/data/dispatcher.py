@@ -377,7 +377,7 @@ class DispatchServer:
         with self._cond:
             record = self._dataset(request.dataset_id)
             if request.resume_group:
-                self._check_resume_round(request)
+                request.job_key = self._resume_wave_key(request)
             job_id = self._state.job_keys.get(request.job_key)
             if job_id is None and request.resume:
                 raise errors.NotFoundError(
@@ -498,18 +498,19 @@ class DispatchServer:
             start, end = job.split_range(split_id)
             check_offset(split_id, offset, split_limit(pipe.source, ops, end - start))
 
-    def _check_resume_round(self, request) -> None:
-        """Round-robin consumers of one job resume from the same round (else their rounds
-        would be read in different jobs, each waiting for the others' positions). A resume
-        wave at a round ends when every consumer resumed or after the client timeout; the
-        next one may be at any round (consumers checkpoint and resume again)."""
+    def _resume_wave_key(self, request) -> str:
+        """The job key of a round-robin resume: its wave's. Round-robin consumers of one job
+        resume from the same round (else their rounds would be read in different jobs, each
+        waiting for the others' positions). A wave ends when every consumer resumed or after
+        the client timeout; the next one, at any round, reads a new job (consumers resume
+        again, from a later checkpoint or the same one)."""
         group, round_ = request.resume_group, request.resume_round
         now = time.monotonic()
         wave = self._resumed_rounds.get(group)
-        if wave is None or (wave.round != round_ and (
-                len(wave.consumers) >= request.num_consumers
-                or now - wave.started > self._client_timeout)):
-            wave = self._resumed_rounds[group] = _ResumeWave(round_, now)
+        retried = wave is not None and request.consumer_id in wave.consumers
+        if wave is None or not retried and (len(wave.consumers) >= request.num_consumers
+                                            or now - wave.started > self._client_timeout):
+            wave = self._resumed_rounds[group] = _ResumeWave(round_, now, time.time_ns())
         if wave.round != round_:
             raise errors.FailedPreconditionError(
                 f"A consumer of round-robin job {group!r} resumes from round {round_}, another "
@@ -518,6 +519,7 @@ class DispatchServer:
         wave.consumers.add(request.consumer_id)
         while len(self._resumed_rounds) > MAX_JOBS:
             del self._resumed_rounds[next(iter(self._resumed_rounds))]
+        return f"{request.job_key}-{wave.serial}"  # after the last '/': not shown in status
 
     def _keep_resumable(self, job: Job, consumer: str) -> None:
         """``consumer`` saved its position: from now on its splits stay its own while it is
@@ -721,6 +723,7 @@ class _ResumeWave:
 
     round: int
     started: float
+    serial: int  # in its job's key: unique across dispatcher restarts
     consumers: set[str] = field(default_factory=set)
 
 
