@@ -25,6 +25,7 @@ import os
 import socket
 import threading
 import time
+import urllib.parse
 import weakref
 
 from clusterwire.pending import PendingConnections
@@ -102,11 +103,12 @@ def peer_key(address: tuple) -> tuple[str, int]:
 
 
 def context_peer(peer: str) -> tuple[str, int] | None:
-    """(IP address, port) of gRPC's peer string ("ipv4:10.0.0.1:5000", "ipv6:[::1]:5000")."""
+    """(IP address, port) of gRPC's peer string: a URI ("ipv4:10.0.0.1:5000",
+    "ipv6:%5B::1%5D:5000")."""
     scheme, _, rest = peer.partition(":")
     if scheme not in ("ipv4", "ipv6"):
         return None
-    host, _, port = rest.rpartition(":")
+    host, _, port = urllib.parse.unquote(rest).rpartition(":")
     return peer_key((host.strip("[]"), int(port)))
 
 

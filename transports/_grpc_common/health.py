@@ -86,7 +86,9 @@ class HealthService:
         serialize = health_pb2.HealthCheckResponse.SerializeToString
 
         def check(requests: Iterator[bytes], context: grpc.ServicerContext):
-            return health_pb2.HealthCheckResponse(status=self._asked(requests, context)[1])
+            status = self._asked(requests, context)[1]
+            self._authenticated(context)  # tells the door either way
+            return health_pb2.HealthCheckResponse(status=status)
 
         def watch(requests: Iterator[bytes], context: grpc.ServicerContext, send: _Send):
             self._watch(requests, context, send)
@@ -190,6 +192,7 @@ class HealthService:
                  "Present the token to watch for longer.")
 
     def _authenticated(self, context: grpc.ServicerContext) -> bool:
+        """Whether the call shows the token (its connection's door is told)."""
         presented = next((v for k, v in context.invocation_metadata() if k == TOKEN_METADATA),
                          None)
         try:

@@ -1,0 +1,91 @@
+"""The gRPC port's door (clusterwire.transports._grpc_common.door): which connection it
+holds as pending, and which it closes first. Listeners in this process on loopback."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from conftest import wait_for
+
+from clusterwire.security import Security
+from clusterwire.testing.peer import echo_handler
+from clusterwire.transport import Frame, ListenOptions
+from clusterwire.transports._grpc_common.door import context_peer
+from clusterwire.transports.grpc.transport import GrpcTransport
+
+pytestmark = pytest.mark.timeout(60)
+TOKEN = b"t" * 32
+
+
+@contextlib.contextmanager
+def listening(host: str = "127.0.0.1", **limits) -> Iterator:
+    listener = GrpcTransport().listen(f"{host}:0", echo_handler,
+                                      ListenOptions(security=Security(token=TOKEN), **limits))
+    listener.start()
+    try:
+        yield listener, listener._control._door
+    finally:
+        listener.stop(0)
+
+
+def open_to(listener) -> socket.socket:
+    host, port = listener.address.rsplit(":", 1)
+    return socket.create_connection((host.strip("[]"), int(port)), timeout=5)
+
+
+def still_open(sock: socket.socket) -> bool:
+    """True unless the server closed ``sock`` (what it sent, its SETTINGS, is read)."""
+    sock.setblocking(False)
+    try:
+        while sock.recv(65536):
+            pass
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def test_grpc_peer_strings_name_the_socket_address():
+    assert context_peer("ipv4:10.0.0.1:5000") == ("10.0.0.1", 5000)
+    assert context_peer("ipv6:%5B::1%5D:5000") == ("::1", 5000)
+    assert context_peer("unix:/tmp/x") is None
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "[::1]"])
+def test_a_token_holders_connection_stops_being_pending_at_its_first_call(host):
+    if host == "[::1]" and not socket.has_ipv6:
+        pytest.skip("no IPv6")
+    with listening(host) as (listener, door):
+        channel = GrpcTransport().connect(listener.address, Security(token=TOKEN))
+        try:
+            reply = channel.call(Frame(b"x", [b"8 bytes!"]), timeout=10)
+            assert bytes(reply.buffers[0]) == b"8 bytes!"
+            assert not door.pending
+        finally:
+            channel.close()
+
+
+def test_a_connection_that_called_without_the_token_is_closed_first():
+    with listening(max_pending_connections=2, handshake_timeout_seconds=60) as (listener, door):
+        silent = open_to(listener)
+        try:
+            with grpc.insecure_channel(listener.address) as tokenless:
+                with pytest.raises(grpc.RpcError) as refused:
+                    tokenless.unary_unary("/clusterwire.Transport/Call")(b"", timeout=10)
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                wait_for(lambda: len(door.pending) == 2, what="two pending connections")
+                newest = open_to(listener)  # over the limit: the tokenless caller leaves
+                try:
+                    wait_for(lambda: set(door.pending) == {
+                        context_peer(f"ipv4:127.0.0.1:{s.getsockname()[1]}")
+                        for s in (silent, newest)}, what="the tokenless caller closed")
+                    assert still_open(silent)  # older, but it may be a token holder's
+                finally:
+                    newest.close()
+        finally:
+            silent.close()
