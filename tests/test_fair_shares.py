@@ -251,3 +251,55 @@ def test_work_slots_try_acquire_never_waits():
     for _ in range(3):
         slots.release()
     assert not slots.try_acquire()  # closed
+
+
+@pytest.mark.timeout(60)
+def test_grpc_local_calls_waiting_for_segments_under_tls_hold_no_thread(tmp_path):
+    """Under TLS, grpc+local calls run on the gRPC port and wait there for their client's
+    segment connection and segments: those waits are parked. 8 calls declaring a segment for
+    a client that never connects, against 2 max_workers: a token holder's call answers at
+    once, and they end with RESOURCE_EXHAUSTED after the hello wait."""
+    pytest.importorskip("cryptography")
+    from clusterwire.plugins import get_plugin_manager
+    from clusterwire.security import Security, TlsConfig
+    from clusterwire.testing.certs import Authority
+    from clusterwire.testing.peer import echo_handler
+    from clusterwire.transport import Frame, ListenOptions
+    from clusterwire.transports._grpc_common.client import open_channel, token_metadata
+    from clusterwire.transports.local import unix, wire
+    from clusterwire.transports.local.segments import plan_buffers
+
+    authority = Authority(tmp_path)
+    pair = authority.issue("server")
+    token = TOKEN.encode()
+    client = Security(token=token, tls=TlsConfig(
+        root_certificates=authority.pair.cert.read_bytes()))
+    transport = get_plugin_manager().transport("grpc+local")
+    listener = transport.listen("127.0.0.1:0", echo_handler, ListenOptions(
+        max_workers=2, security=Security(token=token, tls=TlsConfig(
+            certificate_chain=pair.cert.read_bytes(), private_key=pair.key.read_bytes()))))
+    listener.start()
+    views, kinds, places, fds = plan_buffers([np.ones(_MiB, np.uint8)], 64 << 10)
+    unix.close_all(fds)  # declared, never sent
+    stalled_call = wire.LAYOUT.encode((29, 1), b"stall", views, kinds, places)
+    raw = open_channel(listener.address, client)
+    channel = transport.connect(listener.address, client)
+    try:
+        call = raw.unary_unary("/clusterwire.Local/Call")
+        stalled = [call.future(stalled_call, timeout=30, metadata=token_metadata(client))
+                   for _ in range(8)]
+        channel.call(Frame(b"warm", [b"8 bytes!"]), timeout=30)  # TLS handshake, hello
+        started = time.monotonic()
+        reply = channel.call(Frame(b"small", [b"8 bytes!"]), timeout=10)
+        took = time.monotonic() - started
+        assert bytes(reply.buffers[0]) == b"8 bytes!"
+        assert not all(f.done() for f in stalled), "the stalled calls ended before the check"
+        assert took < BUDGET_S, f"an 8-byte call took {took:.3f} s beside 8 stalled calls"
+        for future in stalled:
+            assert future.exception(30).code().name == "RESOURCE_EXHAUSTED"
+        print(f"\n8 grpc+local TLS calls waiting for segments, 2 max_workers: an 8-byte call "
+              f"took {took * 1000:.1f} ms")
+    finally:
+        channel.close()
+        raw.close()
+        listener.stop(0)
