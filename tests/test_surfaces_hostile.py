@@ -109,7 +109,9 @@ class TestTaskServer(SurfaceSuite):
     known_failures = {
         **{f"test_tokenless_flood[{kind}]": "issue 29: gRPC's port counts pending and "
            "authenticated connections in one quota, being fixed"
-           for kind in ("silent", "reconnecting", "h2_preface", "health_watch")},
+           for kind in ("silent", "reconnecting", "h2_preface")},
+        "test_tokenless_flood[health_watch]": "issue 29: health Watch streams are not held "
+        "to the pending-connection rules (1,344 of them: RSS +42 to +66 MiB), being fixed",
         "test_tokenless_flood[health_names]":
             "issue 29: health Watch on huge invented names, being fixed",
     }
@@ -130,6 +132,12 @@ def _scrape(url: str) -> None:
 
 
 class TestMetricsEndpoint(SurfaceSuite):
+    known_failures = {
+        f"test_tokenless_flood[{kind}]": "issue 29 (found by this kit): the endpoint listens "
+        "with socketserver's backlog of 5; a flood of connects fills it and a scraper's SYN "
+        "waits for its retransmit (a scrape took 1.02 s)"
+        for kind in ("silent", "reconnecting", "garbage", "h2_preface")}
+
     @pytest.fixture(scope="class")
     def surface(self, task_process) -> Surface:
         url = task_process.metrics_url

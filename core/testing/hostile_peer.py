@@ -1,10 +1,12 @@
 """A peer without the token flooding a server surface, in its own process (for the surface
 kit, ``clusterwire.testing.surfaces``).
 
-``python -m clusterwire.testing.hostile_peer KIND HOST:PORT COUNT`` raises its own
-descriptor limit, opens the flood, prints ``READY <connections open>`` and keeps the flood
-up until its stdin closes; then it prints ``DONE <connections opened in all>`` and exits.
-KIND is one of ``floods.FLOODS``:
+``python -m clusterwire.testing.hostile_peer`` reads commands on stdin, one a line, and
+serves them one after the other until stdin closes (one process for many floods: starting
+one costs more than most floods). ``KIND HOST:PORT COUNT`` raises its descriptor limit,
+opens the flood and prints ``READY <connections open>``; the next line (any) ends the flood
+and it prints ``DONE <connections opened in all>``. A flood that fails prints ``FAILED
+<why>`` instead. KIND is one of ``floods.FLOODS``:
 
 * ``silent``: COUNT connections that never send a byte;
 * ``reconnecting``: COUNT connections kept open: every one the server closes is reopened at
@@ -24,6 +26,7 @@ KIND is one of ``floods.FLOODS``:
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import socket
 import sys
@@ -116,21 +119,32 @@ def _health_names_flood(host: str, port: int, count: int, stop: threading.Event)
             channel.close()
 
 
-def main(argv: list[str]) -> int:
-    kind, address, count = argv[0], argv[1], int(argv[2])
-    host, port = address.rsplit(":", 1)
-    raise_descriptor_limit(count + 256)
-    stop = threading.Event()
-    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-    if kind == "health_names":
-        connects = _health_names_flood(host.strip("[]"), int(port), count, stop)
-    elif kind in FLOODS:
-        connects = _connection_flood(kind, host.strip("[]"), int(port), count, stop)
-    else:
-        raise SystemExit(f"hostile_peer: unknown flood {kind!r}; one of {', '.join(FLOODS)}")
-    print("DONE", connects, flush=True)
+def _flood(kind: str, address: str, count: int, stop: threading.Event) -> None:
+    try:
+        if kind not in FLOODS:
+            raise ValueError(f"unknown flood {kind!r}; one of {', '.join(FLOODS)}")
+        host, port = address.rsplit(":", 1)
+        raise_descriptor_limit(count + 256)
+        run = _health_names_flood if kind == "health_names" else functools.partial(
+            _connection_flood, kind)
+        print("DONE", run(host.strip("[]"), int(port), count, stop), flush=True)
+    except Exception as err:  # the parent reads it instead of READY or DONE
+        print("FAILED", type(err).__name__, err, flush=True)
+
+
+def main() -> int:
+    for command in sys.stdin:
+        if not command.strip():
+            continue
+        kind, address, count = command.split()
+        stop = threading.Event()
+        flood = threading.Thread(target=_flood, args=(kind, address, int(count), stop))
+        flood.start()
+        sys.stdin.readline()  # the end of this flood (or of stdin)
+        stop.set()
+        flood.join()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

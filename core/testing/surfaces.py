@@ -195,40 +195,49 @@ class _MemoryWatch:
 
 
 class HostilePeer:
-    """A ``clusterwire.testing.hostile_peer`` process flooding ``address``."""
+    """A ``clusterwire.testing.hostile_peer`` process: runs one flood at a time."""
 
-    def __init__(self, kind: str, address: str, count: int):
-        self.kind = kind
+    def __init__(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "clusterwire.testing.hostile_peer", kind, address,
-             str(count)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        try:
-            words = self._line(_GIVE_UP_S).split()
-            assert words[:1] == ["READY"], f"the {kind} flood did not start: {words}"
-            #: Connections (or streams) the flood held once it was up.
-            self.held = int(words[1])
-        except BaseException:
-            self.close()
-            raise
+            [sys.executable, "-m", "clusterwire.testing.hostile_peer"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._kind = ""
 
-    def _line(self, timeout: float) -> str:
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        assert ready, f"the {self.kind} flood said nothing within {timeout} s"
-        return self.proc.stdout.readline()
+    def _send(self, line: str) -> None:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def _answer(self, expected: str) -> int:
+        ready, _, _ = select.select([self.proc.stdout], [], [], _GIVE_UP_S)
+        assert ready, f"the {self._kind} flood said nothing within {_GIVE_UP_S} s"
+        words = self.proc.stdout.readline().split()
+        assert words[:1] == [expected], f"the {self._kind} flood said {' '.join(words)!r}"
+        return int(words[1])
+
+    def flood(self, kind: str, address: str, count: int) -> int:
+        """Start ``kind`` of flood (``floods.FLOODS``) of ``count`` connections or streams
+        to ``address``; how many it holds once up."""
+        self._kind = kind
+        self._send(f"{kind} {address} {count}")
+        try:
+            return self._answer("READY")
+        except BaseException:
+            self._send("")  # the peer waits for the end of the flood
+            raise
 
     def stop(self) -> int:
         """End the flood; the connections it opened in all."""
-        self.proc.stdin.close()
-        words = self._line(_GIVE_UP_S).split()
-        assert words[:1] == ["DONE"], f"the {self.kind} flood ended with {words}"
-        return int(words[1])
+        self._send("")
+        return self._answer("DONE")
 
     def close(self) -> None:
-        if self.proc.poll() is None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
             self.proc.kill()
-        self.proc.wait(30)
-        for stream in (self.proc.stdin, self.proc.stdout):
-            stream.close()
+            self.proc.wait(30)
+        self.proc.stdout.close()
 
 
 # -- malformed fields --------------------------------------------------------------------
@@ -378,6 +387,14 @@ class SurfaceSuite:
     def surface(self) -> Surface:
         raise NotImplementedError("a SurfaceSuite subclass gives a `surface` fixture")
 
+    @pytest.fixture(scope="class")
+    @classmethod
+    def hostile_peer(cls) -> Iterator[HostilePeer]:
+        require_descriptors(FLOOD_CONNECTIONS + 4096)  # the peer inherits the limit
+        peer = HostilePeer()
+        yield peer
+        peer.close()
+
     @pytest.fixture(autouse=True)
     def _known_failure(self, request) -> None:
         reason = self.known_failures.get(request.node.name)
@@ -398,7 +415,8 @@ class SurfaceSuite:
 
     @pytest.mark.parametrize("kind", FLOODS)
     @pytest.mark.usefixtures("_server_log")
-    def test_tokenless_flood(self, surface: Surface, kind: str) -> None:
+    def test_tokenless_flood(self, surface: Surface, hostile_peer: HostilePeer,
+                             kind: str) -> None:
         """``kind`` of flood (``floods.FLOODS``) of FLOOD_CONNECTIONS connections, held
         ``flood_seconds``: every legitimate operation succeeds within OPERATION_SECONDS
         throughout, the server's memory grows by less than ``max_rss_growth_bytes``, and it
@@ -406,24 +424,24 @@ class SurfaceSuite:
         if kind.startswith("health") and not surface.grpc:
             pytest.skip(f"{surface.name} does not speak gRPC")
         count = HEALTH_NAME_STREAMS if kind == "health_names" else FLOOD_CONNECTIONS
-        require_descriptors(count + 4096)  # the hostile peer inherits the limit
         check_operations(surface, "before the flood")
         memory = _MemoryWatch(surface.pid)
-        peer = HostilePeer(kind, surface.address, count)
         try:
-            rounds, slowest = 0, 0.0
-            deadline = time.monotonic() + self.flood_seconds
-            while rounds < 2 or time.monotonic() < deadline:
-                took = check_operations(
-                    surface, f"under a {kind} flood of {peer.held} tokenless connections")
-                slowest = max(slowest, *took.values())
-                rounds += 1
-            assert_alive(surface)
-            connects = peer.stop()
+            held = hostile_peer.flood(kind, surface.address, count)
+            try:
+                rounds, slowest = 0, 0.0
+                deadline = time.monotonic() + self.flood_seconds
+                while rounds < 2 or time.monotonic() < deadline:
+                    took = check_operations(
+                        surface, f"under a {kind} flood of {held} tokenless connections")
+                    slowest = max(slowest, *took.values())
+                    rounds += 1
+                assert_alive(surface)
+            finally:
+                connects = hostile_peer.stop()
         finally:
             growth = memory.stop()
-            peer.close()
-        print(f"{surface.name}, {kind} flood: {peer.held} held, {connects} opened, "
+        print(f"{surface.name}, {kind} flood: {held} held, {connects} opened, "
               f"{rounds} rounds of operations, slowest {slowest:.3f} s, "
               f"RSS +{growth / _MiB:.1f} MiB")
         assert growth < surface.max_rss_growth_bytes, (
