@@ -31,6 +31,7 @@ from clusterwire.protos.data_service_pb2 import (
     WorkerInfo,
 )
 from clusterwire.security import Security
+from clusterwire.testing.load import process_usage
 
 TOKEN = "data-service-test-token-0123456789"
 
@@ -243,12 +244,6 @@ def test_a_worker_serves_only_granted_streams():
         dispatcher.stop()
 
 
-def _rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as status:
-        line = next(line for line in status if line.startswith("VmRSS:"))
-    return int(line.split()[1]) / 1024
-
-
 @pytest.mark.timeout(60)
 def test_hostile_stream_requests_do_not_grow_a_worker(processes):
     """48 reads of invented splits of a huge shuffled dataset: the worker opens none of them
@@ -258,14 +253,14 @@ def test_hostile_stream_requests_do_not_grow_a_worker(processes):
     dataset_id = data.register_dataset(
         dispatcher.target, data.Dataset.range(10 ** 9).shuffle(1 << 20, seed=1))
     job, split = _job_and_split(dispatcher, dataset_id, "alice")
-    before = _rss_mib(worker.process.pid)
+    before = process_usage(worker.process.pid)[0]
     for split_id in range(48):
         spec = StreamSpec(job_id=job.job_id, dataset_id=dataset_id, is_split=True,
                           split_id=1000 + split_id, unit_start=0, unit_end=10 ** 9,
                           grant=split.grant)
         with pytest.raises(errors.PermissionDeniedError):
             _read_stream(worker.address, spec, "alice")
-    assert _rss_mib(worker.process.pid) - before < 32
+    assert process_usage(worker.process.pid)[0] - before < 32 << 20
     small = list(data.Dataset.range(5).apply(data.distribute("distributed_epoch",
                                                              dispatcher.target)))
     assert sorted(int(x) for x in small) == [0, 1, 2, 3, 4]

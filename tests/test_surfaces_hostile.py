@@ -24,7 +24,13 @@ from clusterwire.plugins import get_plugin_manager
 from clusterwire.protos import data_service_pb2 as pb
 from clusterwire.protos.service_pb2 import Request, Response, TaskRef, TaskStatus, Value
 from clusterwire.security import Security
-from clusterwire.testing import Surface, SurfaceSuite
+from clusterwire.testing import (
+    HOSTILE_STRINGS,
+    Surface,
+    SurfaceSuite,
+    assert_terminal_safe,
+    malformed_variants,
+)
 from clusterwire.transport import Frame, ListenOptions
 
 pytestmark = pytest.mark.timeout(120)
@@ -259,3 +265,34 @@ class TestWorker(SurfaceSuite):
             "worker", worker.address, worker.process.pid,
             _data_operations(dispatcher.target, client_config), TOKEN,
             requests=(read,), response_type=pb.DataResponse, log=worker.stderr)
+
+
+# -- the kit's own checks ---------------------------------------------------------------
+
+@pytest.mark.parametrize("text", [s for s in HOSTILE_STRINGS if not s.isprintable()])
+def test_assert_terminal_safe_refuses_every_hostile_control(text):
+    with pytest.raises(AssertionError, match="raw control character"):
+        assert_terminal_safe(f"job {text} done\n")
+
+
+def test_assert_terminal_safe_lets_text_through():
+    assert_terminal_safe("job [/pwned] \\x1b]0; x\tε ✓\n")
+    assert_terminal_safe("progress\r\n", allow_cr=True)
+    with pytest.raises(AssertionError, match="'\\\\r'"):
+        assert_terminal_safe("progress\r\n")
+
+
+def test_malformed_variants_cover_every_field_kind():
+    request = pb.DataRequest(get_split=pb.GetSplitRequest(job_id=5, consumer_id="c",
+                                                          held=[1]))
+    variants = dict(malformed_variants(request))
+    for what in ("get_split.job_id=-9223372036854775808", "get_split.job_id=9223372036854775807",
+                 "get_split.consumer_id=1 MiB", "get_split.held=9223372036854775807",
+                 "get_split as the wrong wire type"):
+        assert what in variants, sorted(variants)
+    assert len(pb.DataRequest.FromString(variants["get_split.consumer_id=1 MiB"])
+               .get_split.consumer_id) == 1 << 20
+    assert len(pb.DataRequest.FromString(variants["get_split.held=-1"]).get_split.held) \
+        == 1 + (1 << 16)
+    assert Request.FromString(dict(malformed_variants(Request(method="put")))[
+        "hops=4294967295"]).hops == (1 << 32) - 1
