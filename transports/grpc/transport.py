@@ -207,8 +207,8 @@ class GrpcListener(Listener):
         upload = self._uploads.open(messages, context.peer())
         if upload is None:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"{_BUSY} the {self._uploads.limit} uploads it holds open "
-                          "(max_concurrent_calls) all keep their pace.")
+                          f"{_BUSY} it holds {self._uploads.limit} uploads open "
+                          "(max_concurrent_calls), none of which a new one may drop.")
         try:
             self._admit(context)
             try:
