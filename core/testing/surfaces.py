@@ -277,22 +277,32 @@ def _extremes(descriptor: FieldDescriptor) -> list[tuple[str, object]]:
     return []  # bool: every value is a valid one
 
 
+def _is_map(descriptor: FieldDescriptor) -> bool:
+    return descriptor.message_type is not None and \
+        descriptor.message_type.GetOptions().map_entry
+
+
 def _fields(message: Message, depth: int = 0
-            ) -> Iterator[tuple[tuple[str, ...], FieldDescriptor]]:
-    """(path, descriptor) of every scalar field of ``message``, descending into the
-    submessages it sets (a repeated one's first item) down to _MAX_DEPTH."""
+            ) -> Iterator[tuple[tuple[str | int, ...], FieldDescriptor]]:
+    """(path, descriptor) of every scalar field and every map of scalars of ``message``,
+    descending into the submessages it sets (a repeated one's first item) down to
+    _MAX_DEPTH."""
     for descriptor in message.DESCRIPTOR.fields:
+        if _is_map(descriptor):
+            if descriptor.message_type.fields_by_name["value"].message_type is None:
+                yield (descriptor.name,), descriptor
+            continue
         if descriptor.message_type is None:
             yield (descriptor.name,), descriptor
             continue
-        if depth >= _MAX_DEPTH or descriptor.message_type.GetOptions().map_entry:
+        if depth >= _MAX_DEPTH:
             continue
         value = getattr(message, descriptor.name)
         if descriptor.is_repeated:
             if not len(value):
                 continue
             value = value[0]
-            prefix = (descriptor.name, 0)
+            prefix: tuple[str | int, ...] = (descriptor.name, 0)
         elif message.HasField(descriptor.name):
             prefix = (descriptor.name,)
         else:
@@ -301,17 +311,44 @@ def _fields(message: Message, depth: int = 0
             yield (*prefix, *path), inner
 
 
-def _set(message: Message, path: tuple, value: object, repeated: bool) -> Message:
+def _edit(message: Message, path: tuple[str | int, ...],
+          change: Callable[[Message, str], None]) -> Message:
+    """A copy of ``message`` with ``change(holder, name)`` done to the field at ``path``."""
     copy = type(message)()
     copy.CopyFrom(message)
     holder = copy
     for step in path[:-1]:
         holder = holder[step] if isinstance(step, int) else getattr(holder, step)
-    if repeated:
-        getattr(holder, path[-1]).extend([value] * _REPEATED_ITEMS)
-    else:
-        setattr(holder, path[-1], value)
+    change(holder, str(path[-1]))
     return copy
+
+
+def _changes(descriptor: FieldDescriptor
+             ) -> Iterator[tuple[str, Callable[[Message, str], None]]]:
+    """(label, change) of the hostile values of one field (see ``malformed_variants``)."""
+    if _is_map(descriptor):
+        key, value = (descriptor.message_type.fields_by_name[n] for n in ("key", "value"))
+        for label, extreme in _extremes(value):
+            yield (f"[a key]={label}",
+                   lambda h, n, v=extreme: getattr(h, n).__setitem__(_a_key(h, n, key), v))
+        for label, extreme in _extremes(key):
+            yield (f"[{label}]", lambda h, n, k=extreme: getattr(h, n).__setitem__(
+                k, next(iter(getattr(h, n).values()), value.default_value)))
+        return
+    for label, extreme in _extremes(descriptor):
+        if descriptor.is_repeated:
+            if isinstance(extreme, str | bytes):
+                extreme = extreme[:16]
+                label = repr(extreme)
+            yield (f"{_REPEATED_ITEMS} x {label}",
+                   lambda h, n, v=extreme: getattr(h, n).extend([v] * _REPEATED_ITEMS))
+        else:
+            yield label, lambda h, n, v=extreme: setattr(h, n, v)
+
+
+def _a_key(holder: Message, name: str, key: FieldDescriptor) -> object:
+    """A key the map at ``name`` has (its first), or the key type's default."""
+    return next(iter(getattr(holder, name)), key.default_value)
 
 
 def _wire_tag(number: int, wire_type: int) -> bytes:
@@ -326,18 +363,17 @@ def malformed_variants(request: Message) -> Iterator[tuple[str, bytes]]:
     """(what, serialized header) of hostile variants of well-formed ``request``: every scalar
     field at its extremes (1 MiB and control characters in strings, negative and 2^63 / 2^64-1
     numbers, NaN and infinities, unknown enum values, 65,536 items in repeated ones), every
-    top-level field with the wrong wire type, and a string that is not UTF-8."""
+    map of scalars with an extreme value and an extreme key, every top-level field with the
+    wrong wire type, and a string that is not UTF-8."""
     for path, descriptor in _fields(request):
         where = ".".join(str(step) for step in path)
-        repeated = descriptor.is_repeated
-        for label, value in _extremes(descriptor):
-            if repeated and isinstance(value, str | bytes):
-                label, value = f"{_REPEATED_ITEMS} items", value[:16]
+        for label, change in _changes(descriptor):
             try:
-                variant = _set(request, path, value, repeated)
+                variant = _edit(request, path, change)
             except (ValueError, TypeError):  # a value protobuf itself refuses to set
                 continue
-            yield f"{where}={label}", variant.SerializeToString()
+            yield (f"{where}{label}" if label.startswith("[") else f"{where}={label}",
+                   variant.SerializeToString())
     well_formed = request.SerializeToString()
     for descriptor in request.DESCRIPTOR.fields:
         length_delimited = (descriptor.message_type is not None or descriptor.type in (
@@ -379,6 +415,9 @@ class SurfaceSuite:
 
     #: Seconds each flood is held while the legitimate operations run again and again.
     flood_seconds: float = 1.0
+    #: The floods to run (``floods.FLOODS``); a surface on a port another class floods
+    #: already may run none.
+    floods: tuple[str, ...] = FLOODS
     #: Checks failing for a known reason: test id (``test_tokenless_flood[health_watch]``)
     #: to the reason. They run as ``xfail(strict=False)``.
     known_failures: Mapping[str, str] = {}
@@ -415,15 +454,17 @@ class SurfaceSuite:
 
     @pytest.mark.parametrize("kind", FLOODS)
     @pytest.mark.usefixtures("_server_log")
-    def test_tokenless_flood(self, surface: Surface, hostile_peer: HostilePeer,
-                             kind: str) -> None:
+    def test_tokenless_flood(self, surface: Surface, kind: str, request) -> None:
         """``kind`` of flood (``floods.FLOODS``) of FLOOD_CONNECTIONS connections, held
         ``flood_seconds``: every legitimate operation succeeds within OPERATION_SECONDS
         throughout, the server's memory grows by less than ``max_rss_growth_bytes``, and it
         still serves after."""
+        if kind not in self.floods:
+            pytest.skip(f"{type(self).__name__} runs no {kind} flood")
         if kind.startswith("health") and not surface.grpc:
             pytest.skip(f"{surface.name} does not speak gRPC")
         count = HEALTH_NAME_STREAMS if kind == "health_names" else FLOOD_CONNECTIONS
+        hostile_peer: HostilePeer = request.getfixturevalue("hostile_peer")
         check_operations(surface, "before the flood")
         memory = _MemoryWatch(surface.pid)
         try:
