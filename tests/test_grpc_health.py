@@ -196,3 +196,45 @@ def test_tokenless_watches_beyond_the_pending_limit_end_the_oldest(token_task):
         finally:
             for channel, _ in calls:
                 channel.close()
+
+
+@pytest.mark.timeout(60)
+def test_health_requests_that_never_arrive_take_no_server_thread_and_are_cancelled():
+    stall = threading.Event()
+
+    def never():
+        stall.wait(30)
+        yield b""
+
+    shell = Shell("grpc", "127.0.0.1:0", echo_handler, "health test", listen_options(
+        security=Security(token=b"cluster-secret"), handshake_timeout_seconds=0.5))
+    shell.start()
+    try:
+        with grpc.insecure_channel(shell.address) as raw:
+            # A token holder's connection (its Watch shows the token), so the door keeps it
+            # open past the handshake timeout: the reads' own deadline ends the calls.
+            held = health_pb2_grpc.HealthStub(raw).Watch(
+                health_pb2.HealthCheckRequest(service=""),
+                metadata=((TOKEN_METADATA, b"cluster-secret"),))
+            assert next(held).status == SERVING
+            check = raw.stream_unary("/grpc.health.v1.Health/Check")
+            stalled = [check.future(never(), timeout=30) for _ in range(16)]
+            channel = shell.transport.connect(shell.address, Security(token=b"cluster-secret"))
+            try:
+                start = time.monotonic()
+                assert bytes(channel.call(Frame(b"x", [b"8 bytes!"]), 10).buffers[0]) == \
+                    b"8 bytes!"
+                assert time.monotonic() - start < 1.0
+            finally:
+                channel.close()
+            try:
+                # Read two at a time, each given handshake_timeout_seconds: about 4 s.
+                for future in stalled:
+                    assert future.exception(20).code() == grpc.StatusCode.CANCELLED
+                assert probe(shell.address) == SERVING
+                assert not held.done()
+            finally:
+                stall.set()
+                held.cancel()
+    finally:
+        shell.stop(1)

@@ -171,6 +171,8 @@ class Door:
         probe = socket.socket(fileno=fd)
         try:
             peer = peer_key(probe.getpeername())
+        except OSError:  # reset by the peer already: gRPC finds it closed
+            return
         finally:
             probe.detach()  # gRPC's descriptor: not ours to close
         connection = _Connection(fd, os.fstat(fd).st_ino, peer)

@@ -115,9 +115,9 @@ class HealthService:
         with self._lock:
             self._closed = True
             ended = [w for watches in self._watches.values() for w in watches]
-            for watches in self._watches.values():
-                watches.clear()
-            self._tokenless = PendingConnections(1, self._timeout)
+            for watch in ended:
+                self._watches[watch.name].discard(watch)
+                self._tokenless.discard(watch)
             self._lock.notify_all()
         for watch in ended:
             _end(watch, grpc.StatusCode.UNAVAILABLE, "The server stopped.")

@@ -25,6 +25,7 @@ from clusterwire.transports._grpc_common.health import SERVICE as HEALTH_SERVICE
 from clusterwire.transports._grpc_common.health import HealthService
 
 _STOP_SLACK_S = 10.0
+_QUOTA_PENDING = 4  # see connection_args
 _LOG = logging.getLogger(__name__)
 _HEALTH_METHODS = f"/{HEALTH_SERVICE}/"
 
@@ -60,8 +61,9 @@ def connection_args(limits: ListenOptions) -> list[tuple[str, int]]:
     gRPC core cannot tell an authenticated connection from another (the token rides on
     each call) and has one quota for all of them, closing the newest connection over it
     at accept. With a token, the ``Door`` keeps unauthenticated connections to their own
-    rules (``clusterwire.pending``); the quota leaves room for ``max_pending_connections``
-    twice, as a connection the door closes leaves gRPC's count a moment later. A
+    rules (``clusterwire.pending``); the quota leaves room for ``_QUOTA_PENDING`` times
+    ``max_pending_connections``, as a connection the door closes leaves gRPC's count only
+    once gRPC's threads have handled its end (later on a machine under load). A
     connection whose TLS handshake and HTTP/2 settings are not done within
     ``handshake_timeout_seconds`` is closed, and so is one with no call for as long
     (gRPC's idle limit; it also ends idle client connections, which reconnect on their
@@ -69,7 +71,7 @@ def connection_args(limits: ListenOptions) -> list[tuple[str, int]]:
     """
     handshake_ms = max(int(limits.handshake_timeout_seconds * 1000), 1)
     return [("grpc.max_allowed_incoming_connections",
-             limits.max_connections + 2 * limits.max_pending_connections),
+             limits.max_connections + _QUOTA_PENDING * limits.max_pending_connections),
             ("grpc.server_handshake_timeout_ms", handshake_ms),
             ("grpc.max_connection_idle_ms", handshake_ms)]
 
