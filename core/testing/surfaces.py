@@ -105,7 +105,8 @@ class Surface:
     protocol: str = "grpc"
     #: Well-formed request headers (protobuf messages) a token holder sends; the kit sends
     #: each without the token and malformed variants of each with it. Leave out requests
-    #: that wait by design (a barrier) or that change who serves (membership).
+    #: that wait by design (a barrier); give those that change who serves (membership) a
+    #: surface and a server of their own.
     requests: Sequence[Message] = ()
     #: The protobuf type of the replies' headers (it has a ``status`` field).
     response_type: type[Message] | None = None
@@ -119,8 +120,10 @@ class Surface:
     max_rss_growth_bytes: int = RSS_GROWTH_BYTES
 
 
-def _bounded(call: Callable[[], object], limit: float) -> tuple[float, BaseException | None]:
-    """(seconds, error or None) of ``call`` run on a thread; fail if it runs past ``limit``."""
+def _bounded(call: Callable[[], object], limit: float, what: str
+             ) -> tuple[float, BaseException | None]:
+    """(seconds, error or None) of ``call`` run on a thread; fail naming ``what`` if it runs
+    past ``limit``."""
     outcome: list[tuple[float, BaseException | None]] = []
 
     def run() -> None:
@@ -134,7 +137,7 @@ def _bounded(call: Callable[[], object], limit: float) -> tuple[float, BaseExcep
     thread = threading.Thread(target=run, daemon=True, name="surface-kit")
     thread.start()
     thread.join(limit)
-    assert outcome, f"did not return within {limit} s"
+    assert outcome, f"{what} did not return within {limit} s"
     return outcome[0]
 
 
@@ -143,7 +146,8 @@ def check_operations(surface: Surface, during: str) -> dict[str, float]:
     Returns their seconds by name."""
     seconds = {}
     for name, operation in surface.operations.items():
-        took, error = _bounded(operation, _GIVE_UP_S)
+        took, error = _bounded(operation, _GIVE_UP_S,
+                               f"{surface.name}: a token holder's {name} {during}")
         assert error is None, (
             f"{surface.name}: a token holder's {name} failed {during}: "
             f"{type(error).__name__}: {error}")
@@ -182,7 +186,7 @@ class _MemoryWatch:
         while True:
             try:
                 self.peak = max(self.peak, process_usage(self.pid)[0])
-            except FileNotFoundError:
+            except (FileNotFoundError, KeyError):  # gone, or a zombie (no VmRSS)
                 return
             if self._stop.wait(0.05):
                 return
@@ -497,7 +501,9 @@ class SurfaceSuite:
             pytest.skip(f"{surface.name} takes no clusterwire requests")
         return surface.requests
 
+    @pytest.mark.usefixtures("_server_log")
     def test_requests_without_the_token_are_refused(self, surface: Surface) -> None:
+        """Every request without a token and with a wrong one: UnauthenticatedError."""
         requests = self._requests(surface)
         for token in (None, os.urandom(32)):
             channel = _connect(surface, token)
@@ -505,7 +511,7 @@ class SurfaceSuite:
                 for request in requests:
                     answer = _answer(channel, surface, request.SerializeToString())
                     assert isinstance(answer, errors.UnauthenticatedError), (
-                        f"{surface.name} answered {request} with "
+                        f"{surface.name} answered {str(request)[:200]!r} with "
                         f"{'no' if token is None else 'a wrong'} token: {answer!r}")
             finally:
                 channel.close()
@@ -542,7 +548,8 @@ class SurfaceSuite:
         if surface.show is None:
             pytest.skip(f"{surface.name} prints no string from the network")
         output: list[str] = []
-        _, error = _bounded(lambda: output.append(surface.show(text)), _GIVE_UP_S)
+        _, error = _bounded(lambda: output.append(surface.show(text)), _GIVE_UP_S,
+                            f"{surface.name}: showing {text[:40]!r}")
         assert error is None, f"{surface.name} failed to show {text[:40]!r}: {error!r}"
         assert_terminal_safe(output[0])
         if len(text) < 100:  # it reached the output (escaped or not)
