@@ -1,6 +1,7 @@
 """The surface kit (``clusterwire.testing.SurfaceSuite``) run against every server surface:
-a task server over grpc, its metrics endpoint, an elastic task's membership requests, a
-data-service dispatcher and worker, each in its own process with the cluster token set."""
+a task server over grpc (and its requests over grpc+local), its metrics endpoint, an elastic
+task's membership requests, a data-service dispatcher and worker, each in its own process
+with the cluster token set."""
 
 from __future__ import annotations
 
@@ -130,6 +131,32 @@ class TestTaskServer(SurfaceSuite):
             {"8-byte put and get": lambda: _small_get(task_process.target, client_config)},
             TOKEN, requests=_TASK_REQUESTS, response_type=Response, show=_task_show,
             log=task_process.stderr)
+
+
+@pytest.fixture(scope="module")
+def local_task():
+    """A grpc+local task (its requests over the Unix socket), token set."""
+    process = ServerProcess(
+        "serve", "--cluster", json.dumps({"w": ["127.0.0.1:0"]}), "--job-name", "w",
+        "--task-index", "0", "--protocol", "grpc+local", "--import",
+        "clusterwire.testing.load", env=ENV)
+    yield process
+    process.close()
+
+
+class TestLocalTaskServer(SurfaceSuite):
+    """The same requests over grpc+local's Unix socket; its gRPC port is the one
+    TestTaskServer floods."""
+
+    floods = ()
+
+    @pytest.fixture(scope="class")
+    def surface(self, local_task, client_config) -> Surface:
+        return Surface(
+            "grpc+local task", local_task.address, local_task.process.pid,
+            {"8-byte put and get": lambda: _small_get(local_task.target, client_config)},
+            TOKEN, protocol="grpc+local", requests=_TASK_REQUESTS, response_type=Response,
+            log=local_task.stderr)
 
 
 @pytest.fixture(scope="module")
