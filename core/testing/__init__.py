@@ -15,8 +15,8 @@ flight, closed ports, size limits, malformed input, port 0, and a real
 3-process cluster over the protocol) against that transport. Capability
 flags switch off the checks for what a transport does not support.
 
-**Server surfaces** (a task's port, a metrics endpoint, a dispatcher, a worker, and every
-surface added later) run the hostile-input kit. Start the surface's server in its own
+**Server surfaces** (a task's port, a metrics endpoint, membership, a dispatcher, a worker,
+and every surface added later) run the hostile-input kit. Start the surface's server in its own
 process with the cluster token set, and describe it in a ``surface`` fixture::
 
     from clusterwire.testing import Surface, SurfaceSuite
@@ -31,17 +31,20 @@ process with the cluster token set, and describe it in a ``surface`` fixture::
                 show=print_a_widget_named,          # plant a string, return what prints
                 log=my_server_process.stderr)
 
-pytest then runs, each check bounded in time and against a stated bound: tokenless floods
-from another process (``FLOOD_CONNECTIONS`` silent, reconnecting, garbage-sending and
-HTTP/2-preface connections, and gRPC health Watch streams on huge invented names), during
-which every operation succeeds within ``OPERATION_SECONDS`` and the server's RSS grows by
-less than ``Surface.max_rss_growth_bytes``; each request without the token and with a
-wrong one (``UnauthenticatedError``); every field of every request at its extremes (1 MiB
-strings, negative and 2^63 / 2^64-1 numbers, NaN, 65,536 items, wrong wire types, bad
-UTF-8), answered within ``ANSWER_SECONDS`` with OK or an error that blames the request,
-never a crash, a hang or a traceback; and every ``HOSTILE_STRINGS`` through ``show``,
-whose output must pass ``assert_terminal_safe``. ``known_failures`` marks checks that fail
-for a known reason as ``xfail``.
+pytest then runs, each check bounded in time and against a stated bound (the constants of
+``clusterwire.testing.surfaces``): tokenless floods from another process
+(``FLOOD_CONNECTIONS`` silent, reconnecting, garbage-sending, HTTP/2-preface and gRPC health
+Watch connections, and Watch streams on 4 MiB invented service names), during which every
+operation succeeds within ``OPERATION_SECONDS`` and the server's RSS grows by less than
+``Surface.max_rss_growth_bytes``; each request without the token and with a wrong one
+(``UnauthenticatedError``); every field of every request at its extremes
+(``malformed_variants``: 1 MiB strings, negative and 2^63 / 2^64-1 numbers, NaN, 65,536
+items, extreme map keys, wrong wire types, bad UTF-8), answered within ``ANSWER_SECONDS``
+with OK or an error that blames the request, never a crash, a hang or a traceback in the
+server's log; and every ``HOSTILE_STRINGS`` through ``show``, whose output must pass
+``assert_terminal_safe``. A check without what it needs (no ``requests``, no ``show``, a
+port that is not gRPC) is skipped; ``floods`` picks the floods a class runs, and
+``known_failures`` runs the checks that fail for a known reason as ``xfail``.
 """
 
 from clusterwire.testing.suite import Capabilities, TransportSuite
