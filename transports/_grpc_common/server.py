@@ -1,5 +1,6 @@
 """The gRPC server of a control plane: bound with TLS if configured, the token checked
-before a request is read, and gRPC core's connection limits set from ``ListenOptions``.
+before a request is read, gRPC core's connection limits set from ``ListenOptions`` and,
+with a token, its pending connections held to their rules by a ``door``.
 
 It also serves the standard gRPC health-checking service (``grpc.health.v1.Health``, for
 Kubernetes' gRPC probes and load balancers): SERVING once started, NOT_SERVING from the
@@ -129,9 +130,9 @@ class ControlServer:
 
     ``limits``: the listener's options: its security, the connection limits it enforces
     (see ``connection_args``) and, unless ``max_workers`` is given, its thread count.
-    With a token, calls without it are refused before their request is read.
-    ``max_receive_bytes``: the largest request message (gRPC's default, 4 MiB, if None);
-    responses are not capped.
+    With a token, calls without it are refused before their request is read, and a
+    connection is pending (``door``) until a call shows it. ``max_receive_bytes``: the
+    largest request message (gRPC's default, 4 MiB, if None); responses are not capped.
     """
 
     def __init__(self, address: str, service: str,
@@ -165,10 +166,10 @@ class ControlServer:
 
     def start(self) -> None:
         """Start serving."""
-        self.server.start()
-        self.health.start()
         if self._door:
             self._door.start()
+        self.server.start()
+        self.health.start()
 
     def drain(self) -> None:
         """Report NOT_SERVING from now on (the shell takes no more work)."""
