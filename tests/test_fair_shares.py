@@ -303,3 +303,54 @@ def test_grpc_local_calls_waiting_for_segments_under_tls_hold_no_thread(tmp_path
         channel.close()
         raw.close()
         listener.stop(0)
+
+
+@pytest.mark.timeout(60)
+def test_a_fetch_its_client_stops_reading_gives_its_thread_back():
+    """A response fetched over gRPC (TLS, or bulk_plane "grpc") holds a thread for streamed
+    requests while gRPC sends it: a client that stops reading is cancelled once nothing was
+    sent for message_idle_timeout_seconds (1 s here), so the only such thread (max_workers 2,
+    small_call_reserve 1) serves another client's 2 MiB upload soon after."""
+    import grpc
+
+    from clusterwire.security import Security
+    from clusterwire.testing.peer import ANNOUNCE, echo_handler
+    from clusterwire.transport import Frame, ListenOptions
+    from clusterwire.transports._grpc_common.client import token_metadata
+    from clusterwire.transports.grpc import framing
+    from clusterwire.transports.grpc.transport import GrpcTransport
+
+    security = Security(token=TOKEN.encode())
+    transport = GrpcTransport({"bulk_plane": "grpc"})
+    listener = transport.listen("127.0.0.1:0", echo_handler, ListenOptions(
+        max_workers=2, small_call_reserve=1, message_idle_timeout_seconds=1.0,
+        security=security))
+    listener.start()
+    raw = grpc.insecure_channel(listener.address,
+                                options=[("grpc.max_receive_message_length", 8 << 20)])
+    channel = transport.connect(listener.address, security)
+    try:
+        reply = raw.unary_unary("/clusterwire.Transport/Call")(
+            framing.encode_inline(ANNOUNCE + str(256 * _MiB).encode(), []), timeout=10,
+            metadata=token_metadata(security))
+        fetch_id = framing.LAYOUT.decode(reply, 1 << 40).fields[1]
+        stalled = raw.unary_stream("/clusterwire.Transport/Fetch")(
+            fetch_id.to_bytes(8, "little"), timeout=60, metadata=token_metadata(security))
+        assert len(next(stalled)) > 0  # it reads one chunk, then no more
+        wait_for(lambda: listener._streams.working == 1, what="the fetch to hold the thread")
+        payload = np.full(2 * _MiB, 5, np.uint8).tobytes()
+        started = time.monotonic()
+        echoed = channel.call(Frame(b"up", [payload]), timeout=20)
+        took = time.monotonic() - started
+        assert bytes(echoed.buffers[0]) == payload
+        with pytest.raises(grpc.RpcError) as info:
+            for _chunk in stalled:
+                pass
+        assert info.value.code() == grpc.StatusCode.CANCELLED
+        assert took < 1.0 + 5.0, f"the upload waited {took:.1f} s"
+        print(f"\na fetch whose client stopped reading was cancelled: another client's 2 MiB "
+              f"upload waited {took:.2f} s (message_idle_timeout_seconds 1)")
+    finally:
+        channel.close()
+        raw.close()
+        listener.stop(0)

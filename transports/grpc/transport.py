@@ -23,7 +23,8 @@ request is read. Upload and Fetch are streamed calls: at most
 ``max_workers - small_call_reserve`` work at once, the others are refused as
 busy before anything is read and the channel sends them again until its
 deadline. An upload works only while its chunks arrive; how many may be open,
-how fast they must come and which one makes room for a new one is ``uploads``.
+how fast they and fetches must go and which upload makes room for a new one is
+``uploads``.
 A dropped upload gets DeadlineExceededError (a timeout, not a malformed frame:
 sent again promptly, it would succeed); its buffers are allocated as their
 bytes arrive, so it holds what it sent, not what it declared. The bulk port
@@ -58,7 +59,7 @@ from clusterwire.transports._grpc_common.status import grpc_error, status_code
 from clusterwire.transports.grpc import framing
 from clusterwire.transports.grpc.bulk import BulkClient, BulkServer, Unreachable
 from clusterwire.transports.grpc.relay import Incoming, Relay, RelayPart, relay_of
-from clusterwire.transports.grpc.uploads import Upload, Uploads
+from clusterwire.transports.grpc.uploads import Fetches, Upload, Uploads
 
 SERVICE = "clusterwire.Transport"
 _CALL, _UPLOAD, _FETCH = (f"/{SERVICE}/{m}" for m in ("Call", "Upload", "Fetch"))
@@ -119,6 +120,7 @@ class GrpcListener(Listener):
         self._streams = WorkSlots(self._stream_slots)  # streamed calls working, not parked
         self._uploads = Uploads(options.max_concurrent_calls,
                                 options.message_idle_timeout_seconds, self._streams)
+        self._fetches = Fetches(options.message_idle_timeout_seconds)
         limit = _message_limit(transport.inline_bytes, transport.chunk_bytes)
         # No maximum_concurrent_rpcs: gRPC's Python-side accounting costs ~45 us per call
         # here; the cluster service enforces max_concurrent_calls itself.
@@ -165,6 +167,7 @@ class GrpcListener(Listener):
         if self._bulk:
             self._bulk.stop(max(deadline - time.monotonic(), 0.0))
         self._pending.clear()
+        self._fetches.close()
 
     def _respond(self, response: Frame) -> bytes:
         relay = relay_of(response.buffers)
@@ -242,12 +245,13 @@ class GrpcListener(Listener):
             context.abort(grpc.StatusCode.NOT_FOUND,
                           f"No pending response {key}: it expired or was fetched already.")
         if not isinstance(source, Relay):
-            yield from framing.chunks(source, self._transport.chunk_bytes)
+            yield from self._fetches.watch(
+                context, framing.chunks(source, self._transport.chunk_bytes))
             return
         try:
             with source.open() as incoming:
-                for chunk in incoming.chunks():
-                    yield bytes(chunk)
+                yield from self._fetches.watch(
+                    context, (bytes(chunk) for chunk in incoming.chunks()))
         except errors.OpError as err:
             context.abort(grpc.StatusCode(status_code(err.error_code)),
                           f"The task this response is forwarded from failed: {err.message}")

@@ -1,4 +1,5 @@
-"""A grpc listener's open uploads: how many, how fast, and which one makes room.
+"""A grpc listener's streamed requests: how many uploads, how fast they and fetches must
+go, and which upload makes room for another.
 
 An upload (a streamed request) is read by a helper thread (grpcio's request iterator waits
 without a timeout) while its handler waits on a queue, parked (``clusterwire.thread_pool``)
@@ -179,3 +180,60 @@ class Uploads:
         """The upload's call ended (it may have been dropped for another already)."""
         with self._lock:
             self._forget(upload)
+
+
+class Fetches:
+    """The pace rule for fetches (a response streamed to its client): a fetch whose next
+    chunk is not sent within ``idle`` seconds (the client stopped reading), or that sends
+    less than ``MIN_UPLOAD_BYTES_PER_SECOND`` over a window of ``idle`` seconds, is
+    cancelled. gRPC's send waits for the client's flow-control window holding the thread
+    (it cannot park), so a watchdog thread, started with the first fetch, checks them."""
+
+    def __init__(self, idle: float):
+        self._idle = idle
+        self._owed = MIN_UPLOAD_BYTES_PER_SECOND * idle
+        self._watched: dict[int, list] = {}  # id -> [context, last, window start, bytes]
+        self._ids = iter(range(1 << 62))
+        self._cond = threading.Condition(threading.Lock())
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def watch(self, context: grpc.ServicerContext, chunks: Iterator[bytes]) -> Iterator[bytes]:
+        """``chunks``, sent under the rule (the call is cancelled when it is broken)."""
+        now = time.monotonic()
+        entry = [context, now, now, 0]
+        with self._cond:
+            key = next(self._ids)
+            self._watched[key] = entry
+            if self._thread is None and not self._closed:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="clusterwire-grpc-fetch-pace")
+                self._thread.start()
+        try:
+            for chunk in chunks:
+                yield chunk  # returns once gRPC has sent it
+                entry[1] = time.monotonic()
+                entry[3] += len(chunk)
+        finally:
+            with self._cond:
+                del self._watched[key]
+
+    def close(self) -> None:
+        """Stop the watchdog (the listener stopped)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        with self._cond:
+            while not self._closed:
+                now = time.monotonic()
+                for entry in self._watched.values():
+                    context, last, window_start, sent = entry
+                    if now - last >= self._idle:
+                        context.cancel()
+                    elif now - window_start >= self._idle:
+                        if sent < self._owed:
+                            context.cancel()
+                        entry[2], entry[3] = now, 0
+                self._cond.wait(min(self._idle / 4, 1.0) if self._watched else None)
