@@ -330,26 +330,28 @@ def test_a_fetch_its_client_stops_reading_gives_its_thread_back():
                                 options=[("grpc.max_receive_message_length", 8 << 20)])
     channel = transport.connect(listener.address, security)
     try:
-        reply = raw.unary_unary("/clusterwire.Transport/Call")(
-            framing.encode_inline(ANNOUNCE + str(256 * _MiB).encode(), []), timeout=10,
-            metadata=token_metadata(security))
-        fetch_id = framing.LAYOUT.decode(reply, 1 << 40).fields[1]
-        stalled = raw.unary_stream("/clusterwire.Transport/Fetch")(
-            fetch_id.to_bytes(8, "little"), timeout=60, metadata=token_metadata(security))
-        assert len(next(stalled)) > 0  # it reads one chunk, then no more
-        wait_for(lambda: listener._streams.working == 1, what="the fetch to hold the thread")
-        payload = np.full(2 * _MiB, 5, np.uint8).tobytes()
-        started = time.monotonic()
-        echoed = channel.call(Frame(b"up", [payload]), timeout=20)
-        took = time.monotonic() - started
-        assert bytes(echoed.buffers[0]) == payload
-        with pytest.raises(grpc.RpcError) as info:
-            for _chunk in stalled:
-                pass
-        assert info.value.code() == grpc.StatusCode.CANCELLED
-        assert took < 1.0 + 5.0, f"the upload waited {took:.1f} s"
-        print(f"\na fetch whose client stopped reading was cancelled: another client's 2 MiB "
-              f"upload waited {took:.2f} s (message_idle_timeout_seconds 1)")
+        for _round in range(2):  # the watchdog also watches fetches after an idle spell
+            reply = raw.unary_unary("/clusterwire.Transport/Call")(
+                framing.encode_inline(ANNOUNCE + str(256 * _MiB).encode(), []), timeout=10,
+                metadata=token_metadata(security))
+            fetch_id = framing.LAYOUT.decode(reply, 1 << 40).fields[1]
+            stalled = raw.unary_stream("/clusterwire.Transport/Fetch")(
+                fetch_id.to_bytes(8, "little"), timeout=60, metadata=token_metadata(security))
+            assert len(next(stalled)) > 0  # it reads one chunk, then no more
+            wait_for(lambda: listener._streams.working == 1,
+                     what="the fetch to hold the thread")
+            payload = np.full(2 * _MiB, 5, np.uint8).tobytes()
+            started = time.monotonic()
+            echoed = channel.call(Frame(b"up", [payload]), timeout=20)
+            took = time.monotonic() - started
+            assert bytes(echoed.buffers[0]) == payload
+            with pytest.raises(grpc.RpcError) as info:
+                for _chunk in stalled:
+                    pass
+            assert info.value.code() == grpc.StatusCode.CANCELLED
+            assert took < 1.0 + 5.0, f"the upload waited {took:.1f} s"
+            print(f"\na fetch whose client stopped reading was cancelled: another client's "
+                  f"2 MiB upload waited {took:.2f} s (message_idle_timeout_seconds 1)")
     finally:
         channel.close()
         raw.close()

@@ -209,6 +209,8 @@ class Fetches:
                 self._thread = threading.Thread(target=self._run, daemon=True,
                                                 name="clusterwire-grpc-fetch-pace")
                 self._thread.start()
+            elif len(self._watched) == 1:
+                self._cond.notify()  # the watchdog waits without a timeout when idle
         try:
             for chunk in chunks:
                 yield chunk  # returns once gRPC has sent it
