@@ -25,12 +25,20 @@ if TYPE_CHECKING:
     from clusterwire.data.config import DispatcherConfig, WorkerConfig
     from clusterwire.data.dataset import Dataset
     from clusterwire.data.dispatcher import DispatchServer
+    from clusterwire.data.example import (
+        FixedLenFeature,
+        SparseTensorValue,
+        VarLenFeature,
+        parse_example,
+        parse_single_example,
+    )
     from clusterwire.data.local_service import LocalDataService
     from clusterwire.data.modes import ShardingPolicy
     from clusterwire.data.permissions import function
     from clusterwire.data.pipeline import AUTOTUNE
     from clusterwire.data.pipeline import INFINITE as INFINITE_CARDINALITY
     from clusterwire.data.pipeline import UNKNOWN as UNKNOWN_CARDINALITY
+    from clusterwire.data.tfrecord import TFRecordReader, TFRecordWriter
     from clusterwire.data.worker import WorkerServer
 
 # Each public name: (submodule, name there).
@@ -51,6 +59,13 @@ _EXPORTS = {
     "function": ("permissions", "function"),
     "register_dataset": ("client", "register_dataset"),
     "service_status": ("client", "service_status"),
+    "TFRecordReader": ("tfrecord", "TFRecordReader"),
+    "TFRecordWriter": ("tfrecord", "TFRecordWriter"),
+    "FixedLenFeature": ("example", "FixedLenFeature"),
+    "VarLenFeature": ("example", "VarLenFeature"),
+    "SparseTensorValue": ("example", "SparseTensorValue"),
+    "parse_example": ("example", "parse_example"),
+    "parse_single_example": ("example", "parse_single_example"),
 }
 
 __all__ = [
@@ -70,6 +85,13 @@ __all__ = [
     "function",
     "register_dataset",
     "service_status",
+    "TFRecordReader",
+    "TFRecordWriter",
+    "FixedLenFeature",
+    "VarLenFeature",
+    "SparseTensorValue",
+    "parse_example",
+    "parse_single_example",
 ]
 
 
