@@ -50,14 +50,19 @@ def client_config(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def task_process():
-    """One task with a metrics endpoint (and ``clusterwire.testing.load.echo``), token set."""
-    [metrics_port] = free_ports(1)
+def metrics_port() -> int:
+    [port] = free_ports(1)
+    return port
+
+
+@pytest.fixture(scope="module")
+def task_process(metrics_port):
+    """One task with a metrics endpoint at ``metrics_port`` (and
+    ``clusterwire.testing.load.echo``), token set."""
     process = ServerProcess(
         "serve", "--cluster", json.dumps({"w": ["127.0.0.1:0"]}), "--job-name", "w",
         "--task-index", "0", "--import", "clusterwire.testing.load",
         "--config", json.dumps({"metrics_port": metrics_port}), env=ENV)
-    process.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     yield process
     process.close()
 
@@ -215,10 +220,10 @@ class TestMetricsEndpoint(SurfaceSuite):
         for kind in ("silent", "reconnecting", "garbage", "h2_preface")}
 
     @pytest.fixture(scope="class")
-    def surface(self, task_process) -> Surface:
-        url = task_process.metrics_url
+    def surface(self, task_process, metrics_port) -> Surface:
+        url = f"http://127.0.0.1:{metrics_port}/metrics"
         return Surface(
-            "metrics endpoint", url.split("/")[2], task_process.process.pid,
+            "metrics endpoint", f"127.0.0.1:{metrics_port}", task_process.process.pid,
             {"scrape": lambda: _scrape(url)}, TOKEN, grpc=False, log=task_process.stderr)
 
 
