@@ -7,7 +7,8 @@ batch is remembered under its request sequence number, so a retried request
 the consumer's next sequence number releases them.
 
 A resumed stream (``skip``) passes over the elements its reader had, on the producer thread,
-only while a reader reads it: one that has not asked for ``READER_GONE_S`` pauses the skip
+only while a reader reads it: one that has not asked (nor waited) for ``READER_GONE_S``
+pauses the skip
 (its thread waits, costing nothing) until a reader asks again or the stream is closed.
 
 A job read through a cross-trainer cache (``cache_bytes``) serves its consumers from the
@@ -87,6 +88,7 @@ class Stream:
         self._reader_left = False  # one of them had read it
         self.last_used = time.monotonic()
         self._skipping = False  # the producer waits for a reader to skip on
+        self._waiting = 0  # readers in a long poll
         self._thread = threading.Thread(target=self._produce, args=(elements, encode, skip),
                                         daemon=True, name="clusterwire-data-stream")
         self._thread.start()
@@ -137,7 +139,7 @@ class Stream:
             count -= step
             with self._cond:
                 self._skipping = True
-                self._cond.wait_for(lambda: self._closed or (
+                self._cond.wait_for(lambda: self._closed or self._waiting or (
                     time.monotonic() - self.last_used < READER_GONE_S))
                 self._skipping = False
                 if self._closed:
@@ -162,6 +164,16 @@ class Stream:
         self._cond.notify_all()
         return True
 
+    def _wait(self, predicate: Callable[[], Any], wait: float) -> None:
+        """A reader's long poll (lock held): it counts as the stream's reader while it waits
+        (a skip goes on for it), and takes no thread from producers."""
+        self._waiting += 1
+        try:
+            with parked():
+                self._cond.wait_for(predicate, wait)
+        finally:
+            self._waiting -= 1
+
     def _touch(self) -> None:
         """A reader asked: note when, and wake a skip waiting for one (lock held)."""
         self.last_used = time.monotonic()
@@ -180,9 +192,8 @@ class Stream:
                 return last[1], last[2]
             self._unclaim(consumer, reading=True)
             self._check_open(consumer)
-            with parked():  # a consumer's long poll must not take a thread from producers
-                self._cond.wait_for(lambda: self._ready or self._done or self._closed
-                                    or consumer in self._released, wait)
+            self._wait(lambda: self._ready or self._done or self._closed
+                       or consumer in self._released, wait)
             self._check_open(consumer)
             taken: list[Encoded] = []
             size = buffers = 0
@@ -213,10 +224,8 @@ class Stream:
                 return last[1], last[2]
             self._unclaim(consumer, reading=True)
             self._check_open(consumer)
-            with parked():
-                self._cond.wait_for(lambda: self._closed or self._done
-                                    or consumer in self._released
-                                    or self._base + len(self._ready) > position, wait)
+            self._wait(lambda: self._closed or self._done or consumer in self._released
+                       or self._base + len(self._ready) > position, wait)
             self._check_open(consumer)
             if position < self._base or position in self._taken:
                 raise errors.FailedPreconditionError(
@@ -248,8 +257,7 @@ class Stream:
     def _take(self, wait: float) -> tuple[Encoded | None, bool]:
         """The next element for the cache (``cross_trainer_cache.Pull``)."""
         with self._cond:
-            with parked():
-                self._cond.wait_for(lambda: self._ready or self._done or self._closed, wait)
+            self._wait(lambda: self._ready or self._done or self._closed, wait)
             if self._closed:
                 raise errors.CancelledError("The stream was closed (job removed or worker "
                                             "stopping).")
