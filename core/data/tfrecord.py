@@ -37,6 +37,7 @@ _LENGTH = struct.Struct("<Q")
 # zlib's window bits for each compression type (16 + 15: a gzip wrapper).
 _WBITS = {"ZLIB": 15, "GZIP": 16 + 15}
 _MEM_LEVEL = 9  # TF's ZlibCompressionOptions; zlib's own default is 8
+_FEED = 64 * 1024  # compressed bytes given to zlib per call, and the least asked back
 
 
 def _compression(compression_type: str | None) -> str | None:
@@ -146,7 +147,12 @@ class _PlainSource:
 
 
 class _InflatingSource:
-    """Exact reads from a zlib or gzip stream, ``buffer_size`` compressed bytes at a time."""
+    """Exact reads from a zlib or gzip stream, ``buffer_size`` compressed bytes at a time.
+
+    zlib is fed at most _FEED compressed bytes per call and asked for at most what the
+    read still needs (or _FEED): the memory one call can take stays bounded whatever the
+    compression ratio, and a record comes out of zlib as one bytes object.
+    """
 
     def __init__(self, file: BinaryIO, compression: str, buffer_size: int, path: str):
         self._file = file
@@ -155,53 +161,78 @@ class _InflatingSource:
         self._chunk = buffer_size or DEFAULT_BUFFER_SIZE
         self._path = path
         self._inflate = zlib.decompressobj(self._wbits)
-        self._pending = b""  # compressed bytes read but not yet given to the decompressor
-        self._out = bytearray()  # decompressed bytes not yet consumed
+        self._input = memoryview(b"")  # compressed bytes read but not yet given to zlib
+        self._parts: list[bytes] = []  # decompressed bytes not yet consumed, in order
+        self._skip = 0  # bytes of _parts[0] already consumed
+        self._buffered = 0  # decompressed bytes in _parts beyond _skip
         self._ended = False  # the file is exhausted and its last stream complete
 
     def remaining(self, position: int) -> int | None:
         return None  # unknown before inflating
 
-    def _corrupt(self, error: zlib.error, position: int) -> DataLossError:
+    def _error(self, what: str, position: int) -> DataLossError:
         return DataLossError(
-            f"TFRecord file {self._path!r}: the compressed stream is corrupt near "
-            f"decompressed offset {position + len(self._out)}: {error}")
+            f"TFRecord file {self._path!r}: {what} (at decompressed offset "
+            f"{position + self._buffered})")
+
+    def _add(self, data: bytes) -> None:
+        if data:
+            self._parts.append(data)
+            self._buffered += len(data)
 
     def _fill(self, want: int, position: int) -> None:
-        while len(self._out) < want and not self._ended:
-            if not self._pending:
-                self._pending = self._file.read(self._chunk)
-            if not self._pending:
+        while self._buffered < want and not self._ended:
+            if not self._input:
+                self._input = memoryview(self._file.read(self._chunk))
+            if not self._input:
                 try:
-                    self._out += self._inflate.flush()  # what zlib still holds
+                    self._add(self._inflate.flush())  # what zlib still holds
                 except zlib.error as error:
-                    raise self._corrupt(error, position) from None
+                    raise self._error(f"the compressed stream is corrupt: {error}",
+                                      position) from None
                 if not self._inflate.eof:
-                    raise DataLossError(
-                        f"TFRecord file {self._path!r}: the compressed stream is truncated: "
-                        f"it stops {position + len(self._out)} bytes into the decompressed "
-                        "data, before the stream's end marker")
+                    raise self._error("the compressed stream is truncated: the file ends "
+                                      "before the stream's end marker", position)
                 self._ended = True
                 return
             if self._inflate.eof:  # another gzip member follows, as `cat a.gz b.gz` makes
                 if not self._gzip:
-                    raise DataLossError(
-                        f"TFRecord file {self._path!r}: bytes follow the end of the ZLIB "
-                        f"stream (at decompressed offset {position + len(self._out)})")
+                    raise self._error("bytes follow the end of the ZLIB stream", position)
                 self._inflate = zlib.decompressobj(self._wbits)
+            feed = self._input[:_FEED]
             try:
-                self._out += self._inflate.decompress(
-                    self._pending, max(want - len(self._out), self._chunk))
+                self._add(self._inflate.decompress(feed, max(want - self._buffered, _FEED)))
             except zlib.error as error:
-                raise self._corrupt(error, position) from None
-            self._pending = self._inflate.unconsumed_tail or self._inflate.unused_data
+                raise self._error(f"the compressed stream is corrupt: {error}",
+                                  position) from None
+            # At the stream's end CPython may leave the same leftover in both attributes.
+            left = len(self._inflate.unused_data if self._inflate.eof
+                       else self._inflate.unconsumed_tail)
+            self._input = self._input[len(feed) - left:]
 
     def read(self, n: int, position: int) -> bytes:
         self._fill(n, position)
-        with memoryview(self._out) as view:
-            data = bytes(view[:n])
-        del self._out[:n]
-        return data
+        n = min(n, self._buffered)
+        if n == 0:
+            return b""
+        first = self._parts[0]
+        if self._skip == 0 and len(first) == n:  # zlib's own bytes object, no copy
+            self._parts.pop(0)
+            self._buffered -= n
+            return first
+        pieces = []
+        needed = n
+        while needed:
+            part = self._parts[0]
+            take = min(needed, len(part) - self._skip)
+            pieces.append(part[self._skip:self._skip + take])
+            needed -= take
+            self._skip += take
+            if self._skip == len(part):
+                self._parts.pop(0)
+                self._skip = 0
+        self._buffered -= n
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
 class TFRecordReader:
