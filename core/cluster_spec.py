@@ -94,7 +94,7 @@ class ClusterSpec:
             for job_def in cluster.job:
                 name = _job_name(job_def.name)
                 self._cluster_spec[name] = {
-                    i: _address(name, a) for i, a in job_def.tasks.items()}
+                    _task_index(i): _address(name, a) for i, a in job_def.tasks.items()}
         elif isinstance(cluster, ClusterSpec):
             self._cluster_def = ClusterDef()
             self._cluster_def.MergeFrom(cluster.as_cluster_def())

@@ -78,6 +78,17 @@ _responses = codec.HeaderCache()
 Serve = Callable[[list[Buffer]], Frame]
 
 
+
+def _cluster_of(cluster_def: Any) -> ClusterSpec:
+    """The cluster a request or a peer's answer carries; a malformed one (a bad job name,
+    address or task index) is the sender's error, not this task's."""
+    try:
+        return ClusterSpec(cluster_def)
+    except ValueError as err:
+        raise errors.InvalidArgumentError(
+            f"The cluster in the request is malformed: {err} Send a ClusterDef whose job "
+            "names, task indices and host:port addresses ClusterSpec accepts.") from None
+
 @dataclass
 class _Stored:
     header: bytes  # the serialized get response, built once at put
@@ -177,13 +188,13 @@ class ClusterService:
                           cluster=view.cluster.as_cluster_def())
         with self._silence_is_unreachable(address, request.method):
             response, _ = self._peers.send(address, request, timeout=timeout)
-        return View.of(response.membership.version, ClusterSpec(response.membership.cluster))
+        return View.of(response.membership.version, _cluster_of(response.membership.cluster))
 
     def _heartbeat(self, request: Request) -> Frame:
         sender = (request.from_task.job, request.from_task.index) \
             if request.HasField("from_task") else None
         view = self.membership.receive(
-            View.of(request.membership_version, ClusterSpec(request.cluster)), sender)
+            View.of(request.membership_version, _cluster_of(request.cluster)), sender)
         return Frame(Response(membership=MembershipView(
             version=view.version, cluster=view.cluster.as_cluster_def())).SerializeToString(),
             [])
@@ -350,14 +361,14 @@ class ClusterService:
         if method.startswith("barrier"):
             return self._barrier_request(request)
         if method == "complete_cluster":
-            self.complete_cluster(ClusterSpec(request.cluster))
+            self.complete_cluster(_cluster_of(request.cluster))
             return value_response(None)
         if method == "update_cluster":
             if not self.membership.allow_changes:
                 raise errors.PermissionDeniedError(
                     f"update_cluster: {self.name} takes membership changes from clients only "
                     f"when its operator enables them: {CHANGES_FIX}.")
-            return value_response(self.update_cluster(ClusterSpec(request.cluster)))
+            return value_response(self.update_cluster(_cluster_of(request.cluster)))
         if method == "status":
             return Frame(Response(task_status=self.status()).SerializeToString(), [])
         if method == "heartbeat":

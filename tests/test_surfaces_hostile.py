@@ -178,7 +178,8 @@ def elastic_task():
 
 def _status(target: str, config: dict[str, str]) -> None:
     with clusterwire.Session(target, config=config, timeout=10) as session:
-        assert session.status()["task"] == "/job:w/task:0"
+        status = session.status()
+        assert (status["job"], status["task_index"]) == ("w", 0)
 
 
 class TestMembership(SurfaceSuite):
@@ -186,11 +187,6 @@ class TestMembership(SurfaceSuite):
     TestTaskServer already."""
 
     floods = ()
-    known_failures = {
-        "test_huge_and_malformed_fields": "issue 29 (found by this kit): a heartbeat or "
-        "update_cluster whose cluster has an invalid job name, a malformed address or a "
-        "negative task index is an InternalError with a traceback (ClusterSpec's ValueError)",
-    }
 
     @pytest.fixture(scope="class")
     def surface(self, elastic_task, client_config) -> Surface:
@@ -213,12 +209,6 @@ def _scrape(url: str) -> None:
 
 
 class TestMetricsEndpoint(SurfaceSuite):
-    known_failures = {
-        f"test_tokenless_flood[{kind}]": "issue 29 (found by this kit): the endpoint listens "
-        "with socketserver's backlog of 5; a flood of connects fills it and a scraper's SYN "
-        "waits for its retransmit (a scrape took 1.02 s)"
-        for kind in ("silent", "reconnecting", "garbage", "h2_preface")}
-
     @pytest.fixture(scope="class")
     def surface(self, task_process, metrics_port) -> Surface:
         url = f"http://127.0.0.1:{metrics_port}/metrics"
@@ -294,8 +284,6 @@ def _dispatcher_show(text: str, config: dict[str, str]) -> str:
 
 class TestDispatcher(SurfaceSuite):
     known_failures = {
-        "test_huge_and_malformed_fields": "issue 29 (found by this kit): an unknown "
-        "sharding_policy in get_or_create_job is an InternalError with a traceback",
         "test_tokenless_flood[health_names]":
             "issue 29: health Watch on huge invented names, being fixed",
     }

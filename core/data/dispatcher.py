@@ -60,7 +60,7 @@ from clusterwire.data.journal import (
     remove_payload,
     write_payload,
 )
-from clusterwire.data.modes import STATIC_POLICIES, ShardingPolicy, mode_name
+from clusterwire.data.modes import STATIC_POLICIES, ShardingPolicy, mode_name, policy_of
 from clusterwire.data.monitoring import Monitoring
 from clusterwire.data.pipeline import INFINITE, split_plan
 from clusterwire.data.position import check_offset, split_limit
@@ -373,7 +373,7 @@ class DispatchServer:
         return response, record.buffers
 
     def _on_get_or_create_job(self, request, _buffers):
-        policy = ShardingPolicy(request.sharding_policy)
+        policy = policy_of(request.sharding_policy)
         with self._cond:
             record = self._dataset(request.dataset_id)
             if request.resume_group:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
+from clusterwire import errors
 from clusterwire.addressing import split_host_port, split_target
 
 
@@ -52,6 +53,16 @@ def sharding_policy(processing_mode: Any) -> ShardingPolicy:
         "tf.data service processing mode should be a "
         "`tf.data.experimental.service.ShardingPolicy`, `\"parallel_epochs\"`, or "
         f"`\"distributed_epoch\"`. Got {processing_mode!r}.")
+
+
+def policy_of(value: int) -> ShardingPolicy:
+    """The ShardingPolicy a request names; InvalidArgumentError for a number that is none."""
+    try:
+        return ShardingPolicy(value)
+    except ValueError:
+        raise errors.InvalidArgumentError(
+            f"Unknown sharding policy {value}: a request names one of "
+            f"{', '.join(f'{p.name} ({p.value})' for p in ShardingPolicy)}.") from None
 
 
 def mode_name(policy: int) -> str:

@@ -38,6 +38,9 @@ from clusterwire.shell import listen_options, warn_if_exposed
 TIMEOUT_S = 5.0
 #: Connections served at once.
 MAX_CONNECTIONS = 16
+#: Connections the kernel holds for the accept loop (socketserver's default of 5 left a
+#: scrape waiting for SYN retries behind a flood of connects).
+ACCEPT_BACKLOG = 1024
 
 _lock = threading.Lock()
 _endpoints: dict[tuple[str, int], MetricsEndpoint] = {}
@@ -102,6 +105,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 class _HttpServer(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = ACCEPT_BACKLOG
     endpoint: MetricsEndpoint
 
     def __init__(self, address: tuple[str, int], context: ssl.SSLContext | None):
