@@ -453,6 +453,43 @@ def test_parse_semantics_tf_keeps():
     assert single == {"s": b"a\x00", "t": b"d"}
 
 
+def length_delimited(field: int, payload: bytes) -> bytes:
+    assert len(payload) < 128  # one-byte lengths keep the hand-made records short
+    return bytes([field << 3 | 2, len(payload)]) + payload
+
+
+def float_example(float_list: bytes) -> bytes:
+    """An Example whose feature "f" has the FloatList bytes ``float_list``, made by hand."""
+    feature = length_delimited(2, float_list)
+    entry = length_delimited(1, b"f") + length_delimited(2, feature)
+    return length_delimited(1, length_delimited(1, entry))
+
+
+def test_float_lists_in_every_wire_form():
+    """Packed (TF's form), split into several packed chunks, unpacked, and mixed: the parser
+    takes the packed bytes straight, and an unpacked list through the typed schema."""
+    values = [1.5, -2.0, 3.25, 0.0]
+    packed = [struct.pack("<f", v) for v in values]
+    unpacked = [b"\x0d" + p for p in packed]  # field 1, wire type 5 (32-bit)
+    forms = {
+        "packed": length_delimited(1, b"".join(packed)),
+        "chunks": length_delimited(1, b"".join(packed[:1])) + length_delimited(1, b"".join(
+            packed[1:])),
+        "unpacked": b"".join(unpacked),
+        "mixed": length_delimited(1, b"".join(packed[:2])) + b"".join(unpacked[2:]),
+    }
+    spec = {"f": FixedLenFeature([4], "float32")}
+    for form, float_list in forms.items():
+        record = float_example(float_list)
+        typed = Example.FromString(record).features.feature["f"].float_list.value
+        assert list(typed) == values, form
+        np.testing.assert_array_equal(parse_example([record], spec)["f"], [values], err_msg=form)
+        var = parse_single_example(record, {"f": VarLenFeature("float32")})["f"]
+        np.testing.assert_array_equal(var.values, values, err_msg=form)
+    with pytest.raises(InvalidArgumentError, match="'f' of example 0 .*float list of 5 bytes"):
+        parse_example([float_example(length_delimited(1, b"\x00" * 5))], spec)
+
+
 # ---- TensorFlow reads what clusterwire wrote (a developer check: CI has no TF) ---------
 
 

@@ -7,12 +7,14 @@ gives, as numpy: a fixed-length feature is an array of shape ``[batch] + shape``
 ``SparseTensorValue(indices, values, dense_shape)`` as TF's ``SparseTensor``.
 
 The records are decoded by protobuf's C parser (upb) from the schema in
-``clusterwire/protos/example.proto``, TF's field numbers and types: the wire format's
-corner cases (packed or unpacked lists, repeated map entries where the last wins,
-unknown fields) are the parser's, not re-implemented here. TF's rules are kept: an
-empty list counts as present (so a ``FixedLenFeature`` wants its full count even
-with a default), a feature with no list kind set counts as missing, a list of the
-wrong kind is an error even when empty, and a default must have the feature's shape.
+``clusterwire/protos/example.proto``, TF's field numbers: the wire format's corner cases
+(repeated map entries where the last wins, unknown fields, lists split in chunks) are
+the parser's. Float lists are taken as their packed bytes (``PackedExample``, see the
+.proto) straight into numpy; one written unpacked goes through the typed schema.
+TF's rules are kept: an empty list counts as present (so a ``FixedLenFeature`` wants
+its full count even with a default), a feature with no list kind set counts as
+missing, a list of the wrong kind is an error even when empty, and a default must
+have the feature's shape.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 from google.protobuf.message import DecodeError
+from google.protobuf.unknown_fields import UnknownFieldSet
 
 from clusterwire.errors import InvalidArgumentError
-from clusterwire.protos.example_pb2 import Example
+from clusterwire.protos.example_pb2 import FloatList, PackedExample
 
 # The three value kinds of an Example: dtype name -> (Feature's oneof field, numpy dtype).
 _KINDS = {
@@ -148,15 +151,27 @@ def _default(key: str, value: Any, name: str, shape: tuple[int, ...], size: int)
 
 def _decode(record: Any, index: int) -> Any:
     try:
-        example = Example.FromString(record)
+        example = PackedExample.FromString(record)
     except (DecodeError, TypeError) as error:
         raise InvalidArgumentError(
             f"example {index} is not a serialized tf.train.Example ({error})") from None
     return example.features.feature
 
 
+def _floats(spec: _Spec, packed: Any, index: int) -> np.ndarray:
+    if len(UnknownFieldSet(packed)):  # written unpacked: read through the typed schema
+        return np.array(FloatList.FromString(packed.SerializeToString()).value, np.float32)
+    chunks = packed.chunks
+    data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    if len(data) % 4:
+        raise InvalidArgumentError(
+            f"feature {spec.key!r} of example {index} is not a valid tf.train.Feature: a "
+            f"packed float list of {len(data)} bytes")
+    return np.frombuffer(data, "<f4")
+
+
 def _values(spec: _Spec, feature: Any, index: int) -> Any | None:
-    """The feature's list of values, or None when it is missing."""
+    """The feature's values (an array, or bytes objects for strings), None when missing."""
     if feature is None:
         return None
     kind = feature.WhichOneof("kind")
@@ -166,6 +181,8 @@ def _values(spec: _Spec, feature: Any, index: int) -> Any | None:
         raise InvalidArgumentError(
             f"feature {spec.key!r} of example {index}: data types don't match: the Example "
             f"holds {_KIND_NAMES[kind]} values, the spec asks for {_KIND_NAMES[spec.kind]}")
+    if kind == "float_list":
+        return _floats(spec, feature.float_list, index)
     return getattr(feature, kind).value
 
 
