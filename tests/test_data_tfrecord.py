@@ -217,6 +217,11 @@ def test_bad_arguments(tmp_path):
         TFRecordWriter(tmp_path / "no-dir" / "x.tfrecord")
     assert list(TFRecordReader(FIXTURES / "records.tfrecord", "")) == \
         make_fixtures.records(False)
+    with TFRecordWriter(tmp_path / "w") as writer:
+        with pytest.raises(InvalidArgumentError, match="bytes, not str"):
+            writer.write("text")
+        writer.write(np.arange(3, dtype=np.uint8))  # any bytes-like value
+    assert list(TFRecordReader(tmp_path / "w")) == [b"\x00\x01\x02"]
 
 
 # ---- Damage: DataLossError with the file and offset, every record before it delivered ---

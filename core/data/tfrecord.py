@@ -95,8 +95,13 @@ class TFRecordWriter:
         file.write(data if self._deflate is None else self._deflate.compress(data))
 
     def write(self, record: bytes | bytearray | memoryview) -> None:
-        """Appends one record."""
-        header, footer = encode_record(record)
+        """Appends one record (any bytes-like value)."""
+        try:
+            header, footer = encode_record(record)
+        except TypeError:
+            raise InvalidArgumentError(
+                f"a TFRecord record is bytes, not {type(record).__name__} (encode a str "
+                "first)") from None
         self._emit(header)
         self._emit(record)
         self._emit(footer)
@@ -131,18 +136,20 @@ class _PlainSource:
 
     def __init__(self, file: BinaryIO):
         self._file = file
-        self._size = os.fstat(file.fileno()).st_size
+        self._unread = os.fstat(file.fileno()).st_size
 
-    def remaining(self, position: int) -> int | None:
-        return self._size - position
+    def remaining(self) -> int | None:
+        """Bytes left in the file."""
+        return self._unread
 
-    def read(self, n: int, position: int) -> bytes:
+    def read(self, n: int) -> bytes:
         data = self._file.read(n)
         while len(data) < n:  # an unbuffered read may come back short
             more = self._file.read(n - len(data))
             if not more:
                 break
             data += more
+        self._unread -= len(data)
         return data
 
 
@@ -165,22 +172,23 @@ class _InflatingSource:
         self._parts: list[bytes] = []  # decompressed bytes not yet consumed, in order
         self._skip = 0  # bytes of _parts[0] already consumed
         self._buffered = 0  # decompressed bytes in _parts beyond _skip
+        self._produced = 0  # decompressed bytes zlib gave so far
         self._ended = False  # the file is exhausted and its last stream complete
 
-    def remaining(self, position: int) -> int | None:
+    def remaining(self) -> int | None:
         return None  # unknown before inflating
 
-    def _error(self, what: str, position: int) -> DataLossError:
+    def _error(self, what: str) -> DataLossError:
         return DataLossError(
-            f"TFRecord file {self._path!r}: {what} (at decompressed offset "
-            f"{position + self._buffered})")
+            f"TFRecord file {self._path!r}: {what} (at decompressed offset {self._produced})")
 
     def _add(self, data: bytes) -> None:
         if data:
             self._parts.append(data)
             self._buffered += len(data)
+            self._produced += len(data)
 
-    def _fill(self, want: int, position: int) -> None:
+    def _fill(self, want: int) -> None:
         while self._buffered < want and not self._ended:
             if not self._input:
                 self._input = memoryview(self._file.read(self._chunk))
@@ -188,30 +196,28 @@ class _InflatingSource:
                 try:
                     self._add(self._inflate.flush())  # what zlib still holds
                 except zlib.error as error:
-                    raise self._error(f"the compressed stream is corrupt: {error}",
-                                      position) from None
+                    raise self._error(f"the compressed stream is corrupt: {error}") from None
                 if not self._inflate.eof:
                     raise self._error("the compressed stream is truncated: the file ends "
-                                      "before the stream's end marker", position)
+                                      "before the stream's end marker")
                 self._ended = True
                 return
             if self._inflate.eof:  # another gzip member follows, as `cat a.gz b.gz` makes
                 if not self._gzip:
-                    raise self._error("bytes follow the end of the ZLIB stream", position)
+                    raise self._error("bytes follow the end of the ZLIB stream")
                 self._inflate = zlib.decompressobj(self._wbits)
             feed = self._input[:_FEED]
             try:
                 self._add(self._inflate.decompress(feed, max(want - self._buffered, _FEED)))
             except zlib.error as error:
-                raise self._error(f"the compressed stream is corrupt: {error}",
-                                  position) from None
+                raise self._error(f"the compressed stream is corrupt: {error}") from None
             # At the stream's end CPython may leave the same leftover in both attributes.
             left = len(self._inflate.unused_data if self._inflate.eof
                        else self._inflate.unconsumed_tail)
             self._input = self._input[len(feed) - left:]
 
-    def read(self, n: int, position: int) -> bytes:
-        self._fill(n, position)
+    def read(self, n: int) -> bytes:
+        self._fill(n)
         n = min(n, self._buffered)
         if n == 0:
             return b""
@@ -285,7 +291,7 @@ class TFRecordReader:
             raise
 
     def _next_record(self) -> bytes:
-        header = self._source.read(_HEADER.size, self.offset)
+        header = self._source.read(_HEADER.size)
         if not header:
             self.close()
             raise StopIteration
@@ -294,13 +300,12 @@ class TFRecordReader:
         length, length_crc = _HEADER.unpack(header)
         if masked(header[:8]) != length_crc:
             raise self._damaged("corrupt length (CRC-32C mismatch)")
-        remaining = self._source.remaining(self.offset + _HEADER.size)
+        remaining = self._source.remaining()
         if remaining is not None and length + _FOOTER.size > remaining:
             raise self._damaged(
                 f"truncated data ({length} + 4 bytes announced, {remaining} left in the file)")
-        data = self._source.read(length, self.offset + _HEADER.size)
-        footer = (self._source.read(_FOOTER.size, self.offset + _HEADER.size + length)
-                  if len(data) == length else b"")
+        data = self._source.read(length)
+        footer = self._source.read(_FOOTER.size) if len(data) == length else b""
         if len(footer) < _FOOTER.size:
             raise self._damaged(
                 f"truncated data ({length} + 4 bytes announced, {len(data) + len(footer)} read)")
