@@ -2,7 +2,8 @@
 
 A dataset names its functions as ``module:qualname`` and its files as paths; both come from
 whichever client reached the dispatcher. A worker runs a function only if the operator allowed
-it, and reads a file only under a directory the operator configured:
+it, and reads a file only under a directory or URL prefix the operator configured
+(``clusterwire.data.filesystems`` holds that rule):
 
 * functions registered with ``@clusterwire.data.function`` in a module the worker's process
   imported (``clusterwire worker --import MODULE``);
@@ -19,12 +20,12 @@ imports a module because a request names it: importing runs the module's code.
 from __future__ import annotations
 
 import importlib
-import os
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import numpy as np
 
+from clusterwire.data.filesystems import check_prefixes, resolve_readable
 from clusterwire.errors import InvalidArgumentError, NotFoundError, PermissionDeniedError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -82,25 +83,13 @@ def _check_modules(modules: Iterable[str]) -> tuple[str, ...]:
     return tuple(checked)
 
 
-def _check_dirs(dirs: Iterable[str]) -> tuple[str, ...]:
-    resolved = []
-    for directory in dirs:
-        if not isinstance(directory, str) or not directory:
-            raise InvalidArgumentError(f"readable_dirs takes directory paths, got {directory!r}.")
-        real = os.path.realpath(directory)
-        if not os.path.isdir(real):
-            raise NotFoundError(f"readable_dirs names {directory!r}, which is not a directory.")
-        resolved.append(real)
-    return tuple(resolved)
-
-
 class WorkerPermissions:
     """The functions and directories one worker allows (see the module docstring)."""
 
     def __init__(self, function_modules: Iterable[str] = (),
                  readable_dirs: Iterable[str] = ()):
         self.function_modules = _check_modules(function_modules)
-        self.readable_dirs = _check_dirs(readable_dirs)
+        self.readable_dirs = check_prefixes(readable_dirs)
         for module in self.function_modules:
             try:
                 importlib.import_module(module)
@@ -133,16 +122,9 @@ class WorkerPermissions:
             f"Function {name!r} is not allowed on this tf.data service worker. " + _HOW_TO_ALLOW)
 
     def path(self, path: str) -> str:
-        """``path`` resolved (links and ``..`` followed) if it lies under a readable dir."""
-        real = os.path.realpath(path)
-        for directory in self.readable_dirs:
-            if os.path.commonpath((real, directory)) == directory:
-                return real
-        where = ", ".join(self.readable_dirs) or "none are configured"
-        raise PermissionDeniedError(
-            f"This tf.data service worker does not read {path!r}: from_files reads only under "
-            f"the worker's readable_dirs ({where}). Add the directory with "
-            "WorkerConfig(readable_dirs=[...]) (--readable-dir DIR).")
+        """``path`` made canonical (links and ``..`` resolved, or a canonical URL) if it lies
+        under a readable dir or URL prefix; PermissionDeniedError else (filesystems' rule)."""
+        return resolve_readable(path, self.readable_dirs)
 
 
 def _module_function(module: str, qualname: str) -> Callable[..., Any] | None:
