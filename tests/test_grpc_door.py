@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import threading
+import time
 from collections.abc import Iterator
 
 import grpc
 import pytest
 from conftest import wait_for
 
+from clusterwire import errors
 from clusterwire.security import Security
 from clusterwire.testing.peer import echo_handler
 from clusterwire.transport import Frame, ListenOptions
@@ -89,3 +92,37 @@ def test_a_connection_that_called_without_the_token_is_closed_first():
                     newest.close()
         finally:
             silent.close()
+
+
+def test_a_first_call_waiting_for_a_thread_past_the_handshake_timeout_is_answered():
+    """Sixteen new token holders at once, on a server with one thread for their calls:
+    the last first calls start long after handshake_timeout_seconds and are still
+    answered (the door closes only connections that called without the token)."""
+    def slow(frame: Frame) -> Frame:
+        time.sleep(0.2)  # the handler's work: 16 calls on one thread take 3.2 s
+        return echo_handler(frame)
+
+    listener = GrpcTransport().listen("127.0.0.1:0", slow, ListenOptions(
+        security=Security(token=TOKEN), max_workers=2, small_call_reserve=1,
+        handshake_timeout_seconds=0.5))
+    listener.start()
+    outcomes: list[object] = []
+
+    def first_call() -> None:
+        channel = GrpcTransport().connect(listener.address, Security(token=TOKEN))
+        try:
+            outcomes.append(bytes(channel.call(Frame(b"x", [b"8 bytes!"]), 30).buffers[0]))
+        except errors.OpError as err:
+            outcomes.append(err)
+        finally:
+            channel.close()
+
+    callers = [threading.Thread(target=first_call) for _ in range(16)]
+    try:
+        for caller in callers:
+            caller.start()
+        for caller in callers:
+            caller.join(60)
+    finally:
+        listener.stop(0)
+    assert outcomes == [b"8 bytes!"] * 16

@@ -5,10 +5,13 @@ token that keeps reconnecting could hold that quota and lock token holders out. 
 no accept hook in Python, but it applies a *socket mutator* (``grpc.socket_mutator``, a C
 struct passed as a pointer argument) to every socket it accepts: ``Door`` is one, built
 with ctypes, that records each accepted connection. From then on the connection is pending
-(``clusterwire.pending``): at most ``max_pending_connections`` are, a new one beyond that
-closing the oldest of the peer (IP address) holding the most, and one that has not shown
-the token by ``handshake_timeout_seconds`` after its accept is closed. A call that shows
-the token (``authenticated``) ends its connection's pending state.
+(``clusterwire.pending``) for ``handshake_timeout_seconds``: at most
+``max_pending_connections`` are, a new one beyond that closing first one whose call came
+without the token (``refused``), else the oldest of the peer (IP address) holding the most.
+A call that shows the token (``authenticated``) ends its connection's pending state. At the
+deadline, a connection that called without the token is closed; one that made no call is
+left to gRPC's own limits, which close it at the same deadline if it is silent
+(``connection_args``) and keep it if its first call is waiting for a server thread.
 
 The door closes a connection with ``shutdown`` on a duplicate of gRPC's descriptor, taken
 only after checking that it still is the socket accepted (same inode): gRPC sees the
@@ -196,12 +199,14 @@ class Door:
             _shut(evicted)
 
     def _reap(self) -> None:
-        """Close the connections still pending at their deadline."""
+        """Forget the connections pending at their deadline; close those that called
+        without the token."""
         while True:
             with self._lock:
                 if self._closed:
                     return
                 expired = self._pending.expire(time.monotonic())
+                closing = [c for c in expired if c in self._tokenless]
                 for connection in expired:
                     del self.pending[connection.peer]
                     self._tokenless.pop(connection, None)
@@ -209,7 +214,7 @@ class Door:
                     deadline = self._pending.next_deadline()
                     self._lock.wait(None if deadline is None else deadline - time.monotonic())
                     continue
-            for connection in expired:
+            for connection in closing:
                 _shut(connection)
 
 

@@ -86,9 +86,8 @@ class HealthService:
         serialize = health_pb2.HealthCheckResponse.SerializeToString
 
         def check(requests: Iterator[bytes], context: grpc.ServicerContext):
-            status = self._asked(requests, context)[1]
-            self._authenticated(context)  # tells the door either way
-            return health_pb2.HealthCheckResponse(status=status)
+            self._authenticated(context)  # tells the door, before the request is read
+            return health_pb2.HealthCheckResponse(status=self._asked(requests, context)[1])
 
         def watch(requests: Iterator[bytes], context: grpc.ServicerContext, send: _Send):
             self._watch(requests, context, send)
@@ -167,9 +166,9 @@ class HealthService:
 
     def _watch(self, requests: Iterator[bytes], context: grpc.ServicerContext,
                send: _Send) -> None:
+        authenticated = self._authenticated(context)  # the door is told before the read
         name, _ = self._asked(requests, context)
         watch = _Watch(context, name, send)
-        authenticated = self._authenticated(context)
         evicted = None
         with self._sending:
             with self._lock:
