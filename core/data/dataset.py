@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from clusterwire.data import pipeline
+from clusterwire.data.ops import batching, nested, sources, stateful
 from clusterwire.data.pipeline import (
     Batch,
     Enumerate,
@@ -35,6 +36,7 @@ from clusterwire.data.pipeline import (
     Take,
     Unbatch,
 )
+from clusterwire.errors import InvalidArgumentError
 
 
 def _positive_int(value: Any, name: str, allow: tuple[int, ...] = ()) -> int:
@@ -51,6 +53,41 @@ def _int(value: Any, name: str) -> int:
     raise ValueError(f"`{name}` must be an int, got {value!r}")
 
 
+def _count(value: Any, name: str, fix: str, minimum: int = 1,
+           allow: tuple[int, ...] = ()) -> int:
+    """``value`` as an int >= ``minimum`` (or one of ``allow``); InvalidArgumentError naming
+    ``name`` and ``fix`` otherwise."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and (
+            value >= minimum or value in allow):
+        return int(value)
+    raise InvalidArgumentError(f"`{name}` must be an int >= {minimum}, got {value!r}. {fix}")
+
+
+def _datasets(structure: Any, name: str) -> tuple[Any, list[Pipeline]]:
+    """(``structure`` with each Dataset replaced by its index, the Datasets' pipelines)."""
+    pipes: list[Pipeline] = []
+
+    def index(part: Any) -> Any:
+        if isinstance(part, Dataset):
+            pipes.append(part.pipeline)
+            return len(pipes) - 1
+        if isinstance(part, tuple):
+            return tuple(index(p) for p in part)
+        if isinstance(part, dict):
+            return {k: index(v) for k, v in part.items()}
+        fix = " Use a tuple instead of a list." if isinstance(part, list) else ""
+        raise InvalidArgumentError(
+            f"`{name}` must be a Dataset or a (nested) tuple or dict of Datasets; it holds "
+            f"{type(part).__name__}.{fix}")
+    return index(structure), pipes
+
+
+def _function(fn: Any, name: str) -> Any:
+    if not callable(fn):
+        raise InvalidArgumentError(f"`{name}` must be callable, got {fn!r:.80}.")
+    return fn
+
+
 def _slices(tensors: Any) -> Any:
     if isinstance(tensors, tuple):
         return tuple(_slices(t) for t in tensors)
@@ -64,6 +101,24 @@ def _slices(tensors: Any) -> Any:
         raise ValueError("from_tensor_slices needs tensors with at least one dimension to "
                          "slice; got a scalar.")
     return array
+
+
+def _values(padding_values: Any) -> Any:
+    return None if padding_values is None else pipeline.normalize(padding_values)
+
+
+def _shapes(padded_shapes: Any) -> Any:
+    """``padded_shapes`` with each shape a list (tuples and dicts are structure)."""
+    if padded_shapes is None or isinstance(padded_shapes, list):
+        return padded_shapes
+    if isinstance(padded_shapes, tuple):
+        return tuple(_shapes(s) for s in padded_shapes)
+    if isinstance(padded_shapes, dict):
+        return {k: _shapes(v) for k, v in padded_shapes.items()}
+    if isinstance(padded_shapes, np.ndarray):
+        return padded_shapes.tolist()
+    raise InvalidArgumentError(f"`padded_shapes` takes a list of sizes (None: the largest) per "
+                               f"component, got {padded_shapes!r:.80}.")
 
 
 class Dataset:
@@ -113,6 +168,71 @@ class Dataset:
         if not paths:
             raise ValueError("from_files needs at least one file.")
         return Dataset(FilesSource(paths))
+
+    @staticmethod
+    def from_tensors(tensors: Any) -> Dataset:
+        """One element: ``tensors`` (arrays, tuples and dicts of them) as numpy."""
+        return Dataset(sources.TensorsSource(pipeline.normalize(tensors)))
+
+    @staticmethod
+    def counter(start: int = 0, step: int = 1, dtype: Any = np.int64) -> Dataset:
+        """``start``, ``start + step``, ... forever, of ``dtype``."""
+        kind = np.dtype(dtype)
+        if kind.kind not in "iuf":
+            raise InvalidArgumentError(f"`dtype` of counter must be numeric, got {kind}.")
+        return Dataset(sources.CounterSource(_int(start, "start"), _int(step, "step"),
+                                             kind.name))
+
+    @staticmethod
+    def zip(*args: Any, datasets: Any = None) -> Dataset:
+        """The elements of ``datasets`` (a tuple or dict of Datasets, nested or not; or the
+        Datasets as arguments) side by side, until the shortest ends."""
+        if datasets is not None and args:
+            raise InvalidArgumentError("zip takes its Datasets as arguments or as "
+                                       "`datasets`, not both.")
+        if datasets is None:
+            if not args:
+                raise InvalidArgumentError("zip needs Datasets: zip(a, b) or "
+                                           "zip(datasets=(a, b)).")
+            datasets = args[0] if len(args) == 1 else tuple(args)
+        structure, pipes = _datasets(datasets, "datasets")
+        return Dataset(sources.ZipSource(structure, tuple(pipes)))
+
+    @staticmethod
+    def choose_from_datasets(datasets: Sequence[Dataset], choice_dataset: Dataset,
+                             stop_on_empty_dataset: bool = True) -> Dataset:
+        """The next element of ``datasets[i]`` for each ``i`` (an int64 scalar) of
+        ``choice_dataset``; a chosen Dataset that has ended ends this one with
+        ``stop_on_empty_dataset``, else its choices are skipped."""
+        _, pipes = _datasets(tuple(datasets), "datasets")
+        if not pipes:
+            raise InvalidArgumentError("choose_from_datasets needs at least one Dataset in "
+                                       "`datasets`.")
+        if not isinstance(choice_dataset, Dataset):
+            raise InvalidArgumentError(f"`choice_dataset` must be a Dataset of int64 scalars, "
+                                       f"got {type(choice_dataset).__name__}.")
+        return Dataset(sources.ChooseSource(bool(stop_on_empty_dataset),
+                                            (choice_dataset.pipeline, *pipes)))
+
+    @staticmethod
+    def sample_from_datasets(datasets: Sequence[Dataset], weights: Sequence[float] | None = None,
+                             seed: int | None = None, stop_on_empty_dataset: bool = False,
+                             rerandomize_each_iteration: bool | None = None) -> Dataset:
+        """Each element from one of ``datasets`` drawn at random with ``weights`` (default:
+        uniform); a ``seed`` fixes the draws. An ended Dataset is skipped from then on (or,
+        with ``stop_on_empty_dataset``, ends this one)."""
+        _, pipes = _datasets(tuple(datasets), "datasets")
+        if not pipes:
+            raise InvalidArgumentError("sample_from_datasets needs at least one Dataset in "
+                                       "`datasets`.")
+        chosen = [1.0] * len(pipes) if weights is None else [float(w) for w in weights]
+        if len(chosen) != len(pipes) or any(not w >= 0 for w in chosen) or sum(chosen) <= 0:
+            raise InvalidArgumentError(
+                f"`weights` must be one non-negative weight per Dataset ({len(pipes)}) with a "
+                f"positive sum, got {weights!r}.")
+        return Dataset(sources.SampleSource(
+            tuple(chosen), None if seed is None else _int(seed, "seed"),
+            bool(stop_on_empty_dataset), bool(rerandomize_each_iteration), tuple(pipes)))
 
     @staticmethod
     def from_generator(generator: Callable[..., Iterator[Any]], args: Sequence[Any] | None = None
@@ -174,6 +294,141 @@ class Dataset:
     def enumerate(self, start: int = 0) -> Dataset:
         """``(index, element)`` pairs, the index an int64 counting from ``start``."""
         return self._with(Enumerate(_int(start, "start")))
+
+    def concatenate(self, dataset: Dataset) -> Dataset:
+        """This dataset's elements, then ``dataset``'s."""
+        if not isinstance(dataset, Dataset):
+            raise InvalidArgumentError(f"`dataset` must be a Dataset, got "
+                                       f"{type(dataset).__name__}.")
+        return self._with(nested.Concatenate((dataset.pipeline,)))
+
+    def flat_map(self, map_func: Callable[..., Dataset]) -> Dataset:
+        """The elements of the Dataset ``map_func`` returns for each element, in order."""
+        return self._with(nested.FlatMap(_function(map_func, "map_func")))
+
+    def interleave(self, map_func: Callable[..., Dataset], cycle_length: int | None = None,
+                   block_length: int | None = None, num_parallel_calls: int | None = None,
+                   deterministic: bool | None = None) -> Dataset:
+        """The Datasets ``map_func`` returns, ``cycle_length`` open at once (None: the CPU
+        count), ``block_length`` (None: 1) elements from each in turn. With
+        ``num_parallel_calls`` (an int or AUTOTUNE) threads read ahead of the consumer;
+        ``deterministic=False`` lets a ready Dataset go before a slower one."""
+        fix = "Give a positive int (or AUTOTUNE)."
+        cycle = pipeline.AUTOTUNE if cycle_length is None else _count(
+            cycle_length, "cycle_length", fix, allow=(pipeline.AUTOTUNE,))
+        block = 1 if block_length is None else _count(block_length, "block_length",
+                                                      "Give a positive int.")
+        parallel = 0 if num_parallel_calls is None else _count(
+            num_parallel_calls, "num_parallel_calls", fix, allow=(pipeline.AUTOTUNE,))
+        return self._with(nested.Interleave(cycle, block, parallel, deterministic is not False,
+                                            _function(map_func, "map_func")))
+
+    def padded_batch(self, batch_size: int, padded_shapes: Any = None,
+                     padding_values: Any = None, drop_remainder: bool = False) -> Dataset:
+        """Batches of ``batch_size`` whose components are padded to ``padded_shapes`` (per
+        component a list of sizes, None or -1 for the batch's largest; None: the largest in
+        every dimension) with ``padding_values`` (default 0, b"" or False)."""
+        size = _count(batch_size, "batch_size", "Give a positive int.")
+        return self._with(batching.PaddedBatch(size, _shapes(padded_shapes),
+                                               _values(padding_values),
+                                               bool(drop_remainder)))
+
+    def bucket_by_sequence_length(
+            self, element_length_func: Callable[..., Any], bucket_boundaries: Sequence[int],
+            bucket_batch_sizes: Sequence[int], padded_shapes: Any = None,
+            padding_values: Any = None, pad_to_bucket_boundary: bool = False,
+            no_padding: bool = False, drop_remainder: bool = False) -> Dataset:
+        """Elements grouped into buckets by ``element_length_func``'s length (bucket ``i``:
+        ``bucket_boundaries[i-1] <= length < bucket_boundaries[i]``), batched
+        ``bucket_batch_sizes[i]`` at a time and padded (see ``padded_batch``)."""
+        boundaries = [_count(b, "bucket_boundaries", "Give increasing positive ints.")
+                      for b in bucket_boundaries]
+        if boundaries != sorted(set(boundaries)):
+            raise InvalidArgumentError(f"`bucket_boundaries` must increase, got {boundaries}.")
+        sizes = [_count(b, "bucket_batch_sizes", "Give positive ints.")
+                 for b in bucket_batch_sizes]
+        if len(sizes) != len(boundaries) + 1:
+            raise InvalidArgumentError(
+                f"`bucket_batch_sizes` must have len(bucket_boundaries) + 1 = "
+                f"{len(boundaries) + 1} entries (one per bucket), got {len(sizes)}.")
+        return self._with(batching.BucketBySequenceLength(
+            tuple(boundaries), tuple(sizes), _shapes(padded_shapes),
+            _values(padding_values), bool(pad_to_bucket_boundary), bool(no_padding),
+            bool(drop_remainder), _function(element_length_func, "element_length_func")))
+
+    def rebatch(self, batch_size: int | Sequence[int], drop_remainder: bool = False
+                ) -> Dataset:
+        """The rows of this dataset's batches in batches of ``batch_size`` (or of the sizes
+        of a list, in turn): what ``unbatch().batch(batch_size)`` gives, without the copies."""
+        sizes = list(batch_size) if isinstance(batch_size, (list, tuple, np.ndarray)) \
+            else [batch_size]
+        if not sizes:
+            raise InvalidArgumentError("`batch_size` of rebatch must not be empty.")
+        return self._with(batching.Rebatch(
+            tuple(_count(b, "batch_size", "Give a positive int (or a list of them).")
+                  for b in sizes), bool(drop_remainder)))
+
+    def window(self, size: int, shift: int | None = None, stride: int = 1,
+               drop_remainder: bool = False) -> Dataset:
+        """Windows of ``size`` elements, ``stride`` apart, starting every ``shift`` (default
+        ``size``) elements; each a Dataset (a structure of Datasets for structured
+        elements), for ``flat_map(lambda w: w.batch(size))`` and the like."""
+        size = _count(size, "size", "Give a positive int.")
+        step = size if shift is None else _count(shift, "shift", "Give a positive int.")
+        return self._with(batching.Window(size, step, _count(stride, "stride",
+                                                             "Give a positive int."),
+                                          bool(drop_remainder)))
+
+    def group_by_window(self, key_func: Callable[..., Any],
+                        reduce_func: Callable[[Any, Dataset], Dataset],
+                        window_size: int | None = None,
+                        window_size_func: Callable[[Any], Any] | None = None) -> Dataset:
+        """Elements grouped by ``key_func`` (an int64); each full window of a group
+        (``window_size``, or ``window_size_func(key)``; at the end, what is left) becomes
+        the elements of ``reduce_func(key, window_dataset)``."""
+        if (window_size is None) == (window_size_func is None):
+            raise InvalidArgumentError("group_by_window needs exactly one of `window_size` and "
+                                       "`window_size_func`.")
+        size = 0 if window_size is None else _count(window_size, "window_size",
+                                                    "Give a positive int.")
+        return self._with(batching.GroupByWindow(
+            size, _function(key_func, "key_func"), _function(reduce_func, "reduce_func"),
+            None if window_size_func is None else _function(window_size_func,
+                                                            "window_size_func")))
+
+    def shard(self, num_shards: int, index: int) -> Dataset:
+        """Every ``num_shards``-th element, from the ``index``-th."""
+        shards = _count(num_shards, "num_shards", "Give the number of shards (> 0).")
+        where = _count(index, "index", f"Give 0 to {shards - 1} (num_shards - 1).", minimum=0)
+        if where >= shards:
+            raise InvalidArgumentError(f"`index` must be between 0 and {shards - 1} "
+                                       f"(num_shards - 1), got {where}.")
+        return self._with(stateful.Shard(shards, where))
+
+    def scan(self, initial_state: Any, scan_func: Callable[[Any, Any], tuple[Any, Any]]
+             ) -> Dataset:
+        """``scan_func(state, element)`` -> ``(new_state, output)``, from ``initial_state``."""
+        return self._with(stateful.Scan(pipeline.normalize(initial_state),
+                                        _function(scan_func, "scan_func")))
+
+    def take_while(self, predicate: Callable[..., Any]) -> Dataset:
+        """The elements until ``predicate`` is first false."""
+        return self._with(stateful.TakeWhile(_function(predicate, "predicate")))
+
+    def unique(self) -> Dataset:
+        """Each distinct element (int or string scalars) once, in first-seen order."""
+        return self._with(stateful.Unique())
+
+    def cache(self, filename: str = "") -> Dataset:
+        """Keep the first complete pass (in memory; or in the file ``filename``, kept for
+        later runs) and replay it on later passes (e.g. after ``repeat``)."""
+        if not isinstance(filename, (str, os.PathLike)):
+            raise InvalidArgumentError(f"`filename` must be a path or '', got {filename!r}.")
+        return self._with(stateful.Cache(os.fspath(filename)))
+
+    def ignore_errors(self, log_warning: bool = False) -> Dataset:
+        """Leave out the elements whose making raised (logging them with ``log_warning``)."""
+        return self._with(stateful.IgnoreErrors(bool(log_warning)))
 
     def apply(self, transformation_func: Callable[[Dataset], Dataset]) -> Dataset:
         """``transformation_func(self)``, e.g. ``apply(distribute(...))``."""

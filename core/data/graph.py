@@ -11,10 +11,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from clusterwire import codec
-from clusterwire.data import functions, pipeline
+from clusterwire.data import functions, ops, pipeline
 from clusterwire.data.permissions import WorkerPermissions
 from clusterwire.errors import InvalidArgumentError
-from clusterwire.protos.data_service_pb2 import DatasetDef, FunctionRef, OpDef
+from clusterwire.protos.data_service_pb2 import DatasetDef, FunctionRef, NodeDef, OpDef
 
 
 class _Payloads:
@@ -37,9 +37,31 @@ def _function(fn: Callable[..., Any], payloads: _Payloads) -> FunctionRef:
 def to_def(pipe: pipeline.Pipeline) -> tuple[DatasetDef, list[Any]]:
     """The DatasetDef of ``pipe`` and the buffers its payloads refer to."""
     payloads = _Payloads()
+    out = _pipeline_def(pipe, payloads)
+    header, buffers = codec.encode(payloads.items)
+    out.payloads.CopyFrom(header)
+    return out, buffers
+
+
+def _node_def(node: ops.Node, payloads: _Payloads) -> NodeDef:
+    return NodeDef(kind=node.kind, params=payloads.add(node.params()),
+                   fns=[_named(name, _function(fn, payloads))
+                        for name, fn in node.functions().items()],
+                   inputs=[_pipeline_def(p, payloads) for p in node.inputs_of()])
+
+
+def _named(field: str, ref: FunctionRef) -> FunctionRef:
+    # A node's functions travel as "field=reference" so optional ones can be left out.
+    ref.name = f"{field}={ref.name}"
+    return ref
+
+
+def _pipeline_def(pipe: pipeline.Pipeline, payloads: _Payloads) -> DatasetDef:
     out = DatasetDef()
     source = pipe.source
-    if isinstance(source, pipeline.RangeSource):
+    if isinstance(source, ops.Node):
+        out.source.node.CopyFrom(_node_def(source, payloads))
+    elif isinstance(source, pipeline.RangeSource):
         out.source.range.start, out.source.range.stop = source.start, source.stop
         out.source.range.step = source.step
     elif isinstance(source, pipeline.SlicesSource):
@@ -55,14 +77,14 @@ def to_def(pipe: pipeline.Pipeline) -> tuple[DatasetDef, list[Any]]:
             "workers (a distributed dataset cannot be distributed again).")
     for op in pipe.ops:
         out.ops.append(_op_def(op, payloads))
-    header, buffers = codec.encode(payloads.items)
-    out.payloads.CopyFrom(header)
-    return out, buffers
+    return out
 
 
 def _op_def(op: pipeline.Op, payloads: _Payloads) -> OpDef:
     out = OpDef()
-    if isinstance(op, pipeline.Map):
+    if isinstance(op, ops.Node):
+        out.node.CopyFrom(_node_def(op, payloads))
+    elif isinstance(op, pipeline.Map):
         out.map.fn.CopyFrom(_function(op.fn, payloads))
         out.map.num_parallel_calls = op.num_parallel_calls
     elif isinstance(op, pipeline.Filter):
@@ -93,12 +115,23 @@ def _op_def(op: pipeline.Op, payloads: _Payloads) -> OpDef:
 
 def check_no_pickled(dataset: DatasetDef) -> None:
     """InvalidArgumentError if ``dataset`` carries a pickled function."""
+    for ref in _function_refs(dataset):
+        if ref.pickled:
+            raise functions.not_allowed(ref.name)
+
+
+def _function_refs(dataset: DatasetDef) -> list[FunctionRef]:
+    """Every function of ``dataset``, in its nodes' input pipelines too."""
     refs = [dataset.source.generator.fn] if dataset.source.HasField("generator") else []
     refs += [op.map.fn if op.HasField("map") else op.filter for op in dataset.ops
              if op.HasField("map") or op.HasField("filter")]
-    for ref in refs:
-        if ref.pickled:
-            raise functions.not_allowed(ref.name)
+    nodes = [dataset.source.node] if dataset.source.HasField("node") else []
+    nodes += [op.node for op in dataset.ops if op.HasField("node")]
+    for node in nodes:
+        refs += node.fns
+        for child in node.inputs:
+            refs += _function_refs(child)
+    return refs
 
 
 def fingerprint(dataset: DatasetDef, buffers: Sequence[Any]) -> str:
@@ -124,39 +157,91 @@ def from_def(dataset: DatasetDef, buffers: Sequence[Any],
     cardinality (the dispatcher).
     """
     items = codec.decode(dataset.payloads, list(buffers)) if dataset.HasField("payloads") else []
+    guard = None if permissions is None else (
+        lambda pipe: from_def(*to_def(pipe), permissions, allow_cloudpickle))
+    return _Reader(items, permissions, allow_cloudpickle, guard).pipeline(dataset)
 
-    def payload(index: int) -> Any:
-        if not isinstance(items, list) or index >= len(items):
+
+class _Reader:
+    """Builds the pipelines of one DatasetDef (and of its nodes' inputs) from its payloads."""
+
+    def __init__(self, items: Any, permissions: WorkerPermissions | None,
+                 allow_cloudpickle: bool, guard: ops.Guard | None):
+        self.items, self.permissions = items, permissions
+        self.allow_cloudpickle, self.guard = allow_cloudpickle, guard
+
+    def payload(self, index: int) -> Any:
+        if not isinstance(self.items, list) or index >= len(self.items):
             raise InvalidArgumentError(f"Malformed dataset: payload {index} is missing.")
-        return items[index]
+        return self.items[index]
 
-    def function(ref: FunctionRef, what: str) -> Callable[..., Any]:
-        if permissions is None:
+    def function(self, ref: FunctionRef, what: str) -> Callable[..., Any]:
+        if self.permissions is None:
             return _unresolved
         if ref.pickled:
-            return functions.unpickle_function(bytes(payload(ref.payload)), allow_cloudpickle,
-                                               f"{ref.name} ({what})")
-        return permissions.function(ref.name)
+            return functions.unpickle_function(bytes(self.payload(ref.payload)),
+                                               self.allow_cloudpickle, f"{ref.name} ({what})")
+        return self.permissions.function(ref.name)
 
-    kind = dataset.source.WhichOneof("kind")
-    source: pipeline.Source
-    if kind == "range":
-        r = dataset.source.range
-        source = pipeline.RangeSource(r.start, r.stop, r.step)
-    elif kind == "slices":
-        source = pipeline.SlicesSource(payload(dataset.source.slices.payload))
-    elif kind == "files":
-        paths = tuple(dataset.source.files.paths)
-        if permissions is not None:
-            paths = tuple(permissions.path(p) for p in paths)
-        source = pipeline.FilesSource(paths)
-    elif kind == "generator":
-        g = dataset.source.generator
-        source = pipeline.GeneratorSource(function(g.fn, "generator"),
-                                          tuple(payload(g.args_payload)))
-    else:
-        raise InvalidArgumentError(f"Malformed dataset: unknown source {kind!r}.")
-    return pipeline.Pipeline(source, tuple(_op(op, function) for op in dataset.ops))
+    def node(self, node: NodeDef) -> ops.Node:
+        cls = ops.NODES.get(node.kind)
+        params = self.payload(node.params)
+        if cls is None or not isinstance(params, dict):
+            raise InvalidArgumentError(f"Malformed dataset: unknown node {node.kind!r}.")
+        fns = {}
+        for ref in node.fns:
+            field, sep, name = ref.name.partition("=")
+            if not sep:
+                raise InvalidArgumentError(f"Malformed dataset: function {ref.name!r} of "
+                                           f"{node.kind!r} names no field.")
+            named = FunctionRef()
+            named.CopyFrom(ref)
+            named.name = name
+            fns[field] = self.function(named, f"{node.kind} {field}")
+        inputs = tuple(self.pipeline(child) for child in node.inputs)
+        try:
+            built = cls.build(params, fns, inputs, self.guard)
+        except TypeError as err:
+            raise InvalidArgumentError(f"Malformed dataset: {node.kind!r}: {err}") from None
+        if self.permissions is not None:
+            built.check_on_worker()
+        return built
+
+    def pipeline(self, dataset: DatasetDef) -> pipeline.Pipeline:
+        permissions = self.permissions
+        kind = dataset.source.WhichOneof("kind")
+        source: pipeline.Source
+        if kind == "node":
+            source = self.node(dataset.source.node)  # type: ignore[assignment]
+            if not isinstance(source, pipeline.Source):
+                raise InvalidArgumentError(
+                    f"Malformed dataset: {dataset.source.node.kind!r} is not a source.")
+        elif kind == "range":
+            r = dataset.source.range
+            source = pipeline.RangeSource(r.start, r.stop, r.step)
+        elif kind == "slices":
+            source = pipeline.SlicesSource(self.payload(dataset.source.slices.payload))
+        elif kind == "files":
+            paths = tuple(dataset.source.files.paths)
+            if permissions is not None:
+                paths = tuple(permissions.path(p) for p in paths)
+            source = pipeline.FilesSource(paths)
+        elif kind == "generator":
+            g = dataset.source.generator
+            source = pipeline.GeneratorSource(self.function(g.fn, "generator"),
+                                              tuple(self.payload(g.args_payload)))
+        else:
+            raise InvalidArgumentError(f"Malformed dataset: unknown source {kind!r}.")
+        return pipeline.Pipeline(source, tuple(self.op(op) for op in dataset.ops))
+
+    def op(self, op: OpDef) -> pipeline.Op:
+        if op.HasField("node"):
+            node = self.node(op.node)
+            if not isinstance(node, pipeline.Op):
+                raise InvalidArgumentError(
+                    f"Malformed dataset: {op.node.kind!r} is not a transformation.")
+            return node
+        return _op(op, self.function)
 
 
 def _op(op: OpDef, function: Callable[[FunctionRef, str], Callable[..., Any]]) -> pipeline.Op:

@@ -178,6 +178,7 @@ class Op:
     """A transformation: wraps the factory of its input's iterators."""
 
     elementwise = False  # one output per input, independent of neighbours
+    per_split = True  # may run on each split of a distributed_epoch by itself
 
     def wrap(self, upstream: Factory) -> Factory:
         raise NotImplementedError
@@ -195,21 +196,53 @@ class Map(Op):
     def wrap(self, upstream: Factory) -> Factory:
         fn = self.fn
         if self.num_parallel_calls in (0, 1):
-            return lambda: (normalize(call(fn, e)) for e in upstream())
+            return lambda: _MapIterator(fn, upstream())
         workers = 4 if self.num_parallel_calls == AUTOTUNE else self.num_parallel_calls
-        return lambda: _parallel_map(fn, upstream(), workers)
+        return lambda: _ParallelMapIterator(fn, upstream(), workers)
 
 
-def _parallel_map(fn: Callable[..., Any], elements: Iterator[Any], workers: int) -> Iterator[Any]:
-    """Ordered map over a thread pool with ``2 * workers`` calls in flight."""
-    with ThreadPoolExecutor(workers, thread_name_prefix="clusterwire-map") as pool:
-        pending: deque = deque()
-        for element in elements:
-            pending.append(pool.submit(call, fn, element))
-            if len(pending) >= 2 * workers:
-                yield normalize(pending.popleft().result())
-        while pending:
-            yield normalize(pending.popleft().result())
+class _MapIterator:
+    """``fn`` of each element. An iterator object rather than a generator: a call that
+    raises fails that element only, so ``ignore_errors`` can go on to the next one."""
+
+    def __init__(self, fn: Callable[..., Any], elements: Iterator[Any]):
+        self._fn, self._elements = fn, elements
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        return normalize(call(self._fn, next(self._elements)))
+
+
+class _ParallelMapIterator:
+    """Ordered map over a thread pool with ``2 * workers`` calls in flight; a failed call
+    fails its element only (as ``_MapIterator``)."""
+
+    def __init__(self, fn: Callable[..., Any], elements: Iterator[Any], workers: int):
+        self._fn, self._elements, self._workers = fn, elements, workers
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="clusterwire-map")
+        self._pending: deque = deque()
+        self._exhausted = False
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        while not self._exhausted and len(self._pending) < 2 * self._workers:
+            try:
+                element = next(self._elements)
+            except StopIteration:
+                self._exhausted = True
+                break
+            self._pending.append(self._pool.submit(call, self._fn, element))
+        if not self._pending:
+            self._pool.shutdown(wait=False)
+            raise StopIteration
+        return normalize(self._pending.popleft().result())
+
+    def __del__(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclass(frozen=True)
@@ -217,11 +250,26 @@ class Filter(Op):
     fn: Callable[..., Any]
 
     def wrap(self, upstream: Factory) -> Factory:
-        fn = self.fn
-        return lambda: (e for e in upstream() if bool(call(fn, e)))
+        return lambda: _FilterIterator(self.fn, upstream())
 
     def cardinality(self, upstream: int) -> int:
         return INFINITE if upstream == INFINITE else UNKNOWN
+
+
+class _FilterIterator:
+    """The elements ``fn`` keeps; a call that raises fails that element only."""
+
+    def __init__(self, fn: Callable[..., Any], elements: Iterator[Any]):
+        self._fn, self._elements = fn, elements
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        while True:
+            element = next(self._elements)
+            if bool(call(self._fn, element)):
+                return element
 
 
 @dataclass(frozen=True)
@@ -410,13 +458,20 @@ class Pipeline:
             count = op.cardinality(count)
         return count
 
-    def run(self, source: Factory | None = None, ops: tuple[Op, ...] | None = None
-            ) -> Iterator[Any]:
-        """Iterate, optionally from another source factory or with other ops."""
+    def factory(self, source: Factory | None = None, ops: tuple[Op, ...] | None = None
+                ) -> Factory:
+        """What makes this pipeline's iterators (each call: one pass, an epoch), optionally
+        from another source factory or with other ops. The ops keep their state across the
+        passes of one factory (a reshuffling ``shuffle``'s epoch, a ``cache``)."""
         factory: Factory = source or self.source.iterate
         for op in self.ops if ops is None else ops:
             factory = op.wrap(factory)
-        return factory()
+        return factory
+
+    def run(self, source: Factory | None = None, ops: tuple[Op, ...] | None = None
+            ) -> Iterator[Any]:
+        """Iterate, optionally from another source factory or with other ops."""
+        return self.factory(source, ops)()
 
 
 @dataclass(frozen=True)
@@ -441,6 +496,12 @@ def split_plan(pipeline: Pipeline) -> SplitPlan:
             f"processing_mode='distributed_epoch' needs a splittable source (Dataset.range, "
             f"from_tensor_slices, from_files); {type(pipeline.source).__name__} cannot be "
             "split. Use processing_mode='parallel_epochs'.")
+    for op in pipeline.ops:
+        if not op.per_split:
+            raise InvalidArgumentError(
+                f"processing_mode='distributed_epoch' runs the transformations on each split "
+                f"by itself, which {type(op).__name__.lower()} cannot do (its other dataset "
+                "would be read once per split). Use processing_mode='parallel_epochs'.")
     ops, epochs, align = list(pipeline.ops), 1, 1
     for index, op in enumerate(ops):
         if isinstance(op, (Map, Filter, Prefetch)):

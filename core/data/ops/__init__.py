@@ -1,0 +1,87 @@
+"""tf.data's sources and transformations beyond the linear core of ``pipeline``.
+
+Each is a ``Node``: a frozen dataclass whose fields say how it travels to workers
+(``graph.py``): fields made with ``fn_field()`` are user functions (sent by reference and
+allowed on workers by default deny, as ``map``'s), the ``inputs`` field holds the
+pipelines it reads (zip's datasets, concatenate's second one), a ``guard`` field receives
+what a worker does to a Dataset a user function returns (its functions and files checked
+as the client's own), and every other field is an argument sent as a value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from clusterwire.data.pipeline import Pipeline
+
+#: What a worker applies to a pipeline a user function returned (identity locally).
+Guard = Callable[[Pipeline], Pipeline]
+
+_FN = "fn"
+_SKIPPED = ("inputs", "guard")
+
+NODES: dict[str, type[Node]] = {}
+
+
+def fn_field(optional: bool = False) -> Any:
+    """A dataclass field holding a user function (None allowed when ``optional``)."""
+    if optional:
+        return dataclasses.field(default=None, metadata={_FN: True})
+    return dataclasses.field(metadata={_FN: True})
+
+
+def guard_field() -> Any:
+    """The field where a worker's Guard goes (None: run what a function returns as is)."""
+    return dataclasses.field(default=None, compare=False, repr=False)
+
+
+def no_guard(pipe: Pipeline) -> Pipeline:
+    return pipe
+
+
+class Node:
+    """A source or transformation that travels as a ``NodeDef`` (see the module docstring)."""
+
+    kind: ClassVar[str]
+
+    def params(self) -> dict[str, Any]:
+        """The arguments sent as values."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)  # type: ignore
+                if f.name not in _SKIPPED and not f.metadata.get(_FN)}
+
+    def functions(self) -> dict[str, Callable[..., Any]]:
+        """The user functions set, by field name."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)  # type: ignore
+                if f.metadata.get(_FN) and getattr(self, f.name) is not None}
+
+    def inputs_of(self) -> tuple[Pipeline, ...]:
+        """The pipelines this node reads."""
+        return tuple(getattr(self, "inputs", ()))
+
+    def check_on_worker(self) -> None:
+        """Raise if a worker must not run this node as the client sent it."""
+
+    @classmethod
+    def build(cls, params: dict[str, Any], fns: dict[str, Callable[..., Any]],
+              inputs: tuple[Pipeline, ...], guard: Guard | None) -> Node:
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        extra = {"inputs": inputs} if "inputs" in names else {}
+        if "guard" in names:
+            extra["guard"] = guard
+        return cls(**params, **fns, **extra)
+
+
+def register(cls: type[Node]) -> type[Node]:
+    """Make ``cls`` known to graph.from_def under ``cls.kind``."""
+    NODES[cls.kind] = cls
+    return cls
+
+
+def _load() -> None:
+    # The node modules register themselves; they import this package's names above.
+    from clusterwire.data.ops import batching, nested, sources, stateful  # noqa: F401
+
+
+_load()

@@ -1,0 +1,369 @@
+"""Batching transformations: ``padded_batch``, ``rebatch``, ``window``,
+``group_by_window`` and ``bucket_by_sequence_length``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from clusterwire.data.ops import Guard, Node, fn_field, guard_field, register
+from clusterwire.data.ops.nested import returned_pipeline
+from clusterwire.data.ops.sources import ElementsSource
+from clusterwire.data.pipeline import (
+    INFINITE,
+    UNKNOWN,
+    Factory,
+    Op,
+    _leaves,
+    _map_structure,
+    call,
+)
+from clusterwire.errors import InvalidArgumentError
+
+
+def _zip_structure(fn: Callable[..., Any], structure: Any, *others: Any) -> Any:
+    """``fn`` of the leaves of ``structure`` and the matching parts of ``others`` (whose
+    structure matches it, or is a leaf applying to all of its leaves)."""
+    if isinstance(structure, (tuple, dict)):
+        keys = range(len(structure)) if isinstance(structure, tuple) else structure.keys()
+        parts = {}
+        for key in keys:
+            matched = []
+            for other in others:
+                if isinstance(other, type(structure)):
+                    if len(other) != len(structure) or (
+                            isinstance(other, dict) and key not in other):
+                        raise InvalidArgumentError(
+                            f"padded_batch: {other!r:.100} does not match the element's "
+                            f"structure {_describe(structure)}.")
+                    matched.append(other[key])
+                else:
+                    matched.append(other)
+            parts[key] = _zip_structure(fn, structure[key], *matched)
+        return tuple(parts.values()) if isinstance(structure, tuple) else parts
+    return fn(structure, *others)
+
+
+def _describe(structure: Any) -> str:
+    return repr(_map_structure(lambda _: "·", structure)).replace("'·'", "·")
+
+
+def _default_padding(dtype: np.dtype) -> Any:
+    if dtype.kind in "SU":
+        return dtype.type()
+    return False if dtype.kind == "b" else 0
+
+
+def pad_and_stack(values: list[Any], padded_shape: Any, padding_value: Any) -> np.ndarray:
+    """``values`` (arrays of one rank) stacked, padded up to ``padded_shape`` (None or -1:
+    the largest in the batch) with ``padding_value`` (None: 0, b"" or False)."""
+    arrays = [np.asarray(v) for v in values]
+    rank = arrays[0].ndim
+    if any(a.ndim != rank for a in arrays):
+        raise InvalidArgumentError(
+            f"padded_batch: the elements of a batch have different ranks "
+            f"{sorted({a.ndim for a in arrays})}; padded_batch pads dimensions, it cannot add "
+            "them.")
+    largest = [max(a.shape[d] for a in arrays) for d in range(rank)]
+    if padded_shape is None:
+        target = largest
+    else:
+        try:
+            wanted = [None if d is None else int(d) for d in padded_shape]
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(
+                f"padded_batch: `padded_shapes` takes a shape (a list of sizes or None) per "
+                f"component, got {padded_shape!r:.80}.") from None
+        if len(wanted) != rank:
+            raise InvalidArgumentError(
+                f"padded_batch: `padded_shapes` {wanted} has rank {len(wanted)} but the "
+                f"element has rank {rank}; give one size (or None) per dimension.")
+        target = [largest[d] if w in (-1, None) else w for d, w in enumerate(wanted)]
+        for d, size in enumerate(target):
+            if largest[d] > size:
+                raise InvalidArgumentError(
+                    f"padded_batch: attempted to pad to a smaller size than the input element "
+                    f"(dimension {d}: element {largest[d]}, `padded_shapes` {size}); raise that "
+                    "size or give None to pad to the largest in the batch.")
+    dtype = np.result_type(*arrays) if arrays[0].dtype.kind in "SU" else arrays[0].dtype
+    fill = _default_padding(dtype) if padding_value is None else padding_value
+    if np.ndim(fill) != 0:
+        raise InvalidArgumentError(f"padded_batch: a padding value must be a scalar, got "
+                                   f"{fill!r:.80}.")
+    out = np.full((len(arrays), *target), fill, dtype=dtype)
+    for index, array in enumerate(arrays):
+        out[(index, *(slice(0, n) for n in array.shape))] = array
+    return out
+
+
+def padded(chunk: list[Any], padded_shapes: Any, padding_values: Any) -> Any:
+    """One padded batch of ``chunk`` (see ``pad_and_stack``), structure-wise."""
+    counter = itertools.count()
+    indexed = _map_structure(lambda _: next(counter), chunk[0])
+    columns = list(zip(*(_leaves(e) for e in chunk), strict=True))
+    return _zip_structure(lambda i, shape, value: pad_and_stack(list(columns[i]), shape, value),
+                          indexed, padded_shapes, padding_values)
+
+
+def _chunks(elements: Iterator[Any], size: int, drop_remainder: bool) -> Iterator[list[Any]]:
+    while True:
+        chunk = list(itertools.islice(elements, size))
+        if not chunk or (drop_remainder and len(chunk) < size):
+            return
+        yield chunk
+
+
+def _batched_cardinality(upstream: int, size: int, drop_remainder: bool) -> int:
+    if upstream < 0:
+        return upstream
+    whole, rest = divmod(upstream, size)
+    return whole + (1 if rest and not drop_remainder else 0)
+
+
+@register
+@dataclass(frozen=True)
+class PaddedBatch(Op, Node):
+    """``Dataset.padded_batch``."""
+
+    kind = "padded_batch"
+    batch_size: int
+    padded_shapes: Any
+    padding_values: Any
+    drop_remainder: bool
+
+    def wrap(self, upstream: Factory) -> Factory:
+        return lambda: (padded(chunk, self.padded_shapes, self.padding_values) for chunk in
+                        _chunks(upstream(), self.batch_size, self.drop_remainder))
+
+    def cardinality(self, upstream: int) -> int:
+        return _batched_cardinality(upstream, self.batch_size, self.drop_remainder)
+
+
+@register
+@dataclass(frozen=True)
+class Rebatch(Op, Node):
+    """``Dataset.rebatch``: the rows of the input batches in batches of ``batch_sizes[0]``,
+    ``batch_sizes[1]``, ... (cycling)."""
+
+    kind = "rebatch"
+    batch_sizes: tuple[int, ...]
+    drop_remainder: bool
+
+    def wrap(self, upstream: Factory) -> Factory:
+        def run() -> Iterator[Any]:
+            sizes = itertools.cycle(self.batch_sizes)
+            wanted, pending, have = next(sizes), [], 0
+            for element in upstream():
+                rows = len(_rows(element))
+                start = 0
+                while start < rows:
+                    take = min(wanted - have, rows - start)
+                    pending.append(_map_structure(lambda a, s=start, t=take: a[s:s + t],
+                                                  element))
+                    have, start = have + take, start + take
+                    if have == wanted:
+                        yield _concat(pending)
+                        wanted, pending, have = next(sizes), [], 0
+            if pending and not self.drop_remainder:
+                yield _concat(pending)
+        return run
+
+    def cardinality(self, upstream: int) -> int:
+        return INFINITE if upstream == INFINITE else UNKNOWN
+
+
+def _rows(element: Any) -> Any:
+    leaf = np.asarray(_leaves(element)[0])
+    if leaf.ndim == 0:
+        raise InvalidArgumentError(
+            "rebatch needs batched elements (at least one dimension); got a scalar. Use "
+            "batch(...) first.")
+    return leaf
+
+
+def _concat(parts: list[Any]) -> Any:
+    first = parts[0]
+    if isinstance(first, tuple):
+        return tuple(_concat([p[i] for p in parts]) for i in range(len(first)))
+    if isinstance(first, dict):
+        return {k: _concat([p[k] for p in parts]) for k in first}
+    return np.concatenate([np.asarray(p) for p in parts])
+
+
+def window_dataset(elements: list[Any]) -> Any:
+    """A window as TF makes it: the element structure with a Dataset per component."""
+    from clusterwire.data.dataset import Dataset  # the Dataset module imports this one
+
+    counter = itertools.count()
+    indexed = _map_structure(lambda _: next(counter), elements[0])
+    columns = list(zip(*(_leaves(e) for e in elements), strict=True))
+    return _map_structure(lambda i: Dataset(ElementsSource(list(columns[i]))), indexed)
+
+
+@register
+@dataclass(frozen=True)
+class Window(Op, Node):
+    """``Dataset.window``: windows of ``size`` elements (``stride`` apart), one every
+    ``shift`` elements, each a Dataset (per component); TF's WindowDatasetOp step by step."""
+
+    kind = "window"
+    size: int
+    shift: int
+    stride: int
+    drop_remainder: bool
+
+    def wrap(self, upstream: Factory) -> Factory:
+        def run() -> Iterator[Any]:
+            elements = upstream()
+            target = (self.size - 1) * self.stride + 1
+            buffer: list[Any] = []
+            ended = False
+            while True:
+                if not ended:
+                    buffer.extend(itertools.islice(elements, target - len(buffer)))
+                    ended = len(buffer) < target
+                if not buffer or (self.drop_remainder and len(buffer) < target):
+                    return
+                yield window_dataset(buffer[::self.stride][:self.size])
+                if self.shift >= len(buffer):
+                    if not ended:  # discard up to the next window's start
+                        skipped = list(itertools.islice(elements, self.shift - len(buffer)))
+                        ended = len(skipped) < self.shift - len(buffer)
+                    buffer = []
+                else:
+                    del buffer[:self.shift]
+        return run
+
+    def cardinality(self, upstream: int) -> int:
+        return INFINITE if upstream == INFINITE else UNKNOWN
+
+
+def _key(value: Any, what: str) -> int:
+    array = np.asarray(value)
+    if array.shape != () or array.dtype.kind not in "iu":
+        raise InvalidArgumentError(f"`{what}` must return an int64 scalar, got {value!r:.80}.")
+    return int(array)
+
+
+def grouped(elements: Iterator[Any], key_of: Callable[[Any], int],
+            size_of: Callable[[int], int]) -> Iterator[tuple[int, list[Any]]]:
+    """(key, window) pairs as TF's GroupByWindowDatasetOp makes them: a group goes as soon
+    as it holds its window size; at the end of the input the rest go in key order."""
+    groups: dict[int, list[Any]] = {}
+    sizes: dict[int, int] = {}
+    for element in elements:
+        key = key_of(element)
+        if key not in groups:
+            groups[key] = []
+            if key not in sizes:
+                sizes[key] = size_of(key)
+        groups[key].append(element)
+        if len(groups[key]) == sizes[key]:
+            yield key, groups.pop(key)
+    for key in sorted(groups):
+        yield key, groups[key]
+
+
+def _window_size(value: Any, what: str) -> int:
+    size = _key(value, what)
+    if size <= 0:
+        raise InvalidArgumentError(f"`{what}` returned window size {size}; it must be > 0.")
+    return size
+
+
+@register
+@dataclass(frozen=True)
+class GroupByWindow(Op, Node):
+    """``Dataset.group_by_window``: elements grouped by ``key_func``; each window of a group
+    (``window_size``, or ``window_size_func(key)``) becomes ``reduce_func(key, window)``'s
+    Dataset."""
+
+    kind = "group_by_window"
+    window_size: int
+    key_func: Callable[..., Any] = fn_field()
+    reduce_func: Callable[..., Any] = fn_field()
+    window_size_func: Callable[..., Any] | None = fn_field(optional=True)
+    guard: Guard | None = guard_field()
+
+    def wrap(self, upstream: Factory) -> Factory:
+        def size_of(key: int) -> int:
+            if self.window_size_func is None:
+                return self.window_size
+            return _window_size(self.window_size_func(np.int64(key)), "window_size_func")
+
+        def run() -> Iterator[Any]:
+            windows = grouped(upstream(), lambda e: _key(call(self.key_func, e), "key_func"),
+                              size_of)
+            for key, window in windows:
+                result = self.reduce_func(np.int64(key), window_dataset(window))
+                yield from returned_pipeline(self.reduce_func, result, self.guard,
+                                             "reduce_func").run()
+        return run
+
+    def cardinality(self, upstream: int) -> int:
+        return INFINITE if upstream == INFINITE else UNKNOWN
+
+
+def _boundary_shapes(shapes: Any, element: Any, boundary: int) -> Any:
+    """``shapes`` with unknown sizes set to ``boundary``; without ``shapes``, each
+    component's first dimension (its sequence) padded to ``boundary``, the others to the
+    batch's largest (TF knows which dimensions vary from the element spec; we do not)."""
+    if shapes is None:
+        return _map_structure(lambda a: [boundary] + [None] * (np.ndim(a) - 1)
+                              if np.ndim(a) else [], element)
+    return _zip_structure(lambda _, s: [boundary if d in (None, -1) else d for d in s],
+                          element, shapes)
+
+
+@register
+@dataclass(frozen=True)
+class BucketBySequenceLength(Op, Node):
+    """``Dataset.bucket_by_sequence_length``: elements bucketed by
+    ``element_length_func``'s length (``bucket_boundaries``), batched per bucket (padded
+    as ``padded_batch``, up to the bucket's boundary with ``pad_to_bucket_boundary``)."""
+
+    kind = "bucket_by_sequence_length"
+    bucket_boundaries: tuple[int, ...]
+    bucket_batch_sizes: tuple[int, ...]
+    padded_shapes: Any
+    padding_values: Any
+    pad_to_bucket_boundary: bool
+    no_padding: bool
+    drop_remainder: bool
+    element_length_func: Callable[..., Any] = fn_field()
+
+    def _bucket(self, element: Any) -> int:
+        length = _key(call(self.element_length_func, element), "element_length_func")
+        bucket = int(np.searchsorted(self.bucket_boundaries, length, side="right"))
+        if self.pad_to_bucket_boundary and bucket == len(self.bucket_boundaries):
+            raise InvalidArgumentError(
+                f"bucket_by_sequence_length: an element has length {length}; with "
+                "pad_to_bucket_boundary=True elements must be shorter than "
+                f"max(bucket_boundaries) = {max(self.bucket_boundaries)}.")
+        return bucket
+
+    def _batch(self, bucket: int, window: list[Any]) -> Iterator[Any]:
+        size = self.bucket_batch_sizes[bucket]
+        for chunk in _chunks(iter(window), size, self.drop_remainder):
+            if self.no_padding:
+                yield _concat([_map_structure(lambda a: np.asarray(a)[None], e) for e in chunk])
+                continue
+            shapes = self.padded_shapes
+            if self.pad_to_bucket_boundary:
+                shapes = _boundary_shapes(shapes, chunk[0], self.bucket_boundaries[bucket] - 1)
+            yield padded(chunk, shapes, self.padding_values)
+
+    def wrap(self, upstream: Factory) -> Factory:
+        def run() -> Iterator[Any]:
+            sizes = self.bucket_batch_sizes
+            for bucket, window in grouped(upstream(), self._bucket, lambda b: sizes[b]):
+                yield from self._batch(bucket, window)
+        return run
+
+    def cardinality(self, upstream: int) -> int:
+        return INFINITE if upstream == INFINITE else UNKNOWN
+

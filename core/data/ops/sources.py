@@ -1,0 +1,182 @@
+"""Sources: ``from_tensors``, ``counter``, ``zip``, ``choose_from_datasets``,
+``sample_from_datasets`` and the elements of one ``window``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from clusterwire.data.ops import Node, register
+from clusterwire.data.pipeline import INFINITE, UNKNOWN, Pipeline, Source
+from clusterwire.errors import InvalidArgumentError
+
+
+@register
+@dataclass(frozen=True)
+class TensorsSource(Node, Source):
+    """``Dataset.from_tensors``: one element."""
+
+    kind = "tensors"
+    tensors: Any
+
+    def cardinality(self) -> int:
+        return 1
+
+    def iterate(self) -> Iterator[Any]:
+        yield self.tensors
+
+
+@register
+@dataclass(frozen=True)
+class ElementsSource(Node, Source):
+    """The elements of one window of ``Dataset.window`` (one component of them)."""
+
+    kind = "elements"
+    elements: list
+
+    def cardinality(self) -> int:
+        return len(self.elements)
+
+    def iterate(self) -> Iterator[Any]:
+        return iter(self.elements)
+
+
+@register
+@dataclass(frozen=True)
+class CounterSource(Node, Source):
+    """``Dataset.counter``: ``start``, ``start + step``, ... forever."""
+
+    kind = "counter"
+    start: int
+    step: int
+    dtype: str
+
+    def cardinality(self) -> int:
+        return INFINITE
+
+    def iterate(self) -> Iterator[Any]:
+        dtype = np.dtype(self.dtype)
+        return (dtype.type(v) for v in itertools.count(self.start, self.step))
+
+
+def pack(structure: Any, values: list[Any]) -> Any:
+    """``structure`` (tuples/dicts whose leaves are indices into ``values``) filled in."""
+    if isinstance(structure, tuple):
+        return tuple(pack(s, values) for s in structure)
+    if isinstance(structure, dict):
+        return {k: pack(v, values) for k, v in structure.items()}
+    return values[structure]
+
+
+def _min_cardinality(counts: list[int]) -> int:
+    finite = [c for c in counts if c >= 0]
+    if finite:
+        return min(finite) if UNKNOWN not in counts or min(finite) == 0 else UNKNOWN
+    return UNKNOWN if UNKNOWN in counts else INFINITE
+
+
+@register
+@dataclass(frozen=True)
+class ZipSource(Node, Source):
+    """``Dataset.zip``: the elements of ``inputs`` side by side in ``structure`` (tuples and
+    dicts whose leaves index ``inputs``), until the shortest ends."""
+
+    kind = "zip"
+    structure: Any
+    inputs: tuple[Pipeline, ...] = ()
+
+    def cardinality(self) -> int:
+        return _min_cardinality([p.cardinality() for p in self.inputs])
+
+    def iterate(self) -> Iterator[Any]:
+        iterators = [p.run() for p in self.inputs]
+        while True:
+            values = []
+            for iterator in iterators:
+                try:
+                    values.append(next(iterator))
+                except StopIteration:
+                    return
+            yield pack(self.structure, values)
+
+
+def _index(choice: Any, count: int) -> int:
+    array = np.asarray(choice)
+    if array.shape != () or array.dtype != np.int64:
+        raise InvalidArgumentError(
+            f"choose_from_datasets: `choice_dataset` must produce int64 scalars, got "
+            f"{array.dtype}{list(array.shape)}.")
+    index = int(array)
+    if not 0 <= index < count:
+        raise InvalidArgumentError(
+            f"choose_from_datasets: `choice_dataset` chose dataset {index}, but there are "
+            f"{count} datasets (valid choices: 0 to {count - 1}).")
+    return index
+
+
+def _directed(choices: Iterator[int], inputs: tuple[Pipeline, ...], stop_on_empty: bool
+              ) -> Iterator[Any]:
+    """The next element of the input each choice names; an input that has ended ends it
+    all with ``stop_on_empty``, else it is skipped from then on (TF's directed interleave)."""
+    iterators: list[Iterator[Any] | None] = [p.run() for p in inputs]
+    live = len(iterators)
+    for index in choices:
+        iterator = iterators[index]
+        if iterator is None:
+            continue
+        try:
+            yield next(iterator)
+        except StopIteration:
+            if stop_on_empty:
+                return
+            iterators[index] = None
+            live -= 1
+            if not live:
+                return
+
+
+@register
+@dataclass(frozen=True)
+class ChooseSource(Node, Source):
+    """``Dataset.choose_from_datasets``: ``inputs[0]`` chooses among ``inputs[1:]``."""
+
+    kind = "choose"
+    stop_on_empty_dataset: bool
+    inputs: tuple[Pipeline, ...] = ()
+
+    def iterate(self) -> Iterator[Any]:
+        count = len(self.inputs) - 1
+        choices = (_index(c, count) for c in self.inputs[0].run())
+        return _directed(choices, self.inputs[1:], self.stop_on_empty_dataset)
+
+
+@register
+@dataclass(frozen=True)
+class SampleSource(Node, Source):
+    """``Dataset.sample_from_datasets``: each element from an input drawn with ``weights``;
+    a ``seed`` fixes the draws (per epoch with ``rerandomize_each_iteration``)."""
+
+    kind = "sample"
+    weights: tuple[float, ...]
+    seed: int | None
+    stop_on_empty_dataset: bool
+    rerandomize_each_iteration: bool
+    inputs: tuple[Pipeline, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_epochs", itertools.count())  # shared by its iterators
+
+    def iterate(self) -> Iterator[Any]:
+        epoch = next(self._epochs) if self.rerandomize_each_iteration else 0  # type: ignore
+        rng = np.random.default_rng(None if self.seed is None else [self.seed, epoch])
+        probabilities = np.asarray(self.weights, np.float64) / np.sum(self.weights)
+
+        def choices() -> Iterator[int]:
+            while True:
+                yield from (int(i) for i in rng.choice(len(probabilities), 256, p=probabilities))
+        return _directed(choices(), self.inputs, self.stop_on_empty_dataset)
+
