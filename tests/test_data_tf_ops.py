@@ -10,10 +10,12 @@ from __future__ import annotations
 import base64
 import json
 import os
+import threading
 
 import cw_tf_ops_functions as fns
 import numpy as np
 import pytest
+from conftest import in_process_data_service
 
 from clusterwire import data, errors
 from clusterwire.data import graph
@@ -241,3 +243,168 @@ def test_argument_errors_are_invalid_argument_naming_the_fix(name):
     assert "error" in EXPECTED[name]  # TF raised too (see the fixture for its class)
     with pytest.raises(errors.InvalidArgumentError, match=ERROR_WORDS[name]):
         list(ERRORS[name]())
+
+
+# ---- through the service -------------------------------------------------------------------
+
+THROUGH_SERVICE = ["from_tensors_dict", "zip_dict", "concatenate", "counter", "flat_map",
+                   "interleave_c3_b2_p2", "interleave_c4_b3_p-1", "padded_batch_tuple", "shard",
+                   "scan_tuple_state", "take_while", "unique_strings", "choose_skip_empty",
+                   "window_tuple", "group_by_window_size_func", "bucket_pad_to_boundary",
+                   "rebatch_list", "cache_repeat", "ignore_errors"]
+# distributed_epoch runs the transformations on each split of the source by itself: for
+# these (one output group per input element) the elements are TF's, in another order.
+PER_ELEMENT = ["flat_map", "flat_map_slices", "interleave_c2_b4_pNone", "interleave_c3_b2_p2",
+               "ignore_errors"]
+
+
+@pytest.fixture(scope="module")
+def one_worker():
+    with in_process_data_service(workers=1) as dispatcher:
+        yield dispatcher.target
+
+
+@pytest.fixture(scope="module")
+def two_workers():
+    with in_process_data_service(workers=2) as dispatcher:
+        yield dispatcher.target
+
+
+def through(dataset, target, mode):
+    return list(dataset.apply(data.distribute(processing_mode=mode, service=target)))
+
+
+@pytest.mark.parametrize("name", THROUGH_SERVICE)
+def test_parallel_epochs_through_the_service_match_tf(name, one_worker):
+    assert_elements(through(CASES[name](), one_worker, "parallel_epochs"), name)
+
+
+@pytest.mark.parametrize("name", PER_ELEMENT)
+def test_distributed_epoch_through_the_service_gives_tfs_elements(name, two_workers):
+    assert_elements(through(CASES[name](), two_workers, "distributed_epoch"), name,
+                    ordered=False)
+
+
+def test_distributed_epoch_refuses_concatenate(two_workers):
+    with pytest.raises(errors.InvalidArgumentError, match="parallel_epochs"):
+        through(D.range(4).concatenate(D.range(2)), two_workers, "distributed_epoch")
+
+
+# ---- default deny inside nested pipelines --------------------------------------------------
+
+def test_nested_functions_and_files_obey_default_deny(tmp_path):
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    (allowed / "ok.txt").write_text("a\nb\n")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("the secret\n")
+    marker = tmp_path / "ran"
+    with in_process_data_service(workers=1, readable_dirs=[str(allowed)]) as dispatcher:
+        target = dispatcher.target
+        refused = [  # a child pipeline's function, a returned Dataset's function and files
+            D.zip((D.range(1), D.from_tensor_slices(np.array([f"touch {marker}"])).map(
+                os.system))),
+            D.range(2).interleave(fns.not_allowed_dataset, cycle_length=2),
+            D.range(2).flat_map(fns.not_allowed_dataset),
+            D.range(1).group_by_window(fns.mod_2, fns.not_allowed_dataset, window_size=1),
+        ]
+        for dataset in refused:
+            with pytest.raises(errors.PermissionDeniedError, match="not allowed|never run"):
+                through(dataset, target, "parallel_epochs")
+        for dataset in [D.range(1).concatenate(D.from_files([str(secret)])),
+                        D.from_tensor_slices(np.array([str(secret).encode()])).flat_map(
+                            fns.lines)]:
+            with pytest.raises(errors.PermissionDeniedError, match="readable_dirs"):
+                through(dataset, target, "parallel_epochs")
+        with pytest.raises(errors.PermissionDeniedError, match="does not write files"):
+            through(D.range(3).cache(str(tmp_path / "cache")), target, "parallel_epochs")
+        ok = D.from_tensor_slices(np.array([str(allowed / "ok.txt").encode()] * 2)).interleave(
+            fns.lines, cycle_length=2, num_parallel_calls=2)
+        assert through(ok, target, "parallel_epochs") == [b"a", b"a", b"b", b"b"]
+    assert not marker.exists()
+
+
+# ---- behaviour beyond the fixtures ---------------------------------------------------------
+
+def test_parallel_interleave_reads_its_open_datasets_at_once():
+    """Each open Dataset's first element waits for all 3 readers: a sequential interleave
+    could not get past the first (the barrier would time out)."""
+    def waiting(barrier):
+        barrier.wait()
+        yield np.int64(1)
+
+    def opener(barrier):
+        return lambda _: D.from_generator(waiting, args=(barrier,))
+
+    barrier = threading.Barrier(3, timeout=20)
+    dataset = D.range(3).interleave(opener(barrier), cycle_length=3, num_parallel_calls=3)
+    assert [int(x) for x in dataset] == [1, 1, 1]
+    sequential = D.range(2).interleave(opener(threading.Barrier(2, timeout=0.5)),
+                                       cycle_length=2)
+    with pytest.raises(threading.BrokenBarrierError):
+        list(sequential)
+
+
+def test_interleave_default_cycle_length_is_the_cpu_count():
+    count = len(os.sched_getaffinity(0))
+    dataset = D.range(1, count + 2).interleave(fns.repeat_self)
+    first_round = [int(x) for x in dataset][:count]
+    assert first_round == list(range(1, count + 1))
+
+
+def test_interleave_error_reaches_the_consumer_at_its_place():
+    dataset = D.from_tensor_slices(np.array([1.0, 0.0], np.float32)).interleave(
+        fns.not_a_dataset, cycle_length=2, num_parallel_calls=2)
+    with pytest.raises(errors.InvalidArgumentError, match="must return a clusterwire.data"):
+        list(dataset)
+
+
+def test_file_cache_is_written_after_a_complete_pass_and_read_by_later_runs(tmp_path):
+    path = str(tmp_path / "cache")
+    first = D.range(5).map(fns.times_three).cache(path)
+    partial = iter(first)
+    assert [int(next(partial)) for _ in range(2)] == [0, 3]
+    del partial
+    assert not any(name.startswith("cache") for name in os.listdir(tmp_path))
+    assert [int(x) for x in first] == [0, 3, 6, 9, 12]
+    # A later run reads the file, not its own (different) input, as TF does.
+    assert [int(x) for x in D.range(100).cache(path)] == [0, 3, 6, 9, 12]
+    with open(path + ".cwcache", "r+b") as handle:
+        handle.truncate(os.path.getsize(path + ".cwcache") - 3)
+    with pytest.raises(errors.DataLossError, match="truncated"):
+        list(D.range(100).cache(path))
+
+
+def test_memory_cache_replays_without_running_the_input_again():
+    calls = []
+
+    def counted(x):
+        calls.append(x)
+        return x
+
+    dataset = D.range(3).map(counted).cache().repeat(3)
+    assert len(list(dataset)) == 9 and len(calls) == 3
+
+
+def test_ignore_errors_goes_on_after_a_failed_parallel_map():
+    values = np.array([1.0, 0.0, 4.0, 0.0, 2.0], np.float32)
+    dataset = D.from_tensor_slices(values).map(fns.reciprocal_checked,
+                                               num_parallel_calls=3).ignore_errors()
+    assert [float(x) for x in dataset] == [1.0, 0.25, 0.5]
+
+
+def test_window_of_a_dict_is_a_dict_of_datasets():
+    windows = list(D.from_tensor_slices({"a": np.arange(5)}).window(2, drop_remainder=True))
+    assert len(windows) == 2 and isinstance(windows[0]["a"], D)
+    assert [int(x) for x in windows[1]["a"]] == [2, 3]
+
+
+def test_cardinalities():
+    assert D.zip((D.range(3), D.range(5))).cardinality() == 3
+    assert D.zip((D.range(3), D.counter())).cardinality() == 3
+    assert D.range(3).concatenate(D.range(4)).cardinality() == 7
+    assert D.counter().cardinality() == data.INFINITE_CARDINALITY
+    assert D.range(10).shard(3, 1).cardinality() == 3
+    assert D.range(10).padded_batch(4, drop_remainder=True).cardinality() == 2
+    assert D.range(10).flat_map(fns.ranges).cardinality() == data.UNKNOWN_CARDINALITY
+    assert D.from_tensors(1).cardinality() == 1
