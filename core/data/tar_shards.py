@@ -1,0 +1,151 @@
+"""Tar shards in WebDataset's layout: members ``KEY.EXT``, a sample's members consecutive.
+
+A shard (plain, or gzip/bz2/xz-compressed) is read as a stream, so an object store is read
+front to back. Each sample is a dict ``{ext: bytes, ..., "__key__": key}``, where, as
+WebDataset's ``base_plus_ext``, the key is the member's name up to the first dot of its
+last path component and ``ext`` the rest, lower-cased (WebDataset's default ``lcase``);
+``a/b/x.seg.PNG`` is key ``a/b/x``, ext ``seg.png``. Consecutive members with the same key
+make one sample.
+
+Where WebDataset skips a member silently, this reader raises, naming the shard and member,
+so no data goes missing unnoticed; like WebDataset it skips directory entries (they hold no
+bytes, and ``tar cf shard.tar folder/`` writes them) and top-level ``__name__`` metadata:
+
+* a regular member without a key (no dot in its last component, or a name ending in a
+  dot): InvalidArgumentError, the layout is wrong, not the bytes;
+* the same ext twice in one sample: InvalidArgumentError (WebDataset's ValueError);
+* a symlink, hard link, device or fifo: InvalidArgumentError, never followed;
+* a member larger than ``MAX_MEMBER_BYTES``: ResourceExhaustedError, before it is read;
+* a truncated or corrupt shard, or one missing tar's end-of-archive block (tarfile itself
+  would end quietly there): DataLossError, after every sample before the damaged one (the
+  sample cut short is not delivered).
+"""
+
+from __future__ import annotations
+
+import lzma
+import os
+import re
+import tarfile
+import zlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from clusterwire.data.filesystems import open_readable
+from clusterwire.errors import DataLossError, InvalidArgumentError, ResourceExhaustedError
+
+#: The largest member a reader reads into memory, in bytes.
+MAX_MEMBER_BYTES = 256 * 1024 * 1024
+
+_KEY = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$", re.DOTALL)  # WebDataset's base_plus_ext
+
+
+class _Header(tarfile.TarInfo):
+    """Remembers why tarfile stopped: it ends quietly on a truncated or invalid header."""
+
+    @classmethod
+    def fromtarfile(cls, tar: tarfile.TarFile) -> tarfile.TarInfo:
+        try:
+            return super().fromtarfile(tar)
+        except tarfile.EOFHeaderError:
+            tar.stop_reason = None  # type: ignore[attr-defined]  # the end-of-archive block
+            raise
+        except tarfile.HeaderError as error:
+            tar.stop_reason = str(error) or type(error).__name__  # type: ignore[attr-defined]
+            raise
+
+
+def _split(name: str) -> tuple[str, str] | None:
+    match = _KEY.match(name)
+    if match is None or not match.group(2):
+        return None
+    return match.group(1), match.group(2).lower()
+
+
+class TarShardReader:
+    """The samples of one tar shard (see the module docstring); a context manager.
+
+    ``readable_prefixes`` as for ``filesystems.open_readable`` (None: the caller's own
+    reads, unchecked).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, readable_prefixes: Iterable[str] | None):
+        self._path = os.fspath(path)
+        self._file = open_readable(path, readable_prefixes)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        try:
+            yield from self._samples()
+        except (tarfile.ReadError, tarfile.CompressionError, EOFError, zlib.error,
+                lzma.LZMAError, OSError) as error:
+            raise DataLossError(
+                f"Tar shard {self._path!r}: truncated, corrupt or unreadable ({error}); "
+                "nothing after it was read.") from None
+        finally:
+            self.close()
+
+    def _samples(self) -> Iterator[dict[str, Any]]:
+        sample: dict[str, Any] | None = None
+        with tarfile.open(fileobj=self._file, mode="r|*", tarinfo=_Header) as tar:
+            for member in tar:
+                split = self._check(member)
+                if split is None:
+                    continue
+                key, ext = split
+                if sample is not None and sample["__key__"] != key:
+                    yield sample
+                    sample = None
+                if sample is None:
+                    sample = {"__key__": key}
+                if ext in sample:
+                    raise InvalidArgumentError(
+                        f"Tar shard {self._path!r}: member {member.name!r} repeats ext {ext!r} "
+                        f"of sample {key!r}.")
+                data = tar.extractfile(member)
+                assert data is not None  # a regular member
+                sample[ext] = data.read()
+            reason = getattr(tar, "stop_reason",
+                             "the shard ends without tar's end-of-archive block")
+            if reason is not None:  # the last sample may miss members: not delivered
+                raise tarfile.ReadError(f"{reason} at byte {tar.offset}")
+        if sample is not None:
+            yield sample
+
+    def _check(self, member: tarfile.TarInfo) -> tuple[str, str] | None:
+        """(key, ext) of a regular member; None for one WebDataset skips; raises else."""
+        name = member.name
+        if member.isdir() or ("/" not in name and name.startswith("__")
+                              and name.endswith("__")):
+            return None
+        if not member.isreg():
+            raise InvalidArgumentError(
+                f"Tar shard {self._path!r}: member {name!r} is not a regular file "
+                f"(tar type {member.type!r}: a link, device or fifo); shards hold regular "
+                "files only and links are never followed.")
+        split = _split(name)
+        if split is None:
+            raise InvalidArgumentError(
+                f"Tar shard {self._path!r}: member {name!r} has no key: WebDataset's layout "
+                "names every member KEY.EXT (sample0001.jpg, sample0001.cls).")
+        if member.size > MAX_MEMBER_BYTES:
+            raise ResourceExhaustedError(
+                f"Tar shard {self._path!r}: member {name!r} is {member.size} bytes, over the "
+                f"{MAX_MEMBER_BYTES}-byte limit of one member (tar_shards.MAX_MEMBER_BYTES).")
+        return split
+
+    def close(self) -> None:
+        """Closes the shard; idempotent."""
+        self._file.close()
+
+    def __enter__(self) -> TarShardReader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def read_tar_shard(path: str | os.PathLike, *,
+                   readable_prefixes: Iterable[str] | None) -> Iterator[dict[str, Any]]:
+    """The samples of one shard, the shard closed at the end (a split of a tar dataset)."""
+    with TarShardReader(path, readable_prefixes=readable_prefixes) as reader:
+        yield from reader
