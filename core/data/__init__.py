@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from clusterwire.data.pipeline import AUTOTUNE
     from clusterwire.data.pipeline import INFINITE as INFINITE_CARDINALITY
     from clusterwire.data.pipeline import UNKNOWN as UNKNOWN_CARDINALITY
+    from clusterwire.data.parquet import ParquetReader
+    from clusterwire.data.tar_shards import TarShardReader
     from clusterwire.data.tfrecord import TFRecordReader, TFRecordWriter
     from clusterwire.data.worker import WorkerServer
 
@@ -61,6 +63,8 @@ _EXPORTS = {
     "service_status": ("client", "service_status"),
     "TFRecordReader": ("tfrecord", "TFRecordReader"),
     "TFRecordWriter": ("tfrecord", "TFRecordWriter"),
+    "ParquetReader": ("parquet", "ParquetReader"),
+    "TarShardReader": ("tar_shards", "TarShardReader"),
     "FixedLenFeature": ("example", "FixedLenFeature"),
     "VarLenFeature": ("example", "VarLenFeature"),
     "SparseTensorValue": ("example", "SparseTensorValue"),
@@ -87,6 +91,8 @@ __all__ = [
     "service_status",
     "TFRecordReader",
     "TFRecordWriter",
+    "ParquetReader",
+    "TarShardReader",
     "FixedLenFeature",
     "VarLenFeature",
     "SparseTensorValue",
