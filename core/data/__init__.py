@@ -34,11 +34,11 @@ if TYPE_CHECKING:
     )
     from clusterwire.data.local_service import LocalDataService
     from clusterwire.data.modes import ShardingPolicy
+    from clusterwire.data.parquet import ParquetReader
     from clusterwire.data.permissions import function
     from clusterwire.data.pipeline import AUTOTUNE
     from clusterwire.data.pipeline import INFINITE as INFINITE_CARDINALITY
     from clusterwire.data.pipeline import UNKNOWN as UNKNOWN_CARDINALITY
-    from clusterwire.data.parquet import ParquetReader
     from clusterwire.data.tar_shards import TarShardReader
     from clusterwire.data.tfrecord import TFRecordReader, TFRecordWriter
     from clusterwire.data.worker import WorkerServer
