@@ -132,11 +132,12 @@ class ParquetReader:
             raise OutOfRangeError(
                 f"Parquet file {self._path!r} has {count} row groups; row groups "
                 f"[{start}, {stop}) are out of range.")
+        pa, _ = _pyarrow()
         for index in range(start, stop):
             try:
                 table = self._parquet.read_row_group(index, columns=self.columns,
                                                      use_threads=False)
-            except OSError as error:
+            except (OSError, pa.ArrowException) as error:
                 raise DataLossError(
                     f"Parquet file {self._path!r}: row group {index} cannot be read: "
                     f"{error}") from None
