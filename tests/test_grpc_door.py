@@ -17,7 +17,7 @@ from clusterwire import errors
 from clusterwire.security import Security
 from clusterwire.testing.peer import echo_handler
 from clusterwire.transport import Frame, ListenOptions
-from clusterwire.transports._grpc_common.door import context_peer
+from clusterwire.transports._grpc_common.door import Door, context_peer
 from clusterwire.transports.grpc.transport import GrpcTransport
 
 pytestmark = pytest.mark.timeout(60)
@@ -126,3 +126,52 @@ def test_a_first_call_waiting_for_a_thread_past_the_handshake_timeout_is_answere
     finally:
         listener.stop(0)
     assert outcomes == [b"8 bytes!"] * 16
+
+
+@contextlib.contextmanager
+def door_and_connection(timeout: float) -> Iterator:
+    """A started door (no gRPC server) that has recorded one accepted loopback connection;
+    yields (door, the client's socket, gRPC's peer string of the client)."""
+    door = Door(ListenOptions(handshake_timeout_seconds=timeout), "test")
+    door.start()
+    try:
+        with socket.create_server(("127.0.0.1", 0)) as server, \
+                socket.create_connection(server.getsockname()) as client:
+            accepted, _ = server.accept()
+            with accepted:
+                door._accepted(accepted.fileno())
+                yield door, client, f"ipv4:127.0.0.1:{client.getsockname()[1]}"
+    finally:
+        door.close()
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    return not still_open(sock)
+
+
+def test_a_connection_that_called_without_the_token_is_closed_at_its_deadline():
+    with door_and_connection(0.3) as (door, client, peer):
+        door.refused(peer)
+        wait_for(lambda: closed_by_server(client), what="the connection closed")
+        assert not door.pending
+
+
+def test_a_silent_connection_is_left_open_at_its_deadline_but_closed_at_a_late_refusal():
+    """Past its deadline a connection that made no call is gRPC's to close (a token
+    holder's first call may still be waiting); a call without the token then closes it at
+    once, so one timed just after the deadline gains nothing."""
+    with door_and_connection(0.3) as (door, client, peer):
+        wait_for(lambda: door._late, what="the deadline")
+        assert still_open(client)
+        door.refused(peer)
+        wait_for(lambda: closed_by_server(client), what="the connection closed")
+        assert not door.pending
+
+
+def test_a_late_connection_that_shows_the_token_stays_open():
+    with door_and_connection(0.3) as (door, client, peer):
+        wait_for(lambda: door._late, what="the deadline")
+        door.authenticated(peer)
+        door.refused(peer)  # a mixed connection: once authenticated, never closed by it
+        wait_for(lambda: not door.pending, what="the door to forget it")
+        assert still_open(client)

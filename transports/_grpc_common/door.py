@@ -121,9 +121,15 @@ class Door:
     def __init__(self, limits: ListenOptions, name: str):
         self._pending: PendingConnections[_Connection] = PendingConnections(
             limits.max_pending_connections, limits.handshake_timeout_seconds)
-        #: The pending connections by peer address; empty (false) when none is pending.
+        self._timeout = limits.handshake_timeout_seconds
+        #: The pending connections by peer address, and those past their deadline for as
+        #: long again (``_late``); empty (false) when there are none.
         self.pending: dict[tuple[str, int], _Connection] = {}
         self._tokenless: dict[_Connection, None] = {}  # pending ones a call showed tokenless
+        # Unauthenticated connections past their deadline, left to gRPC's limits but closed
+        # at their first call without the token: one timed to arrive just after the
+        # deadline (gRPC's idle limit would then never close it). Values: when forgotten.
+        self._late: dict[_Connection, float] = {}
         self._lock = threading.Condition()
         self._closed = False
         mutator = _Mutator(ctypes.pointer(_VTABLE), 1)  # one reference: ours, never dropped
@@ -146,6 +152,7 @@ class Door:
         with self._lock:
             self._closed = True
             self.pending.clear()
+            self._late.clear()
             self._lock.notify_all()
 
     def authenticated(self, peer: str) -> None:
@@ -159,14 +166,22 @@ class Door:
     def refused(self, peer: str) -> None:
         """A call from ``peer`` came without the token: its connection is the first to close
         when a new one needs room (before any whose first call has not come yet, which may
-        be a token holder's)."""
+        be a token holder's), and at its deadline; past the deadline, at once."""
         with self._lock:
             connection = self.pending.get(context_peer(peer))
-            if connection is not None:
+            if connection is None:
+                return
+            late = connection in self._late
+            if late:
+                self._forget(connection)
+            else:
                 self._tokenless[connection] = None
+        if late:
+            _shut(connection)
 
     def _forget(self, connection: _Connection) -> None:
         self._pending.discard(connection)
+        self._late.pop(connection, None)
         del self.pending[connection.peer]
         self._tokenless.pop(connection, None)
 
@@ -199,20 +214,31 @@ class Door:
             _shut(evicted)
 
     def _reap(self) -> None:
-        """Forget the connections pending at their deadline; close those that called
-        without the token."""
+        """At a pending connection's deadline, close it if it called without the token,
+        else keep it as late for as long again; then forget it."""
         while True:
             with self._lock:
                 if self._closed:
                     return
-                expired = self._pending.expire(time.monotonic())
+                now = time.monotonic()
+                expired = self._pending.expire(now)
                 closing = [c for c in expired if c in self._tokenless]
                 for connection in expired:
-                    del self.pending[connection.peer]
-                    self._tokenless.pop(connection, None)
+                    if connection in self._tokenless:
+                        del self.pending[connection.peer]
+                        del self._tokenless[connection]
+                    else:
+                        self._late[connection] = now + self._timeout
+                while self._late:
+                    connection, until = next(iter(self._late.items()))
+                    if until > now:
+                        break
+                    self._forget(connection)
                 if not expired:
-                    deadline = self._pending.next_deadline()
-                    self._lock.wait(None if deadline is None else deadline - time.monotonic())
+                    deadlines = [d for d in (self._pending.next_deadline(),
+                                             next(iter(self._late.values()), None))
+                                 if d is not None]
+                    self._lock.wait(min(deadlines) - now if deadlines else None)
                     continue
             for connection in closing:
                 _shut(connection)
