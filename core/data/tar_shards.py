@@ -97,6 +97,11 @@ class TarShardReader:
                     sample = None
                 if sample is None:
                     sample = {"__key__": key}
+                if member.size > MAX_MEMBER_BYTES:
+                    raise ResourceExhaustedError(
+                        f"Tar shard {self._path!r}: member {member.name!r} is {member.size} "
+                        f"bytes, over the {MAX_MEMBER_BYTES}-byte limit of one member "
+                        "(tar_shards.MAX_MEMBER_BYTES).")
                 if ext in sample:
                     raise InvalidArgumentError(
                         f"Tar shard {self._path!r}: member {member.name!r} repeats ext {ext!r} "
@@ -127,10 +132,6 @@ class TarShardReader:
             raise InvalidArgumentError(
                 f"Tar shard {self._path!r}: member {name!r} has no key: WebDataset's layout "
                 "names every member KEY.EXT (sample0001.jpg, sample0001.cls).")
-        if member.size > MAX_MEMBER_BYTES:
-            raise ResourceExhaustedError(
-                f"Tar shard {self._path!r}: member {name!r} is {member.size} bytes, over the "
-                f"{MAX_MEMBER_BYTES}-byte limit of one member (tar_shards.MAX_MEMBER_BYTES).")
         return split
 
     def close(self) -> None:
