@@ -214,6 +214,11 @@ def test_local_elements_match_tf(name):
     assert_elements(list(CASES[name]()), name, ordered=name != "interleave_nondeterministic")
 
 
+@pytest.mark.parametrize("name", sorted({**CASES, **SAMPLED}))
+def test_cardinality_matches_tf(name):
+    assert {**CASES, **SAMPLED}[name]().cardinality() == EXPECTED[name]["cardinality"]
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_worker_built_pipeline_matches_tf(name):
     """The DatasetDef round trip a worker makes (its functions allowed by @data.function)."""
@@ -408,3 +413,15 @@ def test_cardinalities():
     assert D.range(10).padded_batch(4, drop_remainder=True).cardinality() == 2
     assert D.range(10).flat_map(fns.ranges).cardinality() == data.UNKNOWN_CARDINALITY
     assert D.from_tensors(1).cardinality() == 1
+
+
+def test_a_zipped_shuffle_reshuffles_each_epoch_as_in_tf():
+    values = [int(a) for a, _ in D.zip((D.range(6).shuffle(6, seed=1), D.range(6))).repeat(2)]
+    first, second = values[:6], values[6:]
+    assert sorted(first) == sorted(second) == list(range(6)) and first != second
+
+
+def test_rebatch_to_zero_is_an_error():
+    # TF 2.21 accepts rebatch(0) and loops forever on the first element (so no fixture).
+    with pytest.raises(errors.InvalidArgumentError, match="batch_size"):
+        D.range(4).batch(2).rebatch(0)

@@ -239,7 +239,12 @@ class Window(Op, Node):
         return run
 
     def cardinality(self, upstream: int) -> int:
-        return INFINITE if upstream == INFINITE else UNKNOWN
+        if upstream < 0:
+            return upstream
+        if self.drop_remainder:
+            rest = upstream - ((self.size - 1) * self.stride + 1)
+            return 0 if rest < 0 else rest // self.shift + 1
+        return -(-upstream // self.shift)
 
 
 def _key(value: Any, what: str) -> int:

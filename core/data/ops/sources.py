@@ -79,9 +79,24 @@ def _min_cardinality(counts: list[int]) -> int:
     return UNKNOWN if UNKNOWN in counts else INFINITE
 
 
+class _Reads:
+    """A source reading ``inputs``: their iterator factories are made once, so what they
+    keep (a reshuffling shuffle's epoch, a cache) carries from one pass to the next (as
+    TF's ops keep theirs for the dataset's lifetime)."""
+
+    inputs: tuple[Pipeline, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_factories", tuple(p.factory() for p in self.inputs))
+
+    def opened(self) -> list[Iterator[Any]]:
+        """An iterator of each input, for one pass."""
+        return [make() for make in self._factories]  # type: ignore[attr-defined]
+
+
 @register
 @dataclass(frozen=True)
-class ZipSource(Node, Source):
+class ZipSource(_Reads, Node, Source):
     """``Dataset.zip``: the elements of ``inputs`` side by side in ``structure`` (tuples and
     dicts whose leaves index ``inputs``), until the shortest ends."""
 
@@ -93,7 +108,7 @@ class ZipSource(Node, Source):
         return _min_cardinality([p.cardinality() for p in self.inputs])
 
     def iterate(self) -> Iterator[Any]:
-        iterators = [p.run() for p in self.inputs]
+        iterators = self.opened()
         while True:
             values = []
             for iterator in iterators:
@@ -118,11 +133,17 @@ def _index(choice: Any, count: int) -> int:
     return index
 
 
-def _directed(choices: Iterator[int], inputs: tuple[Pipeline, ...], stop_on_empty: bool
-              ) -> Iterator[Any]:
+def _directed_cardinality(inputs: tuple[Pipeline, ...]) -> int:
+    # TF's DirectedInterleave: infinite as soon as one data input is, even when the choices
+    # end (choose_from_datasets over repeat()ed inputs with 9 choices: INFINITE); else unknown.
+    counts = [p.cardinality() for p in inputs]
+    return INFINITE if INFINITE in counts else UNKNOWN
+
+
+def _directed(choices: Iterator[int], iterators: list[Iterator[Any] | None],
+              stop_on_empty: bool) -> Iterator[Any]:
     """The next element of the input each choice names; an input that has ended ends it
     all with ``stop_on_empty``, else it is skipped from then on (TF's directed interleave)."""
-    iterators: list[Iterator[Any] | None] = [p.run() for p in inputs]
     live = len(iterators)
     for index in choices:
         iterator = iterators[index]
@@ -141,22 +162,25 @@ def _directed(choices: Iterator[int], inputs: tuple[Pipeline, ...], stop_on_empt
 
 @register
 @dataclass(frozen=True)
-class ChooseSource(Node, Source):
+class ChooseSource(_Reads, Node, Source):
     """``Dataset.choose_from_datasets``: ``inputs[0]`` chooses among ``inputs[1:]``."""
 
     kind = "choose"
     stop_on_empty_dataset: bool
     inputs: tuple[Pipeline, ...] = ()
 
+    def cardinality(self) -> int:
+        return _directed_cardinality(self.inputs[1:])
+
     def iterate(self) -> Iterator[Any]:
-        count = len(self.inputs) - 1
-        choices = (_index(c, count) for c in self.inputs[0].run())
-        return _directed(choices, self.inputs[1:], self.stop_on_empty_dataset)
+        choice, *inputs = self.opened()
+        choices = (_index(c, len(inputs)) for c in choice)
+        return _directed(choices, list(inputs), self.stop_on_empty_dataset)
 
 
 @register
 @dataclass(frozen=True)
-class SampleSource(Node, Source):
+class SampleSource(_Reads, Node, Source):
     """``Dataset.sample_from_datasets``: each element from an input drawn with ``weights``;
     a ``seed`` fixes the draws (per epoch with ``rerandomize_each_iteration``)."""
 
@@ -168,7 +192,11 @@ class SampleSource(Node, Source):
     inputs: tuple[Pipeline, ...] = ()
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         object.__setattr__(self, "_epochs", itertools.count())  # shared by its iterators
+
+    def cardinality(self) -> int:
+        return _directed_cardinality(self.inputs)
 
     def iterate(self) -> Iterator[Any]:
         epoch = next(self._epochs) if self.rerandomize_each_iteration else 0  # type: ignore
@@ -178,5 +206,5 @@ class SampleSource(Node, Source):
         def choices() -> Iterator[int]:
             while True:
                 yield from (int(i) for i in rng.choice(len(probabilities), 256, p=probabilities))
-        return _directed(choices(), self.inputs, self.stop_on_empty_dataset)
+        return _directed(choices(), list(self.opened()), self.stop_on_empty_dataset)
 
