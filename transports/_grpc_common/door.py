@@ -11,12 +11,15 @@ without the token (``refused``), else the oldest of the peer (IP address) holdin
 A call that shows the token (``authenticated``) ends its connection's pending state. At the
 deadline, a connection that called without the token is closed; one that made no call is
 left to gRPC's own limits, which close it at the same deadline if it is silent
-(``connection_args``) and keep it if its first call is waiting for a server thread.
+(``connection_args``) and keep it if its first call is waiting for a server thread, but for
+as long again it is closed at its first call without the token.
 
 The door closes a connection with ``shutdown`` on a duplicate of gRPC's descriptor, taken
 only after checking that it still is the socket accepted (same inode): gRPC sees the
 connection end as if the peer had closed it. The mutator is always told "applied": a
-refusal there would make gRPC stop accepting altogether.
+refusal there would make gRPC stop accepting altogether. The structs are gRPC core's
+(``src/core/lib/iomgr/socket_mutator.h``, with ``mutate_fd_2``, which grpcio >= 1.85 has:
+pyproject's floor); ``tests/test_grpc_door.py`` fails if a grpcio stops calling it.
 """
 
 from __future__ import annotations
