@@ -160,6 +160,17 @@ def test_a_truncated_gzip_shard_is_data_loss(tmp_path):
         list(TarShardReader(_cut(tmp_path, data, len(data) // 2), readable_prefixes=None))
 
 
+@pytest.mark.parametrize("mode", ["w:gz", "w:bz2", "w:xz"])
+def test_a_compressed_shard_failing_its_checksum_is_data_loss(tmp_path, mode):
+    data = bytearray(pathlib.Path(_write(tmp_path / "full.tar.c", MEMBERS, mode)).read_bytes())
+    if mode == "w:gz":
+        data[-8] ^= 1  # the CRC-32 of gzip's trailer: every byte before it is intact
+    else:
+        data[len(data) // 2] ^= 1
+    with pytest.raises(DataLossError, match="cut.tar"):
+        list(TarShardReader(_cut(tmp_path, bytes(data), len(data)), readable_prefixes=None))
+
+
 def test_reads_only_under_readable_prefixes(tmp_path):
     path = _write(tmp_path / "shard.tar", MEMBERS)
     allowed = tmp_path / "allowed"

@@ -1,8 +1,8 @@
 """Tar shards in WebDataset's layout: members ``KEY.EXT``, a sample's members consecutive.
 
-A shard (plain, or gzip/bz2/xz-compressed) is read as a stream, so an object store is read
-front to back. Each sample is a dict ``{ext: bytes, ..., "__key__": key}``, where, as
-WebDataset's ``base_plus_ext``, the key is the member's name up to the first dot of its
+A shard (plain, or gzip/bz2/xz-compressed, its checksum checked) is read as a stream, so an
+object store is read front to back. Each sample is a dict ``{ext: bytes, "__key__": key}``,
+where, as WebDataset's ``base_plus_ext``, the key is the member's name up to the first dot of its
 last path component and ``ext`` the rest, lower-cased (WebDataset's default ``lcase``);
 ``a/b/x.seg.PNG`` is key ``a/b/x``, ext ``seg.png``. Consecutive members with the same key
 make one sample.
@@ -23,19 +23,26 @@ bytes, and ``tar cf shard.tar folder/`` writes them) and top-level ``__name__`` 
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import lzma
 import os
 import re
 import tarfile
 import zlib
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, BinaryIO
 
 from clusterwire.data.filesystems import open_readable
 from clusterwire.errors import DataLossError, InvalidArgumentError, ResourceExhaustedError
 
 #: The largest member a reader reads into memory, in bytes.
 MAX_MEMBER_BYTES = 256 * 1024 * 1024
+
+# Compressed shards by their first bytes. Python's own readers check the stream's checksum at
+# its end (tarfile's stream mode inflates gzip without checking its CRC-32).
+_COMPRESSED = ((b"\x1f\x8b", gzip.open), (b"BZh", bz2.open), (b"\xfd7zXZ\x00", lzma.open))
+_DRAIN = 64 * 1024
 
 _KEY = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$", re.DOTALL)  # WebDataset's base_plus_ext
 
@@ -53,6 +60,16 @@ class _Header(tarfile.TarInfo):
         except tarfile.HeaderError as error:
             tar.stop_reason = str(error) or type(error).__name__  # type: ignore[attr-defined]
             raise
+
+
+def _decompressed(file: BinaryIO) -> BinaryIO:
+    """``file``, or a reader of the compressed stream it holds (gzip, bz2, xz)."""
+    head = file.read(6)
+    file.seek(0)
+    for magic, reader in _COMPRESSED:
+        if head.startswith(magic):
+            return reader(file, "rb")
+    return file
 
 
 def _split(name: str) -> tuple[str, str] | None:
@@ -86,7 +103,8 @@ class TarShardReader:
 
     def _samples(self) -> Iterator[dict[str, Any]]:
         sample: dict[str, Any] | None = None
-        with tarfile.open(fileobj=self._file, mode="r|*", tarinfo=_Header) as tar:
+        stream = _decompressed(self._file)
+        with tarfile.open(fileobj=stream, mode="r|", tarinfo=_Header) as tar:
             for member in tar:
                 split = self._check(member)
                 if split is None:
@@ -113,6 +131,9 @@ class TarShardReader:
                              "the shard ends without tar's end-of-archive block")
             if reason is not None:  # the last sample may miss members: not delivered
                 raise tarfile.ReadError(f"{reason} at byte {tar.offset}")
+        if stream is not self._file:  # to the compressed stream's end: its checksum
+            while stream.read(_DRAIN):
+                pass
         if sample is not None:
             yield sample
 
