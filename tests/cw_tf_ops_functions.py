@@ -133,3 +133,43 @@ def lines(path):
 @data.function
 def not_a_dataset(x):
     return 1.0 / x
+
+
+@data.function
+def range_mod_3(x):
+    return D.range(x % 3)
+
+
+@data.function
+def range_mod_2(x):
+    return D.range(x % 2)
+
+
+@data.function
+def sum_below_16(a, b):
+    return a + b < 16
+
+
+@data.function
+def fill_strings_bools(x):
+    return np.full([x], b"ab"), np.full([x], True)
+
+
+@data.function
+def identity(x):
+    return x
+
+
+@data.function
+def as_string(x):
+    return str(int(x)).encode()
+
+
+@data.function
+def scan_pairs(state, x):
+    return state - x, (state, x * 2)
+
+
+@data.function
+def mod_4(x):
+    return x % 4

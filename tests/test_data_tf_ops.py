@@ -58,6 +58,30 @@ CASES = {
     "interleave_c1_b2_pNone": _interleave(1, 2, None),
     "interleave_c5_b1_p3": _interleave(5, 1, 3),
     "interleave_nondeterministic": _interleave(3, 2, 3, deterministic=False),
+    "interleave_empty_c2_b2_pNone": lambda: D.range(6).interleave(
+        fns.range_mod_3, cycle_length=2, block_length=2),
+    "interleave_empty_c2_b2_p2": lambda: D.range(6).interleave(
+        fns.range_mod_3, cycle_length=2, block_length=2, num_parallel_calls=2),
+    "interleave_empty_c3_b1_p3": lambda: D.range(6).interleave(
+        fns.range_mod_3, cycle_length=3, block_length=1, num_parallel_calls=3),
+    "flat_map_empty": lambda: D.range(5).flat_map(fns.range_mod_2),
+    "concatenate_empty_first": lambda: D.range(0).concatenate(D.range(3)),
+    "zip_with_counter": lambda: D.zip((D.counter(10, -3), D.range(4))),
+    "counter_int32": lambda: D.counter(2, 5, dtype=np.int32).take(3),
+    "take_while_tuple": lambda: D.zip((D.range(10), D.range(10, 20))).take_while(
+        fns.sum_below_16),
+    "padded_batch_strings_bools": lambda: D.range(1, 4).map(fns.fill_strings_bools)
+    .padded_batch(2),
+    "window_drop_shift_beyond": lambda: D.range(11).window(2, 4, 2, True).flat_map(fns.batch_2),
+    "bucket_no_padding": lambda: D.from_tensor_slices(
+        np.array([5, 1, 2, 7, 3, 6])).bucket_by_sequence_length(
+        element_length_func=fns.identity, bucket_boundaries=[3], bucket_batch_sizes=[2, 2],
+        no_padding=True),
+    "rebatch_tuple": lambda: D.zip((D.range(7), D.range(7).map(fns.as_string))).batch(3)
+    .rebatch(2),
+    "scan_output_tuple": lambda: D.range(4).scan(np.int64(10), fns.scan_pairs),
+    "unique_dict": lambda: D.from_tensor_slices({"a": [3, 1, 3, 2]}).unique(),
+    "unique_after_map": lambda: D.range(12).map(fns.mod_4).unique(),
     "padded_batch": lambda: D.range(1, 8).map(fns.fill).padded_batch(3),
     "padded_batch_shapes_values": lambda: D.range(1, 6).map(fns.fill).padded_batch(
         2, padded_shapes=[6], padding_values=np.int64(-1), drop_remainder=True),
@@ -115,6 +139,8 @@ SAMPLED = {
         [D.range(10), D.range(100, 110)], weights=[0.5, 0.5], seed=7),
     "sample_stop_on_empty": lambda: D.sample_from_datasets(
         [D.range(3), D.range(100, 200)], weights=[0.5, 0.5], seed=7, stop_on_empty_dataset=True),
+    "sample_uneven_weights": lambda: D.sample_from_datasets(
+        [D.range(5), D.range(100, 120), D.range(200, 203)], weights=[0.2, 0.7, 0.1], seed=11),
 }
 
 ERRORS = {
@@ -131,6 +157,9 @@ ERRORS = {
     "error_choose_index": lambda: D.choose_from_datasets(
         [D.range(2)], D.from_tensor_slices(np.array([0, 3]))),
     "error_zip_not_dataset": lambda: D.zip((D.range(3), [1, 2])),
+    "error_choose_int32": lambda: D.choose_from_datasets(
+        [D.range(2)], D.from_tensor_slices(np.array([0, 0], np.int32))),
+    "error_unique_pair": lambda: D.from_tensor_slices(([1, 2], [3, 4])).unique(),
     "error_concatenate_types": lambda: D.range(3).concatenate(D.from_tensors(b"x")),
     "error_sample_weights": lambda: D.sample_from_datasets([D.range(3), D.range(3)],
                                                            weights=[0.5]),
@@ -143,7 +172,8 @@ ERROR_WORDS = {
     "error_padded_batch_size": "batch_size", "error_padded_too_small": "padded_shapes",
     "error_unique_float": "int32, int64 or string", "error_choose_index": "choice_dataset",
     "error_zip_not_dataset": "tuple instead of a list", "error_sample_weights": "weights",
-    "error_concatenate_types": "incompatible",
+    "error_concatenate_types": "incompatible", "error_choose_int32": "int64 scalars",
+    "error_unique_pair": "one component",
 }
 
 
@@ -232,14 +262,14 @@ def test_sampling_gives_tfs_multiset_in_each_inputs_order(name):
     expected = [int(decode(e)) for e in EXPECTED[name]["elements"]]
     first = [int(x) for x in SAMPLED[name]()]
     assert [int(x) for x in SAMPLED[name]()] == first  # seeded
-    assert first == sorted(first, key=lambda x: x >= 100) or first != expected  # drawn
-    if name == "sample_from_datasets":  # every element of both inputs
+    assert first != sorted(first)  # drawn from the inputs in turn, not one after the other
+    if name == "sample_stop_on_empty":  # ends once the 3-element input is drawn after its end
+        assert [x for x in expected if x < 100] == [x for x in first if x < 100] == [0, 1, 2]
+        assert len(expected) < 103 and len(first) < 103
+    else:  # every element of every input
         assert sorted(first) == sorted(expected)
-    else:  # stops when the 3-element input is chosen after its end, as TF did
-        assert [x for x in first if x < 100] == [0, 1, 2]
-        assert first[-1] < 100 or first.count(2) == 1
-    for low in (True, False):
-        part = [x for x in first if (x < 100) == low]
+    for hundreds in (0, 1, 2):
+        part = [x for x in first if x // 100 == hundreds]
         assert part == sorted(part)
 
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from clusterwire import codec
 from clusterwire.data.ops import Node, fn_field, register
-from clusterwire.data.pipeline import INFINITE, UNKNOWN, Factory, Op, call, normalize
+from clusterwire.data.pipeline import INFINITE, UNKNOWN, Factory, Op, _leaves, call, normalize
 from clusterwire.errors import DataLossError, InvalidArgumentError, PermissionDeniedError
 from clusterwire.protos.service_pb2 import Value
 
@@ -81,9 +81,15 @@ class TakeWhile(Op, Node):
 
 
 def _unique_key(element: Any) -> Any:
-    array = np.asarray(element) if not isinstance(element, (bytes, str)) else None
-    if array is None:
-        return element
+    leaves = _leaves(element)
+    if len(leaves) != 1:
+        raise InvalidArgumentError(
+            f"unique: elements must have one component (as in TF), got {len(leaves)}; map "
+            "them to the one to compare first.")
+    leaf = leaves[0]
+    if isinstance(leaf, (bytes, str)):
+        return leaf
+    array = np.asarray(leaf)
     if array.shape == () and array.dtype.kind in "iuSU":
         return array.item()
     raise InvalidArgumentError(
