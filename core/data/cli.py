@@ -181,6 +181,7 @@ def add_commands(commands: Any) -> None:
     worker.add_argument("--send-tracebacks", action="store_true",
                         help="pipeline errors carry the worker's traceback to clients")
     worker.add_argument("--readable-dir", dest="readable_dirs", action="append", default=[],
-                        metavar="DIR", help="a directory from_files may read under (none by "
-                        "default: from_files is refused)")
+                        metavar="DIR_OR_URL", help="a directory or URL prefix (s3://bucket/"
+                        "train) the worker's readers may read under; repeatable (none by "
+                        "default: every file is refused)")
     worker.set_defaults(run=_worker)

@@ -168,7 +168,8 @@ class WorkerConfig(collections.namedtuple("WorkerConfig", _WORKER_FIELDS)):
     ``data_transfer_address`` (``%dts_port%``: its bound port).
     ``function_modules``: modules whose module-level functions the worker may run (besides
     ``@clusterwire.data.function`` ones); ``readable_dirs``: the only directories
-    ``from_files`` may read under (see ``clusterwire.data.permissions``).
+    and URL prefixes the worker's readers may read under (see
+    ``clusterwire.data.filesystems``).
     ``send_tracebacks``: pipeline errors carry the worker's traceback to clients.
     ``cross_trainer_cache_size_bytes``: the bytes each job's cross-trainer cache keeps on
     this worker (see ``clusterwire.data.CrossTrainerCache``); None (stored as 0): a quarter
