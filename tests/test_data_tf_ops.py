@@ -15,7 +15,7 @@ import threading
 import cw_tf_ops_functions as fns
 import numpy as np
 import pytest
-from conftest import in_process_data_service
+from conftest import child_env, in_process_data_service
 
 from clusterwire import data, errors
 from clusterwire.data import graph
@@ -323,6 +323,25 @@ def test_distributed_epoch_through_the_service_gives_tfs_elements(name, two_work
 def test_distributed_epoch_refuses_concatenate(two_workers):
     with pytest.raises(errors.InvalidArgumentError, match="parallel_epochs"):
         through(D.range(4).concatenate(D.range(2)), two_workers, "distributed_epoch")
+
+
+@pytest.mark.timeout(120)
+def test_worker_processes_of_local_data_service_match_tf(monkeypatch):
+    """Real worker processes (importing the functions' module), elements over grpc+local."""
+    monkeypatch.setenv("PYTHONPATH", child_env()["PYTHONPATH"])
+    with data.LocalDataService(workers=2, data_transfer_protocol="grpc+local",
+                               imports=["cw_tf_ops_functions"]) as service:
+        for name in ("interleave_c3_b2_p2", "flat_map_empty"):
+            got = through(CASES[name](), service.target, "distributed_epoch")
+            assert_elements(got, name, ordered=False)
+        for name in ("padded_batch_tuple", "group_by_window_size_func", "window_tuple"):
+            got = through(CASES[name](), service.target, "parallel_epochs")  # each worker's
+            expected = [decode(e) for e in EXPECTED[name]["elements"]]  # whole dataset
+            assert len(got) == 2 * len(expected)
+            for element in expected:
+                matches = [g for g in got if repr(_plain(g)) == repr(_plain(element))]
+                assert len(matches) == 2, (name, element)
+                assert_same(matches[0], element, name)
 
 
 # ---- default deny inside nested pipelines --------------------------------------------------
