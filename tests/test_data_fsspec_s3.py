@@ -13,6 +13,7 @@ import tarfile
 
 import numpy as np
 import pytest
+from conftest import fresh_python
 
 boto3 = pytest.importorskip("boto3", reason="pip install 'clusterwire[test]'")
 moto_server = pytest.importorskip("moto.server", reason="pip install 'moto[s3]'")
@@ -205,3 +206,13 @@ def test_an_unreachable_store_is_unavailable_naming_the_url(s3, monkeypatch):
     url = f"{PREFIX}/part-0.parquet"
     with pytest.raises(UnavailableError, match=url):
         open_readable(url, [PREFIX])
+
+
+def test_importing_clusterwire_data_loads_neither_pyarrow_nor_fsspec():
+    loaded = fresh_python(
+        "import sys, clusterwire, clusterwire.data as d\n"
+        "import clusterwire.data.filesystems, clusterwire.data.parquet, "
+        "clusterwire.data.tar_shards, clusterwire.data.permissions\n"
+        "d.ParquetReader, d.TarShardReader\n"
+        "print(sorted(m for m in ('pyarrow', 'fsspec', 's3fs') if m in sys.modules))")
+    assert loaded.strip() == "[]"
