@@ -474,3 +474,37 @@ def test_rebatch_to_zero_is_an_error():
     # TF 2.21 accepts rebatch(0) and loops forever on the first element (so no fixture).
     with pytest.raises(errors.InvalidArgumentError, match="batch_size"):
         D.range(4).batch(2).rebatch(0)
+
+
+def test_a_tampered_node_is_refused_where_a_worker_builds_it():
+    """A hostile client's DatasetDef: the node checks its arguments on the worker as the
+    client's Dataset call would, and unknown kinds or fields are malformed."""
+    from clusterwire import codec
+
+    definition, buffers = graph.to_def(D.range(5).window(2).flat_map(fns.batch_2).pipeline)
+    params = codec.decode(definition.payloads, list(buffers))
+    assert params[definition.ops[0].node.params]["size"] == 2
+
+    def rebuilt(change=None, kind=None):
+        items = [dict(p) if isinstance(p, dict) else p for p in params]
+        if kind == "tensors":
+            items[definition.ops[0].node.params] = {}
+        items[definition.ops[0].node.params].update(change or {})
+        tampered = type(definition)()
+        tampered.CopyFrom(definition)
+        header, new_buffers = codec.encode(items)
+        tampered.payloads.CopyFrom(header)
+        if kind:
+            tampered.ops[0].node.kind = kind
+        return graph.from_def(tampered, new_buffers, WorkerPermissions())
+
+    for change, words in [({"size": -1}, "`size` must be an int >= 1"),
+                          ({"stride": "x"}, "`stride` must be an int"),
+                          ({"extra": 1}, "Malformed dataset")]:
+        with pytest.raises(errors.InvalidArgumentError, match=words):
+            rebuilt(change)
+    with pytest.raises(errors.InvalidArgumentError, match="unknown node"):
+        rebuilt(kind="no_such_op")
+    with pytest.raises(errors.InvalidArgumentError, match="not a transformation"):
+        rebuilt({"tensors": 1}, kind="tensors")
+    assert [list(map(int, b)) for b in rebuilt().run()] == [[0, 1], [2, 3], [4]]

@@ -53,16 +53,6 @@ def _int(value: Any, name: str) -> int:
     raise ValueError(f"`{name}` must be an int, got {value!r}")
 
 
-def _count(value: Any, name: str, fix: str, minimum: int = 1,
-           allow: tuple[int, ...] = ()) -> int:
-    """``value`` as an int >= ``minimum`` (or one of ``allow``); InvalidArgumentError naming
-    ``name`` and ``fix`` otherwise."""
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and (
-            value >= minimum or value in allow):
-        return int(value)
-    raise InvalidArgumentError(f"`{name}` must be an int >= {minimum}, got {value!r}. {fix}")
-
-
 def _datasets(structure: Any, name: str) -> tuple[Any, list[Pipeline]]:
     """(``structure`` with each Dataset replaced by its index, the Datasets' pipelines)."""
     pipes: list[Pipeline] = []
@@ -313,13 +303,9 @@ class Dataset:
         count), ``block_length`` (None: 1) elements from each in turn. With
         ``num_parallel_calls`` (an int or AUTOTUNE) threads read ahead of the consumer;
         ``deterministic=False`` lets a ready Dataset go before a slower one."""
-        fix = "Give a positive int (or AUTOTUNE)."
-        cycle = pipeline.AUTOTUNE if cycle_length is None else _count(
-            cycle_length, "cycle_length", fix, allow=(pipeline.AUTOTUNE,))
-        block = 1 if block_length is None else _count(block_length, "block_length",
-                                                      "Give a positive int.")
-        parallel = 0 if num_parallel_calls is None else _count(
-            num_parallel_calls, "num_parallel_calls", fix, allow=(pipeline.AUTOTUNE,))
+        cycle = pipeline.AUTOTUNE if cycle_length is None else cycle_length
+        block = 1 if block_length is None else block_length
+        parallel = 0 if num_parallel_calls is None else num_parallel_calls
         return self._with(nested.Interleave(cycle, block, parallel, deterministic is not False,
                                             _function(map_func, "map_func")))
 
@@ -328,8 +314,7 @@ class Dataset:
         """Batches of ``batch_size`` whose components are padded to ``padded_shapes`` (per
         component a list of sizes, None or -1 for the batch's largest; None: the largest in
         every dimension) with ``padding_values`` (default 0, b"" or False)."""
-        size = _count(batch_size, "batch_size", "Give a positive int.")
-        return self._with(batching.PaddedBatch(size, _shapes(padded_shapes),
+        return self._with(batching.PaddedBatch(batch_size, _shapes(padded_shapes),
                                                _values(padding_values),
                                                bool(drop_remainder)))
 
@@ -341,18 +326,8 @@ class Dataset:
         """Elements grouped into buckets by ``element_length_func``'s length (bucket ``i``:
         ``bucket_boundaries[i-1] <= length < bucket_boundaries[i]``), batched
         ``bucket_batch_sizes[i]`` at a time and padded (see ``padded_batch``)."""
-        boundaries = [_count(b, "bucket_boundaries", "Give increasing positive ints.")
-                      for b in bucket_boundaries]
-        if boundaries != sorted(set(boundaries)):
-            raise InvalidArgumentError(f"`bucket_boundaries` must increase, got {boundaries}.")
-        sizes = [_count(b, "bucket_batch_sizes", "Give positive ints.")
-                 for b in bucket_batch_sizes]
-        if len(sizes) != len(boundaries) + 1:
-            raise InvalidArgumentError(
-                f"`bucket_batch_sizes` must have len(bucket_boundaries) + 1 = "
-                f"{len(boundaries) + 1} entries (one per bucket), got {len(sizes)}.")
         return self._with(batching.BucketBySequenceLength(
-            tuple(boundaries), tuple(sizes), _shapes(padded_shapes),
+            tuple(bucket_boundaries), tuple(bucket_batch_sizes), _shapes(padded_shapes),
             _values(padding_values), bool(pad_to_bucket_boundary), bool(no_padding),
             bool(drop_remainder), _function(element_length_func, "element_length_func")))
 
@@ -360,23 +335,16 @@ class Dataset:
                 ) -> Dataset:
         """The rows of this dataset's batches in batches of ``batch_size`` (or of the sizes
         of a list, in turn): what ``unbatch().batch(batch_size)`` gives, without the copies."""
-        sizes = list(batch_size) if isinstance(batch_size, (list, tuple, np.ndarray)) \
-            else [batch_size]
-        if not sizes:
-            raise InvalidArgumentError("`batch_size` of rebatch must not be empty.")
-        return self._with(batching.Rebatch(
-            tuple(_count(b, "batch_size", "Give a positive int (or a list of them).")
-                  for b in sizes), bool(drop_remainder)))
+        sizes = tuple(batch_size) if isinstance(batch_size, (list, tuple, np.ndarray)) \
+            else (batch_size,)
+        return self._with(batching.Rebatch(sizes, bool(drop_remainder)))
 
     def window(self, size: int, shift: int | None = None, stride: int = 1,
                drop_remainder: bool = False) -> Dataset:
         """Windows of ``size`` elements, ``stride`` apart, starting every ``shift`` (default
         ``size``) elements; each a Dataset (a structure of Datasets for structured
         elements), for ``flat_map(lambda w: w.batch(size))`` and the like."""
-        size = _count(size, "size", "Give a positive int.")
-        step = size if shift is None else _count(shift, "shift", "Give a positive int.")
-        return self._with(batching.Window(size, step, _count(stride, "stride",
-                                                             "Give a positive int."),
+        return self._with(batching.Window(size, size if shift is None else shift, stride,
                                           bool(drop_remainder)))
 
     def group_by_window(self, key_func: Callable[..., Any],
@@ -386,24 +354,15 @@ class Dataset:
         """Elements grouped by ``key_func`` (an int64); each full window of a group
         (``window_size``, or ``window_size_func(key)``; at the end, what is left) becomes
         the elements of ``reduce_func(key, window_dataset)``."""
-        if (window_size is None) == (window_size_func is None):
-            raise InvalidArgumentError("group_by_window needs exactly one of `window_size` and "
-                                       "`window_size_func`.")
-        size = 0 if window_size is None else _count(window_size, "window_size",
-                                                    "Give a positive int.")
         return self._with(batching.GroupByWindow(
-            size, _function(key_func, "key_func"), _function(reduce_func, "reduce_func"),
+            0 if window_size is None else window_size, _function(key_func, "key_func"),
+            _function(reduce_func, "reduce_func"),
             None if window_size_func is None else _function(window_size_func,
                                                             "window_size_func")))
 
     def shard(self, num_shards: int, index: int) -> Dataset:
         """Every ``num_shards``-th element, from the ``index``-th."""
-        shards = _count(num_shards, "num_shards", "Give the number of shards (> 0).")
-        where = _count(index, "index", f"Give 0 to {shards - 1} (num_shards - 1).", minimum=0)
-        if where >= shards:
-            raise InvalidArgumentError(f"`index` must be between 0 and {shards - 1} "
-                                       f"(num_shards - 1), got {where}.")
-        return self._with(stateful.Shard(shards, where))
+        return self._with(stateful.Shard(num_shards, index))
 
     def scan(self, initial_state: Any, scan_func: Callable[[Any, Any], tuple[Any, Any]]
              ) -> Dataset:

@@ -14,7 +14,10 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+import numpy as np
+
 from clusterwire.data.pipeline import Pipeline
+from clusterwire.errors import InvalidArgumentError
 
 #: What a worker applies to a pipeline a user function returned (identity locally).
 Guard = Callable[[Pipeline], Pipeline]
@@ -41,6 +44,16 @@ def no_guard(pipe: Pipeline) -> Pipeline:
     return pipe
 
 
+def count(value: Any, name: str, fix: str, minimum: int = 1, allow: tuple[int, ...] = ()
+          ) -> int:
+    """``value`` as an int >= ``minimum`` (or one of ``allow``); else InvalidArgumentError
+    naming the argument ``name`` and the ``fix``."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and (
+            value >= minimum or value in allow):
+        return int(value)
+    raise InvalidArgumentError(f"`{name}` must be an int >= {minimum}, got {value!r}. {fix}")
+
+
 class Node:
     """A source or transformation that travels as a ``NodeDef`` (see the module docstring)."""
 
@@ -59,6 +72,12 @@ class Node:
     def inputs_of(self) -> tuple[Pipeline, ...]:
         """The pipelines this node reads."""
         return tuple(getattr(self, "inputs", ()))
+
+    def _count(self, name: str, fix: str, minimum: int = 1, allow: tuple[int, ...] = ()
+               ) -> None:
+        """Check field ``name`` (see ``count``): nodes check their arguments where they
+        are made, so a worker checks a client's as the client's own Dataset call did."""
+        object.__setattr__(self, name, count(getattr(self, name), name, fix, minimum, allow))
 
     def check_on_worker(self) -> None:
         """Raise if a worker must not run this node as the client sent it."""

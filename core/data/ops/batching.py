@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from clusterwire.data.ops import Guard, Node, fn_field, guard_field, register
+from clusterwire.data.ops import Guard, Node, count, fn_field, guard_field, register
 from clusterwire.data.ops.nested import returned_pipeline
 from clusterwire.data.ops.sources import ElementsSource
 from clusterwire.data.pipeline import (
@@ -135,6 +135,9 @@ class PaddedBatch(Op, Node):
     padding_values: Any
     drop_remainder: bool
 
+    def __post_init__(self) -> None:
+        self._count("batch_size", "Give a positive int.")
+
     def wrap(self, upstream: Factory) -> Factory:
         return lambda: (padded(chunk, self.padded_shapes, self.padding_values) for chunk in
                         _chunks(upstream(), self.batch_size, self.drop_remainder))
@@ -152,6 +155,14 @@ class Rebatch(Op, Node):
     kind = "rebatch"
     batch_sizes: tuple[int, ...]
     drop_remainder: bool
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.batch_sizes, (tuple, list)) or not self.batch_sizes:
+            raise InvalidArgumentError(f"`batch_size` of rebatch must be an int or a non-empty "
+                                       f"list of them, got {self.batch_sizes!r}.")
+        object.__setattr__(self, "batch_sizes", tuple(
+            count(b, "batch_size", "Give a positive int (or a list of them).")
+            for b in self.batch_sizes))
 
     def wrap(self, upstream: Factory) -> Factory:
         def run() -> Iterator[Any]:
@@ -215,6 +226,10 @@ class Window(Op, Node):
     shift: int
     stride: int
     drop_remainder: bool
+
+    def __post_init__(self) -> None:
+        for name in ("size", "shift", "stride"):
+            self._count(name, "Give a positive int.")
 
     def wrap(self, upstream: Factory) -> Factory:
         def run() -> Iterator[Any]:
@@ -294,6 +309,12 @@ class GroupByWindow(Op, Node):
     window_size_func: Callable[..., Any] | None = fn_field(optional=True)
     guard: Guard | None = guard_field()
 
+    def __post_init__(self) -> None:
+        if (self.window_size == 0) == (self.window_size_func is None):
+            raise InvalidArgumentError("group_by_window needs exactly one of `window_size` "
+                                       "and `window_size_func`.")
+        self._count("window_size", "Give a positive int.", minimum=0)
+
     def wrap(self, upstream: Factory) -> Factory:
         def size_of(key: int) -> int:
             if self.window_size_func is None:
@@ -340,6 +361,21 @@ class BucketBySequenceLength(Op, Node):
     no_padding: bool
     drop_remainder: bool
     element_length_func: Callable[..., Any] = fn_field()
+
+    def __post_init__(self) -> None:
+        boundaries = tuple(count(b, "bucket_boundaries", "Give increasing positive ints.")
+                           for b in self.bucket_boundaries)
+        if list(boundaries) != sorted(set(boundaries)):
+            raise InvalidArgumentError(f"`bucket_boundaries` must increase, got "
+                                       f"{list(boundaries)}.")
+        sizes = tuple(count(b, "bucket_batch_sizes", "Give positive ints.")
+                      for b in self.bucket_batch_sizes)
+        if len(sizes) != len(boundaries) + 1:
+            raise InvalidArgumentError(
+                f"`bucket_batch_sizes` must have len(bucket_boundaries) + 1 = "
+                f"{len(boundaries) + 1} entries (one per bucket), got {len(sizes)}.")
+        object.__setattr__(self, "bucket_boundaries", boundaries)
+        object.__setattr__(self, "bucket_batch_sizes", sizes)
 
     def _bucket(self, element: Any) -> int:
         length = _key(call(self.element_length_func, element), "element_length_func")

@@ -124,6 +124,12 @@ class Interleave(Op, Node):
     fn: Callable[..., Any] = fn_field()
     guard: Guard | None = guard_field()
 
+    def __post_init__(self) -> None:
+        fix = "Give a positive int (or AUTOTUNE)."
+        self._count("cycle_length", fix, allow=(AUTOTUNE,))
+        self._count("block_length", "Give a positive int.")
+        self._count("num_parallel_calls", fix, minimum=0, allow=(AUTOTUNE,))
+
     def wrap(self, upstream: Factory) -> Factory:
         cycle = default_cycle_length() if self.cycle_length == AUTOTUNE else self.cycle_length
         if self.num_parallel_calls == 0:

@@ -32,6 +32,13 @@ class Shard(Op, Node):
     num_shards: int
     index: int
 
+    def __post_init__(self) -> None:
+        self._count("num_shards", "Give the number of shards (> 0).")
+        self._count("index", "Give 0 to num_shards - 1.", minimum=0)
+        if self.index >= self.num_shards:
+            raise InvalidArgumentError(f"`index` must be between 0 and {self.num_shards - 1} "
+                                       f"(num_shards - 1), got {self.index}.")
+
     def wrap(self, upstream: Factory) -> Factory:
         return lambda: itertools.islice(upstream(), self.index, None, self.num_shards)
 
