@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import logging
 import os
 import socket
@@ -39,6 +40,7 @@ from clusterwire.transport import ListenOptions
 
 _LOG = logging.getLogger(__name__)
 _SERVER_CONNECTION = 2  # grpc_fd_usage: GRPC_FD_SERVER_CONNECTION_USAGE
+_PURGE = 32  # closed connections looked for, oldest first, when the pending ones are full
 
 
 class _SocketInfo(ctypes.Structure):  # grpc_mutate_socket_info
@@ -203,6 +205,12 @@ class Door:
             stale = self.pending.get(peer)  # its port reused: that one is gone
             if stale is not None:
                 self._forget(stale)
+            if len(self._pending) >= self._pending.limit:
+                # Those gRPC closed itself (garbage, a reset) leave first: they take no room.
+                for old in list(itertools.islice(self._pending, _PURGE)):
+                    if _alive(old):
+                        break
+                    self._forget(old)
             evicted = None
             if len(self._pending) >= self._pending.limit and self._tokenless:
                 evicted = next(iter(self._tokenless))
@@ -245,6 +253,14 @@ class Door:
                     continue
             for connection in closing:
                 _shut(connection)
+
+
+def _alive(connection: _Connection) -> bool:
+    """Whether gRPC still holds ``connection`` (its descriptor still is the socket)."""
+    try:
+        return os.fstat(connection.fd).st_ino == connection.inode
+    except OSError:
+        return False
 
 
 def _shut(connection: _Connection) -> None:
