@@ -173,3 +173,14 @@ def scan_pairs(state, x):
 @data.function
 def mod_4(x):
     return x % 4
+
+
+@data.function
+def inner_reciprocals(x):
+    return D.from_tensor_slices(np.array([x + 1.0, 0.0, 2.0], np.float32)).map(
+        reciprocal_checked)
+
+
+@data.function
+def reciprocal_of_x_minus_2(x):
+    return D.from_tensors(reciprocal_checked(np.float32(x) - np.float32(2.0))).repeat(2)

@@ -82,6 +82,13 @@ CASES = {
     "scan_output_tuple": lambda: D.range(4).scan(np.int64(10), fns.scan_pairs),
     "unique_dict": lambda: D.from_tensor_slices({"a": [3, 1, 3, 2]}).unique(),
     "unique_after_map": lambda: D.range(12).map(fns.mod_4).unique(),
+    "interleave_ignore_errors_pNone": lambda: D.range(3).interleave(
+        fns.inner_reciprocals, cycle_length=2, block_length=2).ignore_errors(),
+    "interleave_ignore_errors_p2": lambda: D.range(3).interleave(
+        fns.inner_reciprocals, cycle_length=2, block_length=2, num_parallel_calls=2
+    ).ignore_errors(),
+    "flat_map_open_error_ignored": lambda: D.range(4).flat_map(
+        fns.reciprocal_of_x_minus_2).ignore_errors(),
     "padded_batch": lambda: D.range(1, 8).map(fns.fill).padded_batch(3),
     "padded_batch_shapes_values": lambda: D.range(1, 6).map(fns.fill).padded_batch(
         2, padded_shapes=[6], padding_values=np.int64(-1), drop_remainder=True),
@@ -407,7 +414,7 @@ def test_interleave_default_cycle_length_is_the_cpu_count():
 
 
 def test_interleave_error_reaches_the_consumer_at_its_place():
-    dataset = D.from_tensor_slices(np.array([1.0, 0.0], np.float32)).interleave(
+    dataset = D.from_tensor_slices(np.array([1.0, 2.0], np.float32)).interleave(
         fns.not_a_dataset, cycle_length=2, num_parallel_calls=2)
     with pytest.raises(errors.InvalidArgumentError, match="must return a clusterwire.data"):
         list(dataset)

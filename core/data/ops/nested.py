@@ -91,18 +91,18 @@ class Concatenate(Op, Node):
 @register
 @dataclass(frozen=True)
 class FlatMap(Op, Node):
-    """``Dataset.flat_map``: the elements of the Dataset ``fn`` returns, input by input."""
+    """``Dataset.flat_map``: the elements of the Dataset ``fn`` returns, input by input
+    (an interleave of one Dataset at a time)."""
 
     kind = "flat_map"
     fn: Callable[..., Any] = fn_field()
     guard: Guard | None = guard_field()
 
     def wrap(self, upstream: Factory) -> Factory:
-        def run() -> Iterator[Any]:
-            for element in upstream():
-                yield from returned_pipeline(self.fn, call(self.fn, element), self.guard,
-                                             "map_func").run()
-        return run
+        return lambda: _Cycle(self._open, upstream(), 1, 1)
+
+    def _open(self, element: Any) -> Iterator[Any]:
+        return returned_pipeline(self.fn, call(self.fn, element), self.guard, "map_func").run()
 
     def cardinality(self, upstream: int) -> int:
         return INFINITE if upstream == INFINITE else UNKNOWN
@@ -133,75 +133,103 @@ class Interleave(Op, Node):
     def wrap(self, upstream: Factory) -> Factory:
         cycle = default_cycle_length() if self.cycle_length == AUTOTUNE else self.cycle_length
         if self.num_parallel_calls == 0:
-            return lambda: self._sequential(upstream(), cycle)
+            return lambda: _Cycle(self._open, upstream(), cycle, self.block_length)
         threads = cycle if self.num_parallel_calls == AUTOTUNE else self.num_parallel_calls
-        return lambda: self._parallel(upstream(), cycle, threads)
-
-    def cardinality(self, upstream: int) -> int:
-        return INFINITE if upstream == INFINITE else UNKNOWN
+        return lambda: _ParallelCycle(self._open, upstream(), cycle, self.block_length,
+                                      threads, self.deterministic)
 
     def _open(self, element: Any) -> Iterator[Any]:
         return returned_pipeline(self.fn, call(self.fn, element), self.guard, "map_func").run()
 
-    def _sequential(self, inputs: Iterator[Any], cycle: int) -> Iterator[Any]:
-        # TF's InterleaveDatasetOp step by step: a slot whose Dataset ended is refilled from
-        # the input before the cycle moves on.
-        slots: list[Iterator[Any] | None] = [None] * cycle
-        index = block = 0
-        open_count, inputs_left = 0, True
-        while inputs_left or open_count:
-            current = slots[index]
+    def cardinality(self, upstream: int) -> int:
+        return INFINITE if upstream == INFINITE else UNKNOWN
+
+
+class _Cycle:
+    """TF's InterleaveDatasetOp step by step: a slot whose Dataset ended is refilled from
+    the input when the cycle comes back to it. An iterator object: an error (opening a
+    Dataset, or reading one) fails one ``next`` and the cycle goes on from there, as TF's
+    does, so ``ignore_errors`` can skip it."""
+
+    def __init__(self, open_: Callable[[Any], Iterator[Any]], inputs: Iterator[Any],
+                 cycle: int, block_length: int):
+        self._open, self._inputs, self._block_length = open_, inputs, block_length
+        self._slots: list[Iterator[Any] | None] = [None] * cycle
+        self._index = self._block = self._open_count = 0
+        self._inputs_left = True
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def _advance(self) -> None:
+        self._index, self._block = (self._index + 1) % len(self._slots), 0
+
+    def __next__(self) -> Any:
+        while self._inputs_left or self._open_count:
+            current = self._slots[self._index]
             if current is not None:
                 try:
                     element = next(current)
                 except StopIteration:
-                    slots[index] = None
-                    open_count -= 1
-                else:
-                    yield element
-                    block += 1
-                    if block < self.block_length:
-                        continue
-                index, block = (index + 1) % cycle, 0
-            elif inputs_left:
-                try:
-                    slots[index] = self._open(next(inputs))
-                    open_count += 1
-                except StopIteration:
-                    inputs_left = False
-            else:
-                index, block = (index + 1) % cycle, 0
-
-    def _parallel(self, inputs: Iterator[Any], cycle: int, threads: int) -> Iterator[Any]:
-        reader = _ParallelCycle(self, inputs, cycle, threads)
-        try:
-            yield from reader.run()
-        finally:
-            reader.close()
+                    self._slots[self._index] = None
+                    self._open_count -= 1
+                    self._advance()
+                    continue
+                self._block += 1
+                if self._block == self._block_length:
+                    self._advance()
+                return element
+            if not self._inputs_left:
+                self._advance()
+                continue
+            try:
+                element = next(self._inputs)
+            except StopIteration:
+                self._inputs_left = False
+                continue
+            self._slots[self._index] = self._open(element)
+            self._open_count += 1
+        raise StopIteration
 
 
 class _ParallelCycle:
     """The open Datasets of a parallel interleave, each with its next block being read (or
-    opened) on the pool: the consumer takes blocks in TF's cycle order (deterministic) or
-    as they complete; an ended Dataset's place goes to the next input element."""
+    opened) on the pool: the consumer takes blocks in TF's cycle order (``deterministic``)
+    or as they complete. An ended Dataset's place goes to the next input element at once
+    (TF's cycle gives it that element when it comes back). A failed read fails one ``next``
+    after the block's elements; the Dataset is read again (ending it if it cannot go on)."""
 
-    def __init__(self, op: Interleave, inputs: Iterator[Any], cycle: int, threads: int):
-        self._op, self._inputs, self._cycle = op, inputs, cycle
+    def __init__(self, open_: Callable[[Any], Iterator[Any]], inputs: Iterator[Any],
+                 cycle: int, block_length: int, threads: int, deterministic: bool):
+        self._open, self._inputs, self._block_length = open_, inputs, block_length
+        self._deterministic = deterministic
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="clusterwire-interleave")
-        self._slots: list[Future | None] = [None] * cycle  # each: (iterator, block, ended)
-        self._order: deque[int] = deque()  # slots in the order their Datasets were opened
+        self._slots: list[Future | None] = [None] * cycle
+        self._output: deque[Any] = deque()
+        self._error: BaseException | None = None
+        self._index = 0
         self._inputs_left = True
+        for index in range(cycle):
+            if not self._fill(index):
+                break
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
 
     def _read(self, iterator: Iterator[Any] | None, element: Any) -> tuple:
-        if iterator is None:
-            iterator = self._op._open(element)
-        block = []
+        """(iterator, block, ended, error): up to a block of the Dataset (opened first for a
+        new input ``element``)."""
+        block: list[Any] = []
         try:
-            for _ in range(self._op.block_length):
+            if iterator is None:
+                iterator = self._open(element)
+            for _ in range(self._block_length):
                 block.append(next(iterator))
         except StopIteration:
-            return iterator, block, True
-        return iterator, block, False
+            return iterator, block, True, None
+        except Exception as err:  # noqa: BLE001 - the consumer raises it in its place
+            return iterator, block, iterator is None, err
+        return iterator, block, False, None
 
     def _fill(self, index: int) -> bool:
         """Open the next input's Dataset in slot ``index``; False if the input has ended."""
@@ -215,26 +243,32 @@ class _ParallelCycle:
         self._slots[index] = self._pool.submit(self._read, None, element)
         return True
 
-    def run(self) -> Iterator[Any]:
-        for index in range(self._cycle):
-            if not self._fill(index):
-                break
-        index = 0
-        while any(s is not None for s in self._slots):
-            if not self._op.deterministic:
-                ready = wait([s for s in self._slots if s is not None],
-                             return_when=FIRST_COMPLETED).done
-                index = next(i for i, s in enumerate(self._slots) if s in ready)
-            future = self._slots[index]
-            if future is not None:
-                iterator, block, ended = future.result()
-                self._slots[index] = None
-                if not ended:
-                    self._slots[index] = self._pool.submit(self._read, iterator, None)
-                else:  # the next input's Dataset takes this place (as in TF, whose cycle
-                    self._fill(index)  # comes back to it next round)
-                yield from block
-            index = (index + 1) % self._cycle
+    def __next__(self) -> Any:
+        while not self._output:
+            if self._error is not None:
+                error, self._error = self._error, None
+                raise error
+            if all(s is None for s in self._slots):
+                self._pool.shutdown(wait=False)
+                raise StopIteration
+            self._take_block()
+        return self._output.popleft()
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+    def _take_block(self) -> None:
+        if not self._deterministic:
+            ready = wait([s for s in self._slots if s is not None],
+                         return_when=FIRST_COMPLETED).done
+            self._index = next(i for i, s in enumerate(self._slots) if s in ready)
+        future = self._slots[self._index]
+        if future is not None:
+            iterator, block, ended, self._error = future.result()
+            self._slots[self._index] = None
+            if not ended:
+                self._slots[self._index] = self._pool.submit(self._read, iterator, None)
+            else:
+                self._fill(self._index)
+            self._output.extend(block)
+        self._index = (self._index + 1) % len(self._slots)
+
+    def __del__(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
