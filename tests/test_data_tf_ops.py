@@ -515,3 +515,18 @@ def test_a_tampered_node_is_refused_where_a_worker_builds_it():
     with pytest.raises(errors.InvalidArgumentError, match="not a transformation"):
         rebuilt({"tensors": 1}, kind="tensors")
     assert [list(map(int, b)) for b in rebuilt().run()] == [[0, 1], [2, 3], [4]]
+
+
+def test_node_arguments_are_checked_where_the_node_is_made():
+    from clusterwire.data.ops import sources
+
+    pipes = (D.range(2).pipeline, D.range(3).pipeline)
+    for bad in [(0, 0), (0, 5), (0,)]:
+        with pytest.raises(errors.InvalidArgumentError, match="each of its 2 datasets once"):
+            sources.ZipSource(bad, pipes)
+    with pytest.raises(errors.InvalidArgumentError, match="weights"):
+        sources.SampleSource((0.5, -1.0), None, False, False, pipes)
+    with pytest.raises(errors.InvalidArgumentError, match="dtype"):
+        D.counter(dtype="U5")
+    with pytest.raises(errors.InvalidArgumentError, match="at least one Dataset"):
+        D.choose_from_datasets([], D.range(1))

@@ -167,11 +167,11 @@ class Dataset:
     @staticmethod
     def counter(start: int = 0, step: int = 1, dtype: Any = np.int64) -> Dataset:
         """``start``, ``start + step``, ... forever, of ``dtype``."""
-        kind = np.dtype(dtype)
-        if kind.kind not in "iuf":
-            raise InvalidArgumentError(f"`dtype` of counter must be numeric, got {kind}.")
-        return Dataset(sources.CounterSource(_int(start, "start"), _int(step, "step"),
-                                             kind.name))
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            name = repr(dtype)  # refused by CounterSource, which names `dtype`
+        return Dataset(sources.CounterSource(_int(start, "start"), _int(step, "step"), name))
 
     @staticmethod
     def zip(*args: Any, datasets: Any = None) -> Dataset:
@@ -195,9 +195,6 @@ class Dataset:
         ``choice_dataset``; a chosen Dataset that has ended ends this one with
         ``stop_on_empty_dataset``, else its choices are skipped."""
         _, pipes = _datasets(tuple(datasets), "datasets")
-        if not pipes:
-            raise InvalidArgumentError("choose_from_datasets needs at least one Dataset in "
-                                       "`datasets`.")
         if not isinstance(choice_dataset, Dataset):
             raise InvalidArgumentError(f"`choice_dataset` must be a Dataset of int64 scalars, "
                                        f"got {type(choice_dataset).__name__}.")
@@ -212,14 +209,11 @@ class Dataset:
         uniform); a ``seed`` fixes the draws. An ended Dataset is skipped from then on (or,
         with ``stop_on_empty_dataset``, ends this one)."""
         _, pipes = _datasets(tuple(datasets), "datasets")
-        if not pipes:
-            raise InvalidArgumentError("sample_from_datasets needs at least one Dataset in "
-                                       "`datasets`.")
-        chosen = [1.0] * len(pipes) if weights is None else [float(w) for w in weights]
-        if len(chosen) != len(pipes) or any(not w >= 0 for w in chosen) or sum(chosen) <= 0:
-            raise InvalidArgumentError(
-                f"`weights` must be one non-negative weight per Dataset ({len(pipes)}) with a "
-                f"positive sum, got {weights!r}.")
+        try:
+            chosen = (1.0,) * len(pipes) if weights is None else tuple(float(w) for w in weights)
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"`weights` must be a list of numbers, one per Dataset, "
+                                       f"got {weights!r}.") from None
         return Dataset(sources.SampleSource(
             tuple(chosen), None if seed is None else _int(seed, "seed"),
             bool(stop_on_empty_dataset), bool(rerandomize_each_iteration), tuple(pipes)))

@@ -55,6 +55,16 @@ class CounterSource(Node, Source):
     step: int
     dtype: str
 
+    def __post_init__(self) -> None:
+        try:
+            kind = np.dtype(self.dtype)
+        except TypeError:
+            kind = np.dtype(object)
+        if kind.kind not in "iuf":
+            raise InvalidArgumentError(f"`dtype` of counter must be numeric, got "
+                                       f"{self.dtype!r}.")
+        object.__setattr__(self, "dtype", kind.name)
+
     def cardinality(self) -> int:
         return INFINITE
 
@@ -72,6 +82,16 @@ def pack(structure: Any, values: list[Any]) -> Any:
     return values[structure]
 
 
+class _Recorder:
+    """Stands for the values in ``pack``: records the indices a structure names."""
+
+    def __init__(self, used: list[Any]):
+        self.used = used
+
+    def __getitem__(self, index: Any) -> None:
+        self.used.append(index)
+
+
 def _min_cardinality(counts: list[int]) -> int:
     finite = [c for c in counts if c >= 0]
     if finite:
@@ -87,7 +107,11 @@ class _Reads:
     inputs: tuple[Pipeline, ...]
 
     def __post_init__(self) -> None:
+        self.check_inputs()
         object.__setattr__(self, "_factories", tuple(p.factory() for p in self.inputs))
+
+    def check_inputs(self) -> None:
+        """Raise InvalidArgumentError if the inputs do not fit the other arguments."""
 
     def opened(self) -> list[Iterator[Any]]:
         """An iterator of each input, for one pass."""
@@ -103,6 +127,14 @@ class ZipSource(_Reads, Node, Source):
     kind = "zip"
     structure: Any
     inputs: tuple[Pipeline, ...] = ()
+
+    def check_inputs(self) -> None:
+        used: list[Any] = []
+        pack(self.structure, _Recorder(used))
+        if sorted(used) != list(range(len(self.inputs))):
+            raise InvalidArgumentError(
+                f"zip: the structure {self.structure!r:.100} does not name each of its "
+                f"{len(self.inputs)} datasets once.")
 
     def cardinality(self) -> int:
         return _min_cardinality([p.cardinality() for p in self.inputs])
@@ -169,6 +201,11 @@ class ChooseSource(_Reads, Node, Source):
     stop_on_empty_dataset: bool
     inputs: tuple[Pipeline, ...] = ()
 
+    def check_inputs(self) -> None:
+        if len(self.inputs) < 2:
+            raise InvalidArgumentError("choose_from_datasets needs at least one Dataset in "
+                                       "`datasets`.")
+
     def cardinality(self) -> int:
         return _directed_cardinality(self.inputs[1:])
 
@@ -194,6 +231,15 @@ class SampleSource(_Reads, Node, Source):
     def __post_init__(self) -> None:
         super().__post_init__()
         object.__setattr__(self, "_epochs", itertools.count())  # shared by its iterators
+
+    def check_inputs(self) -> None:
+        weights = self.weights
+        if not self.inputs or not isinstance(weights, (tuple, list)) or len(weights) != len(
+                self.inputs) or not all(isinstance(w, float) and w >= 0 for w in weights) or (
+                sum(weights) <= 0):
+            raise InvalidArgumentError(
+                f"`weights` must be one non-negative weight per Dataset ({len(self.inputs)}) "
+                f"with a positive sum, got {weights!r}.")
 
     def cardinality(self) -> int:
         return _directed_cardinality(self.inputs)
