@@ -71,6 +71,8 @@ class HealthService:
         self._tokenless: PendingConnections[_Watch] = PendingConnections(
             limits.max_pending_connections, self._timeout)
         self._reads: dict[grpc.ServicerContext, float] = {}  # requests awaited: deadlines
+        self._max_tokenless_calls = limits.max_pending_connections
+        self._tokenless_calls = 0  # admitted by admit_tokenless, their handler not done
         self._draining = self._closed = False
         self._lock = threading.Condition()
         self._sending = threading.Lock()
@@ -86,11 +88,19 @@ class HealthService:
         serialize = health_pb2.HealthCheckResponse.SerializeToString
 
         def check(requests: Iterator[bytes], context: grpc.ServicerContext):
-            self._authenticated(context)  # tells the door, before the request is read
-            return health_pb2.HealthCheckResponse(status=self._asked(requests, context)[1])
+            authenticated = self._authenticated(context)  # the door is told before the read
+            try:
+                return health_pb2.HealthCheckResponse(
+                    status=self._asked(requests, context)[1])
+            finally:
+                self._handled(authenticated)
 
         def watch(requests: Iterator[bytes], context: grpc.ServicerContext, send: _Send):
-            self._watch(requests, context, send)
+            authenticated = self._authenticated(context)
+            try:
+                self._watch(requests, context, send, authenticated)
+            finally:
+                self._handled(authenticated)
 
         for behavior in (check, watch):
             behavior.experimental_thread_pool = self._pool
@@ -164,9 +174,24 @@ class HealthService:
             context.abort(grpc.StatusCode.NOT_FOUND, "Unknown service.")
         return name, status
 
+    def admit_tokenless(self) -> bool:
+        """Whether a health call without the token may be taken now (the token gate asks,
+        on gRPC's serving thread): at most ``max_pending_connections`` are read or
+        registered at once, so a flood of streams waits in no queue."""
+        with self._lock:
+            if self._tokenless_calls >= self._max_tokenless_calls:
+                return False
+            self._tokenless_calls += 1
+            return True
+
+    def _handled(self, authenticated: bool) -> None:
+        """A health call's handler is done (with a token gate, a tokenless one was admitted)."""
+        if not authenticated and self._door:
+            with self._lock:
+                self._tokenless_calls -= 1
+
     def _watch(self, requests: Iterator[bytes], context: grpc.ServicerContext,
-               send: _Send) -> None:
-        authenticated = self._authenticated(context)  # the door is told before the read
+               send: _Send, authenticated: bool) -> None:
         name, _ = self._asked(requests, context)
         watch = _Watch(context, name, send)
         evicted = None

@@ -86,27 +86,34 @@ class _TokenGate(grpc.ServerInterceptor):
     timeout).
     """
 
-    def __init__(self, security: Security, door: Door):
+    def __init__(self, security: Security, door: Door, health: HealthService):
         self._security = security
         self._door = door
+        self._health = health
 
     def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
-        if details.method.startswith(_HEALTH_METHODS):
-            return continuation(details)
         presented = next((v for k, v in details.invocation_metadata if k == TOKEN_METADATA),
                          None)
         try:
             self._security.check_token(presented)
         except errors.UnauthenticatedError as err:
-            message = err.message  # ``err`` is unbound once the except block ends
-            door = self._door
-
-            def refuse(requests, context: grpc.ServicerContext):
-                door.refused(context.peer())
-                context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-            return grpc.stream_unary_rpc_method_handler(refuse)
+            if details.method.startswith(_HEALTH_METHODS):
+                if self._health.admit_tokenless():
+                    return continuation(details)
+                return self._refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, (
+                    "Too many health calls without the cluster token at once (at most "
+                    "max_pending_connections); try again."))
+            return self._refusal(grpc.StatusCode.UNAUTHENTICATED, err.message)
         return continuation(details)
+
+    def _refusal(self, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+        door = self._door
+
+        def refuse(requests, context: grpc.ServicerContext):
+            door.refused(context.peer())
+            context.abort(code, message)
+
+        return grpc.stream_unary_rpc_method_handler(refuse)
 
 
 def _opening(handler: grpc.RpcMethodHandler, door: Door) -> grpc.RpcMethodHandler:
@@ -141,11 +148,13 @@ class ControlServer:
                  max_receive_bytes: int | None = None):
         security = limits.security
         self._door = Door(limits, name) if security.token else None
+        self.health = HealthService([service], limits, name, self._door)
         # Handlers that wait on other requests park (clusterwire.thread_pool.parked) and
         # leave the max_workers threads to the requests that end their waits.
         self.pool = ElasticPool(max_workers or limits.max_workers, f"clusterwire-{name}")
         self.server = grpc.server(
-            self.pool, interceptors=[_TokenGate(security, self._door)] if self._door else None,
+            self.pool,
+            interceptors=[_TokenGate(security, self._door, self.health)] if self._door else None,
             options=[("grpc.so_reuseport", 0), *connection_args(limits),
                      *message_size_args(max_receive_bytes),
                      *([self._door.argument()] if self._door else [])])
@@ -155,7 +164,6 @@ class ControlServer:
         # Registered methods (what grpc_tools generates): gRPC core matches them itself, with
         # no per-call Python lookup of the method; clients mark theirs _registered_method.
         self.server.add_registered_method_handlers(service, dict(handlers))
-        self.health = HealthService([service], limits, name, self._door)
         self.server.add_registered_method_handlers(HEALTH_SERVICE, self.health.handlers())
         self.address = address  # the contact address (bound port) once bound
         try:
