@@ -15,7 +15,7 @@ import threading
 import cw_tf_ops_functions as fns
 import numpy as np
 import pytest
-from conftest import child_env, in_process_data_service
+from conftest import child_env, in_process_data_service, wait_for
 
 from clusterwire import data, errors
 from clusterwire.data import graph
@@ -530,3 +530,35 @@ def test_node_arguments_are_checked_where_the_node_is_made():
         D.counter(dtype="U5")
     with pytest.raises(errors.InvalidArgumentError, match="at least one Dataset"):
         D.choose_from_datasets([], D.range(1))
+
+
+def test_nondeterministic_interleave_lets_a_ready_dataset_go_first():
+    released = threading.Event()
+
+    def values(x):
+        if x == 0:
+            assert released.wait(20), "the slow Dataset was never released"
+        yield np.int64(x)
+
+    def opener(x):
+        return D.from_generator(values, args=(int(x),))
+
+    iterator = iter(D.range(2).interleave(opener, cycle_length=2, num_parallel_calls=2,
+                                          deterministic=False))
+    assert int(next(iterator)) == 1  # the first Dataset is still blocked
+    released.set()
+    assert [int(x) for x in iterator] == [0]
+
+
+def test_interleave_threads_end_with_their_iterator():
+    def interleave_threads():
+        return [t for t in threading.enumerate() if t.name.startswith("clusterwire-interleave")]
+
+    dataset = D.range(1, 5).interleave(fns.repeat_self, cycle_length=4, num_parallel_calls=4)
+    assert len(list(dataset)) == 10
+    wait_for(lambda: not interleave_threads(), what="the pool's threads to end")
+    iterator = iter(dataset)
+    next(iterator)
+    assert interleave_threads()
+    del iterator  # left unfinished
+    wait_for(lambda: not interleave_threads(), what="an abandoned pool's threads to end")
