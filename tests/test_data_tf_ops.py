@@ -506,6 +506,7 @@ def test_a_tampered_node_is_refused_where_a_worker_builds_it():
         return graph.from_def(tampered, new_buffers, WorkerPermissions())
 
     for change, words in [({"size": -1}, "`size` must be an int >= 1"),
+                          ({"guard": 1}, "Malformed dataset"),
                           ({"stride": "x"}, "`stride` must be an int"),
                           ({"extra": 1}, "Malformed dataset")]:
         with pytest.raises(errors.InvalidArgumentError, match=words):

@@ -85,7 +85,13 @@ class Node:
     @classmethod
     def build(cls, params: dict[str, Any], fns: dict[str, Callable[..., Any]],
               inputs: tuple[Pipeline, ...], guard: Guard | None) -> Node:
-        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+        names = {f.name for f in fields}
+        fn_names = {f.name for f in fields if f.metadata.get(_FN)}
+        if set(params) & (fn_names | set(_SKIPPED)) or not set(fns) <= fn_names:
+            raise InvalidArgumentError(
+                f"Malformed dataset: {cls.kind!r} gets functions {sorted(fns)} and arguments "
+                f"{sorted(params)}.")
         extra = {"inputs": inputs} if "inputs" in names else {}
         if "guard" in names:
             extra["guard"] = guard
