@@ -1,6 +1,7 @@
-"""``clusterwire.data.Dataset``: tf.data's Dataset API over a linear numpy pipeline.
+"""``clusterwire.data.Dataset``: tf.data's Dataset API over numpy pipelines.
 
-A Dataset is an immutable description (a source plus transformations); it
+A Dataset is an immutable description (a source plus transformations, some of which read
+other Datasets: ``zip``, ``concatenate``, ``interleave``... see ``clusterwire.data.ops``); it
 runs locally when iterated, or on tf.data service workers after
 ``apply(distribute(...))``. Elements are numpy arrays and scalars, bytes,
 tuples and dicts of these. User functions must be importable module-level

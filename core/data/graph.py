@@ -2,6 +2,10 @@
 
 Tensors (``from_tensor_slices``, generator arguments) and pickled functions
 are payloads: one codec-encoded list whose buffers travel beside the header.
+The nodes of ``clusterwire.data.ops`` travel as NodeDefs, with the pipelines they read
+nested in them (sharing the root's payloads). On a worker, a Dataset that a node's user
+function returns goes through ``to_def``/``from_def`` too, so the same rules (allowed
+functions, readable files) apply to it as to the client's.
 """
 
 from __future__ import annotations

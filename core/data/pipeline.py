@@ -1,4 +1,5 @@
-"""Sources and transformations of a linear input pipeline, and how to run them.
+"""The core sources and transformations of an input pipeline, and how to run them (those
+that read other pipelines, as ``zip`` and ``interleave``, are in ``clusterwire.data.ops``).
 
 The same objects run a dataset locally (``Dataset.__iter__``) and on a
 worker, where the source may be restricted to a split (a range of source
