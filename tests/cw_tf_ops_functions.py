@@ -184,3 +184,13 @@ def inner_reciprocals(x):
 @data.function
 def reciprocal_of_x_minus_2(x):
     return D.from_tensors(reciprocal_checked(np.float32(x) - np.float32(2.0))).repeat(2)
+
+
+@data.function
+def reciprocal_of_x_mod_3_minus_1(x):
+    return D.from_tensors(reciprocal_checked(np.float32(x % 3) - np.float32(1.0))).repeat(2)
+
+
+@data.function
+def range_times_7(x):
+    return D.range(x * 7)

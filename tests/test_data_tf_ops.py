@@ -87,6 +87,15 @@ CASES = {
     "interleave_ignore_errors_p2": lambda: D.range(3).interleave(
         fns.inner_reciprocals, cycle_length=2, block_length=2, num_parallel_calls=2
     ).ignore_errors(),
+    "interleave_open_errors_pNone": lambda: D.range(6).interleave(
+        fns.reciprocal_of_x_mod_3_minus_1, cycle_length=2, block_length=1).ignore_errors(),
+    "interleave_open_errors_p2": lambda: D.range(6).interleave(
+        fns.reciprocal_of_x_mod_3_minus_1, cycle_length=2, block_length=1,
+        num_parallel_calls=2).ignore_errors(),
+    "interleave_long_blocks_pNone": lambda: D.range(1, 5).interleave(
+        fns.range_times_7, cycle_length=2, block_length=10),
+    "interleave_long_blocks_p2": lambda: D.range(1, 5).interleave(
+        fns.range_times_7, cycle_length=2, block_length=10, num_parallel_calls=2),
     "flat_map_open_error_ignored": lambda: D.range(4).flat_map(
         fns.reciprocal_of_x_minus_2).ignore_errors(),
     "padded_batch": lambda: D.range(1, 8).map(fns.fill).padded_batch(3),

@@ -25,6 +25,13 @@ from clusterwire.data.pipeline import (
 )
 from clusterwire.errors import InvalidArgumentError
 
+#: Elements read ahead of the consumer per open Dataset of a parallel interleave: a block
+#: of a large ``block_length`` is read in parts, so memory stays bounded.
+_READ_AHEAD = 8
+
+_ENDED: Future = Future()  # the read of a slot whose Dataset has ended
+_ENDED.set_result((None, [], True, None))
+
 
 def default_cycle_length() -> int:
     """TF's cycle length for AUTOTUNE: the CPUs this process may run on."""
@@ -193,11 +200,12 @@ class _Cycle:
 
 
 class _ParallelCycle:
-    """The open Datasets of a parallel interleave, each with its next block being read (or
-    opened) on the pool: the consumer takes blocks in TF's cycle order (``deterministic``)
-    or as they complete. An ended Dataset's place goes to the next input element at once
-    (TF's cycle gives it that element when it comes back). A failed read fails one ``next``
-    after the block's elements; the Dataset is read again (ending it if it cannot go on)."""
+    """The open Datasets of a parallel interleave, each with its next elements being read
+    (or the Dataset opened) on the pool, up to ``_READ_AHEAD`` of them: the consumer takes
+    them in TF's cycle order (``deterministic``) or as reads complete. An ended Dataset's
+    place goes to the next input element at once (TF's cycle gives it that element when it
+    comes back). A failed read fails one ``next`` after the elements read before it, and
+    the Dataset is read again (a generator that raised then ends), as in TF."""
 
     def __init__(self, open_: Callable[[Any], Iterator[Any]], inputs: Iterator[Any],
                  cycle: int, block_length: int, threads: int, deterministic: bool):
@@ -208,6 +216,7 @@ class _ParallelCycle:
         self._output: deque[Any] = deque()
         self._error: BaseException | None = None
         self._index = 0
+        self._left = block_length  # elements left in the current slot's block
         self._inputs_left = True
         for index in range(cycle):
             if not self._fill(index):
@@ -216,23 +225,29 @@ class _ParallelCycle:
     def __iter__(self) -> Iterator[Any]:
         return self
 
-    def _read(self, iterator: Iterator[Any] | None, element: Any) -> tuple:
-        """(iterator, block, ended, error): up to a block of the Dataset (opened first for a
-        new input ``element``)."""
-        block: list[Any] = []
+    def _read(self, iterator: Iterator[Any] | None, element: Any, count: int) -> tuple:
+        """(iterator, elements, ended, error): up to ``count`` elements of the Dataset
+        (opened first for a new input ``element``); ended: it has no more, or did not open."""
+        elements: list[Any] = []
         try:
             if iterator is None:
                 iterator = self._open(element)
-            for _ in range(self._block_length):
-                block.append(next(iterator))
+            for _ in range(count):
+                elements.append(next(iterator))
         except StopIteration:
-            return iterator, block, True, None
+            return iterator, elements, True, None
         except Exception as err:  # noqa: BLE001 - the consumer raises it in its place
-            return iterator, block, iterator is None, err
-        return iterator, block, False, None
+            return iterator, elements, iterator is None, err
+        return iterator, elements, False, None
+
+    def _submit(self, index: int, iterator: Iterator[Any] | None, element: Any,
+                count: int) -> None:
+        self._slots[index] = self._pool.submit(self._read, iterator, element,
+                                               min(count, _READ_AHEAD))
 
     def _fill(self, index: int) -> bool:
         """Open the next input's Dataset in slot ``index``; False if the input has ended."""
+        self._slots[index] = None
         if not self._inputs_left:
             return False
         try:
@@ -240,7 +255,7 @@ class _ParallelCycle:
         except StopIteration:
             self._inputs_left = False
             return False
-        self._slots[index] = self._pool.submit(self._read, None, element)
+        self._submit(index, None, element, self._block_length)
         return True
 
     def __next__(self) -> Any:
@@ -251,24 +266,42 @@ class _ParallelCycle:
             if all(s is None for s in self._slots):
                 self._pool.shutdown(wait=False)
                 raise StopIteration
-            self._take_block()
+            self._step()
         return self._output.popleft()
 
-    def _take_block(self) -> None:
-        if not self._deterministic:
+    def _advance(self) -> None:
+        self._index = (self._index + 1) % len(self._slots)
+        self._left = self._block_length
+
+    def _step(self) -> None:
+        """Take the current slot's next read, then move the cycle as TF's would."""
+        if not self._deterministic:  # any ready read, each its own block
             ready = wait([s for s in self._slots if s is not None],
                          return_when=FIRST_COMPLETED).done
             self._index = next(i for i, s in enumerate(self._slots) if s in ready)
+            self._left = self._block_length
         future = self._slots[self._index]
-        if future is not None:
-            iterator, block, ended, self._error = future.result()
-            self._slots[self._index] = None
-            if not ended:
-                self._slots[self._index] = self._pool.submit(self._read, iterator, None)
-            else:
-                self._fill(self._index)
-            self._output.extend(block)
-        self._index = (self._index + 1) % len(self._slots)
+        if future is None:
+            self._advance()
+            return
+        iterator, elements, ended, self._error = future.result()
+        self._output.extend(elements)
+        self._left -= len(elements)
+        if ended and self._error is not None and iterator is None:
+            # TF's parallel interleave (unlike its sequential one) counts a Dataset that
+            # failed to open as an element of the block, and finds it ended on its next visit.
+            self._left -= 1
+            self._slots[self._index] = _ENDED
+            if not self._left:
+                self._advance()
+        elif ended:
+            self._fill(self._index)
+            self._advance()
+        elif self._left:  # the block goes on: a read was cut at _READ_AHEAD, or failed
+            self._submit(self._index, iterator, None, self._left)
+        else:
+            self._submit(self._index, iterator, None, self._block_length)
+            self._advance()
 
     def __del__(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
