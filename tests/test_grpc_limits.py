@@ -28,6 +28,7 @@ from clusterwire.local_cluster import LocalCluster
 from clusterwire.protos.service_pb2 import Request
 from clusterwire.security import Security
 from clusterwire.testing.peer import ANNOUNCE, echo_handler
+from clusterwire.testing.surfaces import LOAD_FACTOR, OPERATION_SECONDS
 from clusterwire.transport import Frame, ListenOptions
 from clusterwire.transports._grpc_common.client import TOKEN_METADATA
 from clusterwire.transports._grpc_common.status import grpc_error
@@ -393,11 +394,24 @@ def rss_mib(pid: int) -> float:
     return int(line.split()[1]) / 1024
 
 
+def _timed_gets(target: str, config: dict, count: int) -> list[float]:
+    took = []
+    for _ in range(count):
+        start = time.monotonic()
+        with Session(target, config=config, timeout=10) as session:
+            assert session.get("small").tolist() == [0]
+        took.append(time.monotonic() - start)
+    return took
+
+
 def flood_gets(target: str, config: dict, pid: int, flood_args: list[str],
-               progress: Callable[[dict], int], settled: int) -> tuple[list[float], float, int]:
+               progress: Callable[[dict], int], settled: int
+               ) -> tuple[list[float], float, float, int]:
     """Run ``cw_health_flood.py`` against ``target`` until ``progress`` of its JSON report
     reaches ``settled``, then time 8 new token-holder sessions' 8-byte gets; (their seconds,
-    the task's RSS growth in MiB, the flood's progress meanwhile)."""
+    the seconds they may take (the surface kit's rule: 1 s, more on a machine busy before
+    the flood), the task's RSS growth in MiB, the flood's progress meanwhile)."""
+    allowed = max(OPERATION_SECONDS, LOAD_FACTOR * max(_timed_gets(target, config, 3)))
     before = rss_mib(pid)
     flood = subprocess.Popen(
         [sys.executable, os.path.join(os.path.dirname(__file__), "cw_health_flood.py"),
@@ -418,17 +432,12 @@ def flood_gets(target: str, config: dict, pid: int, flood_args: list[str],
             assert latest.wait_for(lambda: reports and reports[-1] >= settled, 120), \
                 f"the flood reached {reports[-1:]} of {settled}"
             start_progress = reports[-1]
-        took = []
-        for _ in range(8):
-            start = time.monotonic()
-            with Session(target, config=config, timeout=10) as session:
-                assert session.get("small").tolist() == [0]
-            took.append(time.monotonic() - start)
+        took = _timed_gets(target, config, 8)
         with latest:  # the flood went on meanwhile (its next report)
             count = len(reports)
             assert latest.wait_for(lambda: len(reports) > count, 10)
             during = reports[-1] - start_progress
-        return took, rss_mib(pid) - before, during
+        return took, allowed, rss_mib(pid) - before, during
     finally:
         flood.kill()
         flood.wait(10)
@@ -454,9 +463,9 @@ def test_a_reconnecting_tokenless_flood_does_not_lock_token_holders_out(token_ta
     reconnecting whenever the server closes it (the attack that held gRPC's connection
     quota): every token holder's new session gets its 8-byte tensor within 1 s."""
     cluster, config = token_task
-    took, grown, during = flood_gets(cluster.target("w"), config, cluster.process("w").pid,
+    took, allowed, grown, during = flood_gets(cluster.target("w"), config, cluster.process("w").pid,
                                      ["1280"], lambda ended: sum(ended.values()), 5000)
-    assert max(took) < 1.0, took
+    assert max(took) < allowed, (took, allowed)
     assert grown < 150, f"the task grew by {grown:.0f} MiB"
     assert during > 0
     print(f"\nreconnecting tokenless Watch flood ({during} more watches ended by the server "
@@ -470,10 +479,10 @@ def test_a_reconnecting_silent_flood_from_another_peer_does_not_lock_token_holde
     """1,344 silent connections from another peer address (127.0.0.2), each opened again
     as soon as the server closes it: the issue's 28,000 connects, at full speed."""
     cluster, config = token_task
-    took, grown, during = flood_gets(cluster.target("w"), config, cluster.process("w").pid,
+    took, allowed, grown, during = flood_gets(cluster.target("w"), config, cluster.process("w").pid,
                                      ["1344", "silent", "127.0.0.2"],
                                      lambda report: report["connects"], 28_000)
-    assert max(took) < 1.0, took
+    assert max(took) < allowed, (took, allowed)
     assert grown < 150, f"the task grew by {grown:.0f} MiB"
     assert during > 0
     print(f"\nreconnecting silent flood from 127.0.0.2 ({during} more connects meanwhile): "

@@ -119,15 +119,6 @@ _TASK_REQUESTS = (
 
 
 class TestTaskServer(SurfaceSuite):
-    known_failures = {
-        **{f"test_tokenless_flood[{kind}]": "issue 29: gRPC's port counts pending and "
-           "authenticated connections in one quota, being fixed"
-           for kind in ("silent", "reconnecting", "garbage", "h2_preface")},
-        "test_tokenless_flood[health_watch]": "issue 29: health Watch streams are not held "
-        "to the pending-connection rules (1,344 of them: RSS +42 to +66 MiB), being fixed",
-        "test_tokenless_flood[health_names]":
-            "issue 29: health Watch on huge invented names, being fixed",
-    }
 
     @pytest.fixture(scope="class")
     def surface(self, task_process, client_config) -> Surface:
@@ -283,10 +274,6 @@ def _dispatcher_show(text: str, config: dict[str, str]) -> str:
 
 
 class TestDispatcher(SurfaceSuite):
-    known_failures = {
-        "test_tokenless_flood[health_names]":
-            "issue 29: health Watch on huge invented names, being fixed",
-    }
 
     @pytest.fixture(scope="class")
     def surface(self, data_service, client_config) -> Surface:
@@ -300,10 +287,6 @@ class TestDispatcher(SurfaceSuite):
 
 
 class TestWorker(SurfaceSuite):
-    known_failures = {
-        "test_tokenless_flood[health_names]":
-            "issue 29: health Watch on huge invented names, being fixed",
-    }
 
     @pytest.fixture(scope="class")
     def surface(self, data_service, client_config) -> Surface:

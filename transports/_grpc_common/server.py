@@ -56,13 +56,14 @@ def bind(server: grpc.Server, address: str, security: Security) -> str:
     return join_host_port(split_host_port(address)[0], port)
 
 
-def connection_args(limits: ListenOptions) -> list[tuple[str, int]]:
+def connection_args(limits: ListenOptions, door: bool) -> list[tuple[str, int]]:
     """gRPC core's arguments for ``limits``' connection limits (its accept loop is in C).
 
     gRPC core cannot tell an authenticated connection from another (the token rides on
     each call) and has one quota for all of them, closing the newest connection over it
-    at accept. With a token, the ``Door`` keeps unauthenticated connections to their own
-    rules (``clusterwire.pending``); the quota leaves room for ``_QUOTA_PENDING`` times
+    at accept: ``max_connections + max_pending_connections``. With a token (``door``),
+    the ``Door`` keeps unauthenticated connections to their own rules
+    (``clusterwire.pending``); the quota then leaves room for ``_QUOTA_PENDING`` times
     ``max_pending_connections``, as a connection the door closes leaves gRPC's count only
     once gRPC's threads have handled its end (later on a machine under load). A
     connection whose TLS handshake and HTTP/2 settings are not done within
@@ -72,7 +73,8 @@ def connection_args(limits: ListenOptions) -> list[tuple[str, int]]:
     """
     handshake_ms = max(int(limits.handshake_timeout_seconds * 1000), 1)
     return [("grpc.max_allowed_incoming_connections",
-             limits.max_connections + _QUOTA_PENDING * limits.max_pending_connections),
+             limits.max_connections
+             + (_QUOTA_PENDING if door else 1) * limits.max_pending_connections),
             ("grpc.server_handshake_timeout_ms", handshake_ms),
             ("grpc.max_connection_idle_ms", handshake_ms)]
 
@@ -155,7 +157,7 @@ class ControlServer:
         self.server = grpc.server(
             self.pool,
             interceptors=[_TokenGate(security, self._door, self.health)] if self._door else None,
-            options=[("grpc.so_reuseport", 0), *connection_args(limits),
+            options=[("grpc.so_reuseport", 0), *connection_args(limits, self._door is not None),
                      *message_size_args(max_receive_bytes),
                      *([self._door.argument()] if self._door else [])])
         if self._door:
