@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import socket
@@ -114,8 +115,8 @@ def test_peer_killed_mid_forwarded_transfer_is_unavailable_and_survivor_serves()
 
 
 SECOND_CLIENT = textwrap.dedent("""
-    import sys, numpy as np, clusterwire
-    with clusterwire.Session(sys.argv[1], timeout=10) as session:
+    import json, sys, numpy as np, clusterwire
+    with clusterwire.Session(sys.argv[1], config=json.loads(sys.argv[2]), timeout=10) as session:
         try:
             session.put("x", np.ones(1 << 20))
             print("ACCEPTED")
@@ -124,12 +125,12 @@ SECOND_CLIENT = textwrap.dedent("""
 """)
 
 
-def accepted_session(target: str) -> Session:
+def accepted_session(target: str, config: dict | None = None) -> Session:
     """A session once the server has a free connection (earlier clients' closes take effect
     asynchronously: the server sees the Unix EOF or the client's bye)."""
     deadline = time.monotonic() + 10
     while True:
-        session = Session(target, timeout=10)
+        session = Session(target, config=config, timeout=10)
         try:
             session.list()
             return session
@@ -138,29 +139,41 @@ def accepted_session(target: str) -> Session:
             assert time.monotonic() < deadline, "the server never freed the connection"
 
 
+@pytest.mark.parametrize("token", [False, True], ids=["no_token", "token"])
 @pytest.mark.parametrize("protocol", ["grpc", "grpc+local", "grpc+verbs"])
-def test_connections_over_the_limit_are_refused_and_freed_on_close(protocol):
+def test_connections_over_the_limit_are_refused_and_freed_on_close(protocol, token, tmp_path):
     if protocol == "grpc+verbs":
         pytest.importorskip("ucxx")
     from clusterwire.local_cluster import LocalCluster
 
-    with LocalCluster({"w": 1}, protocol=protocol,
-                      config={"max_connections": 1, "max_pending_connections": 1},
+    config = {"max_connections": 1, "max_pending_connections": 1}
+    client: dict = {}
+    if token:
+        (tmp_path / "token").write_bytes(b"t" * 32)
+        client = {"auth_token_file": str(tmp_path / "token")}
+        config.update(client)
+    with LocalCluster({"w": 1}, protocol=protocol, config=config,
                       env=child_env()) as cluster:
-        first = accepted_session(cluster.target("w"))  # after the launcher's own session
-        # gRPC core has one quota for authenticated and pending connections together
-        # (max_connections + max_pending_connections): a second connection fills it.
-        extra = accepted_session(cluster.target("w")) if protocol == "grpc" else None
+        # After the launcher's own session.
+        first = accepted_session(cluster.target("w"), client)
+        # Without a token gRPC core has one quota for authenticated and pending connections
+        # together (max_connections + max_pending_connections): a second connection fills
+        # it. With one, the port's door counts the authenticated connections.
+        extra = (accepted_session(cluster.target("w"), client)
+                 if protocol == "grpc" and not token else None)
         # Another process: gRPC shares one connection among a process's channels.
-        second = subprocess.run([sys.executable, "-c", SECOND_CLIENT, cluster.target("w")],
-                                capture_output=True, text=True, timeout=60, env=child_env())
+        second = subprocess.run(
+            [sys.executable, "-c", SECOND_CLIENT, cluster.target("w"), json.dumps(client)],
+            capture_output=True, text=True, timeout=60, env=child_env())
         # gRPC's connection quota closes the socket at accept (UnavailableError); the
-        # others answer ResourceExhaustedError.
-        assert re.search(r"^(UnavailableError|ResourceExhaustedError): .*max_connections",
-                         second.stdout, re.MULTILINE), second.stdout + second.stderr
+        # others, and the door, answer ResourceExhaustedError.
+        refusal = ("ResourceExhaustedError" if protocol != "grpc" or token
+                   else "UnavailableError")
+        assert re.search(rf"^{refusal}: .*max_connections", second.stdout, re.MULTILINE), (
+            second.stdout + second.stderr)
         first.close()
         if extra is not None:
             extra.close()
-        with accepted_session(cluster.target("w")) as third:
+        with accepted_session(cluster.target("w"), client) as third:
             third.put("y", np.ones(1 << 20))
             assert third.list() == ["y"]

@@ -8,11 +8,16 @@ with ctypes, that records each accepted connection. From then on the connection 
 (``clusterwire.pending``) for ``handshake_timeout_seconds``: at most
 ``max_pending_connections`` are, a new one beyond that closing first one whose call came
 without the token (``refused``), else the oldest of the peer (IP address) holding the most.
-A call that shows the token (``authenticated``) ends its connection's pending state. At the
+A call that shows the token (``authenticated``) ends its connection's pending state and
+makes it one of the authenticated connections, at most ``max_connections`` (gRPC core's
+quota cannot count them apart from the pending ones): a call showing the token on one more
+is refused (RESOURCE_EXHAUSTED) and its connection shut; one gRPC closed (checked by the
+descriptor's inode) leaves the count when the count is full. At the
 deadline, a connection that called without the token is closed; one that made no call is
 left to gRPC's own limits, which close it at the same deadline if it is silent
 (``connection_args``) and keep it if its first call is waiting for a server thread, but for
-as long again it is closed at its first call without the token.
+as long again it is closed at its first call without the token; then, if gRPC still
+holds it, the door keeps it (``_dormant``) only to count it if a call shows the token.
 
 The door closes a connection with ``shutdown`` on a duplicate of gRPC's descriptor, taken
 only after checking that it still is the socket accepted (same inode): gRPC sees the
@@ -34,6 +39,8 @@ import threading
 import time
 import urllib.parse
 import weakref
+
+import grpc
 
 from clusterwire.pending import PendingConnections
 from clusterwire.transport import ListenOptions
@@ -97,12 +104,14 @@ class _Pointer:
 
 
 class _Connection:
-    """An accepted socket: gRPC's descriptor, its inode and its peer address."""
+    """An accepted socket: gRPC's descriptor, its inode, its peer address and, once
+    authenticated, gRPC's peer string of it."""
 
-    __slots__ = ("fd", "inode", "peer")
+    __slots__ = ("fd", "inode", "peer", "name")
 
     def __init__(self, fd: int, inode: int, peer: tuple[str, int]):
         self.fd, self.inode, self.peer = fd, inode, peer
+        self.name = ""
 
 
 def peer_key(address: tuple) -> tuple[str, int]:
@@ -127,6 +136,11 @@ class Door:
         self._pending: PendingConnections[_Connection] = PendingConnections(
             limits.max_pending_connections, limits.handshake_timeout_seconds)
         self._timeout = limits.handshake_timeout_seconds
+        self._max_connections = limits.max_connections
+        #: gRPC's peer strings of the authenticated connections: a call from one of them
+        #: needs nothing more of the door (read without the lock).
+        self.admitted: set[str] = set()
+        self._admitted: dict[tuple[str, int], _Connection] = {}  # the same, by peer address
         #: The pending connections by peer address, and those past their deadline for as
         #: long again (``_late``); empty (false) when there are none.
         self.pending: dict[tuple[str, int], _Connection] = {}
@@ -135,6 +149,11 @@ class Door:
         # at their first call without the token: one timed to arrive just after the
         # deadline (gRPC's idle limit would then never close it). Values: when forgotten.
         self._late: dict[_Connection, float] = {}
+        # Past their late time and still held by gRPC: looked up only when a call shows the
+        # token; those gRPC closed are dropped when there are more than ``_dormant_bound``.
+        self._dormant: dict[tuple[str, int], _Connection] = {}
+        self._dormant_floor = limits.max_connections + limits.max_pending_connections
+        self._dormant_bound = self._dormant_floor
         self._lock = threading.Condition()
         self._closed = False
         mutator = _Mutator(ctypes.pointer(_VTABLE), 1)  # one reference: ours, never dropped
@@ -158,15 +177,56 @@ class Door:
             self._closed = True
             self.pending.clear()
             self._late.clear()
+            self._dormant.clear()
+            self._admitted.clear()
+            self.admitted.clear()
             self._lock.notify_all()
 
-    def authenticated(self, peer: str) -> None:
+    def admit(self, context: grpc.ServicerContext) -> None:
+        """A call on ``context`` showed the token: its connection counts against
+        ``max_connections`` (``authenticated``), or the call is refused RESOURCE_EXHAUSTED
+        and the connection shut once the refusal is sent."""
+        refused = self.authenticated(context.peer())
+        if refused is None:
+            return
+        if not context.add_callback(lambda: _shut(refused)):  # the call has ended already
+            _shut(refused)
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, (
+            "The server refused the connection: it holds its max_connections "
+            f"({self._max_connections}) authenticated connections. Close idle clients, or "
+            "raise max_connections."))
+
+    def authenticated(self, peer: str) -> _Connection | None:
         """A call from ``peer`` (gRPC's peer string) showed the token: its connection is no
-        longer pending."""
+        longer pending and is one of the authenticated connections; unless
+        ``max_connections`` others are, live: then it is returned, for the caller to refuse
+        the call and shut it. A connection the door does not hold, closed already, is
+        let be."""
+        key = context_peer(peer)
         with self._lock:
-            connection = self.pending.get(context_peer(peer))
-            if connection is not None:
+            if peer in self.admitted:
+                return None
+            connection = self.pending.get(key) or self._dormant.get(key)
+            if connection is None:
+                return None
+            if connection.peer in self.pending:
                 self._forget(connection)
+            else:
+                del self._dormant[key]
+            if len(self._admitted) >= self._max_connections:
+                for old in [c for c in self._admitted.values() if not _alive(c)]:
+                    self._drop(old)
+                if len(self._admitted) >= self._max_connections:
+                    return connection
+            connection.name = peer
+            self._admitted[key] = connection
+            self.admitted.add(peer)
+            return None
+
+    def _drop(self, connection: _Connection) -> None:
+        """``connection`` no longer counts as authenticated."""
+        del self._admitted[connection.peer]
+        self.admitted.discard(connection.name)
 
     def refused(self, peer: str) -> None:
         """A call from ``peer`` came without the token: its connection is the first to close
@@ -205,6 +265,10 @@ class Door:
             stale = self.pending.get(peer)  # its port reused: that one is gone
             if stale is not None:
                 self._forget(stale)
+            self._dormant.pop(peer, None)
+            stale = self._admitted.get(peer)
+            if stale is not None:
+                self._drop(stale)
             if len(self._pending) >= self._pending.limit:
                 # Those gRPC closed itself (garbage, a reset) leave first: they take no room.
                 for old in list(itertools.islice(self._pending, _PURGE)):
@@ -226,7 +290,8 @@ class Door:
 
     def _reap(self) -> None:
         """At a pending connection's deadline, close it if it called without the token,
-        else keep it as late for as long again; then forget it."""
+        else keep it as late for as long again; then keep it as dormant if gRPC still holds
+        it."""
         while True:
             with self._lock:
                 if self._closed:
@@ -245,6 +310,8 @@ class Door:
                     if until > now:
                         break
                     self._forget(connection)
+                    if _alive(connection):
+                        self._keep_dormant(connection)
                 if not expired:
                     deadlines = [d for d in (self._pending.next_deadline(),
                                              next(iter(self._late.values()), None))
@@ -253,6 +320,13 @@ class Door:
                     continue
             for connection in closing:
                 _shut(connection)
+
+    def _keep_dormant(self, connection: _Connection) -> None:
+        self._dormant[connection.peer] = connection
+        if len(self._dormant) > self._dormant_bound:  # drop those gRPC closed since
+            for old in [c for c in self._dormant.values() if not _alive(c)]:
+                del self._dormant[old.peer]
+            self._dormant_bound = max(self._dormant_floor, 2 * len(self._dormant))
 
 
 def _alive(connection: _Connection) -> bool:

@@ -226,7 +226,7 @@ class HealthService:
                 self._door.refused(context.peer())
             return False
         if self._door:
-            self._door.authenticated(context.peer())
+            self._door.admit(context)
         return True
 
     def _forget(self, watch: _Watch) -> None:

@@ -63,9 +63,10 @@ def connection_args(limits: ListenOptions, door: bool) -> list[tuple[str, int]]:
     each call) and has one quota for all of them, closing the newest connection over it
     at accept: ``max_connections + max_pending_connections``. With a token (``door``),
     the ``Door`` keeps unauthenticated connections to their own rules
-    (``clusterwire.pending``); the quota then leaves room for ``_QUOTA_PENDING`` times
-    ``max_pending_connections``, as a connection the door closes leaves gRPC's count only
-    once gRPC's threads have handled its end (later on a machine under load). A
+    (``clusterwire.pending``) and authenticated ones to ``max_connections``; the quota
+    then leaves room for ``_QUOTA_PENDING`` times ``max_pending_connections``, as a
+    connection the door closes leaves gRPC's count only once gRPC's threads have handled
+    its end (later on a machine under load). A
     connection whose TLS handshake and HTTP/2 settings are not done within
     ``handshake_timeout_seconds`` is closed, and so is one with no call for as long
     (gRPC's idle limit; it also ends idle client connections, which reconnect on their
@@ -120,14 +121,17 @@ class _TokenGate(grpc.ServerInterceptor):
 
 def _opening(handler: grpc.RpcMethodHandler, door: Door) -> grpc.RpcMethodHandler:
     """``handler``, telling ``door`` that its caller's connection is authenticated (the
-    token gate let the call in) while any connection is pending."""
+    token gate let the call in) unless the door counts it already: a call on a connection
+    over ``max_connections`` is refused."""
     kind = next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
                 if getattr(handler, k) is not None)
     behavior = getattr(handler, kind)
 
+    admitted = door.admitted
+
     def opened(request, context: grpc.ServicerContext):
-        if door.pending:
-            door.authenticated(context.peer())
+        if context.peer() not in admitted:
+            door.admit(context)
         return behavior(request, context)
 
     return handler._replace(**{kind: opened})
