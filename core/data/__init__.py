@@ -32,6 +32,7 @@ if TYPE_CHECKING:
         parse_example,
         parse_single_example,
     )
+    from clusterwire.data.limits import PipelineLimits
     from clusterwire.data.local_service import LocalDataService
     from clusterwire.data.modes import ShardingPolicy
     from clusterwire.data.parquet import ParquetReader
@@ -53,6 +54,7 @@ _EXPORTS = {
     "DispatchServer": ("dispatcher", "DispatchServer"),
     "DispatcherConfig": ("config", "DispatcherConfig"),
     "LocalDataService": ("local_service", "LocalDataService"),
+    "PipelineLimits": ("limits", "PipelineLimits"),
     "ShardingPolicy": ("modes", "ShardingPolicy"),
     "WorkerConfig": ("config", "WorkerConfig"),
     "WorkerServer": ("worker", "WorkerServer"),
@@ -81,6 +83,7 @@ __all__ = [
     "DispatchServer",
     "DispatcherConfig",
     "LocalDataService",
+    "PipelineLimits",
     "ShardingPolicy",
     "WorkerConfig",
     "WorkerServer",

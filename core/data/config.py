@@ -18,6 +18,7 @@ import logging
 from typing import Any
 
 from clusterwire.addressing import split_host_port
+from clusterwire.data.limits import PipelineLimits, as_limits
 from clusterwire.security import Security, load_security, security_fields
 from clusterwire.shell import listen_options
 from clusterwire.transport import ListenOptions
@@ -78,7 +79,8 @@ _WORKER_FIELDS = ("dispatcher_address", "worker_address", "port", "protocol",
                   "heartbeat_interval_ms", "dispatcher_timeout_ms", "data_transfer_protocol",
                   "data_transfer_address", "allow_cloudpickle", "function_modules",
                   "readable_dirs", "send_tracebacks", "cross_trainer_cache_size_bytes",
-                  "metrics_port", "metrics_host", "worker_token_file", *security_fields())
+                  "metrics_port", "metrics_host", "worker_token_file", "pipeline_limits",
+                  *security_fields())
 
 
 def _token_file(value: Any) -> str | None:
@@ -180,6 +182,8 @@ class WorkerConfig(collections.namedtuple("WorkerConfig", _WORKER_FIELDS)):
     ``worker_token_file``: the dispatcher's worker token, presented with every heartbeat;
     None: ``CLUSTERWIRE_WORKER_TOKEN_FILE`` or ``CLUSTERWIRE_WORKER_TOKEN``, else the token
     of a dispatcher in this process.
+    ``pipeline_limits``: what the pipelines clients send may make this worker spawn and hold
+    (a ``clusterwire.data.PipelineLimits`` or a dict of its fields; None: its defaults).
     """
 
     def __new__(cls, dispatcher_address: str | None = None, worker_address: str | None = None,
@@ -191,7 +195,8 @@ class WorkerConfig(collections.namedtuple("WorkerConfig", _WORKER_FIELDS)):
                 function_modules: Any = (), readable_dirs: Any = (),
                 send_tracebacks: bool = False, cross_trainer_cache_size_bytes: int | None = None,
                 metrics_port: int | None = None, metrics_host: str | None = None,
-                worker_token_file: str | None = None, **security: Any):
+                worker_token_file: str | None = None,
+                pipeline_limits: PipelineLimits | dict | None = None, **security: Any):
         if dispatcher_address is None:
             raise ValueError("Must specify a `dispatcher_address`.")
         if not isinstance(dispatcher_address, str) or not dispatcher_address:
@@ -207,7 +212,7 @@ class WorkerConfig(collections.namedtuple("WorkerConfig", _WORKER_FIELDS)):
             bool(allow_cloudpickle), _names(function_modules, "function_modules"),
             _names(readable_dirs, "readable_dirs"), bool(send_tracebacks),
             _cache_size(cross_trainer_cache_size_bytes), *_metrics(metrics_port, metrics_host),
-            _token_file(worker_token_file), *_security(security))
+            _token_file(worker_token_file), as_limits(pipeline_limits), *_security(security))
 
 
 def as_config(config: Any, cls: type) -> Any:

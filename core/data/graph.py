@@ -16,6 +16,7 @@ from typing import Any
 
 from clusterwire import codec
 from clusterwire.data import functions, ops, pipeline
+from clusterwire.data.limits import PipelineLimits, ThreadBudget
 from clusterwire.data.permissions import WorkerPermissions
 from clusterwire.errors import InvalidArgumentError
 from clusterwire.protos.data_service_pb2 import DatasetDef, FunctionRef, NodeDef, OpDef
@@ -152,27 +153,32 @@ def _unresolved(*_args: Any) -> Any:
 
 def from_def(dataset: DatasetDef, buffers: Sequence[Any],
              permissions: WorkerPermissions | None = None,
-             allow_cloudpickle: bool = False) -> pipeline.Pipeline:
+             allow_cloudpickle: bool = False,
+             limits: tuple[PipelineLimits, ThreadBudget] | None = None) -> pipeline.Pipeline:
     """The pipeline a DatasetDef describes.
 
     With ``permissions`` (a worker) its functions are the allowed ones they name (or
     unpickled, with ``allow_cloudpickle``) and its files are checked against the readable
     directories; without, functions are placeholders, enough to plan splits and
-    cardinality (the dispatcher).
+    cardinality (the dispatcher). With ``limits`` (a worker's limits and thread budget)
+    every transformation, in its nodes' inputs and in the Datasets its functions return
+    too, runs under them (``Op.limited``).
     """
     items = codec.decode(dataset.payloads, list(buffers)) if dataset.HasField("payloads") else []
     guard = None if permissions is None else (
-        lambda pipe: from_def(*to_def(pipe), permissions, allow_cloudpickle))
-    return _Reader(items, permissions, allow_cloudpickle, guard).pipeline(dataset)
+        lambda pipe: from_def(*to_def(pipe), permissions, allow_cloudpickle, limits))
+    return _Reader(items, permissions, allow_cloudpickle, guard, limits).pipeline(dataset)
 
 
 class _Reader:
     """Builds the pipelines of one DatasetDef (and of its nodes' inputs) from its payloads."""
 
     def __init__(self, items: Any, permissions: WorkerPermissions | None,
-                 allow_cloudpickle: bool, guard: ops.Guard | None):
+                 allow_cloudpickle: bool, guard: ops.Guard | None,
+                 limits: tuple[PipelineLimits, ThreadBudget] | None = None):
         self.items, self.permissions = items, permissions
         self.allow_cloudpickle, self.guard = allow_cloudpickle, guard
+        self.limits = limits
 
     def payload(self, index: int) -> Any:
         if not isinstance(self.items, list) or index >= len(self.items):
@@ -244,8 +250,10 @@ class _Reader:
             if not isinstance(node, pipeline.Op):
                 raise InvalidArgumentError(
                     f"Malformed dataset: {op.node.kind!r} is not a transformation.")
-            return node
-        return _op(op, self.function)
+            built = node
+        else:
+            built = _op(op, self.function)
+        return built if self.limits is None else built.limited(*self.limits)
 
 
 def _op(op: OpDef, function: Callable[[FunctionRef, str], Callable[..., Any]]) -> pipeline.Op:

@@ -14,11 +14,12 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
+from clusterwire.data.limits import PipelineLimits, ThreadBudget, refuse_above
 from clusterwire.errors import InvalidArgumentError
 
 INFINITE = -1
@@ -187,19 +188,46 @@ class Op:
     def cardinality(self, upstream: int) -> int:
         return upstream
 
+    def limited(self, limits: PipelineLimits, budget: ThreadBudget) -> Op:
+        """This op as a worker runs it under ``limits`` (see ``clusterwire.data.limits``),
+        its threads taken from ``budget``; InvalidArgumentError if a size is over a limit."""
+        return self
+
+
+def parallelism(value: int, what: str, autotune: int, limits: PipelineLimits) -> int:
+    """Threads for ``num_parallel_calls`` = ``value`` (AUTOTUNE: ``autotune``) on a worker:
+    clamped to ``max_parallel_calls``, as TF's AUTOTUNE sizes parallelism to the machine."""
+    if value < AUTOTUNE:
+        raise InvalidArgumentError(f"{what} num_parallel_calls must be >= 0 or AUTOTUNE (-1), "
+                                   f"got {value}.")
+    return min(autotune if value == AUTOTUNE else value, limits.max_parallel_calls)
+
 
 @dataclass(frozen=True)
 class Map(Op):
     fn: Callable[..., Any]
     num_parallel_calls: int = 0
+    budget: ThreadBudget | None = field(default=None, compare=False, repr=False)
     elementwise = True
 
     def wrap(self, upstream: Factory) -> Factory:
-        fn = self.fn
+        fn, budget = self.fn, self.budget
         if self.num_parallel_calls in (0, 1):
             return lambda: _MapIterator(fn, upstream())
         workers = 4 if self.num_parallel_calls == AUTOTUNE else self.num_parallel_calls
-        return lambda: _ParallelMapIterator(fn, upstream(), workers)
+
+        def make() -> Iterator[Any]:
+            granted = workers if budget is None else budget.take(workers)
+            if not granted:  # the worker's pipeline threads are spent: map in the reader's
+                return _MapIterator(fn, upstream())
+            return _ParallelMapIterator(fn, upstream(), granted, budget)
+        return make
+
+    def limited(self, limits: PipelineLimits, budget: ThreadBudget) -> Op:
+        if self.num_parallel_calls in (0, 1):
+            return self
+        threads = parallelism(self.num_parallel_calls, "map", 4, limits)
+        return replace(self, num_parallel_calls=threads, budget=budget)
 
 
 class _MapIterator:
@@ -218,9 +246,12 @@ class _MapIterator:
 
 class _ParallelMapIterator:
     """Ordered map over a thread pool with ``2 * workers`` calls in flight; a failed call
-    fails its element only (as ``_MapIterator``)."""
+    fails its element only (as ``_MapIterator``). Its ``workers`` threads go back to
+    ``budget`` when it ends or is dropped."""
 
-    def __init__(self, fn: Callable[..., Any], elements: Iterator[Any], workers: int):
+    def __init__(self, fn: Callable[..., Any], elements: Iterator[Any], workers: int,
+                 budget: ThreadBudget | None = None):
+        self._budget = budget
         self._fn, self._elements, self._workers = fn, elements, workers
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="clusterwire-map")
         self._pending: deque = deque()
@@ -238,12 +269,19 @@ class _ParallelMapIterator:
                 break
             self._pending.append(self._pool.submit(call, self._fn, element))
         if not self._pending:
-            self._pool.shutdown(wait=False)
+            self._close(cancel=False)
             raise StopIteration
         return normalize(self._pending.popleft().result())
 
+    def _close(self, cancel: bool) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=cancel)
+        budget, self._budget = self._budget, None
+        if budget is not None:
+            budget.give(self._workers)
+
     def __del__(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if hasattr(self, "_pool"):
+            self._close(cancel=True)
 
 
 @dataclass(frozen=True)
@@ -277,6 +315,13 @@ class _FilterIterator:
 class Batch(Op):
     batch_size: int
     drop_remainder: bool = False
+
+    def limited(self, limits: PipelineLimits, budget: ThreadBudget) -> Op:
+        if self.batch_size < 1:
+            raise InvalidArgumentError(f"batch batch_size must be > 0, got {self.batch_size}.")
+        refuse_above(self.batch_size, limits.max_buffer_elements, "batch batch_size",
+                     "max_buffer_elements")
+        return self
 
     def wrap(self, upstream: Factory) -> Factory:
         def run() -> Iterator[Any]:
@@ -314,6 +359,14 @@ class Shuffle(Op):
     buffer_size: int
     seed: int | None = None
     reshuffle_each_iteration: bool = True
+
+    def limited(self, limits: PipelineLimits, budget: ThreadBudget) -> Op:
+        if self.buffer_size < 1:
+            raise InvalidArgumentError(f"shuffle buffer_size must be > 0, got "
+                                       f"{self.buffer_size}.")
+        refuse_above(self.buffer_size, limits.max_buffer_elements, "shuffle buffer_size",
+                     "max_buffer_elements")
+        return self
 
     def wrap(self, upstream: Factory) -> Factory:
         epochs = itertools.count()
@@ -393,35 +446,53 @@ class Repeat(Op):
 @dataclass(frozen=True)
 class Prefetch(Op):
     buffer_size: int
+    budget: ThreadBudget | None = field(default=None, compare=False, repr=False)
     elementwise = True
 
     def wrap(self, upstream: Factory) -> Factory:
         size = 2 if self.buffer_size == AUTOTUNE else max(1, self.buffer_size)
-        return lambda: _prefetch(upstream(), size)
+        return lambda: _prefetch(upstream(), size, self.budget)
+
+    def limited(self, limits: PipelineLimits, budget: ThreadBudget) -> Op:
+        size = 2 if self.buffer_size == AUTOTUNE else max(1, self.buffer_size)
+        return replace(self, buffer_size=min(size, limits.max_prefetch), budget=budget)
 
 
 _DONE = object()
 
 
-def _prefetch(elements: Iterator[Any], size: int) -> Iterator[Any]:
-    """Produce ``elements`` on a background thread, ``size`` ahead of the reader."""
+def _prefetch(elements: Iterator[Any], size: int, budget: ThreadBudget | None = None
+              ) -> Iterator[Any]:
+    """Produce ``elements`` on a background thread, ``size`` ahead of the reader; with
+    ``budget``, only if it grants the thread (else pass them through: prefetch does not
+    change the elements)."""
+    if budget is not None and not budget.take(1):
+        yield from elements
+        return
     slots: queue.Queue = queue.Queue(size)
     stop = threading.Event()
+
+    def offer(item: tuple) -> bool:
+        """Put ``item`` unless the reader has stopped; whether it was put."""
+        while not stop.is_set():
+            try:
+                slots.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def produce() -> None:
         try:
             for element in elements:
-                while not stop.is_set():
-                    try:
-                        slots.put((element, None), timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+                if not offer((element, None)):
                     return
-            slots.put((_DONE, None))
+            offer((_DONE, None))
         except BaseException as err:  # handed to the reader
-            slots.put((_DONE, err))
+            offer((_DONE, err))
+        finally:
+            if budget is not None:
+                budget.give(1)
 
     threading.Thread(target=produce, daemon=True, name="clusterwire-prefetch").start()
     try:

@@ -53,6 +53,7 @@ from clusterwire.data.config import (
     warn_if_unsafe,
 )
 from clusterwire.data.cross_trainer_cache import cache_plan, machine_memory
+from clusterwire.data.limits import ThreadBudget
 from clusterwire.data.modes import COMPRESSION_SNAPPY, ShardingPolicy
 from clusterwire.data.monitoring import Monitoring
 from clusterwire.data.permissions import WorkerPermissions
@@ -133,6 +134,9 @@ class WorkerServer:
         self._config = config
         warn_if_unsafe(config, "worker")
         self._permissions = WorkerPermissions(config.function_modules, config.readable_dirs)
+        # Every pipeline this worker builds from a client's definition runs under these.
+        self._limits = (config.pipeline_limits,
+                        ThreadBudget(config.pipeline_limits.max_pipeline_threads))
         security = server_security(config)
         self._worker_token = worker_auth.load(config.worker_token_file, security)
         options = server_listen_options(security)
@@ -314,7 +318,8 @@ class WorkerServer:
                 response, buffers = self._dispatcher.call(
                     DataRequest(get_dataset=GetDatasetRequest(dataset_id=dataset_id)))
                 found = graph.from_def(response.get_dataset.dataset, buffers,
-                                       self._permissions, self._config.allow_cloudpickle)
+                                       self._permissions, self._config.allow_cloudpickle,
+                                       self._limits)
                 with self._lock:
                     self._datasets[dataset_id] = found
         return found
@@ -478,6 +483,12 @@ class WorkerServer:
             f"{len(cached)} jobs (of up to {self._cache_bytes} bytes each), its limit; a job "
             f"nobody reads for {IDLE_CACHE_S:g} s gives its slot up. Retry later, share a "
             "job_name between the trainers, or add workers.")
+
+    @property
+    def pipeline_threads(self) -> int:
+        """Pipeline threads (parallel map and interleave pools, prefetch producers) this
+        worker's streams hold, at most ``pipeline_limits.max_pipeline_threads``."""
+        return self._limits[1].used
 
     @property
     def cross_trainer_cache_slots(self) -> int:

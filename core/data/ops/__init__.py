@@ -23,7 +23,7 @@ from clusterwire.errors import InvalidArgumentError
 Guard = Callable[[Pipeline], Pipeline]
 
 _FN = "fn"
-_SKIPPED = ("inputs", "guard")
+_SKIPPED = ("inputs", "guard", "budget")  # budget: a worker's, see Interleave
 
 NODES: dict[str, type[Node]] = {}
 

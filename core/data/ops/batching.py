@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from clusterwire.data.limits import PipelineLimits, ThreadBudget, refuse_above
 from clusterwire.data.ops import Guard, Node, count, fn_field, guard_field, register
 from clusterwire.data.ops.nested import returned_pipeline
 from clusterwire.data.ops.sources import ElementsSource
@@ -138,6 +139,11 @@ class PaddedBatch(Op, Node):
     def __post_init__(self) -> None:
         self._count("batch_size", "Give a positive int.")
 
+    def limited(self, limits: PipelineLimits, budget: ThreadBudget) -> Op:
+        refuse_above(self.batch_size, limits.max_buffer_elements, "padded_batch batch_size",
+                     "max_buffer_elements")
+        return self
+
     def wrap(self, upstream: Factory) -> Factory:
         return lambda: (padded(chunk, self.padded_shapes, self.padding_values) for chunk in
                         _chunks(upstream(), self.batch_size, self.drop_remainder))
@@ -163,6 +169,11 @@ class Rebatch(Op, Node):
         object.__setattr__(self, "batch_sizes", tuple(
             count(b, "batch_size", "Give a positive int (or a list of them).")
             for b in self.batch_sizes))
+
+    def limited(self, limits: PipelineLimits, budget: ThreadBudget) -> Op:
+        refuse_above(max(self.batch_sizes), limits.max_buffer_elements, "rebatch batch_size",
+                     "max_buffer_elements")
+        return self
 
     def wrap(self, upstream: Factory) -> Factory:
         def run() -> Iterator[Any]:
@@ -231,6 +242,11 @@ class Window(Op, Node):
         for name in ("size", "shift", "stride"):
             self._count(name, "Give a positive int.")
 
+    def limited(self, limits: PipelineLimits, budget: ThreadBudget) -> Op:
+        refuse_above((self.size - 1) * self.stride + 1, limits.max_buffer_elements,
+                     "window (size - 1) * stride + 1", "max_buffer_elements")
+        return self
+
     def wrap(self, upstream: Factory) -> Factory:
         def run() -> Iterator[Any]:
             elements = upstream()
@@ -245,9 +261,9 @@ class Window(Op, Node):
                     return
                 yield window_dataset(buffer[::self.stride][:self.size])
                 if self.shift >= len(buffer):
-                    if not ended:  # discard up to the next window's start
-                        skipped = list(itertools.islice(elements, self.shift - len(buffer)))
-                        ended = len(skipped) < self.shift - len(buffer)
+                    if not ended:  # discard up to the next window's start, keeping none
+                        gap = self.shift - len(buffer)
+                        ended = sum(1 for _ in itertools.islice(elements, gap)) < gap
                     buffer = []
                 else:
                     del buffer[:self.shift]
@@ -315,6 +331,11 @@ class GroupByWindow(Op, Node):
                                        "and `window_size_func`.")
         self._count("window_size", "Give a positive int.", minimum=0)
 
+    def limited(self, limits: PipelineLimits, budget: ThreadBudget) -> Op:
+        refuse_above(self.window_size, limits.max_buffer_elements,
+                     "group_by_window window_size", "max_buffer_elements")
+        return self
+
     def wrap(self, upstream: Factory) -> Factory:
         def size_of(key: int) -> int:
             if self.window_size_func is None:
@@ -376,6 +397,11 @@ class BucketBySequenceLength(Op, Node):
                 f"{len(boundaries) + 1} entries (one per bucket), got {len(sizes)}.")
         object.__setattr__(self, "bucket_boundaries", boundaries)
         object.__setattr__(self, "bucket_batch_sizes", sizes)
+
+    def limited(self, limits: PipelineLimits, budget: ThreadBudget) -> Op:
+        refuse_above(max(self.bucket_batch_sizes), limits.max_buffer_elements,
+                     "bucket_by_sequence_length bucket_batch_sizes", "max_buffer_elements")
+        return self
 
     def _bucket(self, element: Any) -> int:
         length = _key(call(self.element_length_func, element), "element_length_func")

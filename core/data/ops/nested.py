@@ -7,11 +7,12 @@ import os
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
+from clusterwire.data.limits import PipelineLimits, ThreadBudget, refuse_cycle
 from clusterwire.data.ops import Guard, Node, fn_field, guard_field, no_guard, register
 from clusterwire.data.pipeline import (
     AUTOTUNE,
@@ -22,6 +23,7 @@ from clusterwire.data.pipeline import (
     Pipeline,
     _map_structure,
     call,
+    parallelism,
 )
 from clusterwire.errors import InvalidArgumentError
 
@@ -130,6 +132,8 @@ class Interleave(Op, Node):
     deterministic: bool
     fn: Callable[..., Any] = fn_field()
     guard: Guard | None = guard_field()
+    #: A worker's pipeline threads (``limited``); the pool's threads are taken from it.
+    budget: ThreadBudget | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         fix = "Give a positive int (or AUTOTUNE)."
@@ -142,8 +146,23 @@ class Interleave(Op, Node):
         if self.num_parallel_calls == 0:
             return lambda: _Cycle(self._open, upstream(), cycle, self.block_length)
         threads = cycle if self.num_parallel_calls == AUTOTUNE else self.num_parallel_calls
-        return lambda: _ParallelCycle(self._open, upstream(), cycle, self.block_length,
-                                      threads, self.deterministic)
+        budget = self.budget
+
+        def make() -> Iterator[Any]:
+            granted = threads if budget is None else budget.take(threads)
+            if not granted:  # the worker's pipeline threads are spent: read in the reader's
+                return _Cycle(self._open, upstream(), cycle, self.block_length)
+            return _ParallelCycle(self._open, upstream(), cycle, self.block_length,
+                                  granted, self.deterministic, budget)
+        return make
+
+    def limited(self, limits: PipelineLimits, budget: ThreadBudget) -> Op:
+        cycle = default_cycle_length() if self.cycle_length == AUTOTUNE else self.cycle_length
+        refuse_cycle(cycle, limits.max_cycle_length)
+        if self.num_parallel_calls == 0:
+            return self
+        threads = parallelism(self.num_parallel_calls, "interleave", cycle, limits)
+        return replace(self, num_parallel_calls=threads, budget=budget)
 
     def _open(self, element: Any) -> Iterator[Any]:
         return returned_pipeline(self.fn, call(self.fn, element), self.guard, "map_func").run()
@@ -205,10 +224,13 @@ class _ParallelCycle:
     them in TF's cycle order (``deterministic``) or as reads complete. An ended Dataset's
     place goes to the next input element at once (TF's cycle gives it that element when it
     comes back). A failed read fails one ``next`` after the elements read before it, and
-    the Dataset is read again (a generator that raised then ends), as in TF."""
+    the Dataset is read again (a generator that raised then ends), as in TF. Its
+    ``threads`` go back to ``budget`` when it ends or is dropped."""
 
     def __init__(self, open_: Callable[[Any], Iterator[Any]], inputs: Iterator[Any],
-                 cycle: int, block_length: int, threads: int, deterministic: bool):
+                 cycle: int, block_length: int, threads: int, deterministic: bool,
+                 budget: ThreadBudget | None = None):
+        self._budget, self._threads = budget, threads
         self._open, self._inputs, self._block_length = open_, inputs, block_length
         self._deterministic = deterministic
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="clusterwire-interleave")
@@ -264,7 +286,7 @@ class _ParallelCycle:
                 error, self._error = self._error, None
                 raise error
             if all(s is None for s in self._slots):
-                self._pool.shutdown(wait=False)
+                self._close(cancel=False)
                 raise StopIteration
             self._step()
         return self._output.popleft()
@@ -303,5 +325,12 @@ class _ParallelCycle:
             self._submit(self._index, iterator, None, self._block_length)
             self._advance()
 
+    def _close(self, cancel: bool) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=cancel)
+        budget, self._budget = self._budget, None
+        if budget is not None:
+            budget.give(self._threads)
+
     def __del__(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if hasattr(self, "_pool"):
+            self._close(cancel=True)
