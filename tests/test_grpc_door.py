@@ -128,21 +128,125 @@ def test_a_first_call_waiting_for_a_thread_past_the_handshake_timeout_is_answere
     assert outcomes == [b"8 bytes!"] * 16
 
 
+def call_8_bytes(channel) -> bytes:
+    return bytes(channel.call(Frame(b"x", [b"8 bytes!"]), timeout=10).buffers[0])
+
+
+def test_a_token_holder_over_max_connections_is_refused_and_gets_in_when_one_closes():
+    with listening(max_connections=1, handshake_timeout_seconds=60) as (listener, door):
+        first = GrpcTransport().connect(listener.address, Security(token=TOKEN))
+        second = GrpcTransport().connect(listener.address, Security(token=TOKEN))
+        try:
+            assert call_8_bytes(first) == b"8 bytes!"
+            with pytest.raises(errors.ResourceExhaustedError, match=r"max_connections \(1\)"):
+                call_8_bytes(second)
+            assert len(door.admitted) == 1
+            first.close()  # gRPC closes its end: the count frees at the next first call
+
+            def second_gets_in() -> bool:
+                try:
+                    return call_8_bytes(second) == b"8 bytes!"
+                except (errors.ResourceExhaustedError, errors.UnavailableError):
+                    return False
+
+            wait_for(second_gets_in, 20, "the second client admitted")
+            assert len(door.admitted) == 1
+        finally:
+            first.close()
+            second.close()
+
+
 @contextlib.contextmanager
-def door_and_connection(timeout: float) -> Iterator:
-    """A started door (no gRPC server) that has recorded one accepted loopback connection;
-    yields (door, the client's socket, gRPC's peer string of the client)."""
-    door = Door(ListenOptions(handshake_timeout_seconds=timeout), "test")
+def door_and_connections(timeout: float, count: int = 1,
+                         max_connections: int = 1024) -> Iterator:
+    """A started door (no gRPC server) that has recorded ``count`` accepted loopback
+    connections; yields (door, [(the client's socket, gRPC's peer string of the client,
+    the accepted socket: gRPC's)])."""
+    door = Door(ListenOptions(handshake_timeout_seconds=timeout,
+                              max_connections=max_connections), "test")
     door.start()
     try:
-        with socket.create_server(("127.0.0.1", 0)) as server, \
-                socket.create_connection(server.getsockname()) as client:
-            accepted, _ = server.accept()
-            with accepted:
+        with socket.create_server(("127.0.0.1", 0)) as server, contextlib.ExitStack() as held:
+            connections = []
+            for _ in range(count):
+                client = held.enter_context(socket.create_connection(server.getsockname()))
+                accepted = held.enter_context(server.accept()[0])
                 door._accepted(accepted.fileno())
-                yield door, client, f"ipv4:127.0.0.1:{client.getsockname()[1]}"
+                connections.append(
+                    (client, f"ipv4:127.0.0.1:{client.getsockname()[1]}", accepted))
+            yield door, connections
     finally:
         door.close()
+
+
+@contextlib.contextmanager
+def door_and_connection(timeout: float) -> Iterator:
+    """``door_and_connections`` with one: yields (door, the client's socket, its peer)."""
+    with door_and_connections(timeout) as (door, [(client, peer, _)]):
+        yield door, client, peer
+
+
+class RefusedCall(Exception):
+    pass
+
+
+class EndedCall:
+    """A ServicerContext's part that ``Door.admit`` uses, of a call that has ended."""
+
+    def __init__(self, peer: str):
+        self._peer = peer
+        self.refusal: tuple[grpc.StatusCode, str] | None = None
+
+    def peer(self) -> str:
+        return self._peer
+
+    def add_callback(self, callback) -> bool:
+        return False
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self.refusal = code, details
+        raise RefusedCall
+
+
+def test_authenticated_connections_are_counted_once_up_to_max_connections():
+    with door_and_connections(60, count=3, max_connections=2) as (door, connections):
+        peers = [peer for _, peer, _ in connections]
+        assert door.authenticated(peers[0]) is None
+        assert door.authenticated(peers[0]) is None  # its second call: counted once
+        assert door.authenticated(peers[1]) is None
+        assert door.admitted == set(peers[:2]) and not door.pending.keys() - {
+            context_peer(peers[2])}
+        call = EndedCall(peers[2])
+        with pytest.raises(RefusedCall):
+            door.admit(call)
+        code, details = call.refusal
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_connections (2)" in details and "raise max_connections" in details
+        assert closed_by_server(connections[2][0])  # shut
+        assert still_open(connections[0][0]) and still_open(connections[1][0])
+        assert door.admitted == set(peers[:2])
+        assert door.authenticated(peers[2]) is not None  # its other calls are refused too
+
+
+def test_a_connection_grpc_closed_leaves_the_count_when_it_is_full():
+    with door_and_connections(60, count=3, max_connections=2) as (door, connections):
+        peers = [peer for _, peer, _ in connections]
+        for peer in peers[:2]:
+            assert door.authenticated(peer) is None
+        connections[0][2].close()  # gRPC closed the first
+        assert door.authenticated(peers[2]) is None
+        assert door.admitted == set(peers[1:])
+
+
+def test_a_connection_past_its_late_time_is_still_counted_at_its_first_token_call():
+    """A token holder's first call that waited for a server thread past twice the
+    handshake timeout still makes its connection count."""
+    with door_and_connections(0.2, count=2, max_connections=1) as (door, connections):
+        wait_for(lambda: not door.pending and len(door._dormant) == 2,
+                 what="the connections to pass their late time")
+        assert door.authenticated(connections[0][1]) is None
+        assert door.admitted == {connections[0][1]}
+        assert door.authenticated(connections[1][1]) is not None  # over max_connections
 
 
 def closed_by_server(sock: socket.socket) -> bool:

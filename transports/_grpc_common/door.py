@@ -206,18 +206,23 @@ class Door:
         with self._lock:
             if peer in self.admitted:
                 return None
-            connection = self.pending.get(key) or self._dormant.get(key)
+            pending = self.pending.get(key)
+            connection = pending or self._dormant.get(key)
             if connection is None:
                 return None
-            if connection.peer in self.pending:
-                self._forget(connection)
-            else:
-                del self._dormant[key]
             if len(self._admitted) >= self._max_connections:
                 for old in [c for c in self._admitted.values() if not _alive(c)]:
                     self._drop(old)
                 if len(self._admitted) >= self._max_connections:
+                    # Its other calls are refused too until it is shut; if pending, it is
+                    # the first to close when room is needed.
+                    if pending is not None:
+                        self._tokenless[pending] = None
                     return connection
+            if pending is not None:
+                self._forget(pending)
+            else:
+                del self._dormant[key]
             connection.name = peer
             self._admitted[key] = connection
             self.admitted.add(peer)
