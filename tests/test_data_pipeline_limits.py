@@ -15,7 +15,7 @@ import time
 import cw_data_functions as fns
 import cw_data_limits_functions as limit_fns
 import pytest
-from conftest import wait_for
+from conftest import in_process_data_service, wait_for
 from cw_data_procs import ServerProcess
 
 from clusterwire import data, errors
@@ -242,3 +242,22 @@ def test_limits_config():
         data.WorkerConfig(dispatcher_address="localhost:1",
                           pipeline_limits={"max_threads": 4})
     assert config.pipeline_limits.max_buffer_elements == 1 << 20
+
+
+def test_cache_of_a_longer_pass_than_the_limit_fails():
+    """cache() of an infinite input on a worker (WorkerConfig pipeline_limits as a dict):
+    the pass fails once it would keep more than max_buffer_elements, its elements so far
+    delivered; a finite pass under the limit is cached as before."""
+    with in_process_data_service(workers=1, pipeline_limits={"max_buffer_elements": 1000}
+                                 ) as dispatcher:
+        service = dispatcher.target
+        got = []
+        with pytest.raises(errors.ResourceExhaustedError,
+                           match=r"cache\(\) .* at most 1000 elements .*max_buffer_elements"):
+            for x in data.Dataset.range(10**12).cache().apply(
+                    data.distribute("parallel_epochs", service)):
+                got.append(int(x))
+        assert got == list(range(1000))
+        cached = data.Dataset.range(1000).cache().repeat(2)
+        assert [int(x) for x in cached.apply(data.distribute("parallel_epochs", service))] \
+            == list(range(1000)) * 2

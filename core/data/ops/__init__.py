@@ -23,7 +23,9 @@ from clusterwire.errors import InvalidArgumentError
 Guard = Callable[[Pipeline], Pipeline]
 
 _FN = "fn"
-_SKIPPED = ("inputs", "guard", "budget")  # budget: a worker's, see Interleave
+#: Fields not sent as argument values: the inputs (sent as pipelines), the worker's Guard
+#: and what ``Op.limited`` sets there.
+_SKIPPED = ("inputs", "guard", "budget", "limits")
 
 NODES: dict[str, type[Node]] = {}
 

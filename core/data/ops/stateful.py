@@ -9,15 +9,21 @@ import os
 import struct
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, BinaryIO
 
 import numpy as np
 
 from clusterwire import codec
+from clusterwire.data.limits import PipelineLimits, ThreadBudget
 from clusterwire.data.ops import Node, fn_field, register
 from clusterwire.data.pipeline import INFINITE, UNKNOWN, Factory, Op, _leaves, call, normalize
-from clusterwire.errors import DataLossError, InvalidArgumentError, PermissionDeniedError
+from clusterwire.errors import (
+    DataLossError,
+    InvalidArgumentError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+)
 from clusterwire.protos.service_pb2 import Value
 
 _log = logging.getLogger(__name__)
@@ -167,10 +173,12 @@ def _read(path: str) -> Iterator[Any]:
 class Cache(Op, Node):
     """``Dataset.cache``: the first complete pass is kept (in memory, or in the file
     ``filename``, which later passes and later runs read) and replayed. A pass left
-    unfinished is not kept, as in TF."""
+    unfinished is not kept, as in TF. On a worker (``limits``) a pass in memory keeps at most
+    ``max_buffer_elements``: a longer one (an infinite input's) fails there."""
 
     kind = "cache"
     filename: str
+    limits: PipelineLimits | None = field(default=None, compare=False, repr=False)
 
     def check_on_worker(self) -> None:
         if self.filename:
@@ -184,6 +192,7 @@ class Cache(Op, Node):
             return lambda: self._file(upstream)
         kept: list[list[Any]] = []
         lock = threading.Lock()
+        most = None if self.limits is None else self.limits.max_buffer_elements
 
         def run() -> Iterator[Any]:
             if kept:
@@ -191,12 +200,22 @@ class Cache(Op, Node):
                 return
             recorded = []
             for element in upstream():
+                if most is not None and len(recorded) == most:
+                    raise ResourceExhaustedError(
+                        f"cache() on this tf.data service worker keeps at most {most} elements "
+                        "of a pass (WorkerConfig pipeline_limits max_buffer_elements) and its "
+                        "input has more (an infinite input never ends). Cache fewer elements "
+                        "(take(n).cache()), drop cache(), or raise max_buffer_elements on the "
+                        "workers.")
                 recorded.append(element)
                 yield element
             with lock:
                 if not kept:
                     kept.append(recorded)
         return run
+
+    def limited(self, limits: PipelineLimits, budget: ThreadBudget) -> Op:
+        return self if self.filename else replace(self, limits=limits)
 
     def _file(self, upstream: Factory) -> Iterator[Any]:
         path = self.filename + ".cwcache"
