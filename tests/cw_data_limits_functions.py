@@ -25,3 +25,15 @@ def prefetched_range(x):
 def kib(x):
     """1 KiB of x's value (int64)."""
     return np.full(128, x, np.int64)
+
+
+@data.function
+def own_key(x):
+    """Each element its own group's key."""
+    return x
+
+
+@data.function
+def the_window(key, window):
+    """group_by_window's reduce_func: the window as it is."""
+    return window

@@ -261,3 +261,18 @@ def test_cache_of_a_longer_pass_than_the_limit_fails():
         cached = data.Dataset.range(1000).cache().repeat(2)
         assert [int(x) for x in cached.apply(data.distribute("parallel_epochs", service))] \
             == list(range(1000)) * 2
+
+
+def test_groups_hold_at_most_the_limit():
+    """group_by_window with a key per element on an infinite input: the open groups fail
+    at max_buffer_elements elements in all; under the limit the windows are TF's."""
+    limits = PipelineLimits(max_buffer_elements=100)
+    endless = data.Dataset.range(10**12).group_by_window(limit_fns.own_key, limit_fns.the_window,
+                                                         window_size=2)
+    with pytest.raises(errors.ResourceExhaustedError,
+                       match=r"hold 100 elements in 100 keys.*max_buffer_elements"):
+        next(iter(_on_worker(endless, limits, ThreadBudget(8))))
+    pairs = data.Dataset.range(30).map(fns.square).shuffle(30, seed=1).group_by_window(
+        limit_fns.own_key, limit_fns.the_window, window_size=2)
+    assert [int(x) for x in _on_worker(pairs, limits, ThreadBudget(8))] == [
+        int(x) for x in pairs]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -23,7 +23,7 @@ from clusterwire.data.pipeline import (
     _map_structure,
     call,
 )
-from clusterwire.errors import InvalidArgumentError
+from clusterwire.errors import InvalidArgumentError, ResourceExhaustedError
 
 
 def _zip_structure(fn: Callable[..., Any], structure: Any, *others: Any) -> Any:
@@ -286,19 +286,30 @@ def _key(value: Any, what: str) -> int:
 
 
 def grouped(elements: Iterator[Any], key_of: Callable[[Any], int],
-            size_of: Callable[[int], int]) -> Iterator[tuple[int, list[Any]]]:
+            size_of: Callable[[int], int], limits: PipelineLimits | None = None
+            ) -> Iterator[tuple[int, list[Any]]]:
     """(key, window) pairs as TF's GroupByWindowDatasetOp makes them: a group goes as soon
-    as it holds its window size; at the end of the input the rest go in key order."""
+    as it holds its window size; at the end of the input the rest go in key order. With a
+    worker's ``limits``, the groups hold at most ``max_buffer_elements`` in all."""
     groups: dict[int, list[Any]] = {}
     sizes: dict[int, int] = {}
+    held = 0
     for element in elements:
         key = key_of(element)
+        if limits is not None and held == limits.max_buffer_elements:
+            raise ResourceExhaustedError(
+                f"The groups of this pipeline hold {held} elements in {len(groups)} keys, this "
+                "tf.data service worker's limit (WorkerConfig pipeline_limits "
+                "max_buffer_elements). Use fewer keys or smaller windows, or raise "
+                "max_buffer_elements on the workers.")
         if key not in groups:
             groups[key] = []
             if key not in sizes:
                 sizes[key] = size_of(key)
         groups[key].append(element)
+        held += 1
         if len(groups[key]) == sizes[key]:
+            held -= sizes[key]
             yield key, groups.pop(key)
     for key in sorted(groups):
         yield key, groups[key]
@@ -324,6 +335,7 @@ class GroupByWindow(Op, Node):
     reduce_func: Callable[..., Any] = fn_field()
     window_size_func: Callable[..., Any] | None = fn_field(optional=True)
     guard: Guard | None = guard_field()
+    limits: PipelineLimits | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if (self.window_size == 0) == (self.window_size_func is None):
@@ -334,7 +346,7 @@ class GroupByWindow(Op, Node):
     def limited(self, limits: PipelineLimits, budget: ThreadBudget) -> Op:
         refuse_above(self.window_size, limits.max_buffer_elements,
                      "group_by_window window_size", "max_buffer_elements")
-        return self
+        return replace(self, limits=limits)
 
     def wrap(self, upstream: Factory) -> Factory:
         def size_of(key: int) -> int:
@@ -344,7 +356,7 @@ class GroupByWindow(Op, Node):
 
         def run() -> Iterator[Any]:
             windows = grouped(upstream(), lambda e: _key(call(self.key_func, e), "key_func"),
-                              size_of)
+                              size_of, self.limits)
             for key, window in windows:
                 result = self.reduce_func(np.int64(key), window_dataset(window))
                 yield from returned_pipeline(self.reduce_func, result, self.guard,
@@ -382,6 +394,7 @@ class BucketBySequenceLength(Op, Node):
     no_padding: bool
     drop_remainder: bool
     element_length_func: Callable[..., Any] = fn_field()
+    limits: PipelineLimits | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         boundaries = tuple(count(b, "bucket_boundaries", "Give increasing positive ints.")
@@ -401,7 +414,7 @@ class BucketBySequenceLength(Op, Node):
     def limited(self, limits: PipelineLimits, budget: ThreadBudget) -> Op:
         refuse_above(max(self.bucket_batch_sizes), limits.max_buffer_elements,
                      "bucket_by_sequence_length bucket_batch_sizes", "max_buffer_elements")
-        return self
+        return replace(self, limits=limits)
 
     def _bucket(self, element: Any) -> int:
         length = _key(call(self.element_length_func, element), "element_length_func")
@@ -427,7 +440,8 @@ class BucketBySequenceLength(Op, Node):
     def wrap(self, upstream: Factory) -> Factory:
         def run() -> Iterator[Any]:
             sizes = self.bucket_batch_sizes
-            for bucket, window in grouped(upstream(), self._bucket, lambda b: sizes[b]):
+            for bucket, window in grouped(upstream(), self._bucket, lambda b: sizes[b],
+                                          self.limits):
                 yield from self._batch(bucket, window)
         return run
 
