@@ -153,6 +153,9 @@ def test_nested_threads_come_out_of_the_worker_budget(service):
      r"batch batch_size = 2147483647 .* limit of 1048576 .*max_buffer_elements"),
     (lambda ds: ds.padded_batch(10**7),
      r"padded_batch batch_size = 10000000 .* limit of 1048576 .*max_buffer_elements"),
+    (lambda ds: ds.map(limit_fns.kib).padded_batch(2, padded_shapes=[10**9]),
+     r"padded_shapes \[1000000000\] make a batch of 2 2000000000 values, .* limit of "
+     r"67108864 .*max_padded_values"),
     (lambda ds: ds.window(10**7),
      r"window \(size - 1\) \* stride \+ 1 = 10000000 .*max_buffer_elements"),
     (lambda ds: ds.window(1000, stride=10**4),
@@ -167,6 +170,15 @@ def test_sizes_over_the_limits_are_refused(service, make, message):
             _read(make(data.Dataset.range(10)), dispatcher)
     peak.assert_bounded(0)
     assert _read(data.Dataset.range(5), dispatcher) == list(range(5))
+
+
+def test_padding_within_the_limit_is_served(service):
+    dispatcher, _ = service
+    dataset = data.Dataset.range(4).map(limit_fns.kib).padded_batch(2, padded_shapes=[200])
+    got = list(dataset.apply(data.distribute("parallel_epochs", dispatcher.target)))
+    assert [g.shape for g in got] == [(2, 200), (2, 200)]
+    assert [[int(r[0]), int(r[127]), int(r[128])] for g in got for r in g] == [
+        [x, x, 0] for x in range(4)]
 
 
 def test_another_client_reads_during_a_hostile_pipeline(service):

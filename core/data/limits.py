@@ -58,7 +58,9 @@ class PipelineLimits:
     ``interleave`` keeps open (refused above; default 256). ``max_buffer_elements``: elements
     one ``shuffle`` buffer, batch (``batch``, ``padded_batch``, ``rebatch``,
     ``bucket_by_sequence_length``), ``window`` span or ``group_by_window`` window holds
-    (refused above; default 1,048,576).
+    (refused above; default 1,048,576). ``max_padded_values``: values one padded batch
+    (``padded_batch``, ``bucket_by_sequence_length``) may have when its ``padded_shapes`` (or
+    bucket boundary) pad it beyond its largest element (refused above; default 2**26).
     """
 
     max_parallel_calls: int | None = None
@@ -66,12 +68,14 @@ class PipelineLimits:
     max_prefetch: int | None = None
     max_cycle_length: int | None = None
     max_buffer_elements: int | None = None
+    max_padded_values: int | None = None
 
     def __post_init__(self) -> None:
         cpus = cpu_count()
         defaults = {"max_parallel_calls": max(4, 2 * cpus),
                     "max_pipeline_threads": max(64, 8 * cpus), "max_prefetch": 1024,
-                    "max_cycle_length": 256, "max_buffer_elements": 1 << 20}
+                    "max_cycle_length": 256, "max_buffer_elements": 1 << 20,
+                    "max_padded_values": 1 << 26}
         for name, default in defaults.items():
             value = getattr(self, name)
             object.__setattr__(self, name, default if value is None else _positive(value, name))

@@ -59,9 +59,11 @@ def _default_padding(dtype: np.dtype) -> Any:
     return False if dtype.kind == "b" else 0
 
 
-def pad_and_stack(values: list[Any], padded_shape: Any, padding_value: Any) -> np.ndarray:
+def pad_and_stack(values: list[Any], padded_shape: Any, padding_value: Any,
+                  most: int | None = None) -> np.ndarray:
     """``values`` (arrays of one rank) stacked, padded up to ``padded_shape`` (None or -1:
-    the largest in the batch) with ``padding_value`` (None: 0, b"" or False)."""
+    the largest in the batch) with ``padding_value`` (None: 0, b"" or False); at most
+    ``most`` values where ``padded_shape`` pads beyond the largest."""
     arrays = [np.asarray(v) for v in values]
     rank = arrays[0].ndim
     if any(a.ndim != rank for a in arrays):
@@ -90,6 +92,14 @@ def pad_and_stack(values: list[Any], padded_shape: Any, padding_value: Any) -> n
                     f"padded_batch: attempted to pad to a smaller size than the input element "
                     f"(dimension {d}: element {largest[d]}, `padded_shapes` {size}); raise that "
                     "size or give None to pad to the largest in the batch.")
+    values_count = len(arrays) * int(np.prod(target, dtype=object))
+    if most is not None and target != largest and values_count > most:
+        raise InvalidArgumentError(
+            f"padded_batch: padded_shapes {target} make a batch of {len(arrays)} "
+            f"{values_count} values, above this tf.data service worker's limit of {most} "
+            "(WorkerConfig pipeline_limits max_padded_values). Give smaller padded_shapes "
+            "(None pads to the largest in the batch), or raise max_padded_values on the "
+            "workers.")
     dtype = np.result_type(*arrays) if arrays[0].dtype.kind in "SU" else arrays[0].dtype
     fill = _default_padding(dtype) if padding_value is None else padding_value
     if np.ndim(fill) != 0:
@@ -101,13 +111,17 @@ def pad_and_stack(values: list[Any], padded_shape: Any, padding_value: Any) -> n
     return out
 
 
-def padded(chunk: list[Any], padded_shapes: Any, padding_values: Any) -> Any:
-    """One padded batch of ``chunk`` (see ``pad_and_stack``), structure-wise."""
+def padded(chunk: list[Any], padded_shapes: Any, padding_values: Any,
+           limits: PipelineLimits | None = None) -> Any:
+    """One padded batch of ``chunk`` (see ``pad_and_stack``), structure-wise, under a
+    worker's ``limits``."""
     counter = itertools.count()
     indexed = _map_structure(lambda _: next(counter), chunk[0])
     columns = list(zip(*(_leaves(e) for e in chunk), strict=True))
-    return _zip_structure(lambda i, shape, value: pad_and_stack(list(columns[i]), shape, value),
-                          indexed, padded_shapes, padding_values)
+    most = None if limits is None else limits.max_padded_values
+    return _zip_structure(
+        lambda i, shape, value: pad_and_stack(list(columns[i]), shape, value, most),
+        indexed, padded_shapes, padding_values)
 
 
 def _chunks(elements: Iterator[Any], size: int, drop_remainder: bool) -> Iterator[list[Any]]:
@@ -135,6 +149,7 @@ class PaddedBatch(Op, Node):
     padded_shapes: Any
     padding_values: Any
     drop_remainder: bool
+    limits: PipelineLimits | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self._count("batch_size", "Give a positive int.")
@@ -142,10 +157,11 @@ class PaddedBatch(Op, Node):
     def limited(self, limits: PipelineLimits, budget: ThreadBudget) -> Op:
         refuse_above(self.batch_size, limits.max_buffer_elements, "padded_batch batch_size",
                      "max_buffer_elements")
-        return self
+        return replace(self, limits=limits)
 
     def wrap(self, upstream: Factory) -> Factory:
-        return lambda: (padded(chunk, self.padded_shapes, self.padding_values) for chunk in
+        return lambda: (padded(chunk, self.padded_shapes, self.padding_values, self.limits)
+                        for chunk in
                         _chunks(upstream(), self.batch_size, self.drop_remainder))
 
     def cardinality(self, upstream: int) -> int:
@@ -435,7 +451,7 @@ class BucketBySequenceLength(Op, Node):
             shapes = self.padded_shapes
             if self.pad_to_bucket_boundary:
                 shapes = _boundary_shapes(shapes, chunk[0], self.bucket_boundaries[bucket] - 1)
-            yield padded(chunk, shapes, self.padding_values)
+            yield padded(chunk, shapes, self.padding_values, self.limits)
 
     def wrap(self, upstream: Factory) -> Factory:
         def run() -> Iterator[Any]:
