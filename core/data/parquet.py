@@ -135,8 +135,7 @@ class ParquetReader:
         pa, _ = _pyarrow()
         for index in range(start, stop):
             try:
-                table = self._parquet.read_row_group(index, columns=self.columns,
-                                                     use_threads=False)
+                table = self._parquet.read_row_group(index, columns=self.columns)
             except (OSError, pa.ArrowException) as error:
                 raise DataLossError(
                     f"Parquet file {self._path!r}: row group {index} cannot be read: "
