@@ -288,3 +288,26 @@ def test_groups_hold_at_most_the_limit():
         limit_fns.own_key, limit_fns.the_window, window_size=2)
     assert [int(x) for x in _on_worker(pairs, limits, ThreadBudget(8))] == [
         int(x) for x in pairs]
+
+
+def test_a_released_stream_gives_its_threads_back():
+    """A hostile pipeline holds at most max_pipeline_threads of a worker; once its reader
+    closes, they are all back (WorkerServer.pipeline_threads)."""
+    dispatcher = data.DispatchServer(data.DispatcherConfig(bind_address="127.0.0.1"))
+    worker = data.WorkerServer(data.WorkerConfig(
+        dispatcher_address=dispatcher.target.split("://")[1],
+        worker_address="127.0.0.1:%port%", pipeline_limits={"max_pipeline_threads": 6}))
+    try:
+        wait_for(lambda: dispatcher.num_workers() == 1, what="the worker")
+        hostile = (data.Dataset.range(10**12).map(fns.square, num_parallel_calls=10**6)
+                   .prefetch(10**9).interleave(limit_fns.prefetched_range, cycle_length=64,
+                                               num_parallel_calls=10**6))
+        elements = iter(hostile.apply(data.distribute("parallel_epochs", dispatcher.target)))
+        first = [int(next(elements)) for _ in range(2000)]
+        assert sorted(first[:64]) == sorted(x * x * 100 for x in range(64))
+        assert 0 < worker.pipeline_threads <= 6
+        elements.close()
+        wait_for(lambda: worker.pipeline_threads == 0, what="the pipeline threads back")
+    finally:
+        worker.stop()
+        dispatcher.stop()
