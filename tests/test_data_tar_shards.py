@@ -117,6 +117,22 @@ def test_a_member_over_the_limit_is_refused_before_it_is_read(tmp_path, monkeypa
         next(reader)
 
 
+@pytest.mark.parametrize("fmt", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT])
+def test_a_metadata_member_over_the_limit_is_refused(tmp_path, monkeypatch, fmt):
+    monkeypatch.setattr(tar_shards_module, "MAX_MEMBER_BYTES", 1000)
+    name = "k" * 1500 + ".bin"  # over 100 bytes: a pax record or a GNU long name
+    path = tmp_path / "shard.tar"
+    with tarfile.open(path, "w", format=fmt) as tar:
+        info = tarfile.TarInfo(name)
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"x"))
+    with pytest.raises(ResourceExhaustedError, match=r"shard.tar.*metadata member.*1000-byte"):
+        list(TarShardReader(str(path), readable_prefixes=None))
+    monkeypatch.setattr(tar_shards_module, "MAX_MEMBER_BYTES", 4096)
+    assert list(TarShardReader(str(path), readable_prefixes=None)) == [
+        {"__key__": "k" * 1500, "bin": b"x"}]
+
+
 def _cut(tmp_path, data: bytes, length: int) -> str:
     path = tmp_path / "cut.tar"
     path.write_bytes(data[:length])

@@ -16,6 +16,7 @@ bytes, and ``tar cf shard.tar folder/`` writes them) and top-level ``__name__`` 
 * the same ext twice in one sample: InvalidArgumentError (WebDataset's ValueError);
 * a symlink, hard link, device or fifo: InvalidArgumentError, never followed;
 * a member larger than ``MAX_MEMBER_BYTES``: ResourceExhaustedError, before it is read;
+  so is a long-name or pax metadata member, which tarfile would read whole into memory;
 * a truncated or corrupt shard, or one missing tar's end-of-archive block (tarfile itself
   would end quietly there): DataLossError, after every sample before the damaged one (the
   sample cut short is not delivered).
@@ -47,8 +48,23 @@ _DRAIN = 64 * 1024
 _KEY = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$", re.DOTALL)  # WebDataset's base_plus_ext
 
 
+# Members whose data tarfile reads into memory as metadata (long names, pax records).
+_METADATA_TYPES = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE,
+                   tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE)
+
+
+class _TooLarge(Exception):
+    """A metadata member over MAX_MEMBER_BYTES, seen inside tarfile (which knows no shard)."""
+
+
 class _Header(tarfile.TarInfo):
-    """Remembers why tarfile stopped: it ends quietly on a truncated or invalid header."""
+    """Remembers why tarfile stopped (it ends quietly on a truncated or invalid header) and
+    bounds the metadata members tarfile reads whole before a member is handed out."""
+
+    def _proc_member(self, tar: tarfile.TarFile) -> tarfile.TarInfo:
+        if self.type in _METADATA_TYPES and self.size > MAX_MEMBER_BYTES:
+            raise _TooLarge(f"a {self.size}-byte metadata member (tar type {self.type!r})")
+        return super()._proc_member(tar)  # type: ignore[misc]
 
     @classmethod
     def fromtarfile(cls, tar: tarfile.TarFile) -> tarfile.TarInfo:
@@ -93,6 +109,10 @@ class TarShardReader:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         try:
             yield from self._samples()
+        except _TooLarge as error:
+            raise ResourceExhaustedError(
+                f"Tar shard {self._path!r}: {error} is over the {MAX_MEMBER_BYTES}-byte limit "
+                "of one member (tar_shards.MAX_MEMBER_BYTES).") from None
         except (tarfile.ReadError, tarfile.CompressionError, EOFError, zlib.error,
                 lzma.LZMAError, OSError) as error:
             raise DataLossError(
