@@ -145,6 +145,8 @@ def test_a_prefix_not_allowed_is_permission_denied_naming_url_and_fix(s3, url):
 @pytest.mark.parametrize("url", [
     f"s3://{BUCKET}/shards/../shards2/part-0.parquet",
     f"s3://{BUCKET}/shards/./part-0.parquet",
+    f"s3://{BUCKET}/shards/%2E%2e/shards2/part-0.parquet",
+    f"s3://{BUCKET}/shards/a%2F..%2F..%2Fshards2/part-0.parquet",
     f"s3://{BUCKET}/shards//part-0.parquet",
     f"s3://{BUCKET}/shards/part-0.parquet?versionId=1",
     f"simplecache::s3://{BUCKET}/shards/part-0.parquet",

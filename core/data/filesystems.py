@@ -9,8 +9,9 @@ A worker reads only under the prefixes its operator allowed (``readable_dirs``,
   checked again, so a link swapped in between the check and the open is not followed;
 * any other URL is compared on its components: the protocol (``s3a`` is ``s3``, ``gcs`` is
   ``gs``), the bucket or host, then whole path segments, so ``s3://bucket-evil`` is not under
-  ``s3://bucket`` nor ``s3://bucket/a2`` under ``s3://bucket/a``. ``.`` and ``..`` segments,
-  empty segments, queries, fragments and chained URLs (``a::b``) are refused outright.
+  ``s3://bucket`` nor ``s3://bucket/a2`` under ``s3://bucket/a``. ``.`` and ``..`` segments
+  (also percent-encoded), empty segments, queries, fragments and chained URLs (``a::b``)
+  are refused outright.
 
 URLs are opened through fsspec with no options: credentials and endpoints come from the
 worker's environment only (``AWS_*``, ``GOOGLE_APPLICATION_CREDENTIALS``, fsspec's config),
@@ -24,6 +25,7 @@ import os
 import re
 from collections.abc import Iterable
 from typing import BinaryIO, NamedTuple
+from urllib.parse import unquote
 
 from clusterwire.errors import (
     FailedPreconditionError,
@@ -67,10 +69,12 @@ def _parse_url(url: str) -> _Url:
                 f"URL {url!r}: {why} are not accepted in data paths; name the object itself.")
     netloc, _, path = rest.partition("/")
     segments = tuple(path.rstrip("/").split("/")) if path.rstrip("/") else ()
-    if not netloc or any(s in ("", ".", "..") for s in segments):
+    # Percent-decoded too: an HTTP server decodes %2e%2e to '..' after the comparison.
+    if not netloc or any(unquote(s) in ("", ".", "..") or "/" in unquote(s)
+                         or "\\" in unquote(s) for s in segments):
         raise InvalidArgumentError(
-            f"URL {url!r} has an empty bucket or host, or an empty, '.' or '..' path segment: "
-            "give the object's plain URL.")
+            f"URL {url!r} has an empty bucket or host, or an empty, '.' or '..' path segment "
+            "(also percent-encoded): give the object's plain URL.")
     return _Url(protocol, netloc, segments)
 
 
@@ -123,7 +127,10 @@ def resolve_readable(path: str | os.PathLike, readable_prefixes: Iterable[str] |
     unchecked; a worker always passes its prefixes, and an empty list allows nothing.
     PermissionDeniedError names the path and the fix when it lies under no prefix.
     """
-    path = os.fspath(path)
+    try:
+        path = os.fspath(path)
+    except TypeError:
+        raise InvalidArgumentError(f"a data path is a str or URL, got {path!r}.") from None
     if not isinstance(path, str) or not path:
         raise InvalidArgumentError(f"a data path is a non-empty str or URL, got {path!r}.")
     local = _local(path)
