@@ -311,3 +311,32 @@ def test_a_released_stream_gives_its_threads_back():
     finally:
         worker.stop()
         dispatcher.stop()
+
+
+def test_an_operator_raises_or_lowers_the_limits_from_the_command_line(processes):
+    """``clusterwire worker --max-cycle-length 8 --max-parallel-calls 2``."""
+    dispatcher = processes("dispatcher", "--port", "0", "--bind-address", "127.0.0.1")
+    worker = processes("worker", "--dispatcher-address", dispatcher.address, "--port", "0",
+                       "--worker-address", "127.0.0.1:%port%", "--import",
+                       "cw_data_limits_functions", "--max-cycle-length", "8",
+                       "--max-parallel-calls", "2")
+    with pytest.raises(errors.InvalidArgumentError,
+                       match=r"cycle_length = 16 .* limit of 8 open Datasets"):
+        _read(data.Dataset.range(20).interleave(limit_fns.three_of, cycle_length=16),
+              dispatcher)
+    dataset = data.Dataset.range(20).interleave(limit_fns.three_of, cycle_length=8,
+                                                num_parallel_calls=10**6)
+    expected = [int(x) for x in data.Dataset.range(20).interleave(limit_fns.three_of,
+                                                                  cycle_length=8)]
+    with _Peak(worker.process.pid) as peak:
+        assert _read(dataset, dispatcher) == expected
+    peak.assert_bounded(2)
+
+
+def test_autotune_cycle_length_is_the_workers_choice_within_its_limit():
+    """cycle_length=AUTOTUNE is clamped to max_cycle_length, not refused."""
+    dataset = data.Dataset.range(6).interleave(limit_fns.three_of,
+                                               cycle_length=data.AUTOTUNE)
+    got = [int(x) for x in _on_worker(dataset, PipelineLimits(max_cycle_length=1),
+                                      ThreadBudget(8))]
+    assert got == [x for x in range(6) for _ in range(3)]

@@ -8,6 +8,7 @@ SIGTERM, printing ``CLUSTERWIRE_READY <target>`` on stdout once it serves
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import signal
@@ -16,6 +17,7 @@ import threading
 from typing import Any
 
 from clusterwire import errors
+from clusterwire.data.limits import PipelineLimits
 from clusterwire.local_cluster import READY_PREFIX, await_ready
 from clusterwire.security import security_fields
 
@@ -83,9 +85,16 @@ def _worker(args: argparse.Namespace) -> int:
         allow_cloudpickle=args.allow_cloudpickle, function_modules=args.function_modules,
         readable_dirs=args.readable_dirs, send_tracebacks=args.send_tracebacks,
         cross_trainer_cache_size_bytes=args.cross_trainer_cache_size_bytes,
-        worker_token_file=args.worker_token_file, **_metrics(args), **_security(args))
+        worker_token_file=args.worker_token_file, pipeline_limits=_pipeline_limits(args),
+        **_metrics(args), **_security(args))
     server = WorkerServer(config=config)
     return _serve_until_signal(server, f"{config.protocol}://{server.address}", "worker", args)
+
+
+def _pipeline_limits(args: argparse.Namespace) -> dict[str, int]:
+    """The PipelineLimits fields given as ``--max-...`` flags."""
+    names = (f.name for f in dataclasses.fields(PipelineLimits))
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
 def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
@@ -171,6 +180,10 @@ def add_commands(commands: Any) -> None:
     for name in ("heartbeat-interval-ms", "dispatcher-timeout-ms",
                  "cross-trainer-cache-size-bytes"):
         worker.add_argument(f"--{name}", type=int)
+    for limit in dataclasses.fields(PipelineLimits):
+        worker.add_argument(f"--{limit.name.replace('_', '-')}", type=int, metavar="N",
+                            help="a PipelineLimits field: what a client's pipeline may make "
+                            "this worker spawn or hold (see README Reliability)")
     worker.add_argument("--data-transfer-protocol", help="second transport for elements")
     worker.add_argument("--data-transfer-address")
     worker.add_argument("--function-module", dest="function_modules", action="append",

@@ -157,12 +157,15 @@ class Interleave(Op, Node):
         return make
 
     def limited(self, limits: PipelineLimits, budget: ThreadBudget) -> Op:
-        cycle = default_cycle_length() if self.cycle_length == AUTOTUNE else self.cycle_length
-        refuse_cycle(cycle, limits.max_cycle_length)
+        if self.cycle_length == AUTOTUNE:  # the worker's choice: within its limit
+            cycle = min(default_cycle_length(), limits.max_cycle_length)
+        else:
+            cycle = self.cycle_length
+            refuse_cycle(cycle, limits.max_cycle_length)
         if self.num_parallel_calls == 0:
-            return self
+            return replace(self, cycle_length=cycle)
         threads = parallelism(self.num_parallel_calls, "interleave", cycle, limits)
-        return replace(self, num_parallel_calls=threads, budget=budget)
+        return replace(self, cycle_length=cycle, num_parallel_calls=threads, budget=budget)
 
     def _open(self, element: Any) -> Iterator[Any]:
         return returned_pipeline(self.fn, call(self.fn, element), self.guard, "map_func").run()
