@@ -28,6 +28,7 @@ from clusterwire.data import (  # noqa: E402
     TFRecordWriter,
 )
 from clusterwire.data.filesystems import (  # noqa: E402
+    _check_opened,
     check_prefixes,
     open_readable,
     resolve_readable,
@@ -188,6 +189,19 @@ def test_file_urls_are_local_paths(tmp_path):
         open_readable(f"file://{tmp_path}/../a.bin", [str(tmp_path)])
     with pytest.raises(InvalidArgumentError, match="file:///absolute"):
         open_readable("file://host/etc/passwd", ["/"])
+
+
+def test_a_file_swapped_for_a_link_after_the_check_is_not_read(tmp_path):
+    allowed, outside = tmp_path / "allowed", tmp_path / "outside"
+    allowed.mkdir()
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"secret")
+    # What open() gets when a link replaced the checked path in between: the descriptor
+    # names the file outside, and the check on the descriptor refuses it.
+    file = open(outside / "secret", "rb")  # noqa: SIM115 - closed by the check
+    with pytest.raises(PermissionDeniedError, match="replaced by a link"):
+        _check_opened(file, str(allowed / "data"), (str(allowed),))
+    assert file.closed
 
 
 def test_a_missing_object_is_not_found_naming_it(s3):
