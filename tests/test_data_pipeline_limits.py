@@ -126,7 +126,7 @@ def test_prefetch_is_clamped(service):
             time.sleep(2.0)  # an observation window: the reader pauses, the worker must not run on
         peak.assert_bounded(1)
     finally:
-        del elements
+        elements.close()
 
 
 def test_nested_threads_come_out_of_the_worker_budget(service):
@@ -196,7 +196,7 @@ def test_another_client_reads_during_a_hostile_pipeline(service):
             next(elements)
         peak.assert_bounded(LIMITS.max_pipeline_threads)
     finally:
-        del elements
+        elements.close()
 
 
 # ---- the limits as a worker's from_def applies them (in this process) -------------------
