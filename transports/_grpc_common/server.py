@@ -144,7 +144,8 @@ class ControlServer:
     ``limits``: the listener's options: its security, the connection limits it enforces
     (see ``connection_args``) and, unless ``max_workers`` is given, its thread count.
     With a token, calls without it are refused before their request is read, and a
-    connection is pending (``door``) until a call shows it. ``max_receive_bytes``: the
+    connection is pending (``door``) until a call shows it, then one of at most
+    ``max_connections``. ``max_receive_bytes``: the
     largest request message (gRPC's default, 4 MiB, if None); responses are not capped.
     """
 
