@@ -340,3 +340,14 @@ def test_autotune_cycle_length_is_the_workers_choice_within_its_limit():
     got = [int(x) for x in _on_worker(dataset, PipelineLimits(max_cycle_length=1),
                                       ThreadBudget(8))]
     assert got == [x for x in range(6) for _ in range(3)]
+
+
+def test_unique_remembers_at_most_the_limit():
+    limits = PipelineLimits(max_buffer_elements=100)
+    endless = _on_worker(data.Dataset.range(10**12).unique(), limits, ThreadBudget(8))
+    assert [int(next(endless)) for _ in range(100)] == list(range(100))
+    with pytest.raises(errors.ResourceExhaustedError,
+                       match=r"unique\(\) .* at most 100 distinct .*max_buffer_elements"):
+        next(endless)
+    repeated = data.Dataset.range(100).repeat(3).unique()
+    assert [int(x) for x in _on_worker(repeated, limits, ThreadBudget(8))] == list(range(100))

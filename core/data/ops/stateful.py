@@ -113,16 +113,30 @@ def _unique_key(element: Any) -> Any:
 @register
 @dataclass(frozen=True)
 class Unique(Op, Node):
-    """``Dataset.unique``: each distinct element once, at its first occurrence."""
+    """``Dataset.unique``: each distinct element once, at its first occurrence. On a
+    worker (``limits``) it remembers at most ``max_buffer_elements`` distinct elements: one
+    more fails there."""
 
     kind = "unique"
+    limits: PipelineLimits | None = field(default=None, compare=False, repr=False)
+
+    def limited(self, limits: PipelineLimits, budget: ThreadBudget) -> Op:
+        return replace(self, limits=limits)
 
     def wrap(self, upstream: Factory) -> Factory:
+        most = None if self.limits is None else self.limits.max_buffer_elements
+
         def run() -> Iterator[Any]:
             seen: set[Any] = set()
             for element in upstream():
                 key = _unique_key(element)
                 if key not in seen:
+                    if most is not None and len(seen) == most:
+                        raise ResourceExhaustedError(
+                            f"unique() on this tf.data service worker remembers at most {most} "
+                            "distinct elements (WorkerConfig pipeline_limits "
+                            "max_buffer_elements) and its input has more. Deduplicate fewer "
+                            "elements, or raise max_buffer_elements on the workers.")
                     seen.add(key)
                     yield element
         return run
