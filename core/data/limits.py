@@ -16,7 +16,10 @@ returns there):
   map or interleave, a prefetch that passes elements through);
 * sizes whose value changes the elements (``cycle_length``, ``shuffle``'s buffer, the
   batch and window sizes) are refused above their limit with an InvalidArgumentError
-  naming the argument, the value, the limit and the WorkerConfig field that raises it.
+  naming the argument, the value, the limit and the WorkerConfig field that raises it;
+* what grows as elements come (a ``cache()`` pass in memory, ``unique()``'s distinct
+  elements, the open groups of ``group_by_window`` and ``bucket_by_sequence_length``) fails
+  with a ResourceExhaustedError where it would pass ``max_buffer_elements``.
 
 Local iteration (``Dataset.__iter__`` in the client) is not limited: TF's semantics there.
 """
