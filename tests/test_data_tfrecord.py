@@ -188,9 +188,9 @@ def test_buffer_size_is_honoured(monkeypatch, compression, buffer_size):
             self.closed = True
             self._file.close()
 
-    def spy_open(path, mode, buffering):
+    def spy_open(path, mode, buffering, readable_prefixes=None):
         opened.append(buffering)
-        return Spy(real_open(path, mode, buffering))
+        return Spy(real_open(path, mode, buffering, readable_prefixes))
 
     monkeypatch.setattr(tfrecord, "_open", spy_open)
     name = COMPRESSIONS[compression]

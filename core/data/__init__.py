@@ -32,6 +32,7 @@ if TYPE_CHECKING:
         parse_example,
         parse_single_example,
     )
+    from clusterwire.data.file_datasets import TFRecordDataset
     from clusterwire.data.limits import PipelineLimits
     from clusterwire.data.local_service import LocalDataService
     from clusterwire.data.modes import ShardingPolicy
@@ -65,6 +66,7 @@ _EXPORTS = {
     "service_status": ("client", "service_status"),
     "TFRecordReader": ("tfrecord", "TFRecordReader"),
     "TFRecordWriter": ("tfrecord", "TFRecordWriter"),
+    "TFRecordDataset": ("file_datasets", "TFRecordDataset"),
     "ParquetReader": ("parquet", "ParquetReader"),
     "TarShardReader": ("tar_shards", "TarShardReader"),
     "FixedLenFeature": ("example", "FixedLenFeature"),
@@ -94,6 +96,7 @@ __all__ = [
     "service_status",
     "TFRecordReader",
     "TFRecordWriter",
+    "TFRecordDataset",
     "ParquetReader",
     "TarShardReader",
     "FixedLenFeature",

@@ -161,6 +161,27 @@ class Dataset:
         return Dataset(FilesSource(paths))
 
     @staticmethod
+    def list_files(file_pattern: Any, shuffle: bool | None = None,
+                   seed: int | None = None) -> Dataset:
+        """File names matching a glob, sorted then shuffled (``file_datasets.list_files``)."""
+        from clusterwire.data import file_datasets
+        return file_datasets.list_files(file_pattern, shuffle, seed)
+
+    @staticmethod
+    def from_parquet(paths: Any, columns: Sequence[str] | None = None,
+                     batch_rows: int | None = None) -> Dataset:
+        """The rows of Parquet files; a row group is a split (``file_datasets.from_parquet``)."""
+        from clusterwire.data import file_datasets
+        return file_datasets.from_parquet(paths, columns, batch_rows)
+
+    @staticmethod
+    def from_tar_shards(paths: Any) -> Dataset:
+        """The samples of WebDataset tar shards; a shard is a split
+        (``file_datasets.from_tar_shards``)."""
+        from clusterwire.data import file_datasets
+        return file_datasets.from_tar_shards(paths)
+
+    @staticmethod
     def from_tensors(tensors: Any) -> Dataset:
         """One element: ``tensors`` (arrays, tuples and dicts of them) as numpy."""
         return Dataset(sources.TensorsSource(pipeline.normalize(tensors)))

@@ -17,6 +17,7 @@ from typing import Any
 from clusterwire import codec
 from clusterwire.data import functions, ops, pipeline
 from clusterwire.data.limits import PipelineLimits, ThreadBudget
+from clusterwire.data.ops import formats
 from clusterwire.data.permissions import WorkerPermissions
 from clusterwire.errors import InvalidArgumentError
 from clusterwire.protos.data_service_pb2 import DatasetDef, FunctionRef, NodeDef, OpDef
@@ -215,6 +216,8 @@ class _Reader:
             raise InvalidArgumentError(f"Malformed dataset: {node.kind!r}: {err}") from None
         if self.permissions is not None:
             built.check_on_worker()
+            if isinstance(built, formats.ReadsFiles):
+                built = built.on_worker(self.permissions.readable_dirs)
         return built
 
     def pipeline(self, dataset: DatasetDef) -> pipeline.Pipeline:

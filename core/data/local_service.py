@@ -28,12 +28,14 @@ class LocalDataService:
 
     ``data_transfer_protocol``: the workers also serve elements over it (e.g.
     ``"grpc+local"``); ``imports``: modules the workers import (where ``@data.function``s
-    live). ``target`` is the dispatcher's, for ``distribute``. ``stop()`` (also at the end of
-    a ``with`` block) SIGTERMs them all and returns their exit statuses.
+    live); ``readable_dirs``: the directories and URL prefixes the workers may read files
+    under (``--readable-dir``; none by default). ``target`` is the dispatcher's, for
+    ``distribute``. ``stop()`` (also at the end of a ``with`` block) SIGTERMs them all and
+    returns their exit statuses.
     """
 
     def __init__(self, workers: int = 2, data_transfer_protocol: str | None = None,
-                 imports: Sequence[str] = ()):
+                 imports: Sequence[str] = (), readable_dirs: Sequence[str] = ()):
         self._processes: list[subprocess.Popen] = []
         self._env = {**os.environ, worker_auth.ENV: worker_auth.new_token().decode()}
         self._env.pop(worker_auth.ENV_FILE, None)  # the token above, not an inherited one
@@ -41,6 +43,8 @@ class LocalDataService:
             if data_transfer_protocol else []
         for module in imports:
             extra += ["--import", module]
+        for prefix in readable_dirs:
+            extra += ["--readable-dir", os.fspath(prefix)]
         try:
             self.target = self._start("dispatcher", "--bind-address", "127.0.0.1")
             for _ in range(workers):

@@ -17,10 +17,11 @@ import io
 import os
 import struct
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import BinaryIO
 
 from clusterwire.data.crc32c import masked
+from clusterwire.data.filesystems import open_readable
 from clusterwire.errors import (
     DataLossError,
     FailedPreconditionError,
@@ -50,10 +51,18 @@ def _compression(compression_type: str | None) -> str | None:
         "'GZIP' or 'ZLIB'")
 
 
-def _open(path: str | os.PathLike, mode: str, buffering: int) -> BinaryIO:
+def _open(path: str | os.PathLike, mode: str, buffering: int,
+          readable_prefixes: Iterable[str] | None = None) -> BinaryIO:
+    """``path`` opened for writing, or for reading through ``open_readable`` (a local file
+    read ``buffering`` bytes at a time; an fsspec file with its file system's buffering)."""
+    if mode == "rb":
+        file = open_readable(path, readable_prefixes)
+        if not isinstance(file, io.BufferedReader):
+            return file
+        raw = file.detach()
+        # open() takes buffering=1 as line buffering: a BufferedReader of that size instead
+        return io.BufferedReader(raw, buffering) if buffering else raw  # type: ignore[return-value]
     try:
-        if mode == "rb" and buffering:  # open() takes buffering=1 as line buffering
-            return io.BufferedReader(open(path, "rb", buffering=0), buffering)
         return open(path, mode, buffering=buffering)
     except FileNotFoundError:
         raise NotFoundError(f"TFRecord file {os.fspath(path)!r} not found") from None
@@ -131,12 +140,25 @@ class TFRecordWriter:
         self.close()
 
 
+def _size(file: BinaryIO) -> int:
+    """The bytes in ``file``, at its start: a local file's, or an fsspec file's ``size``."""
+    size = getattr(file, "size", None)
+    if isinstance(size, int):
+        return size
+    try:
+        return os.fstat(file.fileno()).st_size
+    except (OSError, ValueError, io.UnsupportedOperation):
+        size = file.seek(0, io.SEEK_END)
+        file.seek(0)
+        return size
+
+
 class _PlainSource:
     """Exact reads from an uncompressed file."""
 
     def __init__(self, file: BinaryIO):
         self._file = file
-        self._unread = os.fstat(file.fileno()).st_size
+        self._unread = _size(file)
 
     def remaining(self) -> int | None:
         """Bytes left in the file."""
@@ -247,11 +269,15 @@ class TFRecordReader:
     ``compression_type`` is None, "GZIP" or "ZLIB"; ``buffer_size`` is the bytes read
     from the file at a time (None: TF's 256 KiB; 0: unbuffered reads of exactly what
     each record needs, for plain files). ``offset`` is the byte offset of the next
-    record. A context manager; iterating to the end closes the file.
+    record. ``path`` is a local path or an fsspec URL, opened through
+    ``filesystems.open_readable`` with ``readable_prefixes`` (None: the caller's own reads,
+    unchecked; a worker passes its readable_dirs). A context manager; iterating to the end
+    closes the file.
     """
 
     def __init__(self, path: str | os.PathLike, compression_type: str | None = None,
-                 buffer_size: int | None = None):
+                 buffer_size: int | None = None, *,
+                 readable_prefixes: Iterable[str] | None = None):
         compression = _compression(compression_type)
         if buffer_size is None:
             buffer_size = DEFAULT_BUFFER_SIZE
@@ -261,10 +287,10 @@ class TFRecordReader:
                 f"{DEFAULT_BUFFER_SIZE}")
         self._path = os.fspath(path)
         if compression is None:
-            self._file = _open(path, "rb", buffer_size)
+            self._file = _open(path, "rb", buffer_size, readable_prefixes)
             self._source: _PlainSource | _InflatingSource = _PlainSource(self._file)
         else:  # the inflater reads buffer_size bytes at a time itself
-            self._file = _open(path, "rb", 0)
+            self._file = _open(path, "rb", 0, readable_prefixes)
             self._source = _InflatingSource(self._file, compression, buffer_size, self._path)
         self.offset = 0
         self._error: DataLossError | None = None

@@ -23,9 +23,9 @@ from clusterwire.errors import InvalidArgumentError
 Guard = Callable[[Pipeline], Pipeline]
 
 _FN = "fn"
-#: Fields not sent as argument values: the inputs (sent as pipelines), the worker's Guard
-#: and what ``Op.limited`` sets there.
-_SKIPPED = ("inputs", "guard", "budget", "limits")
+#: Fields not sent as argument values: the inputs (sent as pipelines), the worker's Guard,
+#: what ``Op.limited`` sets there and the readable dirs a worker gives a file format's read.
+_SKIPPED = ("inputs", "guard", "budget", "limits", "readable")
 
 NODES: dict[str, type[Node]] = {}
 
@@ -108,7 +108,7 @@ def register(cls: type[Node]) -> type[Node]:
 
 def _load() -> None:
     # The node modules register themselves; they import this package's names above.
-    from clusterwire.data.ops import batching, nested, sources, stateful  # noqa: F401
+    from clusterwire.data.ops import batching, formats, nested, sources, stateful  # noqa: F401
 
 
 _load()

@@ -1,0 +1,185 @@
+"""File formats as dataset transformations: file names (or Parquet row groups) in, records out.
+
+``TFRecordDataset``, ``Dataset.from_parquet`` and ``Dataset.from_tar_shards`` are a dataset of
+file names (``from_tensor_slices``, or any Dataset of names such as ``list_files``') followed
+by one of these reads. So the split policy of each format is its names' source's: in
+distributed_epoch a split is a range of file names (TF's FILE sharding) for TFRecord and tar
+shards, a range of ``(file, row group)`` pairs for Parquet; a split's element count is not
+known (``position.split_limit`` leaves it unbounded, as for ``from_files``).
+
+Every file is opened through ``filesystems.open_readable``: on a worker with its
+``readable_dirs`` (``graph.from_def`` sets ``readable``, which a client cannot send), locally
+unchecked.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from clusterwire.data.limits import PipelineLimits, ThreadBudget, refuse_cycle
+from clusterwire.data.ops import Node, register
+from clusterwire.data.ops.nested import _Cycle, _ParallelCycle, default_cycle_length
+from clusterwire.data.pipeline import AUTOTUNE, INFINITE, UNKNOWN, Factory, Op, parallelism
+from clusterwire.data.tfrecord import TFRecordReader, _compression
+from clusterwire.errors import InvalidArgumentError
+
+
+def file_name(value: Any) -> str:
+    """A file name element (str, bytes or a numpy string scalar) as a str."""
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        value = value[()]
+    if isinstance(value, (bytes, np.bytes_)):
+        return bytes(value).decode()
+    if isinstance(value, str):
+        return str(value)
+    raise InvalidArgumentError(
+        f"A dataset of file names holds {value!r:.80} ({type(value).__name__}): give str or "
+        "bytes scalars, as list_files makes.")
+
+
+class ReadsFiles(Op, Node):
+    """What the format reads share: ``readable`` is the worker's readable_dirs (None locally)."""
+
+    readable: tuple[str, ...] | None
+
+    def on_worker(self, readable_dirs: tuple[str, ...]) -> ReadsFiles:
+        """This read as a worker runs it: opening only under ``readable_dirs``."""
+        return replace(self, readable=tuple(readable_dirs))  # type: ignore[type-var]
+
+    def cardinality(self, upstream: int) -> int:
+        return INFINITE if upstream == INFINITE else UNKNOWN
+
+
+@register
+@dataclass(frozen=True)
+class TFRecordRead(ReadsFiles):
+    """The records of each file name, as ``tf.data.TFRecordDataset``: one file after the
+    other, or ``num_parallel_reads`` files interleaved a record at a time (TF's order)."""
+
+    kind = "tfrecord"
+    compression_type: str | None = None
+    buffer_size: int | None = None
+    num_parallel_reads: int | None = None
+    readable: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
+    budget: ThreadBudget | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "compression_type", _compression(self.compression_type))
+        if self.buffer_size is not None:
+            self._count("buffer_size", "Give a number of bytes >= 0, or None for 256 KiB.",
+                        minimum=0)
+        if self.num_parallel_reads is not None:
+            self._count("num_parallel_reads", "Give a positive int, AUTOTUNE or None.",
+                        allow=(AUTOTUNE,))
+
+    def _open(self, name: Any) -> Iterator[bytes]:
+        return TFRecordReader(file_name(name), self.compression_type, self.buffer_size,
+                              readable_prefixes=self.readable)
+
+    def wrap(self, upstream: Factory) -> Factory:
+        reads = self.num_parallel_reads
+        if reads is None:
+            return lambda: _Cycle(self._open, upstream(), 1, 1)
+        cycle = default_cycle_length() if reads == AUTOTUNE else reads
+        budget = self.budget
+
+        def make() -> Iterator[Any]:
+            granted = cycle if budget is None else budget.take(cycle)
+            if not granted:  # the worker's pipeline threads are spent: read in the reader's
+                return _Cycle(self._open, upstream(), cycle, 1)
+            return _ParallelCycle(self._open, upstream(), cycle, 1, granted, True, budget)
+        return make
+
+    def limited(self, limits: PipelineLimits, budget: ThreadBudget) -> Op:
+        if self.num_parallel_reads is None:
+            return self
+        if self.num_parallel_reads == AUTOTUNE:
+            reads = min(default_cycle_length(), limits.max_cycle_length)
+        else:
+            reads = self.num_parallel_reads
+            refuse_cycle(reads, limits.max_cycle_length)
+        reads = parallelism(reads, "TFRecordDataset", reads, limits)
+        return replace(self, num_parallel_reads=reads, budget=budget)
+
+
+@register
+@dataclass(frozen=True)
+class TarShardRead(ReadsFiles):
+    """The samples of each tar shard named (``TarShardReader``'s dicts), shard after shard."""
+
+    kind = "tar_shards"
+    readable: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
+
+    def wrap(self, upstream: Factory) -> Factory:
+        from clusterwire.data.tar_shards import TarShardReader
+
+        def run() -> Iterator[Any]:
+            for name in upstream():
+                with TarShardReader(file_name(name), readable_prefixes=self.readable) as reader:
+                    yield from reader
+        return run
+
+
+@register
+@dataclass(frozen=True)
+class ParquetRead(ReadsFiles):
+    """The rows (or ``batch_rows`` batches) of each ``(file, row group)`` element; the file
+    stays open while consecutive elements name it."""
+
+    kind = "parquet"
+    columns: tuple[str, ...] | None = None
+    batch_rows: int | None = None
+    readable: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.columns is not None:
+            if isinstance(self.columns, str) or not self.columns or not all(
+                    isinstance(c, str) for c in self.columns):
+                raise InvalidArgumentError(
+                    f"columns={self.columns!r}: give a non-empty list of column names, or "
+                    "None for all.")
+            object.__setattr__(self, "columns", tuple(self.columns))
+        if self.batch_rows is not None:
+            self._count("batch_rows", "Give a number of rows >= 1, or None for one row per "
+                        "element.")
+
+    def wrap(self, upstream: Factory) -> Factory:
+        from clusterwire.data.parquet import ParquetReader
+
+        def run() -> Iterator[Any]:
+            reader, path = None, None
+            try:
+                for pair in upstream():
+                    name, group = file_name(pair[0]), int(pair[1])
+                    if name != path:
+                        if reader is not None:
+                            reader.close()
+                        reader, path = None, name
+                        reader = ParquetReader(
+                            name, columns=None if self.columns is None else list(self.columns),
+                            batch_rows=self.batch_rows, readable_prefixes=self.readable)
+                    yield from reader.read(group, group + 1)
+            finally:
+                if reader is not None:
+                    reader.close()
+        return run
+
+
+def names_array(paths: Any, what: str) -> np.ndarray:
+    """``paths`` (a str or path, or a sequence of them) as a 1-D bytes array of file names."""
+    if isinstance(paths, (str, bytes, os.PathLike)):
+        paths = [paths]
+    try:
+        names = [os.fsdecode(p) for p in paths]
+    except TypeError:
+        raise InvalidArgumentError(
+            f"{what} takes a file name or a list of them, got {paths!r:.80}.") from None
+    if not names or not all(names):
+        raise InvalidArgumentError(f"{what} needs at least one non-empty file name, got "
+                                   f"{paths!r:.80}.")
+    return np.array([n.encode() for n in names], dtype=bytes)
