@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import io
 import pathlib
+import re
+import subprocess
+import sys
 import tarfile
 from collections import Counter
 
@@ -234,3 +237,20 @@ def test_local_data_service_passes_readable_dirs_to_its_workers(files):
         dataset = data.TFRecordDataset(files["tfrecord"], num_parallel_reads=2)
         got = Counter(distributed(dataset, "distributed_epoch", service.target))
     assert got == Counter(direct_tfrecords(files["tfrecord"]))
+
+
+def test_the_readme_pipelines_run_as_written(tmp_path):
+    text = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text("utf-8")
+    start = text.index("\n## Your data\n")
+    blocks = re.findall(r"```python\n(.*?)```", text[start:text.index("\n## ", start + 1)],
+                        re.S)
+    outputs = []
+    for block in blocks:
+        script = tmp_path / "snippet.py"
+        script.write_text(block)
+        result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                                timeout=90, cwd=tmp_path)
+        assert result.returncode == 0, result.stdout + result.stderr
+        outputs.append(result.stdout.splitlines())
+    assert outputs[0] == [str(sorted(f"{s}-{i}".encode() for s in range(4) for i in range(3)))]
+    assert sorted(outputs[1]) == ["(25,) 12", "(25,) 12", "(25,) 13", "(25,) 13"]
