@@ -16,7 +16,14 @@ import pytest
 from conftest import in_process_data_service
 
 from clusterwire import data
-from clusterwire.data import ParquetReader, TarShardReader, TFRecordReader, TFRecordWriter
+from clusterwire.data import (
+    ParquetReader,
+    TarShardReader,
+    TFRecordReader,
+    TFRecordWriter,
+    graph,
+)
+from clusterwire.data.permissions import WorkerPermissions
 from clusterwire.errors import DataLossError, InvalidArgumentError, PermissionDeniedError
 
 pa = pytest.importorskip("pyarrow")
@@ -214,6 +221,42 @@ def test_a_path_outside_readable_dirs_is_refused_naming_it(files, service, tmp_p
             "tar": data.Dataset.from_tar_shards}[kind]
     with pytest.raises(PermissionDeniedError, match=f"does not read '{path}'"):
         list(distributed(make([str(path)]), "parallel_epochs", service.target))
+
+
+@data.function
+def records_of(name):
+    """A file name's records (interleave's map_func, allowed on the in-process workers)."""
+    return data.TFRecordDataset(name)
+
+
+def test_interleave_of_tfrecord_datasets_on_a_worker_keeps_its_readable_dirs(
+        files, service, tmp_path):
+    """TF's pattern, list_files + interleave(TFRecordDataset): the Datasets the function
+    returns on a worker open files only under the worker's readable_dirs."""
+    pattern = f"{files['root']}/*.tfrecord"
+    inside = data.Dataset.list_files(pattern, shuffle=False).interleave(
+        records_of, cycle_length=2, block_length=1)
+    assert [r.decode() for r in inside] == TF_ORDER[2]  # locally: TF's order
+    got = Counter(distributed(inside, "distributed_epoch", service.target))
+    assert got == Counter(direct_tfrecords(files["tfrecord"]))
+    outside = tmp_path / "x.tfrecord"
+    outside.write_bytes(pathlib.Path(files["tfrecord"][0]).read_bytes())
+    escape = data.Dataset.from_tensor_slices(np.array([str(outside).encode()])).interleave(
+        records_of, cycle_length=1)
+    assert len(list(escape)) == COUNTS[0]  # the client's own read is not checked
+    with pytest.raises(PermissionDeniedError, match=f"does not read '{outside}'"):
+        list(distributed(escape, "parallel_epochs", service.target))
+
+
+def test_a_client_cannot_send_the_readable_dirs_of_a_read(files, monkeypatch):
+    """``readable`` is set by the worker only: a dataset whose read carries it is refused."""
+    dataset = data.TFRecordDataset(files["tfrecord"])
+    read = dataset.pipeline.ops[-1]
+    forged = {**read.params(), "readable": ("/",)}
+    monkeypatch.setattr(type(read), "params", lambda self: forged)
+    definition, buffers = graph.to_def(dataset.pipeline)
+    with pytest.raises(InvalidArgumentError, match="Malformed dataset: 'tfrecord'"):
+        graph.from_def(definition, buffers, WorkerPermissions(readable_dirs=[files["root"]]))
 
 
 def test_a_corrupt_tfrecord_is_data_loss_at_the_consumer_naming_it(files, service):

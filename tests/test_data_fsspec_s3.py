@@ -232,3 +232,33 @@ def test_importing_clusterwire_data_loads_neither_pyarrow_nor_fsspec():
         "d.ParquetReader, d.TarShardReader\n"
         "print(sorted(m for m in ('pyarrow', 'fsspec', 's3fs') if m in sys.modules))")
     assert loaded.strip() == "[]"
+
+
+def test_file_sources_read_s3_through_the_service(s3, local_files):
+    """list_files + TFRecordDataset and from_parquet over s3:// URLs, read by in-process
+    workers whose readable_dirs is the URL prefix (their credentials: the environment)."""
+    from collections import Counter
+
+    from conftest import in_process_data_service
+
+    from clusterwire import data
+
+    records = list(TFRecordReader(local_files / "part-0.tfrecord"))
+    assert list(TFRecordReader(f"{PREFIX}/part-0.tfrecord", readable_prefixes=[PREFIX])) == \
+        records
+    names = data.Dataset.list_files(f"{PREFIX}/*.tfrecord", shuffle=False)
+    assert [n.decode() for n in names] == [f"{PREFIX}/part-0.tfrecord"]
+    rows = pq.read_table(local_files / "part-0.parquet").column("x").to_pylist()
+    with in_process_data_service(2, readable_dirs=[PREFIX]) as dispatcher:
+        for mode in ("parallel_epochs", "distributed_epoch"):
+            read = data.TFRecordDataset(names).apply(
+                data.distribute(processing_mode=mode, service=dispatcher.target))
+            copies = 2 if mode == "parallel_epochs" else 1
+            assert Counter(read) == Counter(records * copies)
+            table = data.Dataset.from_parquet(f"{PREFIX}/part-0.parquet", columns=["x"]).apply(
+                data.distribute(processing_mode=mode, service=dispatcher.target))
+            assert Counter(int(r["x"]) for r in table) == Counter(rows * copies)
+        outside = data.TFRecordDataset(f"s3://{BUCKET}-evil/shards/part-0.tfrecord").apply(
+            data.distribute(processing_mode="parallel_epochs", service=dispatcher.target))
+        with pytest.raises(PermissionDeniedError, match=f"{BUCKET}-evil"):
+            list(outside)
