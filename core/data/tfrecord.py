@@ -53,15 +53,12 @@ def _compression(compression_type: str | None) -> str | None:
 
 def _open(path: str | os.PathLike, mode: str, buffering: int,
           readable_prefixes: Iterable[str] | None = None) -> BinaryIO:
-    """``path`` opened for writing, or for reading through ``open_readable`` (a local file
-    read ``buffering`` bytes at a time; an fsspec file with its file system's buffering)."""
+    """``path`` opened for writing, or for reading through ``open_readable``: read
+    ``buffering`` bytes at a time (0: unbuffered), from a local file or an fsspec file."""
     if mode == "rb":
         file = open_readable(path, readable_prefixes)
-        if not isinstance(file, io.BufferedReader):
-            return file
-        raw = file.detach()
-        # open() takes buffering=1 as line buffering: a BufferedReader of that size instead
-        return io.BufferedReader(raw, buffering) if buffering else raw  # type: ignore[return-value]
+        raw = file.detach() if isinstance(file, io.BufferedReader) else file
+        return io.BufferedReader(raw, buffering) if buffering else raw  # type: ignore[arg-type]
     try:
         return open(path, mode, buffering=buffering)
     except FileNotFoundError:
@@ -141,8 +138,9 @@ class TFRecordWriter:
 
 
 def _size(file: BinaryIO) -> int:
-    """The bytes in ``file``, at its start: a local file's, or an fsspec file's ``size``."""
-    size = getattr(file, "size", None)
+    """The bytes in ``file``, at its start: an fsspec file's ``size`` (also under a
+    BufferedReader), a local file's, or where seeking to the end puts it."""
+    size = getattr(getattr(file, "raw", file), "size", None)
     if isinstance(size, int):
         return size
     try:
