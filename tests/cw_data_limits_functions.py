@@ -37,3 +37,9 @@ def own_key(x):
 def the_window(key, window):
     """group_by_window's reduce_func: the window as it is."""
     return window
+
+
+@data.function
+def never(x):
+    """A filter predicate keeping no element."""
+    return False

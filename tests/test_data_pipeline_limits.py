@@ -351,3 +351,33 @@ def test_unique_remembers_at_most_the_limit():
         next(endless)
     repeated = data.Dataset.range(100).repeat(3).unique()
     assert [int(x) for x in _on_worker(repeated, limits, ThreadBudget(8))] == list(range(100))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: data.Dataset.range(10**18).skip(2**62),
+    lambda: data.Dataset.range(10**18).filter(limit_fns.never),
+], ids=["skip", "filter"])
+def test_a_pipeline_producing_nothing_stops_with_its_stream(make):
+    """skip(2**62) of an infinite range, or a filter keeping nothing, never yields: once
+    the reader closes, the stream's thread ends (it spun at one CPU after the close)."""
+    dispatcher = data.DispatchServer(data.DispatcherConfig(bind_address="127.0.0.1"))
+    worker = data.WorkerServer(data.WorkerConfig(
+        dispatcher_address=dispatcher.target.split("://")[1],
+        worker_address="127.0.0.1:%port%", function_modules=["cw_data_limits_functions"]))
+    try:
+        wait_for(lambda: dispatcher.num_workers() == 1, what="the worker")
+        before = set(threading.enumerate())
+        reader = iter(make().apply(data.distribute("parallel_epochs", dispatcher.target)))
+        # A read that waits for the element that never comes (close() does not end it; it
+        # ends with the servers).
+        threading.Thread(target=next, args=(reader, None), daemon=True).start()
+
+        def producers() -> set[threading.Thread]:
+            return {t for t in set(threading.enumerate()) - before
+                    if t.name == "clusterwire-data-stream"}
+        wait_for(lambda: len(producers()) == 1, what="the stream's producer")
+        reader.close()
+        wait_for(lambda: not producers(), what="the stream's producer to end")
+    finally:
+        worker.stop()
+        dispatcher.stop()

@@ -300,6 +300,12 @@ class Stream:
             return len(self._ready)
 
     @property
+    def closed(self) -> bool:
+        """Closed: its pipeline need not produce any more (read without the lock: a flag
+        that only turns true)."""
+        return self._closed
+
+    @property
     def finished(self) -> bool:
         """Produced and handed out completely."""
         with self._cond:

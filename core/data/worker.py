@@ -35,6 +35,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from clusterwire import errors
@@ -460,10 +461,13 @@ class WorkerServer:
             if idle_cache is not None:
                 replaced.append(self._streams.pop(idle_cache))
             # A split's later attempt, or a resumed consumer's stream, skips `offset`.
+            opened: list[Stream] = []
             stream = self._streams[key] = Stream(
-                self._elements(pipe, spec), lambda e: elements.encode(e, mode),
+                self._elements(pipe, spec, lambda: bool(opened) and opened[0].closed),
+                lambda e: elements.encode(e, mode),
                 cache_bytes=self._cache_bytes if spec.trainer_id else 0, skip=offset,
                 owner=consumer_id if spec.is_split or spec.owner else "")
+            opened.append(stream)
         for old in replaced:
             old.close()
         return stream
@@ -547,18 +551,34 @@ class WorkerServer:
         return now - stream.last_used > IDLE_SPLIT_STREAM_S
 
     @staticmethod
-    def _elements(pipe: Pipeline, spec: StreamSpec):
+    def _elements(pipe: Pipeline, spec: StreamSpec, closed: Callable[[], bool]):
+        """The stream's pipeline run; its source ends once ``closed()``, so a pipeline that
+        computes without producing (a huge ``skip``, a filter keeping nothing) stops with
+        its stream."""
         if spec.is_split:
             plan = split_plan(pipe)
-            return pipe.run(lambda: pipe.source.read(spec.unit_start, spec.unit_end), plan.ops)
+            return pipe.run(_until(closed, lambda: pipe.source.read(spec.unit_start,
+                                                                     spec.unit_end)), plan.ops)
         policy = ShardingPolicy(spec.sharding_policy)
         if spec.num_shards and policy in (ShardingPolicy.FILE, ShardingPolicy.FILE_OR_DATA) \
                 and pipe.source.has_files():
             paths = pipe.source.paths[spec.shard_index::spec.num_shards]  # type: ignore
-            return pipe.run(FilesSource(tuple(paths)).iterate)
+            return pipe.run(_until(closed, FilesSource(tuple(paths)).iterate))
+        run = pipe.run(_until(closed, pipe.source.iterate))
         if spec.num_shards and policy in (ShardingPolicy.DATA, ShardingPolicy.FILE_OR_DATA):
-            return itertools.islice(pipe.run(), spec.shard_index, None, spec.num_shards)
-        return pipe.run()
+            return itertools.islice(run, spec.shard_index, None, spec.num_shards)
+        return run
+
+
+def _until(closed: Callable[[], bool], source: Callable[[], Iterator[Any]]
+           ) -> Callable[[], Iterator[Any]]:
+    """``source``'s iterators, ending once ``closed()``."""
+    def run() -> Iterator[Any]:
+        for element in source():
+            if closed():
+                return
+            yield element
+    return run
 
 
 def _check_offset(spec: StreamSpec, offset: int, pipe: Pipeline) -> None:
