@@ -1,0 +1,278 @@
+"""Reading training files through clusterwire.data: TFRecord and Parquet, beside TF and pyarrow.
+
+Run from the repository root::
+
+    python bench/bench_data_files.py [--runs 3] [--records-per-file 64] [--tf-python PATH]
+
+Writes, in a temporary folder, 8 TFRecord files of 1 MiB random records and 4 Parquet files
+of 8 numeric columns (4 int64, 4 float64; row groups of 500,000 rows), reads each once to
+warm the page cache, then times in one run (1 warm-up and ``--runs`` measured reads each,
+MB/s = 10^6 bytes of record or column data per second over the whole read, registration
+and first element included; best and median; also the median time to the first element and
+the rate after it):
+
+a) TFRecord through the service: ``list_files(shuffle=False).interleave(TFRecordDataset,
+   cycle_length=4, num_parallel_calls=4)`` in ``distributed_epoch`` mode, read by this
+   process (bytes per record). clusterwire: ``LocalDataService`` (a dispatcher and 2 worker
+   processes, ``readable_dirs`` the folder), elements over ``grpc+local`` and over ``grpc``.
+   TF: the same pipeline on tf.data service 2.x (``DispatchServer`` and 2 ``WorkerServer``s
+   in one subprocess of ``--tf-python``, a Python with tensorflow, also the client), read
+   as tensors and through ``as_numpy_iterator()`` (bytes); the ratio is against TF's faster.
+b) Parquet through the service over ``grpc+local``: ``from_parquet(paths, batch_rows=65536)``
+   in ``distributed_epoch`` mode (a row group per split), against
+   ``pyarrow.parquet.read_table`` of the same files in this process (``to_numpy()`` of
+   every column chunk).
+c) ``interleave(TFRecordDataset, cycle_length=8, num_parallel_calls=8)`` over the 8 TFRecord
+   files (and with ``num_parallel_calls=2``, the cores here), locally, against
+   ``num_parallel_calls=None`` (sequential). The files are in the
+   page cache, so this measures CPU work (CRC-32C checks, copies), not disk latency.
+
+Prints a Markdown table with the ratios and targets. Every process started here is stopped
+at the end, also on error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+# The workers LocalDataService starts import _file_workload from here.
+os.environ["PYTHONPATH"] = HERE + os.pathsep + os.environ.get("PYTHONPATH", "")
+
+import numpy as np  # noqa: E402
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+from _file_workload import records_of  # noqa: E402
+from _machine import cpu_model  # noqa: E402
+
+from clusterwire import data  # noqa: E402
+from clusterwire.plugins import get_plugin_manager  # noqa: E402
+
+MIB = 1 << 20
+FILES = 8
+CYCLE = 4  # the service pipeline's interleave cycle_length and num_parallel_calls
+PARQUET_FILES, PARQUET_ROWS, ROW_GROUP_ROWS, BATCH_ROWS = 4, 2_000_000, 500_000, 65536
+TARGETS = {"a": 2.0, "b": 0.7, "c": 1.5}
+
+TF_SERVICE = """
+import json, os, sys, time
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+import tensorflow as tf
+pattern, cycle, runs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+service = tf.data.experimental.service
+dispatcher = service.DispatchServer(service.DispatcherConfig(port=0))
+address = dispatcher.target.split("://")[1]
+workers = [service.WorkerServer(service.WorkerConfig(dispatcher_address=address, port=0))
+           for _ in range(2)]
+def pipeline():
+    files = tf.data.Dataset.list_files(pattern, shuffle=False)
+    records = files.interleave(tf.data.TFRecordDataset, cycle_length=cycle,
+                               num_parallel_calls=cycle)
+    return records.apply(service.distribute("distributed_epoch", dispatcher.target))
+def consume(records, size):
+    total, first = 0, None
+    for record in records:
+        first = first or time.perf_counter()
+        total += size(record)
+    return total, first
+def tensors():
+    return consume(pipeline(), lambda record: int(tf.strings.length(record)))
+def as_numpy():
+    return consume(pipeline().as_numpy_iterator(), len)
+out = {}
+for name, read in [("tensors", tensors), ("as_numpy_iterator", as_numpy)]:
+    read()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter(); total, first = read()
+        times.append([time.perf_counter() - start, first - start])
+    out[name] = [total, times]
+out["version"] = tf.__version__
+print(json.dumps(out))
+"""
+
+
+def _time(read: Callable[[], tuple[int, float]], runs: int
+          ) -> tuple[int, list[tuple[float, float]]]:
+    """(bytes read, [(seconds of the read, seconds to its first element)] per measured run)
+    after one warm-up read; ``read`` returns its bytes and the perf_counter of its first."""
+    expected, _ = read()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        total, first = read()
+        times.append((time.perf_counter() - start, first - start))
+        if total != expected:
+            raise RuntimeError(f"a read gave {total} bytes, the warm-up {expected}")
+    return expected, times
+
+
+def _rates(total: int, times: list[tuple[float, float]]) -> tuple[float, float, float, float]:
+    """(best MB/s, median MB/s, median s to the first element, median MB/s after it)."""
+    whole = [end for end, _ in times]
+    return (total / min(whole) / 1e6, total / statistics.median(whole) / 1e6,
+            statistics.median(first for _, first in times),
+            statistics.median(total / (end - first) / 1e6 for end, first in times))
+
+
+def _consume(elements: Iterable, size: Callable[[object], int]) -> tuple[int, float]:
+    """The elements' total size and the perf_counter when the first arrived."""
+    total, first = 0, None
+    for element in elements:
+        first = first or time.perf_counter()
+        total += size(element)
+    return total, first
+
+
+def _write_tfrecords(root: str, per_file: int) -> int:
+    rng = np.random.default_rng(0)
+    for index in range(FILES):
+        with data.TFRecordWriter(os.path.join(root, f"train-{index}.tfrecord")) as writer:
+            for _ in range(per_file):
+                writer.write(rng.bytes(MIB))
+    return FILES * per_file * MIB
+
+
+def _write_parquet(root: str) -> tuple[list[str], int]:
+    rng = np.random.default_rng(1)
+    paths = []
+    for index in range(PARQUET_FILES):
+        columns = {f"i{k}": rng.integers(0, 1 << 40, PARQUET_ROWS) for k in range(4)}
+        columns.update({f"f{k}": rng.random(PARQUET_ROWS) for k in range(4)})
+        paths.append(os.path.join(root, f"train-{index}.parquet"))
+        pq.write_table(pa.table(columns), paths[-1], row_group_size=ROW_GROUP_ROWS,
+                       compression="none")
+    return paths, PARQUET_FILES * PARQUET_ROWS * 8 * 8
+
+
+def _tfrecord_pipeline(pattern: str, cycle: int, parallel: int | None) -> data.Dataset:
+    return data.Dataset.list_files(pattern, shuffle=False).interleave(
+        records_of, cycle_length=cycle, num_parallel_calls=parallel)
+
+
+def _through(dataset: data.Dataset, target: str, transfer: str | None) -> data.Dataset:
+    return dataset.apply(data.distribute("distributed_epoch", target,
+                                         data_transfer_protocol=transfer))
+
+
+def _record_bytes(dataset: data.Dataset) -> tuple[int, float]:
+    return _consume(dataset, len)
+
+
+def _column_bytes(dataset: data.Dataset) -> tuple[int, float]:
+    return _consume(dataset, lambda batch: sum(array.nbytes for array in batch.values()))
+
+
+def _pyarrow_tables(paths: list[str]):
+    for path in paths:
+        yield pq.read_table(path)
+
+
+def _pyarrow(paths: list[str]) -> tuple[int, float]:
+    return _consume(_pyarrow_tables(paths), lambda table: sum(
+        chunk.to_numpy(zero_copy_only=True).nbytes
+        for column in table.columns for chunk in column.chunks))
+
+
+def _tf_service(tf_python: str, pattern: str, runs: int) -> tuple[str, dict] | str:
+    """TF's rows {name: (bytes, times)} and its version, or why there are none."""
+    done = subprocess.run([tf_python, "-c", TF_SERVICE, pattern, str(CYCLE), str(runs)],
+                          capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        return f"failed: {done.stderr.strip()[-300:]}"
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    return results.pop("version"), results
+
+
+def _row(name: str, rates: tuple[float, float, float, float],
+         baseline: tuple[float, ...] | None = None, target: float | None = None) -> str:
+    best, median, first, steady = rates
+    cells = f"| {name} | {best:,.0f} | {median:,.0f} | {first:.2f} | {steady:,.0f} |"
+    if baseline is None:
+        return cells + " | |"
+    ratio = median / baseline[1]
+    verdict = "met" if ratio >= target else "NOT met"
+    return cells + f" {ratio:.2f}x (best {best / baseline[0]:.2f}x) | >= {target}x: {verdict} |"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--records-per-file", type=int, default=64,
+                        help="1 MiB records in each of the 8 TFRecord files")
+    parser.add_argument("--tf-python", default=os.environ.get("CLUSTERWIRE_TF_PYTHON"),
+                        help="a Python with tensorflow for the tf.data service rows")
+    args = parser.parse_args()
+    local = "grpc+local" if "grpc+local" in get_plugin_manager().protocols() else None
+    print(f"machine: {cpu_model()}, {os.cpu_count()} cpus; pyarrow {pa.__version__}; "
+          f"{args.runs} runs after a warm-up; MB/s over the whole read\n")
+    rows = []
+    with tempfile.TemporaryDirectory() as root:
+        tf_bytes = _write_tfrecords(root, args.records_per_file)
+        parquet, parquet_bytes = _write_parquet(root)
+        pattern = os.path.join(root, "*.tfrecord")
+        tf = _tf_service(args.tf_python, pattern, args.runs) if args.tf_python else \
+            "not run (--tf-python)"
+        with data.LocalDataService(2, local, imports=["_file_workload"],
+                                   readable_dirs=[root]) as service:
+            pipeline = _tfrecord_pipeline(pattern, CYCLE, CYCLE)
+            ours = {transfer or "grpc": _time(
+                lambda t=transfer: _record_bytes(_through(pipeline, service.target, t)),
+                args.runs) for transfer in dict.fromkeys([local, None])}
+            for total, _ in ours.values():
+                if total != tf_bytes:
+                    raise RuntimeError(f"the service read {total} bytes of {tf_bytes}")
+            parquet_ours = _time(lambda: _column_bytes(_through(
+                data.Dataset.from_parquet(parquet, batch_rows=BATCH_ROWS), service.target,
+                local)), args.runs)
+        parquet_base = _time(lambda: _pyarrow(parquet), args.runs)
+        sequential = _time(lambda: _record_bytes(_tfrecord_pipeline(pattern, FILES, None)),
+                           args.runs)
+        parallel = {calls: _time(
+            lambda c=calls: _record_bytes(_tfrecord_pipeline(pattern, FILES, c)), args.runs)
+            for calls in (2, FILES)}
+
+    size = f"{FILES} files x {args.records_per_file} x 1 MiB"
+    if isinstance(tf, str):
+        rows.append(f"| a) tf.data service: {tf} | | | | | | |")
+        best_tf = None
+    else:
+        version, results = tf
+        tf_rates = {name: _rates(*result) for name, result in results.items()}
+        for name, rates in tf_rates.items():
+            rows.append(_row(f"a) tf.data service {version}, 2 workers, {name}", rates))
+        best_tf = max(tf_rates.values(), key=lambda rates: rates[1])
+    for transfer, result in ours.items():
+        rows.append(_row(f"a) clusterwire service, 2 workers, over {transfer}",
+                         _rates(*result), best_tf, TARGETS["a"]))
+    base = _rates(*parquet_base)
+    rows.append(_row("b) pyarrow.parquet.read_table in the client", base))
+    rows.append(_row(f"b) clusterwire service from_parquet(batch_rows={BATCH_ROWS}), over "
+                     f"{local or 'grpc'}", _rates(*parquet_ours), base, TARGETS["b"]))
+    sequential_rates = _rates(*sequential)
+    rows.append(_row(f"c) local interleave(cycle_length={FILES}), num_parallel_calls=None",
+                     sequential_rates))
+    for calls, result in parallel.items():
+        rows.append(_row(f"c) local interleave(cycle_length={FILES}), "
+                         f"num_parallel_calls={calls}", _rates(*result), sequential_rates,
+                         TARGETS["c"]))
+    print(f"TFRecord: {size} ({tf_bytes / 1e6:,.0f} MB); Parquet: {PARQUET_FILES} files x "
+          f"{PARQUET_ROWS:,} rows x 8 numeric columns ({parquet_bytes / 1e6:,.0f} MB, row "
+          f"groups of {ROW_GROUP_ROWS:,} rows); page cache warm\n")
+    print("| read | best MB/s | median MB/s | first element s | MB/s after it | "
+          "ratio (medians) | target |\n|---|---:|---:|---:|---:|---:|---|")
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
