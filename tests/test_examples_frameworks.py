@@ -1,5 +1,5 @@
 """The framework examples train to their verdict: a PyTorch and a JAX model on batches from a
-data service of three processes."""
+data service of three processes (and a PyTorch model on Parquet files the workers read)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examp
 
 
 @pytest.mark.parametrize("script, library", [("train_torch.py", "torch"),
+                                             ("train_torch_parquet.py", "torch"),
                                              ("train_jax.py", "jax")])
 def test_example_trains_to_an_ok_verdict(script, library):
     if importlib.util.find_spec(library) is None:
