@@ -17,7 +17,8 @@ a) TFRecord through the service: ``list_files(shuffle=False).interleave(TFRecord
    processes, ``readable_dirs`` the folder), elements over ``grpc+local`` and over ``grpc``.
    TF: the same pipeline on tf.data service 2.x (``DispatchServer`` and 2 ``WorkerServer``s
    in one subprocess of ``--tf-python``, a Python with tensorflow, also the client), read
-   as tensors and through ``as_numpy_iterator()`` (bytes); the ratio is against TF's faster.
+   as tensors and through ``as_numpy_iterator()`` (bytes), with ``distribute``'s default
+   compression ("AUTO": snappy over grpc) and with None; the ratio is against TF's fastest.
 b) Parquet through the service over ``grpc+local``: ``from_parquet(paths, batch_rows=65536)``
    in ``distributed_epoch`` mode (a row group per split), against
    ``pyarrow.parquet.read_table`` of the same files in this process (``to_numpy()`` of
@@ -73,11 +74,12 @@ dispatcher = service.DispatchServer(service.DispatcherConfig(port=0))
 address = dispatcher.target.split("://")[1]
 workers = [service.WorkerServer(service.WorkerConfig(dispatcher_address=address, port=0))
            for _ in range(2)]
-def pipeline():
+def pipeline(compression="AUTO"):
     files = tf.data.Dataset.list_files(pattern, shuffle=False)
     records = files.interleave(tf.data.TFRecordDataset, cycle_length=cycle,
                                num_parallel_calls=cycle)
-    return records.apply(service.distribute("distributed_epoch", dispatcher.target))
+    return records.apply(service.distribute("distributed_epoch", dispatcher.target,
+                                            compression=compression))
 def consume(records, size):
     total, first = 0, None
     for record in records:
@@ -86,10 +88,11 @@ def consume(records, size):
     return total, first
 def tensors():
     return consume(pipeline(), lambda record: int(tf.strings.length(record)))
-def as_numpy():
-    return consume(pipeline().as_numpy_iterator(), len)
+def as_numpy(compression="AUTO"):
+    return consume(pipeline(compression).as_numpy_iterator(), len)
 out = {}
-for name, read in [("tensors", tensors), ("as_numpy_iterator", as_numpy)]:
+for name, read in [("tensors", tensors), ("as_numpy_iterator", as_numpy),
+                   ("as_numpy_iterator, compression=None", lambda: as_numpy(None))]:
     read()
     times = []
     for _ in range(runs):
@@ -214,7 +217,8 @@ def main() -> int:
     args = parser.parse_args()
     local = "grpc+local" if "grpc+local" in get_plugin_manager().protocols() else None
     print(f"machine: {cpu_model()}, {os.cpu_count()} cpus; pyarrow {pa.__version__}; "
-          f"{args.runs} runs after a warm-up; MB/s over the whole read\n")
+          f"{args.runs} runs after a warm-up; MB/s over the whole read; load average "
+          f"{os.getloadavg()[0]:.1f} at the start\n")
     rows = []
     with tempfile.TemporaryDirectory() as root:
         tf_bytes = _write_tfrecords(root, args.records_per_file)
@@ -265,6 +269,7 @@ def main() -> int:
         rows.append(_row(f"c) local interleave(cycle_length={FILES}), "
                          f"num_parallel_calls={calls}", _rates(*result), sequential_rates,
                          TARGETS["c"]))
+    print(f"load average {os.getloadavg()[0]:.1f} at the end")
     print(f"TFRecord: {size} ({tf_bytes / 1e6:,.0f} MB); Parquet: {PARQUET_FILES} files x "
           f"{PARQUET_ROWS:,} rows x 8 numeric columns ({parquet_bytes / 1e6:,.0f} MB, row "
           f"groups of {ROW_GROUP_ROWS:,} rows); page cache warm\n")
