@@ -11,13 +11,14 @@ functions to run on workers (see ``clusterwire.data.functions``).
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from clusterwire.data import pipeline
-from clusterwire.data.ops import batching, nested, sources, stateful
+from clusterwire.data.ops import batching, global_shuffle, nested, sources, stateful
 from clusterwire.data.pipeline import (
     Batch,
     Enumerate,
@@ -279,6 +280,17 @@ class Dataset:
         return self._with(Shuffle(_positive_int(buffer_size, "buffer_size"),
                                   None if seed is None else _int(seed, "seed"),
                                   bool(reshuffle_each_iteration)))
+
+    def global_shuffle(self, seed: int | None = None, reshuffle_each_iteration: bool = True
+                       ) -> Dataset:
+        """All elements in the order of a permutation fixed by ``seed`` and the epoch (a new
+        one each iteration with ``reshuffle_each_iteration``), the same however many workers
+        and consumers read it; no buffer. The input must be random-access (``range`` or
+        ``from_tensor_slices``, then only ``map``, ``prefetch``, ``take``, ``skip``); a
+        ``seed`` of None is drawn once, here (see ``clusterwire.data.ops.global_shuffle``)."""
+        chosen = secrets.randbelow(2 ** 63) if seed is None else seed
+        return Dataset(global_shuffle.GlobalShuffleSource(chosen, reshuffle_each_iteration,
+                                                          (self._pipeline,)))
 
     def take(self, count: int) -> Dataset:
         """The first ``count`` elements (-1: all)."""

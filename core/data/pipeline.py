@@ -103,6 +103,11 @@ class Source:
     def has_files(self) -> bool:
         return False
 
+    def split_epochs(self, units: int, epochs: int) -> tuple[int, int]:
+        """The (units, epochs) distributed_epoch splits for ``units`` units read ``epochs``
+        times (-1: forever): as given, unless a source folds its epochs into its units."""
+        return units, epochs
+
 
 @dataclass(frozen=True)
 class RangeSource(Source):
@@ -125,6 +130,10 @@ class RangeSource(Source):
             begin = first + (chunk - start) * self.step
             yield from np.arange(begin, begin + count * self.step, self.step, dtype=np.int64)
 
+    def gather(self, indices: np.ndarray) -> Iterator[Any]:
+        """The elements of units ``indices`` (an int64 array), in that order."""
+        yield from np.int64(self.start) + indices * np.int64(self.step)
+
 
 @dataclass(frozen=True)
 class SlicesSource(Source):
@@ -140,6 +149,11 @@ class SlicesSource(Source):
 
     def read(self, start: int, end: int) -> Iterator[Any]:
         for index in range(start, end):
+            yield _map_structure(lambda t, i=index: t[i], self.tensors)
+
+    def gather(self, indices: np.ndarray) -> Iterator[Any]:
+        """The elements of units ``indices`` (an int64 array), in that order."""
+        for index in indices.tolist():
             yield _map_structure(lambda t, i=index: t[i], self.tensors)
 
 
@@ -582,6 +596,7 @@ def split_plan(pipeline: Pipeline) -> SplitPlan:
             epochs = op.count
             del ops[index]
         break
+    units, epochs = pipeline.source.split_epochs(units, epochs)
     for op in ops:
         if isinstance(op, Batch):
             align = op.batch_size

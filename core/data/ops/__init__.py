@@ -108,7 +108,14 @@ def register(cls: type[Node]) -> type[Node]:
 
 def _load() -> None:
     # The node modules register themselves; they import this package's names above.
-    from clusterwire.data.ops import batching, formats, nested, sources, stateful  # noqa: F401
+    from clusterwire.data.ops import (  # noqa: F401
+        batching,
+        formats,
+        global_shuffle,
+        nested,
+        sources,
+        stateful,
+    )
 
 
 _load()

@@ -1,0 +1,125 @@
+"""``Dataset.global_shuffle``: a source reading a random-access pipeline in the order of an
+index permutation (``clusterwire.data.index_shuffle``), with no buffer of elements.
+
+Random access: a ``range`` or ``from_tensor_slices`` source, then only ``map``,
+``prefetch``, ``take`` and ``skip`` (one element per index; ``take``/``skip`` move the
+index window, ``map``/``prefetch`` run on the shuffled elements). Its units are positions
+in the shuffled order, so a distributed_epoch split ``[a, b)`` yields the input's elements
+``perm(a) .. perm(b - 1)``: the same permutation however many workers read it. With
+``reshuffle_each_iteration`` epoch ``e`` uses the key ``(seed, e)``; in distributed_epoch
+a finite ``repeat`` after it becomes ``units * count`` positions (unit ``u`` is position
+``u % units`` of epoch ``u // units``), as a worker knows a split's units, not its epoch.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from clusterwire.data.index_shuffle import IndexPermutation
+from clusterwire.data.ops import Node, register
+from clusterwire.data.pipeline import Map, Pipeline, Prefetch, Skip, Source, Take
+from clusterwire.errors import InvalidArgumentError
+
+_CHUNK = 4096
+_ELEMENTWISE = (Map, Prefetch)
+
+
+def _not_random_access(what: str) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"global_shuffle needs a random-access input (Dataset.range or from_tensor_slices, "
+        f"then only map, prefetch, take and skip); {what} is not. Call global_shuffle() "
+        "before it (e.g. ds.global_shuffle().filter(...)), or use shuffle(buffer_size) for "
+        "this input.")
+
+
+@register
+@dataclass(frozen=True)
+class GlobalShuffleSource(Node, Source):
+    """The elements of ``inputs[0]`` in the order of the ``(seed, epoch)`` permutation."""
+
+    kind = "global_shuffle"
+    seed: int
+    reshuffle_each_iteration: bool
+    inputs: tuple[Pipeline, ...] = ()
+
+    def __post_init__(self) -> None:
+        seed = self.seed
+        if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or not (
+                -2 ** 63 <= seed < 2 ** 63):
+            raise InvalidArgumentError(f"global_shuffle `seed` must be an int64 or None, got "
+                                       f"{seed!r:.80}.")
+        object.__setattr__(self, "seed", int(seed))
+        if not isinstance(self.reshuffle_each_iteration, (bool, np.bool_)):
+            raise InvalidArgumentError(
+                f"global_shuffle `reshuffle_each_iteration` must be a bool, got "
+                f"{self.reshuffle_each_iteration!r:.80}.")
+        if len(self.inputs) != 1:
+            raise InvalidArgumentError("Malformed dataset: global_shuffle reads one dataset.")
+        source, ops = self.inputs[0].source, self.inputs[0].ops
+        if not hasattr(source, "gather"):
+            raise _not_random_access(f"a {type(source).__name__}")
+        offset, count, elementwise = 0, source.units(), []
+        for op in ops:
+            if isinstance(op, _ELEMENTWISE):
+                elementwise.append(op)
+            elif isinstance(op, Skip):
+                skipped = count if op.count < 0 else min(op.count, count)
+                offset, count = offset + skipped, count - skipped
+            elif isinstance(op, Take):
+                count = count if op.count < 0 else min(op.count, count)
+            else:
+                raise _not_random_access(type(op).__name__.lower())
+        object.__setattr__(self, "_window", (offset, count))
+        object.__setattr__(self, "_ops", tuple(elementwise))
+        object.__setattr__(self, "_epochs", itertools.count())  # one per local iteration
+
+    def units(self) -> int:
+        return self._window[1]  # type: ignore[attr-defined]
+
+    def cardinality(self) -> int:
+        return self.units()
+
+    def split_epochs(self, units: int, epochs: int) -> tuple[int, int]:
+        if not self.reshuffle_each_iteration or epochs == 1:
+            return units, epochs
+        if epochs < 0:
+            raise InvalidArgumentError(
+                "processing_mode='distributed_epoch' cannot reshuffle a global_shuffle on "
+                "every epoch of an endless repeat() (a split's epoch is not known to its "
+                "worker). Use repeat(count), global_shuffle(reshuffle_each_iteration=False) "
+                "or processing_mode='parallel_epochs'.")
+        return units * epochs, 1
+
+    def iterate(self) -> Iterator[Any]:
+        epoch = next(self._epochs) if self.reshuffle_each_iteration else 0  # type: ignore
+        units = self.units()
+        return self.read(epoch * units, (epoch + 1) * units)
+
+    def read(self, start: int, end: int) -> Iterator[Any]:
+        """The elements at shuffled positions ``[start, end)`` (past ``units()``: of the
+        later epochs, see the module docstring)."""
+        return self.inputs[0].run(source=lambda: self._gathered(start, end),
+                                  ops=self._ops)  # type: ignore[attr-defined]
+
+    def _gathered(self, start: int, end: int) -> Iterator[Any]:
+        offset, units = self._window  # type: ignore[attr-defined]
+        if units == 0:
+            return
+        source: Any = self.inputs[0].source
+        permutation, key = None, -1
+        position = start
+        while position < end:
+            epoch = position // units
+            stop = min(end, position + _CHUNK, (epoch + 1) * units)
+            wanted = epoch if self.reshuffle_each_iteration else 0
+            if wanted != key:
+                permutation, key = IndexPermutation(units, self.seed, wanted), wanted
+            first = position - epoch * units
+            indices = permutation.apply(np.arange(first, first + stop - position))  # type: ignore
+            yield from source.gather(indices + offset)
+            position = stop
