@@ -72,3 +72,7 @@ def test_bad_arguments_are_invalid_argument_errors(args, message):
 def test_an_index_outside_the_range_is_refused():
     with pytest.raises(errors.InvalidArgumentError, match=r"outside \[0, 10\)"):
         IndexPermutation(10, 1)(10)
+    with pytest.raises(errors.InvalidArgumentError, match=r"not all in \[0, 10\)"):
+        IndexPermutation(10, 1).apply(np.arange(5, 11))  # cycle walking from 10 may not end
+    with pytest.raises(errors.InvalidArgumentError, match=r"not all in \[0, 10\)"):
+        IndexPermutation(10, 1).apply(np.array([-1]))

@@ -89,7 +89,11 @@ class IndexPermutation:
 
     def apply(self, indices: np.ndarray) -> np.ndarray:
         """The shuffled indices of an int array of indices in ``[0, size)``, as int64."""
-        values = self._encrypt_array(np.asarray(indices, dtype=np.uint64))
+        indices = np.asarray(indices)
+        if indices.size and not (indices.min() >= 0 and indices.max() < self.size):
+            raise InvalidArgumentError(f"Indices {indices.min()}..{indices.max()} are not all "
+                                       f"in [0, {self.size}).")
+        values = self._encrypt_array(indices.astype(np.uint64))
         size = np.uint64(self.size)
         outside = np.flatnonzero(values >= size)
         while outside.size:
