@@ -38,9 +38,10 @@ from clusterwire.shell import listen_options, warn_if_exposed
 TIMEOUT_S = 5.0
 #: Connections served at once.
 MAX_CONNECTIONS = 16
-#: Connections the kernel holds for the accept loop (socketserver's default of 5 left a
-#: scrape waiting for SYN retries behind a flood of connects).
-ACCEPT_BACKLOG = 1024
+#: Connections the kernel holds for the accept loop, capped by net.core.somaxconn
+#: (socketserver's default of 5, and 1024 behind a flood of 1,344 reconnecting
+#: connections, left a scrape waiting a second for its SYN's retry).
+ACCEPT_BACKLOG = 4096
 
 _lock = threading.Lock()
 _endpoints: dict[tuple[str, int], MetricsEndpoint] = {}

@@ -26,7 +26,7 @@ from clusterwire.transports._grpc_common.health import SERVICE as HEALTH_SERVICE
 from clusterwire.transports._grpc_common.health import HealthService
 
 _STOP_SLACK_S = 10.0
-_QUOTA_PENDING = 4  # see connection_args
+_QUOTA_PENDING = 16  # see connection_args
 _LOG = logging.getLogger(__name__)
 _HEALTH_METHODS = f"/{HEALTH_SERVICE}/"
 
