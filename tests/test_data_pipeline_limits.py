@@ -377,7 +377,7 @@ def test_a_pipeline_producing_nothing_stops_with_its_stream(make):
                     if t.name == "clusterwire-data-stream"}
         wait_for(lambda: len(producers()) == 1, what="the stream's producer")
         reader.close()
-        wait_for(lambda: not producers(), what="the stream's producer to end")
+        wait_for(lambda: not producers(), 30, what="the stream's producer to end")
     finally:
         worker.stop()
         dispatcher.stop()

@@ -113,7 +113,9 @@ _BUSY_S = 60.0
 # Twice the dispatcher's default worker timeout: a worker restarted in its place is waited for.
 _STALLED_S = 120.0
 _PROBE_TIMEOUT_S = 2.0
-_RELEASE_TIMEOUT_S = 2.0
+# A release frees a worker's stream: worth waiting for where the worker's handlers share its
+# GIL with a pipeline that computes without producing (2 s was overrun there).
+_RELEASE_TIMEOUT_S = 15.0
 # close() waits this long for the releases; they go on in the background after that.
 _RELEASE_WAIT_S = 2.0
 _WORKER_FAILURES = (errors.UnavailableError, errors.DeadlineExceededError, errors.CancelledError)
