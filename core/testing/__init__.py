@@ -32,7 +32,8 @@ process with the cluster token set, and describe it in a ``surface`` fixture::
                 log=my_server_process.stderr)
 
 pytest then runs, each check bounded in time and against a stated bound (the constants of
-``clusterwire.testing.surfaces``): tokenless floods from another process
+``clusterwire.testing.surfaces``): tokenless floods from another process (against
+127.0.0.1, from another peer address: 127.0.0.2)
 (``FLOOD_CONNECTIONS`` silent, reconnecting, garbage-sending, HTTP/2-preface and gRPC health
 Watch connections, and Watch streams on 4 MiB invented service names), during which every
 operation succeeds within ``OPERATION_SECONDS`` (on a busy machine more: ``allowed_for``)

@@ -67,14 +67,16 @@ def connect(sock: socket.socket, address) -> None:
 class SilentFlood:
     """``count`` raw connections to ``address``, each sending ``greeting`` (nothing by
     default) once connected and nothing after; connecting (and greeting) may take
-    ``timeout`` seconds each. With ``fill`` False, none is opened until ``reopen``."""
+    ``timeout`` seconds each. With ``fill`` False, none is opened until ``reopen``.
+    ``source``: the local address the connections are bound to (another peer's)."""
 
     def __init__(self, count: int, family: int, kind: int, address, greeting: bytes = b"",
-                 timeout: float = 10.0, fill: bool = True):
+                 timeout: float = 10.0, fill: bool = True, source: tuple | None = None):
         self.sockets: list[socket.socket] = []
         self._closed: set[socket.socket] = set()
         self._target = (family, kind, address)
         self._greeting = greeting
+        self._source = source
         self._count, self._timeout = count, timeout
         #: Connections opened so far, reopened ones included.
         self.connects = 0
@@ -90,6 +92,8 @@ class SilentFlood:
         sock = socket.socket(family, kind)
         try:
             sock.settimeout(self._timeout)
+            if self._source is not None:
+                sock.bind(self._source)
             connect(sock, address)
             if self._greeting:
                 sock.sendall(self._greeting)
