@@ -67,6 +67,10 @@ class Frame:
     #: The buffers are never written again by anyone (a stored tensor): a receiver in this
     #: process may share them read-only instead of copying (``clusterwire.in_process``).
     frozen: bool = False
+    #: On a request a listener hands its handler: the peer that sent it, as the transport
+    #: tells peers apart (a TCP peer's IP address, a Unix peer's "uid:N"); the fair shares
+    #: of a server's tables are kept by it. Empty for callers in this process.
+    peer: str = ""
 
     @property
     def payload_bytes(self) -> int:

@@ -129,6 +129,13 @@ def context_peer(peer: str) -> tuple[str, int] | None:
     return peer_key((host.strip("[]"), int(port)))
 
 
+def peer_host(peer: str) -> str:
+    """The peer a request of gRPC's peer string came from, for ``Frame.peer``: its IP
+    address, or the whole string for a peer that has none (a Unix socket)."""
+    key = context_peer(peer)
+    return peer if key is None else key[0]
+
+
 class Door:
     """The pending connections of one gRPC server (see the module's docstring)."""
 

@@ -54,6 +54,7 @@ from clusterwire.thread_pool import WorkSlots
 from clusterwire.transport import Channel, Frame, Handler, Listener, ListenOptions, Transport
 from clusterwire.transport_options import OptionReader
 from clusterwire.transports._grpc_common.client import open_channel, token_metadata
+from clusterwire.transports._grpc_common.door import peer_host
 from clusterwire.transports._grpc_common.server import ControlServer
 from clusterwire.transports._grpc_common.status import grpc_error, status_code
 from clusterwire.transports.grpc import framing
@@ -201,7 +202,8 @@ class GrpcListener(Listener):
             envelope = framing.LAYOUT.decode(message, self._limit)
             if BULK in envelope.kinds:
                 raise errors.InvalidArgumentError("Malformed frame: Call needs inline buffers.")
-            request = Frame(envelope.header, split_inline(envelope))
+            request = Frame(envelope.header, split_inline(envelope),
+                            peer=peer_host(context.peer()))
         except errors.OpError as err:
             context.abort(grpc.StatusCode(status_code(err.error_code)), err.message)
         return self._respond(self._handler(request))
@@ -231,7 +233,8 @@ class GrpcListener(Listener):
             envelope = framing.LAYOUT.decode(first, self._limit)
             return Frame(envelope.header, interleave(
                 envelope.kinds, split_inline(envelope),
-                framing.assemble(messages, bulk_lengths(envelope))))
+                framing.assemble(messages, bulk_lengths(envelope))),
+                peer=peer_host(context.peer()))
         except errors.OpError as err:
             context.abort(grpc.StatusCode(status_code(err.error_code)), err.message)
 
