@@ -13,10 +13,11 @@ import tarfile
 
 import numpy as np
 import pytest
+from aws_moto import moto_endpoint, point_aws_at
 from conftest import fresh_python
 
 boto3 = pytest.importorskip("boto3", reason="pip install 'clusterwire[test]'")
-moto_server = pytest.importorskip("moto.server", reason="pip install 'moto[s3]'")
+pytest.importorskip("moto.server", reason="pip install 'moto[s3]'")
 s3fs = pytest.importorskip("s3fs", reason="pip install 'clusterwire[fsspec]'")
 pa = pytest.importorskip("pyarrow", reason="pip install 'clusterwire[parquet]'")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -50,11 +51,8 @@ PREFIX = f"s3://{BUCKET}/shards"
 
 @pytest.fixture(scope="module")
 def moto_url():
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
+    with moto_endpoint() as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -79,13 +77,7 @@ def local_files(tmp_path_factory):
 @pytest.fixture
 def s3(monkeypatch, moto_url, local_files):
     """moto's S3 with the files uploaded, and the environment a worker would have."""
-    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                        "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": moto_url,
-                        "AWS_EC2_METADATA_DISABLED": "true", "AWS_MAX_ATTEMPTS": "1",
-                        "AWS_CONFIG_FILE": "/nonexistent",
-                        "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent"}.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    point_aws_at(monkeypatch, moto_url)
     s3fs.S3FileSystem.clear_instance_cache()  # s3fs reads the environment once per instance
     client = boto3.client("s3")
     for bucket in (BUCKET, BUCKET + "-evil"):

@@ -9,12 +9,13 @@ from __future__ import annotations
 import uuid
 
 import pytest
+from aws_moto import moto_endpoint, point_aws_at
 
 from clusterwire import errors
 from clusterwire.plugins import get_plugin_manager
 
 boto3 = pytest.importorskip("boto3", reason="pip install 'clusterwire[aws]'")
-moto_server = pytest.importorskip("moto.server", reason="pip install 'moto[server]'")
+pytest.importorskip("moto.server", reason="pip install 'moto[server]'")
 from botocore.stub import Stubber  # noqa: E402
 
 from clusterwire.resolvers import AWSClusterResolver  # noqa: E402
@@ -24,23 +25,14 @@ pytestmark = pytest.mark.timeout(60)
 
 @pytest.fixture(scope="module")
 def moto_url():
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
+    with moto_endpoint() as url:
+        yield url
 
 
 @pytest.fixture(autouse=True)
 def aws_env(monkeypatch, moto_url):
     """The usual boto3 configuration, pointed at moto: the resolver gets no endpoint argument."""
-    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                        "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": moto_url,
-                        "AWS_EC2_METADATA_DISABLED": "true", "AWS_MAX_ATTEMPTS": "1",
-                        "AWS_CONFIG_FILE": "/nonexistent",
-                        "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent"}.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    point_aws_at(monkeypatch, moto_url)
 
 
 @pytest.fixture
