@@ -22,6 +22,7 @@ from clusterwire.transport import Frame, ListenOptions
 SLEEP = b"sleep:"      # sleep:<seconds>, then echo
 ANNOUNCE = b"announce:"  # announce:<n>: print ENTERED on stdout, then reply with n bytes
 FAIL = b"fail"         # the handler raises
+PEER = b"peer"         # reply with the request's Frame.peer as the header
 
 
 def echo_handler(frame: Frame) -> Frame:
@@ -34,6 +35,8 @@ def echo_handler(frame: Frame) -> Frame:
         return Frame(b"ok", [np.full(int(header[len(ANNOUNCE):]), 7, np.uint8)])
     elif header == FAIL:
         raise RuntimeError("handler failure requested by the conformance kit")
+    elif header == PEER:
+        return Frame(frame.peer.encode(), [])
     return Frame(frame.header, list(frame.buffers))
 
 

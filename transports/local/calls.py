@@ -39,8 +39,10 @@ class CallConnection:
     the handler inline under a work slot and answers on the same connection, one call at
     a time. A call has one answer: the handler's, or ``CancelledError`` from ``stop``."""
 
-    def __init__(self, listener: LocalListener, sock: socket.socket):
+    def __init__(self, listener: LocalListener, sock: socket.socket, peer: str):
+        """``peer``: who the client is (``unix.peer_name``), given to each request."""
         self.sock = sock
+        self.peer = peer
         self._listener = listener
         self._lock = threading.Lock()  # one answer per call
         self._packet_limit = unix.packet_limit(sock)
@@ -100,7 +102,7 @@ class CallConnection:
             if not listener.slots.acquire():
                 raise errors.CancelledError(f"The server at {listener.address} stopped.")
             try:
-                response = listener.handler(Frame(control.header, buffers))
+                response = listener.handler(Frame(control.header, buffers, peer=self.peer))
             finally:
                 listener.slots.release()
             views, kinds, places, out = plan_buffers(response.buffers, listener.segment_bytes)

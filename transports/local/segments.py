@@ -75,8 +75,11 @@ class SegmentPeer:
     locked sender. Only SEGMENTS messages may follow; anything else closes the connection."""
 
     def __init__(self, sock: socket.socket, client_id: int = 0,
-                 on_close: Callable[[SegmentPeer], None] | None = None):
+                 on_close: Callable[[SegmentPeer], None] | None = None, peer: str = ""):
+        """``peer``: on a listener, who the client is (``unix.peer_name``), for the requests
+        whose segments this connection brings."""
         self.sock = sock
+        self.peer = peer
         self._on_close = on_close
         self.inbox = Inbox()
         self._send_lock = threading.Lock()

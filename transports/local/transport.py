@@ -231,7 +231,7 @@ class LocalListener(Listener):
                 self._refuse(conn, errors.RESOURCE_EXHAUSTED, self._full_message())
                 continue
             conn.setblocking(False)
-            evicted = pending.add(conn, unix.peer_uid(conn), time.monotonic())
+            evicted = pending.add(conn, unix.peer_name(conn), time.monotonic())
             if evicted is not None:
                 _unregister_and_shutdown(selector, evicted)
             selector.register(conn, selectors.EVENT_READ)
@@ -270,7 +270,7 @@ class LocalListener(Listener):
             unix.shutdown(conn)
             return
         conn.setblocking(True)
-        peer = SegmentPeer(conn, client_id, on_close=self.forget)
+        peer = SegmentPeer(conn, client_id, on_close=self.forget, peer=unix.peer_name(conn))
         with self._clients_lock:
             self._connections.add(peer)
             old = self._clients.get(client_id)
@@ -296,7 +296,7 @@ class LocalListener(Listener):
         with self._clients_lock:
             if len(self._connections) < self._max_connections and not self._stopped.is_set():
                 conn.setblocking(True)
-                connection = CallConnection(self, conn)
+                connection = CallConnection(self, conn, unix.peer_name(conn))
                 self._connections.add(connection)
         if connection is None:
             self._refuse(conn, errors.RESOURCE_EXHAUSTED, self._full_message())
@@ -395,7 +395,7 @@ class LocalListener(Listener):
             if segments:
                 with parked():
                     fds = peer.inbox.take(transfer_id, segments, self._segment_wait)
-            request = Frame(control.header, received_buffers(control, fds))
+            request = Frame(control.header, received_buffers(control, fds), peer=peer.peer)
             response = self._handler(request)
             views, kinds, places, fds = plan_buffers(response.buffers, self.segment_bytes)
             peer.send_segments(transfer_id, fds)

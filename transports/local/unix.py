@@ -82,6 +82,12 @@ def peer_uid(conn: socket.socket) -> int:
     return _UCRED.unpack(credentials)[1]
 
 
+def peer_name(conn: socket.socket) -> str:
+    """The peer of a Unix connection as grpc+local tells peers apart (``Frame.peer``, the
+    pending and authenticated connections' fair shares): "uid:N" of its process's user."""
+    return f"uid:{peer_uid(conn)}"
+
+
 def shutdown(sock: socket.socket) -> None:
     """Shut down and close ``sock``; shutdown wakes threads blocked on it."""
     with contextlib.suppress(OSError):
