@@ -323,9 +323,11 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("target", help="e.g. grpc://127.0.0.1:2222")
     status.add_argument("--task", help="another task of the cluster, e.g. /job:ps/task:0")
     status.add_argument("--all", action="store_true",
-                        help="every task of the target's cluster, asked concurrently; exits "
-                             "1 if any did not answer")
-    status.add_argument("--timeout", type=float, default=10.0)
+                        help="every task of the target's cluster, asked concurrently "
+                             "within one --timeout; exits 1 if any did not answer")
+    status.add_argument("--timeout", type=float, default=10.0,
+                        help="seconds for the answer; with --all, for the whole cluster's "
+                             "(default 10)")
     status.set_defaults(run=_status)
 
     top = commands.add_parser(

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from clusterwire import barrier, codec, errors, functions
@@ -18,7 +19,7 @@ _requests = codec.HeaderCache()
 #: How long a Session tries a barrier's coordinator before arriving through its target.
 _COORDINATOR_PROBE_S = 1.0
 #: Tasks ``cluster_status`` asks at once.
-_STATUS_PARALLEL = 16
+_STATUS_PARALLEL = 64
 
 
 class Session:
@@ -177,27 +178,47 @@ class Session:
 
     def cluster_status(self, timeout: float | None = None,
                        parallel: int = _STATUS_PARALLEL) -> dict[str, dict[str, Any]]:
-        """``status()`` of every task of the target's cluster, asked ``parallel`` at a time.
+        """``status()`` of every task of the target's cluster, ``parallel`` asked at once,
+        all within one deadline: ``timeout`` seconds (default: the Session's) for the whole
+        call, the target's own status included.
 
         Keys are the tasks (``"/job:worker/task:3"``) in the cluster's order. A task that
-        does not answer within ``timeout`` has ``{"error": "<ErrorClass>: message"}``
-        instead of its status, so one task down does not hide the others.
+        does not answer by the deadline has ``{"error": "<ErrorClass>: message"}`` instead
+        of its status (one not asked before it, a DeadlineExceededError saying so), so one
+        task down does not hide the others and a target that stalls every forward costs
+        one ``timeout``, not one per ``parallel`` tasks.
         """
         if not isinstance(parallel, int) or isinstance(parallel, bool) or parallel < 1:
             raise errors.InvalidArgumentError(f"parallel must be an int >= 1, got {parallel!r}")
-        cluster = self.status(timeout=timeout)["cluster"]
+        budget = self._client.timeout if self._timeout(timeout) is None else timeout
+        deadline = time.monotonic() + budget
+        cluster = self.status(timeout=budget)["cluster"]
         tasks = [f"/job:{job}/task:{index}" for job in cluster.jobs
                  for index in cluster.task_indices(job)]
+        unasked = (f"DeadlineExceededError: not asked: the deadline of {budget:g} s for the "
+                   f"whole cluster's status passed first ({parallel} tasks asked at a time)")
+        statuses: dict[str, dict[str, Any]] = {task: {"error": unasked} for task in tasks}
+        pending = iter(tasks)
+        lock = threading.Lock()
 
-        def ask(task: str) -> dict[str, Any]:
-            try:
-                return self.status(task=task, timeout=timeout)
-            except errors.OpError as err:
-                return {"error": f"{type(err).__name__}: {err.message}"}
+        def ask() -> None:
+            while (left := deadline - time.monotonic()) > 0:
+                with lock:
+                    task = next(pending, None)
+                if task is None:
+                    return
+                try:
+                    statuses[task] = self.status(task=task, timeout=left)
+                except errors.OpError as err:
+                    statuses[task] = {"error": f"{type(err).__name__}: {err.message}"}
 
-        with ThreadPoolExecutor(min(parallel, len(tasks)),
-                                thread_name_prefix="clusterwire-status") as pool:
-            return dict(zip(tasks, pool.map(ask, tasks), strict=True))
+        askers = [threading.Thread(target=ask, name="clusterwire-status", daemon=True)
+                  for _ in range(min(parallel, len(tasks)))]
+        for asker in askers:
+            asker.start()
+        for asker in askers:
+            asker.join()
+        return statuses
 
     def complete_cluster(self, cluster: Any, task: str | None = None,
                          timeout: float | None = None) -> None:

@@ -1,7 +1,7 @@
 """A hostile clusterwire server in its own process, for the tests of what operator tools print.
 
-``python cw_hostile_server.py task|dispatcher|invalid LISTED_FILE ROTATE`` listens over grpc
-on two ports of 127.0.0.1 and prints ``CLUSTERWIRE_READY <address>`` (the one to point a
+``python cw_hostile_server.py task|dispatcher|invalid|stalling LISTED_FILE ROTATE`` listens
+over grpc on two ports of 127.0.0.1 and prints ``CLUSTERWIRE_READY <address>`` (the one to point a
 tool at); then it answers until stdin closes or SIGTERM:
 
 * at the first address, every status request (a task's ``status`` or a dispatcher's
@@ -12,6 +12,8 @@ tool at); then it answers until stdin closes or SIGTERM:
   next membership version; a dispatcher also lists ``PREFIXED``);
   a ``status`` for another task (``status --all``) fails with ``HOSTILE`` as its message;
   ``invalid`` answers as ``task`` with ``HOSTILE`` as a job name of its cluster;
+  ``stalling`` answers as ``task`` but never answers a ``status`` for another task (it
+  holds the request until the server stops), as a target that stalls every forward;
 * at the second address (listed as a task or a worker too), every request with an
   UNAVAILABLE error whose message is ``HOSTILE``.
 """
@@ -111,16 +113,18 @@ def main(argv: list[str]) -> int:
             return Frame(dispatcher_reply(failing.address, listed()[0]).SerializeToString(), [])
         request = Request.FromString(bytes(frame.header))
         if request.HasField("task"):
+            if kind == "stalling":
+                stop.wait()
             reply = Response(status=Status(code=errors.INTERNAL, message=HOSTILE))
         else:
             reply = task_reply(own[0], failing.address, *listed(),
                                job=HOSTILE if kind == "invalid" else "worker")
         return Frame(reply.SerializeToString(), [])
 
+    stop = threading.Event()
     listener = transport.listen("127.0.0.1:0", answer, ListenOptions())
     listener.start()
     own.append(listener.address)
-    stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
     print(f"{READY_PREFIX}{listener.address}", flush=True)

@@ -114,8 +114,9 @@ def test_import_clusterwire_escapes_the_last_resort_log_handler():
 
 @contextlib.contextmanager
 def hostile_server(kind: str, tmp_path, listed: list[str] = (), rotate: int = 0):
-    """The hostile server of ``kind`` ("task", "dispatcher", "invalid"), also listing ``listed``
-    (with ``rotate``, the next ``rotate`` of them in each reply); yields its address."""
+    """The hostile server of ``kind`` ("task", "dispatcher", "invalid", "stalling"), also
+    listing ``listed`` (with ``rotate``, the next ``rotate`` of them in each reply); yields
+    its address."""
     listed_file = tmp_path / f"listed-{kind}.json"
     listed_file.write_text(json.dumps(list(listed)))
     process = subprocess.Popen(
@@ -223,6 +224,26 @@ def test_status_prints_hostile_strings_as_ascii_json_and_loses_nothing(tmp_path)
     assert every.returncode == 1
     assert all(entry == {"error": f"InternalError: {HOSTILE}"}
                for entry in json.loads(every.stdout).values())
+
+
+def test_status_all_has_one_deadline_against_a_target_that_stalls_every_forward(tmp_path):
+    """The target lists 203 tasks and holds every forwarded status: the command ends
+    within its --timeout (asked 16 at a time, each for --timeout, it took 26 s), every task
+    is in the output with why it has no status, and the exit status says so."""
+    listed = [f"127.0.0.1:{port}" for port in range(20000, 20200)]
+    with hostile_server("stalling", tmp_path, listed) as address:
+        started = time.monotonic()
+        result = clusterwire("status", "--all", f"grpc://{address}", "--timeout", "2")
+        elapsed = time.monotonic() - started
+    assert result.returncode == 1, result.stderr
+    statuses = json.loads(result.stdout)
+    assert list(statuses) == [f"/job:worker/task:{index}" for index in range(203)]
+    errors_ = [status["error"] for status in statuses.values()]
+    asked = [e for e in errors_ if e.startswith("DeadlineExceededError: Request 'status'")]
+    unasked = [e for e in errors_ if "not asked: the deadline of 2 s for the whole" in e]
+    assert len(asked) == 64 and len(unasked) == 203 - 64, set(errors_)
+    # The interpreter's start and imports, then one 2 s deadline.
+    assert elapsed < 2 + 8, elapsed
 
 
 def test_the_cli_error_line_carries_a_peers_message_escaped(tmp_path):
