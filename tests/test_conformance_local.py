@@ -10,7 +10,8 @@ class TestLocalConformance(TransportSuite):
     # Zero-copy: received buffers are read-only views of shared memory.
     # No trickling through a TCP proxy: a channel finds the Unix socket by the listener's
     # address (a proxy's has none), and bulk bytes travel as shared memory, not over a socket.
-    capabilities = Capabilities(writable_buffers=False, trickle_via_proxy=False)
+    # Peers are told apart by their Unix user ("uid:N").
+    capabilities = Capabilities(writable_buffers=False, trickle_via_proxy=False, peers="uid")
 
     def unix_endpoint(self, listener):
         return socket.SOCK_SEQPACKET, listener.unix_address

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import selectors
 import signal
 import socket
@@ -22,7 +23,7 @@ from clusterwire.security import Security, TlsConfig
 from clusterwire.server import Server
 from clusterwire.session import Session
 from clusterwire.testing.floods import SilentFlood, peer_closed, require_descriptors, wait_for
-from clusterwire.testing.peer import ANNOUNCE, FAIL, SLEEP, echo_handler
+from clusterwire.testing.peer import ANNOUNCE, FAIL, PEER, SLEEP, echo_handler
 from clusterwire.transport import Channel, Frame, Listener, ListenOptions, Transport
 
 _MiB = 1 << 20
@@ -56,6 +57,11 @@ class Capabilities:
     #: A channel can reach the listener through a plain TCP proxy, and its request bytes
     #: travel through it (the trickled-upload check slows them down there).
     trickle_via_proxy: bool = True
+    #: How the listener tells clients apart (``Frame.peer`` of the requests it hands its
+    #: handler): "ip", a TCP peer's IP address (a client through a proxy that connects from
+    #: 127.0.0.2 is "127.0.0.2"); "uid", "uid:N" of a Unix peer's user (a client that
+    #: switched to another user is told apart; checked when the kit runs as root).
+    peers: str = "ip"
 
 
 class _Peer:
@@ -136,6 +142,29 @@ channel.close()
 print("OK, descriptors up to", max(held))
 """
 
+
+#: The peer address and the user a client of another peer uses (``Capabilities.peers``).
+_OTHER_PEER = "127.0.0.2"
+_OTHER_UID = 65534
+
+# A client that prints the peer the listener saw, then switches to another user (its
+# modules loaded: they may live where that user cannot read) and prints it again.
+_OTHER_USER_CLIENT = """
+import os, sys
+from clusterwire.plugins import get_plugin_manager
+from clusterwire.transport import Frame
+transport = get_plugin_manager().transport(sys.argv[1])
+def seen():
+    channel = transport.connect(sys.argv[2])
+    try:
+        return bytes(channel.call(Frame(b"peer", []), timeout=30).header).decode()
+    finally:
+        channel.close()
+print(seen(), flush=True)
+os.setgid(int(sys.argv[3]))
+os.setuid(int(sys.argv[3]))
+print(seen(), flush=True)
+"""
 
 #: Silent connections an unauthenticated peer holds in the flood checks.
 _FLOOD = 1024
@@ -230,13 +259,16 @@ class _Link:
 
 class _TrickleProxy:
     """A TCP proxy to ``target`` that passes each connection's first ``burst`` request bytes
-    at once, then ``step`` bytes per ``tick`` seconds (a slow upload); replies pass at once."""
+    at once, then ``step`` bytes per ``tick`` seconds (a slow upload); replies pass at once.
+    It connects to ``target`` from ``source`` (an IP address of this host) if given."""
 
     _HOLD = 64 << 10  # request bytes held per connection before reading from it pauses
 
-    def __init__(self, target: str, burst: int = 2048, step: int = 32, tick: float = 0.01):
+    def __init__(self, target: str, burst: int = 2048, step: int = 32, tick: float = 0.01,
+                 source: str | None = None):
         host, port = target.rsplit(":", 1)
         self._target = (host.strip("[]"), int(port))
+        self._source = None if source is None else (source, 0)
         self._server = socket.create_server((self._target[0], 0))
         self.address = f"{host}:{self._server.getsockname()[1]}"
         self._burst, self._step, self._tick = burst, step, tick
@@ -274,7 +306,8 @@ class _TrickleProxy:
     def _accept(self, selector: selectors.BaseSelector) -> None:
         client, _ = self._server.accept()
         try:
-            upstream = socket.create_connection(self._target, timeout=5)
+            upstream = socket.create_connection(self._target, timeout=5,
+                                                source_address=self._source)
         except OSError:
             client.close()
             return
@@ -713,6 +746,49 @@ class TransportSuite:
                 caller.join(30)
             proxy.close()
             listener.stop(0)
+
+    # -- peers: who sent a request (Frame.peer, the servers' fair shares) ---------------
+
+    def _own_peer(self) -> str:
+        return self.host if self.capabilities.peers == "ip" else f"uid:{os.getuid()}"
+
+    def test_the_handler_sees_the_client_as_its_peer(self, channel):
+        reply = channel.call(Frame(PEER, []), timeout=30)
+        assert bytes(reply.header).decode() == self._own_peer()
+
+    def test_a_client_of_another_peer_is_told_apart(self, transport, listener):
+        if self.capabilities.peers == "uid":
+            self._check_another_user(listener)
+            return
+        if self.host != "127.0.0.1":
+            pytest.skip("the other peer is 127.0.0.2, beside a listener on 127.0.0.1")
+        proxy = _TrickleProxy(listener.address, burst=1 << 62, source=_OTHER_PEER)
+        channel = transport.connect(proxy.address)
+        try:
+            seen = [bytes(channel.call(Frame(PEER, []), timeout=30).header).decode()
+                    for _ in range(2)]
+            mine = self._echo_peer(transport, listener)
+        finally:
+            channel.close()
+            proxy.close()
+        assert seen == [_OTHER_PEER] * 2 and mine == self.host
+
+    @staticmethod
+    def _echo_peer(transport: Transport, listener: Listener) -> str:
+        channel = transport.connect(listener.address)
+        try:
+            return bytes(channel.call(Frame(PEER, []), timeout=30).header).decode()
+        finally:
+            channel.close()
+
+    def _check_another_user(self, listener: Listener) -> None:
+        if os.geteuid() != 0:
+            pytest.skip("a client of another user needs the kit to run as root")
+        done = subprocess.run(
+            [sys.executable, "-c", _OTHER_USER_CLIENT, self.protocol, listener.address,
+             str(_OTHER_UID)], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert done.stdout.split() == [self._own_peer(), f"uid:{_OTHER_UID}"], done.stdout
 
     # -- security ----------------------------------------------------------------------
 

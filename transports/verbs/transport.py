@@ -42,6 +42,7 @@ import numpy as np
 from clusterwire import errors
 from clusterwire.addressing import split_host_port
 from clusterwire.envelope import BULK, INLINE_BUDGET, interleave
+from clusterwire.pending import FairConnections
 from clusterwire.security import Security
 from clusterwire.transport import (
     Channel,
@@ -54,6 +55,7 @@ from clusterwire.transport import (
 )
 from clusterwire.transport_options import OptionReader
 from clusterwire.transports._grpc_common.client import open_channel, token_metadata
+from clusterwire.transports._grpc_common.door import peer_host
 from clusterwire.transports._grpc_common.server import ControlServer
 from clusterwire.transports._grpc_common.status import grpc_error
 from clusterwire.transports.verbs import wire
@@ -120,7 +122,9 @@ class VerbsListener(Listener):
             "Bye": grpc.unary_unary_rpc_method_handler(self._bye),
         }, options, "verbs-control", max_workers=4)
         self._address = self._control.address
-        self._endpoints: dict[int, tuple[Any, bytes]] = {}
+        self._endpoints: dict[int, tuple[Any, bytes, str]] = {}  # slot -> endpoint, key, peer
+        # The slots by peer (the Hello's IP address), at most max_connections, fairly shared.
+        self._shares: FairConnections[int] = FairConnections(options.max_connections)
         self._last_seen: dict[int, float] = {}  # slot -> time of its last request or ping
         self._max_connections = options.max_connections
         self._active: set[tuple[Any, int]] = set()  # (endpoint, reply tag) being served
@@ -145,7 +149,7 @@ class VerbsListener(Listener):
         if len(request) != _HELLO.size:
             return None
         slot, key = _HELLO.unpack(request)
-        endpoint, known = self._endpoints.get(slot, (None, b""))
+        endpoint, known, _ = self._endpoints.get(slot, (None, b"", ""))
         if endpoint is None or not hmac.compare_digest(key, known):
             return None
         return slot
@@ -168,7 +172,8 @@ class VerbsListener(Listener):
 
     def _forget(self, slot: int) -> None:
         """Drop a client's slot and close its endpoint (caller holds the lock)."""
-        endpoint, _ = self._endpoints.pop(slot)
+        endpoint, _, _ = self._endpoints.pop(slot)
+        self._shares.discard(slot)
         self._last_seen.pop(slot, None)
         self._transport.slots.remove(slot)
         self._engine.close_endpoint(endpoint)
@@ -192,19 +197,26 @@ class VerbsListener(Listener):
             endpoint = self._engine.connect(client_address)
         except errors.OpError as err:
             context.abort(grpc.StatusCode.UNAVAILABLE, err.message)
+        peer = peer_host(context.peer())
         with self._lock:
             self._reap_idle()
-            refusal = ("The server is stopping." if self._stopped else
-                       f"The server holds its max_connections ({self._max_connections}) clients."
-                       if len(self._endpoints) >= self._max_connections else None)
-            if refusal:
+            slot = None if self._stopped else self._transport.slots.add(self._on_request)
+            admitted, displaced = (False, None) if slot is None else \
+                self._shares.add(slot, peer)
+            if not admitted:
+                if slot is not None:
+                    self._transport.slots.remove(slot)
                 self._engine.close_endpoint(endpoint)
-                code = grpc.StatusCode.UNAVAILABLE if self._stopped else \
-                    grpc.StatusCode.RESOURCE_EXHAUSTED
-                context.abort(code, refusal)
-            slot = self._transport.slots.add(self._on_request)
+                if slot is None:
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "The server is stopping.")
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, (
+                    f"The server holds its max_connections ({self._max_connections}) clients, "
+                    "and no other peer holds more than this one: close idle channels, or "
+                    "raise max_connections."))
+            if displaced is not None:  # its client finds out by a ping and says Hello again
+                self._forget(displaced)
             key = secrets.token_bytes(wire.KEY_BYTES)
-            self._endpoints[slot] = (endpoint, key)
+            self._endpoints[slot] = (endpoint, key, peer)
             self._last_seen[slot] = time.monotonic()
         return _HELLO.pack(slot, key) + self._engine.address
 
@@ -215,7 +227,7 @@ class VerbsListener(Listener):
     def _serve(self, slot: int, transfer: int, message: np.ndarray) -> None:
         reply_tag = wire.tag(wire.RESPONSE, slot, transfer)
         with self._lock:
-            endpoint, key = self._endpoints.get(slot, (None, b""))
+            endpoint, key, peer = self._endpoints.get(slot, (None, b"", ""))
             if endpoint is None:
                 return
             self._last_seen[slot] = time.monotonic()
@@ -230,7 +242,7 @@ class VerbsListener(Listener):
             if BULK in kinds:
                 inline = self._receive_bulk(endpoint, slot, transfer, kinds, lengths, inline)
             try:
-                response = self._handler(Frame(header, inline))
+                response = self._handler(Frame(header, inline, peer=peer))
             except Exception as err:
                 raise errors.InternalError(f"Handler failed: {type(err).__name__}: {err}") from None
             reply, bulk = codec.encode(response.header, response.buffers,
@@ -277,6 +289,7 @@ class VerbsListener(Listener):
         with self._lock:
             self._stopped = True
             endpoints, self._endpoints = dict(self._endpoints), {}
+            self._shares = FairConnections(self._max_connections)
             active, self._active = list(self._active), set()
         # Calls still running are answered CancelledError before the endpoints close.
         sent = threading.Semaphore(0)
@@ -287,7 +300,7 @@ class VerbsListener(Listener):
         for _ in active:
             sent.acquire(timeout=1.0)
         self._control.stop(grace)
-        for slot, (endpoint, _) in endpoints.items():
+        for slot, (endpoint, _, _) in endpoints.items():
             self._transport.slots.remove(slot)
             self._engine.close_endpoint(endpoint)
 

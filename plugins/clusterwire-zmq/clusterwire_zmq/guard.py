@@ -9,8 +9,11 @@ message arrives (``SRCFD`` names its descriptor; only a token holder gets a mess
 through). Until then it is pending: when a new one would exceed
 ``max_pending_connections``, the oldest pending one of the peer (IP address) holding the
 most is closed (``clusterwire.pending``), and one still pending after
-``handshake_timeout_seconds`` is closed. A first message beyond ``max_connections``
-authenticated connections is refused and its connection stays pending.
+``handshake_timeout_seconds`` is closed. With ``max_connections`` authenticated, a first
+message displaces the oldest connection of the peer holding the most when that peer holds
+more than one more than the new one's (``FairConnections``), else it is refused and its
+connection stays pending. The guard also names each admitted connection's peer
+(``Frame.peer``).
 
 Ordering: libzmq reports a connection's end before its descriptor is reused and its
 acceptance before any of its messages, so draining the events before looking up a
@@ -33,13 +36,21 @@ from collections.abc import Iterator
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from clusterwire.pending import PendingConnections
+from clusterwire.pending import FairConnections, PendingConnections
 from clusterwire.transport import ListenOptions
 from clusterwire_zmq.sockets import NOBLOCK, readable
 
 _ACCEPTED, _DISCONNECTED = int(zmq.EVENT_ACCEPTED), int(zmq.EVENT_DISCONNECTED)
 _SRCFD = int(zmq.SRCFD)
 _monitor_ids = itertools.count()
+
+
+def _peer_address(part: zmq.Frame) -> str:
+    """The peer's IP address libzmq gives a message (a connection the guard did not see)."""
+    try:
+        return part.get("Peer-Address")
+    except zmq.ZMQError:  # not over TCP
+        return ""
 
 
 class ConnectionGuard:
@@ -64,7 +75,9 @@ class ConnectionGuard:
         self._pending: PendingConnections[int] = PendingConnections(  # by descriptor
             options.max_pending_connections, self._timeout)
         self._admitted: dict[int, bytes] = {}  # descriptor -> routing id
-        self._idents: set[bytes] = set()  # routing ids of admitted connections
+        self._shares: FairConnections[int] = FairConnections(self._max_connections)
+        self._peers: dict[int, str] = {}  # descriptor -> peer IP address, from its accept
+        self._idents: dict[bytes, str] = {}  # routing id -> peer of admitted connections
         self._ip, self._port = "", 0  # where the socket is bound, set by ``watch``
         self._closed = False
         self._stop_r, self._stop_w = os.pipe()
@@ -81,24 +94,31 @@ class ConnectionGuard:
         with self._lock:
             return len(self._admitted)
 
-    def admit(self, ident: bytes, part: zmq.Frame) -> bool:
-        """Whether the connection that sent ``part`` may be served: admitted already, or
-        admitted now as its first message, unless ``max_connections`` are held."""
-        if ident in self._idents:  # the common case: no lock
-            return True
+    def admit(self, ident: bytes, part: zmq.Frame) -> str | None:
+        """The peer (IP address) of the connection that sent ``part`` if it may be served:
+        admitted already, or admitted now as its first message by the rule above; None
+        when it is refused."""
+        peer = self._idents.get(ident)  # the common case: no lock
+        if peer is not None:
+            return peer
         with self._lock:
             if self._closed:
-                return True
+                return _peer_address(part)
             self._drain()
             fd = part.get(_SRCFD)
             if fd not in self._pending:  # admitted, or gone (unknown): serve it
-                return True
-            if len(self._admitted) >= self._max_connections:
-                return False
+                return self._peers.get(fd) or _peer_address(part)
+            peer = self._peers.get(fd, "")
+            admitted, displaced = self._shares.add(fd, peer)
+            if not admitted:
+                return None
+            if displaced is not None:  # its end is reported when libzmq closes it
+                self._idents.pop(self._admitted.pop(displaced), None)
+                self._shut_down(displaced)
             self._pending.discard(fd)
             self._admitted[fd] = ident
-            self._idents.add(ident)
-            return True
+            self._idents[ident] = peer
+            return peer
 
     def _watch(self) -> None:
         poller = select.poll()
@@ -120,12 +140,15 @@ class ConnectionGuard:
             event = parse_monitor_message(self._events.recv_multipart(NOBLOCK))
             fd = int(event["value"])
             if event["event"] == _ACCEPTED:
-                evicted = self._pending.add(fd, self._peer_ip(fd), time.monotonic())
+                self._peers[fd] = peer = self._peer_ip(fd)
+                evicted = self._pending.add(fd, peer, time.monotonic())
                 if evicted is not None:
                     self._shut_down(evicted)
             else:
                 self._pending.discard(fd)
-                self._idents.discard(self._admitted.pop(fd, b""))
+                self._shares.discard(fd)
+                self._peers.pop(fd, None)
+                self._idents.pop(self._admitted.pop(fd, b""), None)
 
     def _expire(self, now: float) -> None:
         """Under the lock: close the pending connections past their deadline."""

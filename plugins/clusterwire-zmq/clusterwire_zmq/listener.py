@@ -206,12 +206,13 @@ class ZmqListener(Listener):
                 f"max_message_bytes ({self._limit}) of the zmq listener at {self._address} "
                 "in its buffer parts. Send less per call, or raise max_message_bytes.")])
             return
-        if not self._guard.admit(ident, parts[1]):
+        peer = self._guard.admit(ident, parts[1])
+        if peer is None:
             self._router.send([ident, *wire.encode_error(
                 wire.peek_request_id(parts[1]), errors.RESOURCE_EXHAUSTED,
                 f"The zmq listener at {self._address} holds its max_connections "
-                f"({self._max_connections}) authenticated connections: raise max_connections "
-                "or close idle channels.")])
+                f"({self._max_connections}) authenticated connections, and no other peer "
+                "holds more than this one: raise max_connections or close idle channels.")])
             return
         try:
             message = wire.decode(parts[1:], self._limit)
@@ -227,9 +228,9 @@ class ZmqListener(Listener):
                 message.request_id, errors.INVALID_ARGUMENT,
                 f"Malformed message: kind {message.kind} is not a request.")])
         else:
-            self._call(ident, message)
+            self._call(ident, message, peer)
 
-    def _call(self, ident: bytes, message: wire.Message) -> None:
+    def _call(self, ident: bytes, message: wire.Message, peer: str) -> None:
         call = [ident, message.request_id, False]
         with self._lock:
             if len(self._calls) >= self._max_calls:
@@ -241,7 +242,7 @@ class ZmqListener(Listener):
             token = next(self._tokens)
             self._calls[token] = call
         try:
-            response = self._handler(Frame(message.header, message.buffers))
+            response = self._handler(Frame(message.header, message.buffers, peer=peer))
             header = response.header
             reply = wire.encode(wire.REPLY, message.request_id,
                                 header if isinstance(header, bytes) else bytes(header),
