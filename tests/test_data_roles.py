@@ -45,7 +45,7 @@ class RogueWorker:
         self.shell.start()
         self.address = f"127.0.0.1:{self.shell.port}"
 
-    def _handle(self, request: DataRequest, _buffers):
+    def _handle(self, request: DataRequest, _buffers, _peer: str):
         response = DataResponse()
         if request.WhichOneof("kind") != "get_elements":
             response.release_streams.SetInParent()
@@ -241,11 +241,12 @@ def test_a_full_job_table_gives_up_the_oldest_job_nobody_read(monkeypatch):
             read(read_job, "a")
             newest = job("d")
             assert dispatcher.num_jobs() == 3
-            with pytest.raises(errors.NotFoundError, match=str(unread_old)):
+            with pytest.raises(errors.ResourceExhaustedError,
+                               match=f"Job {unread_old} was displaced"):
                 read(unread_old, "b")
             for job_id, consumer in ((read_job, "a"), (unread_new, "c"), (newest, "d")):
                 read(job_id, consumer)
-            with pytest.raises(errors.ResourceExhaustedError, match="read every one"):
+            with pytest.raises(errors.ResourceExhaustedError, match="shared fairly"):
                 job("e")
         finally:
             client.close()
@@ -265,9 +266,9 @@ def test_a_dataset_past_the_byte_limit_takes_the_place_of_unused_ones(monkeypatc
                                          compression=None)
 
         first, second, third = register(1), register(2), register(3)
-        with pytest.raises(errors.NotFoundError, match=first):
+        with pytest.raises(errors.ResourceExhaustedError, match=f"Dataset {first} was displaced"):
             list(data.from_dataset_id("parallel_epochs", dispatcher.target, first))
-        with pytest.raises(errors.ResourceExhaustedError, match="another of 3000 bytes"):
+        with pytest.raises(errors.ResourceExhaustedError, match="dataset of 3000 bytes"):
             register(4, 3000)
         for dataset_id in (second, third):  # both still there
             data.from_dataset_id("parallel_epochs", dispatcher.target, dataset_id)

@@ -38,7 +38,7 @@ from typing import Any
 
 from clusterwire import errors
 from clusterwire.at_exit import stop_at_exit
-from clusterwire.data import grants, graph, worker_auth
+from clusterwire.data import grants, graph, vouches, worker_auth
 from clusterwire.data.config import (
     CLIENT_TIMEOUT_MS,
     DATASET_GC_TIMEOUT_MS,
@@ -63,8 +63,9 @@ from clusterwire.data.journal import (
 from clusterwire.data.modes import STATIC_POLICIES, ShardingPolicy, mode_name, policy_of
 from clusterwire.data.monitoring import Monitoring
 from clusterwire.data.pipeline import INFINITE, split_plan
-from clusterwire.data.position import check_offset, split_limit
+from clusterwire.data.position import check_split_offset, split_limit
 from clusterwire.data.rpc import serve
+from clusterwire.fair_shares import Displaced
 from clusterwire.metrics import REGISTRY, catalog
 from clusterwire.metrics.registry import ENABLED, Sample
 from clusterwire.protos.data_service_pb2 import (
@@ -78,21 +79,23 @@ from clusterwire.protos.data_service_pb2 import (
     JournalResume,
     JournalSplit,
     JournalSplitsDone,
+    SplitOffset,
     StreamSpec,
     WorkerSummary,
 )
 from clusterwire.shell import Shell
 from clusterwire.waiting import wait_event
 
-#: Registered datasets and their payload bytes a dispatcher holds at most, and jobs.
+#: Registered datasets and their payload bytes a dispatcher holds at most, and jobs. Full, a
+#: table is shared fairly between the peers that fill it (``clusterwire.fair_shares``).
 MAX_DATASETS = 1024
 MAX_DATASET_BYTES = 4 << 30
 MAX_JOBS = 4096
 #: The journal is compacted once it has this many records more than a snapshot would.
 _COMPACT_SLACK = 1000
-_SPLITS_PER_WORKER = 8
-_MAX_SPLIT_UNITS = 4096
 _WILDCARDS = ("", "0.0.0.0", "::", "[::]")
+#: Requests that add an entry to a table (passed the peer that sent them).
+_CREATING = frozenset({"register_dataset", "get_or_create_job"})
 
 
 class DispatchServer:
@@ -136,6 +139,9 @@ class DispatchServer:
         self._records = 0  # journal records written since the last compaction
         self._state = DispatcherState()
         self._resumed_rounds: dict[str, _ResumeWave] = {}  # round-robin group -> its wave
+        # Jobs and datasets displaced from a full table, and why: told at their next use.
+        self._displaced_jobs: Displaced[int] = Displaced(MAX_JOBS)
+        self._displaced_datasets: Displaced[str] = Displaced(MAX_DATASETS)
         self._cond = threading.Condition()
         self._journal: Journal | None = None
         self.journal_report = ReadReport([])
@@ -260,12 +266,14 @@ class DispatchServer:
 
     # ---- decisions ----
 
-    def _commit(self, entry: JournalEntry, buffers: list[Any] | None = None) -> None:
-        """Journal (fault-tolerant mode) and apply one decision; call with the lock held."""
+    def _commit(self, entry: JournalEntry, buffers: list[Any] | None = None,
+                peer: str = "") -> None:
+        """Journal (fault-tolerant mode) and apply one decision (``peer``: whose request made
+        a new job or dataset; not journaled); call with the lock held."""
         if self._journal is not None:
             self._journal.append(entry)
             self._records += 1
-        self._state.apply(entry, buffers)
+        self._state.apply(entry, buffers, peer)
         self._cond.notify_all()
         if self._records > self._snapshot_size() + _COMPACT_SLACK:
             self._compact()
@@ -281,15 +289,18 @@ class DispatchServer:
             self._journal.rewrite(snapshot)
             self._records = len(snapshot)
 
-    def _handle(self, request: DataRequest, buffers: list[Any]) -> tuple[DataResponse, list]:
+    def _handle(self, request: DataRequest, buffers: list[Any], peer: str
+                ) -> tuple[DataResponse, list]:
         kind = request.WhichOneof("kind")
         handler = getattr(self, f"_on_{kind}", None) if kind else None
         if handler is None or kind == "get_elements":
             raise errors.UnimplementedError(
                 f"The dispatcher does not serve {kind!r} requests (is this a worker address?).")
+        if kind in _CREATING:  # the new entry counts in its peer's share (fair_shares)
+            return handler(getattr(request, kind), buffers, peer)
         return handler(getattr(request, kind), buffers)
 
-    def _on_register_dataset(self, request, buffers):
+    def _on_register_dataset(self, request, buffers, peer: str):
         if not self._config.allow_cloudpickle:
             graph.check_no_pickled(request.dataset)
         graph.from_def(request.dataset, buffers)  # rejects malformed
@@ -306,41 +317,62 @@ class DispatchServer:
                             "different dataset.")
                     return self._registered(dataset_id), []
             else:
-                known_id = self._state.by_fingerprint.get((fingerprint, request.compression))
+                known_id = self._state.by_fingerprint.get(
+                    (fingerprint, request.compression, peer))
                 if known_id is not None:
                     self._state.datasets[known_id].last_used = time.monotonic()
                     return self._registered(known_id), []
                 dataset_id = self._state.new_dataset_id()
             lengths = [memoryview(b).nbytes for b in buffers]
-            self._make_room_for_dataset(sum(lengths))
+            self._make_room_for_dataset(sum(lengths), peer)
+            self._displaced_datasets.forget(dataset_id)
             if self._journal is not None:
                 write_payload(self._config.work_dir, dataset_id, buffers)
             self._commit(JournalEntry(dataset=JournalDataset(
                 dataset_id=dataset_id, fingerprint=fingerprint,
                 compression=request.compression, dataset=request.dataset,
-                buffer_lengths=lengths)), buffers)
+                buffer_lengths=lengths)), buffers, peer)
         return self._registered(dataset_id), []
 
-    def _make_room_for_dataset(self, nbytes: int) -> None:
-        """Collect the oldest datasets no job has used until one of ``nbytes`` fits in the
-        limits; ResourceExhaustedError (collecting nothing) when it cannot fit."""
+    def _make_room_for_dataset(self, nbytes: int, peer: str) -> None:
+        """Make room for a dataset of ``nbytes`` from ``peer`` in a full table (by count,
+        then by bytes), displacing datasets by ``fair_shares``' rule (with the jobs that read
+        them); ResourceExhaustedError when the rule refuses. Call with the lock held."""
+        if nbytes > MAX_DATASET_BYTES:
+            raise errors.ResourceExhaustedError(
+                f"A dataset of {nbytes} bytes is larger than the tf.data service dispatcher's "
+                f"limit for all its datasets ({MAX_DATASET_BYTES} bytes): read the data from "
+                "files on the workers (readable_dirs) instead of sending it in the dataset.")
         state = self._state
-        count, held = len(state.datasets), sum(r.nbytes for r in state.datasets.values())
-        unused, collect = iter(state.unused_datasets), []
-        while count >= MAX_DATASETS or held + nbytes > MAX_DATASET_BYTES:
-            dataset_id = next(unused, None)
-            if dataset_id is None or nbytes > MAX_DATASET_BYTES:
-                raise errors.ResourceExhaustedError(
-                    f"The tf.data service dispatcher holds {len(state.datasets)} datasets of "
-                    f"{sum(r.nbytes for r in state.datasets.values())} bytes, "
-                    f"{len(state.datasets) - len(state.unused_datasets)} of them used by "
-                    f"jobs; another of {nbytes} bytes would pass its limits ({MAX_DATASETS} "
-                    f"datasets, {MAX_DATASET_BYTES} bytes) even without the datasets no job "
-                    "used. Datasets jobs used are collected dataset_gc_timeout_ms after "
-                    "their last job.")
-            collect.append(dataset_id)
-            count, held = count - 1, held - state.datasets[dataset_id].nbytes
-        self._remove_datasets(collect)
+        for shares, size, limit, over in (
+                (state.dataset_shares, 1, f"{MAX_DATASETS} datasets",
+                 lambda: len(state.datasets) + 1 - MAX_DATASETS),
+                (state.dataset_bytes, nbytes, f"{MAX_DATASET_BYTES} bytes of datasets",
+                 lambda: state.dataset_bytes.total + nbytes - MAX_DATASET_BYTES)):
+            need = over()
+            if need <= 0:
+                continue
+            room = shares.make_room(peer, need, size, state.unused_datasets)
+            if room is None:
+                raise shares.refusal(
+                    "This tf.data service dispatcher's dataset table", limit, peer, size,
+                    "Datasets no job uses go first; those jobs used are collected "
+                    "dataset_gc_timeout_ms after their last job. Retry later, or register "
+                    "fewer datasets from this peer.")
+            for dataset_id in room:
+                self._displace_dataset(dataset_id, shares.displacement(
+                    f"Dataset {dataset_id}", "this tf.data service dispatcher's dataset table",
+                    limit, dataset_id, peer))
+            self._remove_datasets(room)
+
+    def _displace_dataset(self, dataset_id: str, why: str) -> None:
+        """Tell ``dataset_id``'s users, and those of the jobs reading it (removed with it),
+        why it goes. Call with the lock held."""
+        self._displaced_datasets.remember(dataset_id, why)
+        for job in [j for j in self._state.jobs.values() if j.info.dataset_id == dataset_id]:
+            self._displaced_jobs.remember(
+                job.info.job_id, f"Job {job.info.job_id} was removed with its dataset. {why}")
+            self._commit(JournalEntry(removed_job=job.info.job_id))
 
     def _remove_datasets(self, dataset_ids: list[str]) -> None:
         """Forget datasets (and their payload files). Call with the lock held."""
@@ -360,6 +392,9 @@ class DispatchServer:
     def _dataset(self, dataset_id: str):
         record = self._state.datasets.get(dataset_id)
         if record is None:
+            why = self._displaced_datasets.why(dataset_id)
+            if why is not None:
+                raise errors.ResourceExhaustedError(why)
             raise errors.NotFoundError(f"Dataset id {dataset_id} not found.")
         record.last_used = time.monotonic()
         return record
@@ -372,7 +407,7 @@ class DispatchServer:
         response.get_dataset.compression = record.compression
         return response, record.buffers
 
-    def _on_get_or_create_job(self, request, _buffers):
+    def _on_get_or_create_job(self, request, _buffers, peer: str):
         policy = policy_of(request.sharding_policy)
         with self._cond:
             record = self._dataset(request.dataset_id)
@@ -385,7 +420,7 @@ class DispatchServer:
                     "collected after job_gc_timeout_ms, or the dispatcher restarted without "
                     "fault_tolerant_mode. A position resumes only while its job lives.")
             if job_id is None:
-                job_id = self._create_job(request, record, policy)
+                job_id = self._create_job(request, record, policy, peer)
             job = self._state.jobs[job_id]
             if job.info.sharding_policy != policy:
                 raise errors.InvalidArgumentError(
@@ -403,12 +438,17 @@ class DispatchServer:
                 owner=job.info.owner), "")
         return response, []
 
-    def _create_job(self, request, record, policy: ShardingPolicy) -> int:
-        if len(self._state.jobs) >= MAX_JOBS and not self._state.unread_jobs:
-            raise errors.ResourceExhaustedError(
-                f"The tf.data service dispatcher runs {len(self._state.jobs)} jobs, its limit "
-                f"({MAX_JOBS}), and consumers read every one of them; jobs without "
-                "consumers are collected after job_gc_timeout_ms.")
+    def _create_job(self, request, record, policy: ShardingPolicy, peer: str) -> int:
+        shares, room = self._state.job_shares, []
+        if len(self._state.jobs) >= MAX_JOBS:
+            room = shares.make_room(peer, len(self._state.jobs) + 1 - MAX_JOBS,
+                                    unused=self._state.unread_jobs)
+            if room is None:
+                raise shares.refusal(
+                    "This tf.data service dispatcher's job table", f"{MAX_JOBS} jobs", peer,
+                    1, "Jobs nobody read go first; a job goes when its consumers release it, "
+                    "or job_gc_timeout_ms after its last consumer. Retry later, or read fewer "
+                    "jobs at once from this peer.")
         pipe = graph.from_def(record.dataset, record.buffers)
         order = self._config.worker_addresses
         if policy in STATIC_POLICIES and not order:
@@ -439,14 +479,15 @@ class DispatchServer:
         job = JournalJob(job=info, job_key=request.job_key, named=request.named)
         if policy == ShardingPolicy.DYNAMIC:
             plan = split_plan(pipe)
-            workers = max(1, len(self._state.live_workers(self._worker_timeout)))
-            units = min(max(1, -(-plan.units // (workers * _SPLITS_PER_WORKER))),
-                        _MAX_SPLIT_UNITS)
-            job.split_units = -(-units // plan.align) * plan.align
+            job.split_units = plan.split_units(
+                len(self._state.live_workers(self._worker_timeout)))
             job.total_units, job.epochs = plan.units, plan.epochs
-        if len(self._state.jobs) >= MAX_JOBS:  # the oldest job nobody read makes room
-            self._commit(JournalEntry(removed_job=next(iter(self._state.unread_jobs))))
-        self._commit(JournalEntry(job=job))
+        for job_id in room:  # checked above; displaced only now that the new job is sound
+            self._displaced_jobs.remember(job_id, shares.displacement(
+                f"Job {job_id}", "this tf.data service dispatcher's job table",
+                f"{MAX_JOBS} jobs", job_id, peer))
+            self._commit(JournalEntry(removed_job=job_id))
+        self._commit(JournalEntry(job=job), peer=peer)
         return info.job_id
 
     def _resume(self, job: Job, request) -> None:
@@ -479,24 +520,31 @@ class DispatchServer:
             raise errors.InvalidArgumentError(
                 f"The saved position names split {stray[0]}, which job {job.info.job_id} did "
                 f"not hand to consumer {consumer!r}: the position is not this consumer's.")
-        self._check_offsets(job, {p.split_id: p.offset for p in request.partial})
+        self._check_offsets(job, consumer, list(request.partial),
+                            {p.split_id: _handed_at(job, consumer, p.split_id)
+                             for p in request.partial})
         self._commit(JournalEntry(resumed=JournalResume(
             job_id=job.info.job_id, consumer_id=consumer, handed=request.handed,
             partial=request.partial, completed=request.completed,
             generation=request.generation)))
 
-    def _check_offsets(self, job: Job, offsets: dict[int, int]) -> None:
-        """InvalidArgumentError unless each split's offset is within the split
-        (``position.split_limit``): a consumer cannot make the split's next reader skip
-        elements it never read, nor its worker skip forever. Call with the lock held."""
+    def _check_offsets(self, job: Job, consumer: str, offsets: list[SplitOffset],
+                       floors: dict[int, int], lower: bool = False) -> None:
+        """Each split offset ``consumer`` hands back is within its split (where
+        ``position.split_limit`` knows its size), not below its floor (``lower``: ignored
+        there) and vouched for above it (``position.check_split_offset``): a consumer cannot
+        make the split's next reader skip elements it never read, nor have another
+        consumer's elements read again. Call with the lock held."""
         if not offsets:
             return
         record = self._dataset(job.info.dataset_id)
         pipe = graph.from_def(record.dataset, record.buffers)
         ops = split_plan(pipe).ops
-        for split_id, offset in offsets.items():
-            start, end = job.split_range(split_id)
-            check_offset(split_id, offset, split_limit(pipe.source, ops, end - start))
+        for at in offsets:
+            start, end = job.split_range(at.split_id)
+            check_split_offset(self._state.grant_key, job.info.job_id, job.info.dataset_id,
+                               consumer, at, floors.get(at.split_id, 0),
+                               split_limit(pipe.source, ops, end - start), lower)
 
     def _resume_wave_key(self, request) -> str:
         """The job key of a round-robin resume: its wave's. Round-robin consumers of one job
@@ -535,6 +583,9 @@ class DispatchServer:
     def _job(self, job_id: int) -> Job:
         job = self._state.jobs.get(job_id)
         if job is None:
+            why = self._displaced_jobs.why(job_id)
+            if why is not None:
+                raise errors.ResourceExhaustedError(why)
             raise errors.NotFoundError(
                 f"Job {job_id} not found: it finished and was garbage collected after "
                 "job_gc_timeout_ms without consumers.")
@@ -573,7 +624,8 @@ class DispatchServer:
         job.last_active = time.monotonic()
         mine = sorted(s for s, c in job.assigned.items() if c == consumer)
         reached = {u.split_id: u.offset for u in request.unfinished}
-        self._check_offsets(job, {s: reached[s] for s in mine if s in reached})
+        self._check_offsets(job, consumer, [u for u in request.unfinished if u.split_id in mine],
+                            dict(job.offsets), lower=True)
         record = JournalSplitsDone(
             job_id=job.info.job_id, consumer_id=consumer, split_ids=mine,
             offsets=[max(reached.get(s, 0), job.offsets.get(s, 0)) for s in mine])
@@ -629,6 +681,10 @@ class DispatchServer:
         result.split.unit_start, result.split.unit_end = job.split_range(split_id)
         result.split.offset = job.offsets.get(split_id, 0)
         result.split.handout = job.handout_index(consumer, split_id)
+        if result.split.offset:
+            result.split.vouch.CopyFrom(vouches.vouch(
+                self._state.grant_key, job.info.dataset_id, vouches.split_stream(split_id),
+                job.info.job_id, consumer, result.split.offset, result.split.offset))
         result.split.grant = grants.grant(self._state.grant_key, StreamSpec(
             job_id=job.info.job_id, dataset_id=job.info.dataset_id, is_split=True,
             split_id=split_id, unit_start=result.split.unit_start,
@@ -754,6 +810,14 @@ def _samples(server: str, state: DispatcherState, lock: threading.Condition,
     samples.append(Sample(catalog.DATA_JOURNAL_BYTES, (server,),
                           0 if journal is None else journal.nbytes()))
     return samples
+
+
+def _handed_at(job: Job, consumer: str, split_id: int) -> int:
+    """The offset ``split_id`` was last handed to ``consumer`` at (0: none kept)."""
+    index = job.handout_index(consumer, split_id)
+    if index < 0:
+        return 0
+    return job.handouts[consumer][index - job.handout_base.get(consumer, 0)][1]
 
 
 def _refuse_if_superseded(job: Job, request) -> None:

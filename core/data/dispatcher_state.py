@@ -4,7 +4,9 @@ Every decision the dispatcher makes is expressed as a ``JournalEntry`` that
 is first written to the journal (in fault-tolerant mode) and then applied
 here; a restarted dispatcher applies the journal's entries and is back in
 the same state. Liveness (heartbeat times) is not journaled: after a replay
-every known worker and consumer counts as just seen.
+every known worker and consumer counts as just seen. Nor is the peer whose request created a
+job or a dataset (its share of the table: ``clusterwire.fair_shares``): after a replay every
+entry counts for the unknown peer "".
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from clusterwire.fair_shares import FairShares
 from clusterwire.protos.data_service_pb2 import (
     DatasetDef,
     JobInfo,
@@ -153,9 +156,11 @@ class DispatcherState:
 
     def __init__(self) -> None:
         self.datasets: dict[str, DatasetRecord] = {}
-        # (fingerprint, compression) -> dataset id: registering the same dataset again
-        # with the same compression returns the same id, with another one a new id.
-        self.by_fingerprint: dict[tuple[str, str], str] = {}
+        # (fingerprint, compression, peer) -> dataset id: a peer registering the same dataset
+        # again with the same compression gets the same id, with another one a new id.
+        # Another peer's registration is its own (its share: a peer's datasets displaced
+        # from a full table never take another peer's jobs with them).
+        self.by_fingerprint: dict[tuple[str, str, str], str] = {}
         self.jobs: dict[int, Job] = {}
         self.job_keys: dict[str, int] = {}
         self.workers: dict[str, WorkerInfo] = {}
@@ -166,17 +171,26 @@ class DispatcherState:
         # job read (DispatchServer); after a replay every job counts as read.
         self.unread_jobs: dict[int, None] = {}
         self.unused_datasets: dict[str, None] = {}
+        # Each job and dataset counts for the peer that created it (datasets by count and
+        # by payload bytes): what a full table's fair shares are taken from.
+        self.job_shares: FairShares[int] = FairShares()
+        self.dataset_shares: FairShares[str] = FairShares()
+        self.dataset_bytes: FairShares[str] = FairShares()
 
-    def apply(self, entry: JournalEntry, buffers: list[Any] | None = None) -> None:
-        """Apply one decision (``buffers``: a dataset entry's payload buffers)."""
+    def apply(self, entry: JournalEntry, buffers: list[Any] | None = None,
+              peer: str = "") -> None:
+        """Apply one decision (``buffers``: a dataset entry's payload buffers; ``peer``: the
+        peer whose request made a new job or dataset)."""
         kind = entry.WhichOneof("kind")
         now = time.monotonic()
         if kind == "dataset":
             d = entry.dataset
-            self.datasets[d.dataset_id] = DatasetRecord(
+            record = self.datasets[d.dataset_id] = DatasetRecord(
                 d.dataset_id, d.fingerprint, d.compression, d.dataset, list(buffers or []))
-            self.by_fingerprint.setdefault((d.fingerprint, d.compression), d.dataset_id)
+            self.by_fingerprint.setdefault((d.fingerprint, d.compression, peer), d.dataset_id)
             self.unused_datasets[d.dataset_id] = None
+            self.dataset_shares.add(d.dataset_id, peer)
+            self.dataset_bytes.add(d.dataset_id, peer, record.nbytes)
         elif kind == "job":
             j = entry.job
             info = JobInfo()
@@ -185,6 +199,7 @@ class DispatcherState:
                                          j.total_units, j.epochs)
             self.job_keys[j.job_key] = info.job_id
             self.unread_jobs[info.job_id] = None
+            self.job_shares.add(info.job_id, peer)
             self.unused_datasets.pop(info.dataset_id, None)
         elif kind == "assign":
             job = self.jobs.get(entry.assign.job_id)
@@ -241,6 +256,7 @@ class DispatcherState:
                 job.info.finished = True
         elif kind == "removed_job":
             self.unread_jobs.pop(entry.removed_job, None)
+            self.job_shares.discard(entry.removed_job)
             job = self.jobs.pop(entry.removed_job, None)
             if job is not None and self.job_keys.get(job.key) == job.info.job_id:
                 del self.job_keys[job.key]
@@ -251,9 +267,12 @@ class DispatcherState:
             self.grant_key = entry.grant_key
         elif kind == "removed_dataset":
             self.unused_datasets.pop(entry.removed_dataset, None)
+            creator = self.dataset_shares.peer_of(entry.removed_dataset) or ""
+            self.dataset_shares.discard(entry.removed_dataset)
+            self.dataset_bytes.discard(entry.removed_dataset)
             record = self.datasets.pop(entry.removed_dataset, None)
             if record is not None:
-                key = (record.fingerprint, record.compression)
+                key = (record.fingerprint, record.compression, creator)
                 if self.by_fingerprint.get(key) == record.dataset_id:
                     del self.by_fingerprint[key]
         elif kind == "progress":

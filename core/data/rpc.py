@@ -29,7 +29,8 @@ from clusterwire.security import Security
 from clusterwire.shell import Shell, warn_if_exposed
 from clusterwire.transport import Channel, Frame, ListenOptions
 
-Handler = Callable[[DataRequest, list[Any]], tuple[DataResponse, Sequence[Any]]]
+#: A request, its buffers and the peer that sent it (``Frame.peer``) -> the response.
+Handler = Callable[[DataRequest, list[Any], str], tuple[DataResponse, Sequence[Any]]]
 
 
 def parse(frame: Frame) -> DataResponse:
@@ -60,7 +61,7 @@ def serve(protocol: str, host: str, port: int, handler: Handler, name: str,
         except DecodeError as err:
             raise errors.InvalidArgumentError(f"Malformed request header: {err}") from None
         parsed.last = (frame.header, request.WhichOneof("kind"))
-        response, buffers = handler(request, list(frame.buffers))
+        response, buffers = handler(request, list(frame.buffers), frame.peer)
         return Frame(response.SerializeToString(), list(buffers))
 
     def method_of(frame: Frame) -> str:

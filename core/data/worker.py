@@ -41,7 +41,7 @@ from typing import Any
 from clusterwire import errors
 from clusterwire.addressing import split_host_port, split_target
 from clusterwire.at_exit import stop_at_exit
-from clusterwire.data import compression, elements, grants, graph, worker_auth
+from clusterwire.data import compression, elements, grants, graph, vouches, worker_auth
 from clusterwire.data.config import (
     CROSS_TRAINER_CACHE_SIZE_BYTES,
     DISPATCHER_TIMEOUT_MS,
@@ -59,9 +59,10 @@ from clusterwire.data.modes import COMPRESSION_SNAPPY, ShardingPolicy
 from clusterwire.data.monitoring import Monitoring
 from clusterwire.data.permissions import WorkerPermissions
 from clusterwire.data.pipeline import FilesSource, Pipeline, split_plan
-from clusterwire.data.position import check_offset, split_limit
+from clusterwire.data.position import check_stream_offset
 from clusterwire.data.rpc import DispatcherClient, serve
 from clusterwire.data.streams import OVER_LIMITS, Stream
+from clusterwire.fair_shares import Displaced, FairShares
 from clusterwire.metrics import REGISTRY, catalog
 from clusterwire.metrics.registry import ENABLED, Sample
 from clusterwire.protos.data_service_pb2 import (
@@ -71,6 +72,7 @@ from clusterwire.protos.data_service_pb2 import (
     GetElementsRequest,
     ReleaseStreamsRequest,
     StreamSpec,
+    Vouch,
     WorkerHeartbeatRequest,
     WorkerInfo,
 )
@@ -78,7 +80,8 @@ from clusterwire.shell import Shell
 from clusterwire.waiting import wait_event
 
 _IDLE_STREAM_S = 600.0
-#: Unfinished streams a worker runs at once (each buffers up to streams.MAX_BUFFERED_BYTES).
+#: Unfinished streams a worker runs at once (each buffers up to streams.MAX_BUFFERED_BYTES),
+#: shared fairly between the peers that open them (``clusterwire.fair_shares``).
 MAX_OPEN_STREAMS = 64
 MAX_STREAMS_PER_CONSUMER = 16
 #: A split's stream not read for this long gives its room to a new stream when the worker is
@@ -186,7 +189,10 @@ class WorkerServer:
             CROSS_TRAINER_CACHE_SIZE_BYTES)
         # (job, consumer, split or -1) -> (the last attempt released, when)
         self._released: dict[tuple[int, str, int], tuple[int, float]] = {}
+        self._ledger = vouches.Ledger()  # where each vouched stream's answers stand
         self._evicted: dict[int, float] = {}  # jobs whose abandoned shared stream was closed
+        # (job, split or -1, consumer or "") of streams displaced for another peer's, and why
+        self._displaced: Displaced[tuple[int, int, str]] = Displaced(16 * MAX_OPEN_STREAMS)
         self._datasets: dict[str, Pipeline] = {}
         self._dataset_locks: dict[str, threading.Lock] = {}
         self._stopping = threading.Event()
@@ -327,7 +333,8 @@ class WorkerServer:
 
     # ---- serving ----
 
-    def _handle(self, request: DataRequest, _buffers: list[Any]) -> tuple[DataResponse, list]:
+    def _handle(self, request: DataRequest, _buffers: list[Any], peer: str
+                ) -> tuple[DataResponse, list]:
         kind = request.WhichOneof("kind")
         if kind == "get_status":
             return self._monitoring.status(
@@ -342,7 +349,7 @@ class WorkerServer:
                 "This tf.data service worker has not registered with its dispatcher yet.")
         if kind == "release_streams":
             return self._release_streams(request.release_streams), []
-        return self._get_elements(request.get_elements)
+        return self._get_elements(request.get_elements, peer)
 
     def _check_grant(self, spec: StreamSpec, consumer_id: str) -> None:
         grants.check(self._grant_key, spec, consumer_id)
@@ -382,7 +389,7 @@ class WorkerServer:
         response.release_streams.closed = len(closed)
         return response
 
-    def _get_elements(self, read: GetElementsRequest) -> tuple[DataResponse, list]:
+    def _get_elements(self, read: GetElementsRequest, peer: str) -> tuple[DataResponse, list]:
         spec = read.stream
         self._check_grant(spec, read.consumer_id)
         key = ((spec.job_id, spec.split_id, read.consumer_id, spec.attempt) if spec.is_split
@@ -390,7 +397,8 @@ class WorkerServer:
         with self._lock:
             stream = self._streams.get(key)
         if stream is None:
-            stream = self._open(spec, read.offset, key, read.consumer_id)
+            stream = self._open(spec, read.offset, key, read.consumer_id, peer,
+                                read.vouch if read.HasField("vouch") else None)
         if stream.cache is not None or spec.trainer_id:
             taken, end = self._read_cached(stream, read), False
         elif spec.num_consumers:
@@ -407,6 +415,8 @@ class WorkerServer:
         response = DataResponse()
         response.get_elements.elements.extend(e.header for e in taken)
         response.get_elements.end_of_stream = end
+        if stream.owner and not spec.num_consumers and stream.cache is None:
+            self._vouch(response.get_elements.vouch, stream, spec, read, len(taken))
         return response, [b for e in taken for b in e.buffers]
 
     @staticmethod
@@ -431,7 +441,18 @@ class WorkerServer:
             caches = [s.cache for s in self._streams.values() if s.cache is not None]
         return sum(cache.nbytes for cache in caches)
 
-    def _open(self, spec: StreamSpec, offset: int, key: tuple, consumer_id: str) -> Stream:
+    def _vouch(self, into: Vouch, stream: Stream, spec: StreamSpec, read: GetElementsRequest,
+               count: int) -> None:
+        """Vouch for the elements this answer hands a split's or an anonymous job's stream
+        (a position within them can be resumed: data/vouches.py)."""
+        start, end = self._ledger.handed(stream, read.request_seq, count)
+        what = (vouches.split_stream(spec.split_id) if spec.is_split
+                else vouches.worker_stream(self.address))
+        into.CopyFrom(vouches.vouch(self._grant_key, spec.dataset_id, what, spec.job_id,
+                                    read.consumer_id, start, end))
+
+    def _open(self, spec: StreamSpec, offset: int, key: tuple, consumer_id: str, peer: str,
+              vouch: Vouch | None = None) -> Stream:
         if spec.compression == COMPRESSION_SNAPPY:
             compression.require()
         mode = spec.compression if compression.available() else ""
@@ -439,12 +460,13 @@ class WorkerServer:
         if spec.trainer_id:
             _check_cross_trainer_cache(spec, pipe)
         if offset:
-            _check_offset(spec, offset, pipe)
+            check_stream_offset(self._grant_key, spec, consumer_id, offset, vouch, pipe,
+                                self.address)
         with self._lock:
             stream = self._streams.get(key)
             if stream is not None:
                 return stream
-            self._check_openable(spec, consumer_id)
+            self._check_openable(spec, consumer_id, key)
             idle_cache = self._cache_slot() if spec.trainer_id else None
             if offset and not (spec.is_split or spec.owner or spec.num_consumers):
                 raise errors.InvalidArgumentError(
@@ -457,7 +479,7 @@ class WorkerServer:
                 raise errors.CancelledError(
                     f"Attempt {spec.attempt} at split {spec.split_id} was superseded by a "
                     "later one of the same consumer.")
-            replaced = self._admit(spec, key, attempts, consumer_id)
+            replaced = self._admit(spec, key, attempts, consumer_id, peer)
             if idle_cache is not None:
                 replaced.append(self._streams.pop(idle_cache))
             # A split's later attempt, or a resumed consumer's stream, skips `offset`.
@@ -466,7 +488,7 @@ class WorkerServer:
                 self._elements(pipe, spec, lambda: bool(opened) and opened[0].closed),
                 lambda e: elements.encode(e, mode),
                 cache_bytes=self._cache_bytes if spec.trainer_id else 0, skip=offset,
-                owner=consumer_id if spec.is_split or spec.owner else "")
+                owner=consumer_id if spec.is_split or spec.owner else "", peer=peer)
             opened.append(stream)
         for old in replaced:
             old.close()
@@ -499,9 +521,12 @@ class WorkerServer:
         """Jobs this worker keeps a cross-trainer cache of at once (``cache_plan``)."""
         return self._cache_slots
 
-    def _check_openable(self, spec: StreamSpec, consumer_id: str) -> None:
-        """Refuse streams of a released consumer and of a job whose shared stream was
-        evicted; call with the lock held."""
+    def _check_openable(self, spec: StreamSpec, consumer_id: str, key: tuple) -> None:
+        """Refuse streams of a released consumer, of a job whose shared stream was evicted,
+        and streams displaced for another peer's; call with the lock held."""
+        why = self._displaced.why(key[:3])
+        if why is not None:
+            raise errors.ResourceExhaustedError(why)
         released = self._released.get(
             (spec.job_id, consumer_id, spec.split_id if spec.is_split else -1))
         if released is not None and spec.attempt <= released[0]:
@@ -514,31 +539,45 @@ class WorkerServer:
                 "joining that job later cannot continue it: start a new iteration or use "
                 "another job_name.")
 
-    def _admit(self, spec: StreamSpec, key: tuple, attempts: list[tuple], consumer_id: str
-               ) -> list[Stream]:
-        """Room for a new stream under the limits (evicting abandoned streams if need be:
-        ``_abandoned``), or ResourceExhaustedError; returns the streams it replaces (popped).
-        Call with the lock held."""
+    def _admit(self, spec: StreamSpec, key: tuple, attempts: list[tuple], consumer_id: str,
+               peer: str) -> list[Stream]:
+        """Room for a new stream of ``peer`` under the limits (a full worker gives up
+        abandoned streams first, ``_abandoned``, then streams by ``fair_shares``' rule), or
+        ResourceExhaustedError; returns the streams it replaces (popped). Lock held."""
         running = [k for k, s in self._streams.items() if not s.finished and k not in attempts]
         # A consumer's share counts its split streams and its anonymous jobs' streams, in
         # every job (a named job's shared stream is nobody's).
         mine = sum(self._streams[k].owner == consumer_id for k in running) \
             if spec.is_split or spec.owner else 0
-        evicted = []
+        if mine >= MAX_STREAMS_PER_CONSUMER:
+            raise errors.ResourceExhaustedError(
+                f"This tf.data service worker is {OVER_LIMITS}: it runs {mine} streams for "
+                f"this consumer (reading job {spec.job_id}), its limit of "
+                f"{MAX_STREAMS_PER_CONSUMER} a consumer. Retry later or add workers.")
+        evicted: list[tuple] = []
         now = time.monotonic()
-        if len(running) >= MAX_OPEN_STREAMS and mine < MAX_STREAMS_PER_CONSUMER:
+        if len(running) >= MAX_OPEN_STREAMS:
+            shares: FairShares[tuple] = FairShares()
+            for k in running:  # oldest first: the streams dict is in the order they opened
+                shares.add(k, self._streams[k].peer)
             abandoned = sorted((k for k in running if self._abandoned(k, now)),
                                key=lambda k: self._streams[k].last_used)
-            evicted = abandoned[:len(running) - MAX_OPEN_STREAMS + 1]
-        if len(running) - len(evicted) >= MAX_OPEN_STREAMS or mine >= MAX_STREAMS_PER_CONSUMER:
-            raise errors.ResourceExhaustedError(
-                f"This tf.data service worker is {OVER_LIMITS}: it runs {len(running)} "
-                f"streams, {mine} of them for this consumer (reading job {spec.job_id}); its "
-                f"limits are {MAX_OPEN_STREAMS} and {MAX_STREAMS_PER_CONSUMER} a consumer. Retry "
-                "later or add workers.")
-        for k in evicted:
-            if k[1] == -1:  # a shared stream: a consumer joining its job later is told
-                self._evicted[k[0]] = now
+            room = shares.make_room(peer, len(running) - MAX_OPEN_STREAMS + 1,
+                                    unused=abandoned)
+            if room is None:
+                raise shares.refusal(
+                    f"This tf.data service worker is {OVER_LIMITS}: its stream table",
+                    f"{MAX_OPEN_STREAMS} streams", peer, 1,
+                    f"Retry later (reading job {spec.job_id}), or add workers.")
+            evicted = room
+            for k in evicted:
+                if k not in abandoned:  # its readers are told at their next read
+                    self._displaced.remember(k[:3], shares.displacement(
+                        f"The stream of job {k[0]}" + (f", split {k[1]}" if k[1] >= 0 else ""),
+                        "this tf.data service worker's stream table",
+                        f"{MAX_OPEN_STREAMS} streams", k, peer))
+                elif k[1] == -1:  # a shared stream: a consumer joining its job later is told
+                    self._evicted[k[0]] = now
         # Only once the new stream is admitted do the attempts it replaces go.
         return [self._streams.pop(k) for k in [*attempts, *evicted]]
 
@@ -579,21 +618,6 @@ def _until(closed: Callable[[], bool], source: Callable[[], Iterator[Any]]
                 return
             yield element
     return run
-
-
-def _check_offset(spec: StreamSpec, offset: int, pipe: Pipeline) -> None:
-    """InvalidArgumentError unless a stream can start ``offset`` elements in: within its
-    split, or within a finite dataset."""
-    if spec.is_split:
-        check_offset(spec.split_id, offset, split_limit(
-            pipe.source, split_plan(pipe).ops, spec.unit_end - spec.unit_start))
-        return
-    cardinality = pipe.cardinality()
-    if offset < 0 or 0 <= cardinality < offset:
-        of = f" of a dataset of {cardinality}" if cardinality >= 0 else ""
-        raise errors.InvalidArgumentError(
-            f"A read of job {spec.job_id} asked to skip {offset} elements{of}: pass the "
-            "position state_dict() returned, unchanged.")
 
 
 def _check_cross_trainer_cache(spec: StreamSpec, pipe: Pipeline) -> None:
