@@ -65,10 +65,11 @@ class Flood:
     """``cw_upload_flood.py`` in a process of its own (see there)."""
 
     def __init__(self, address: str, count: int, period: float, step: int, buffers: int = 1,
-                 again: bool = False):
+                 again: bool = False, per_connection: int = 8, source: str | None = None):
         self.process = subprocess.Popen(
             [sys.executable, os.path.join(TESTS_DIR, "cw_upload_flood.py"), address, TOKEN,
-             str(count), str(period), str(step), str(buffers), "1" if again else "0"],
+             str(count), str(period), str(step), str(buffers), "1" if again else "0",
+             str(per_connection), *([source] if source else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._lines: queue.SimpleQueue[str] = queue.SimpleQueue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -179,6 +180,31 @@ def test_slow_uploads_beyond_the_open_bound_make_room_for_a_token_holder(tmp_pat
               f"slow uploads were dropped for others {churn[0].split()[1]} times")
 
 
+@pytest.mark.timeout(240)
+def test_uploads_of_another_peer_on_many_connections_leave_a_token_holder_its_puts(tmp_path):
+    """The streamed-request threads attack: 48 uploads from 127.0.0.2, one per connection (48
+    connections, max_concurrent_calls 16), each bringing 72 KiB/s (above
+    MIN_UPLOAD_BYTES_PER_SECOND: the pace rule drops none) and sent again as soon as it ends.
+    Uploads are shared by peer host, so they are one peer's: a 127.0.0.1 token holder's
+    2.4 MiB put drops the slowest of them and runs."""
+    step = 36 << 10
+    assert 2 * step > MIN_UPLOAD_BYTES_PER_SECOND
+    with task(tmp_path, message_idle_timeout_seconds=60, max_concurrent_calls=16) as (
+            server, client):
+        with flooding(server.address, 48, period=0.5, step=step, again=True,
+                      per_connection=1, source="127.0.0.2") as flood:
+            assert flood.line(60) == "sent 48"
+            wait_for(lambda: flood.still_open() >= 16, timeout=30,
+                     what="16 uploads of 127.0.0.2 open")
+            worst_put, worst_get = puts_and_gets(server.target, client)
+            churn = flood.finish()
+        assert worst_put < BUDGET_S, f"a 2.4 MiB put took {worst_put:.3f} s"
+        assert worst_get < BUDGET_S, f"an 8-byte get took {worst_get:.3f} s"
+        print(f"\n48 uploads at 72 KiB/s from 127.0.0.2 on 48 connections, sent again as they "
+              f"end, 16 open at most: 2.4 MiB put at most {worst_put * 1000:.0f} ms, 8 B get "
+              f"at most {worst_get * 1000:.1f} ms; {churn[0]}")
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("buffers", [1, 65536], ids=["one-4GiB-buffer", "65536-buffers"])
 def test_a_trickled_upload_holds_what_it_sent_until_the_rate_rule_drops_it(tmp_path,
@@ -212,31 +238,45 @@ def test_a_trickled_upload_holds_what_it_sent_until_the_rate_rule_drops_it(tmp_p
               f"{held_mib:.1f} MiB at most; dropped after {took:.1f} s: {ended[0]}")
 
 
-def test_at_the_open_bound_a_new_upload_drops_one_of_the_connection_holding_the_most():
+def test_at_the_open_bound_a_new_upload_drops_one_of_the_peer_holding_the_most():
     """The rules of ``transports/grpc/uploads.py`` without a server: the fair share first,
     then pace; with neither, the new upload is refused (None)."""
     uploads = Uploads(limit=4, idle=10.0, slots=WorkSlots(2))
-    held = [uploads.open(iter(()), "ipv4:10.0.0.1:1") for _ in range(3)]
-    other = uploads.open(iter(()), "ipv4:10.0.0.2:1")
+    held = [uploads.open(iter(()), "10.0.0.1", "ipv4:10.0.0.1:1") for _ in range(3)]
+    other = uploads.open(iter(()), "10.0.0.2", "ipv4:10.0.0.2:1")
     assert None not in held and other is not None
-    # 3 held by one connection, 0 by the new one's: the busiest gives one up.
-    newcomer = uploads.open(iter(()), "ipv4:10.0.0.3:1")
+    # 3 held by one peer, 0 by the new one's: the busiest gives one up.
+    newcomer = uploads.open(iter(()), "10.0.0.3", "ipv4:10.0.0.3:1")
     assert newcomer is not None
     dropped = [u for u in held if u._arrived.qsize()]
     assert len(dropped) == 1
     with pytest.raises(errors.DeadlineExceededError, match="max_concurrent_calls"):
         next(dropped[0].messages())
-    # 2, 1 and 1 now: no connection holds more than its share, every upload is young.
-    assert uploads.open(iter(()), "ipv4:10.0.0.2:1") is None
+    # 2, 1 and 1 now: no peer holds more than its share, every upload is young.
+    assert uploads.open(iter(()), "10.0.0.2", "ipv4:10.0.0.2:1") is None
     # One open past the grace, slower than the minimum pace since it began: it goes.
     slow = next(u for u in held if u is not dropped[0])
     slow.started -= 60
     slow.received = MIN_UPLOAD_BYTES_PER_SECOND
-    assert uploads.open(iter(()), "ipv4:10.0.0.2:1") is not None
+    assert uploads.open(iter(()), "10.0.0.2", "ipv4:10.0.0.2:1") is not None
     assert slow._arrived.qsize() == 1
     for upload in (*held, other, newcomer):
         uploads.close(upload)
-    assert uploads.open(iter(()), "ipv4:10.0.0.4:1") is not None  # room again
+    assert uploads.open(iter(()), "10.0.0.4", "ipv4:10.0.0.4:1") is not None  # room again
+
+
+def test_one_hosts_uploads_are_shared_between_its_connections():
+    """When the new upload's own peer holds the most, its connections share that peer's
+    uploads by the same rule: one connection's many uploads make room for another's."""
+    uploads = Uploads(limit=4, idle=10.0, slots=WorkSlots(2))
+    held = [uploads.open(iter(()), "10.0.0.1", "ipv4:10.0.0.1:1") for _ in range(3)]
+    assert uploads.open(iter(()), "10.0.0.2", "ipv4:10.0.0.2:1") is not None
+    # 10.0.0.1 holds 3, no more than one more than its own 3: its connection :1 holds 3,
+    # its connection :2 none, so :1 gives one up.
+    assert uploads.open(iter(()), "10.0.0.1", "ipv4:10.0.0.1:2") is not None
+    assert sum(u._arrived.qsize() for u in held) == 1
+    # 2 and 1 on its connections now: neither holds more than one more than the other.
+    assert uploads.open(iter(()), "10.0.0.1", "ipv4:10.0.0.1:2") is None
 
 
 def test_work_slots_try_acquire_never_waits():

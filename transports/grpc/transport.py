@@ -209,7 +209,9 @@ class GrpcListener(Listener):
         return self._respond(self._handler(request))
 
     def _upload(self, messages: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
-        upload = self._uploads.open(messages, context.peer())
+        connection = context.peer()
+        peer = peer_host(connection)
+        upload = self._uploads.open(messages, peer, connection)
         if upload is None:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"{_BUSY} it holds {self._uploads.limit} uploads open "
@@ -217,14 +219,14 @@ class GrpcListener(Listener):
         try:
             self._admit(context)
             try:
-                return self._respond(self._handler(self._received(upload, context)))
+                return self._respond(self._handler(self._received(upload, peer, context)))
             finally:
                 self._streams.release()
         finally:
             self._uploads.close(upload)
 
-    def _received(self, upload: Upload, context: grpc.ServicerContext) -> Frame:
-        """The frame an upload carries, as its messages arrive (see ``uploads``)."""
+    def _received(self, upload: Upload, peer: str, context: grpc.ServicerContext) -> Frame:
+        """The frame an upload from ``peer`` carries, as its messages arrive (``uploads``)."""
         try:
             messages = upload.messages()
             first = next(messages, None)
@@ -233,8 +235,7 @@ class GrpcListener(Listener):
             envelope = framing.LAYOUT.decode(first, self._limit)
             return Frame(envelope.header, interleave(
                 envelope.kinds, split_inline(envelope),
-                framing.assemble(messages, bulk_lengths(envelope))),
-                peer=peer_host(context.peer()))
+                framing.assemble(messages, bulk_lengths(envelope))), peer=peer)
         except errors.OpError as err:
             context.abort(grpc.StatusCode(status_code(err.error_code)), err.message)
 

@@ -12,12 +12,15 @@ its bytes arrive. The rules:
   ``MIN_UPLOAD_BYTES_PER_SECOND`` over a window of ``idle`` seconds, is dropped with
   DeadlineExceededError;
 * when ``limit`` are open, a new upload makes room by dropping an open upload of the peer
-  (client connection) holding the most: its slowest one, when that peer holds more than
-  one more than the new upload's peer (a fair share), else its slowest one that has been
-  open for ``_GRACE_S`` and brought less than ``MIN_UPLOAD_BYTES_PER_SECOND`` since it
-  began. The dropped upload gets the same DeadlineExceededError; with none to drop, the new
-  upload is refused as busy. So a client's upload gets in beside many slow uploads of
-  other connections, which only displace each other.
+  holding the most (``Frame.peer``: its IP address, however many connections it opens):
+  its slowest one, when that peer holds more than one more than the new upload's peer (a
+  fair share); else, when the new upload's own peer holds the most, the slowest upload of
+  that peer's connection holding the most, by the same rule between its connections (so
+  clients of one host share it too); else its slowest one that has been open for
+  ``_GRACE_S`` and brought less than ``MIN_UPLOAD_BYTES_PER_SECOND`` since it began. The
+  dropped upload gets the same DeadlineExceededError; with none to drop, the new upload is
+  refused as busy. So a client's upload gets in beside many uploads of another peer, on
+  however many connections and at whatever pace: those only displace each other.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import grpc
@@ -46,8 +49,10 @@ _EVICTED: Any = object()
 class Upload:
     """One open upload: its messages as they arrive, and how fast they came."""
 
-    def __init__(self, messages: Iterator[bytes], peer: str, idle: float, slots: WorkSlots):
+    def __init__(self, messages: Iterator[bytes], peer: str, connection: str, idle: float,
+                 slots: WorkSlots):
         self.peer = peer
+        self.connection = connection
         self._source = messages
         self._idle = idle
         self._slots = slots
@@ -140,13 +145,14 @@ class Uploads:
         self._count = 0
         self._lock = threading.Lock()
 
-    def open(self, messages: Iterator[bytes], peer: str) -> Upload | None:
-        """A new upload of ``messages`` from ``peer``, making room if need be; None when it
-        cannot (see the rules above)."""
-        upload = Upload(messages, peer, self._idle, self._slots)
+    def open(self, messages: Iterator[bytes], peer: str, connection: str) -> Upload | None:
+        """A new upload of ``messages`` from ``peer`` (its IP address) on ``connection``
+        (gRPC's peer string), making room if need be; None when it cannot (see the rules
+        above)."""
+        upload = Upload(messages, peer, connection, self._idle, self._slots)
         with self._lock:
             if self._count >= self.limit:
-                dropped = self._to_drop(len(self._open.get(peer, ())))
+                dropped = self._to_drop(peer, connection)
                 if dropped is None:
                     return None
                 self._forget(dropped)
@@ -155,13 +161,21 @@ class Uploads:
             self._count += 1
         return upload
 
-    def _to_drop(self, held: int) -> Upload | None:
-        """Under the lock: the upload a new one from a peer holding ``held`` may drop."""
-        busiest = max(self._open.values(), key=len)
+    def _to_drop(self, peer: str, connection: str) -> Upload | None:
+        """Under the lock: the upload a new one from ``peer`` on ``connection`` may drop."""
         now = time.monotonic()
+        own = self._open.get(peer, set())
+        busiest = max(self._open.values(), key=len)
+        fair = _fair_share(busiest, len(own), now)
+        if fair is None and len(own) == len(busiest):
+            by_connection: dict[str, list[Upload]] = {}
+            for upload in own:
+                by_connection.setdefault(upload.connection, []).append(upload)
+            fair = _fair_share(max(by_connection.values(), key=len),
+                               len(by_connection.get(connection, ())), now)
+        if fair is not None:
+            return fair
         receiving = [u for u in busiest if u.receiving]
-        if len(busiest) > held + 1 and receiving:
-            return min(receiving, key=lambda u: u.rate(now))
         slow = [u for u in receiving if now - u.started >= _GRACE_S
                 and u.rate(now) < MIN_UPLOAD_BYTES_PER_SECOND]
         return min(slow, key=lambda u: u.rate(now)) if slow else None
@@ -180,6 +194,14 @@ class Uploads:
         """The upload's call ended (it may have been dropped for another already)."""
         with self._lock:
             self._forget(upload)
+
+
+def _fair_share(busiest: Collection[Upload], held: int, now: float) -> Upload | None:
+    """The slowest receiving upload of ``busiest`` if it holds more than ``held + 1``."""
+    receiving = [u for u in busiest if u.receiving]
+    if len(busiest) > held + 1 and receiving:
+        return min(receiving, key=lambda u: u.rate(now))
+    return None
 
 
 class Fetches:
