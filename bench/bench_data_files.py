@@ -207,45 +207,19 @@ def _row(name: str, rates: tuple[float, float, float, float],
     return cells + f" {ratio:.2f}x (best {best / baseline[0]:.2f}x) | >= {target}x: {verdict} |"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--records-per-file", type=int, default=64,
-                        help="1 MiB records in each of the 8 TFRecord files")
-    parser.add_argument("--tf-python", default=os.environ.get("CLUSTERWIRE_TF_PYTHON"),
-                        help="a Python with tensorflow for the tf.data service rows")
-    args = parser.parse_args()
-    local = "grpc+local" if "grpc+local" in get_plugin_manager().protocols() else None
-    print(f"machine: {cpu_model()}, {os.cpu_count()} cpus; pyarrow {pa.__version__}; "
-          f"{args.runs} runs after a warm-up; MB/s over the whole read; load average "
-          f"{os.getloadavg()[0]:.1f} at the start\n")
+def _service_tfrecord_rows(args: argparse.Namespace, target: str, local: str | None,
+                           pattern: str, tf_bytes: int) -> list[str]:
+    """a): TF's service rows (if --tf-python) and clusterwire's over each transfer."""
+    tf = _tf_service(args.tf_python, pattern, args.runs) if args.tf_python else \
+        "not run (--tf-python)"
+    pipeline = _tfrecord_pipeline(pattern, CYCLE, CYCLE)
+    ours = {transfer or "grpc": _time(
+        lambda t=transfer: _record_bytes(_through(pipeline, target, t)), args.runs)
+        for transfer in dict.fromkeys([local, None])}
+    for total, _ in ours.values():
+        if total != tf_bytes:
+            raise RuntimeError(f"the service read {total} bytes of {tf_bytes}")
     rows = []
-    with tempfile.TemporaryDirectory() as root:
-        tf_bytes = _write_tfrecords(root, args.records_per_file)
-        parquet, parquet_bytes = _write_parquet(root)
-        pattern = os.path.join(root, "*.tfrecord")
-        tf = _tf_service(args.tf_python, pattern, args.runs) if args.tf_python else \
-            "not run (--tf-python)"
-        with data.LocalDataService(2, local, imports=["_file_workload"],
-                                   readable_dirs=[root]) as service:
-            pipeline = _tfrecord_pipeline(pattern, CYCLE, CYCLE)
-            ours = {transfer or "grpc": _time(
-                lambda t=transfer: _record_bytes(_through(pipeline, service.target, t)),
-                args.runs) for transfer in dict.fromkeys([local, None])}
-            for total, _ in ours.values():
-                if total != tf_bytes:
-                    raise RuntimeError(f"the service read {total} bytes of {tf_bytes}")
-            parquet_ours = _time(lambda: _column_bytes(_through(
-                data.Dataset.from_parquet(parquet, batch_rows=BATCH_ROWS), service.target,
-                local)), args.runs)
-        parquet_base = _time(lambda: _pyarrow(parquet), args.runs)
-        sequential = _time(lambda: _record_bytes(_tfrecord_pipeline(pattern, FILES, None)),
-                           args.runs)
-        parallel = {calls: _time(
-            lambda c=calls: _record_bytes(_tfrecord_pipeline(pattern, FILES, c)), args.runs)
-            for calls in (2, FILES)}
-
-    size = f"{FILES} files x {args.records_per_file} x 1 MiB"
     if isinstance(tf, str):
         rows.append(f"| a) tf.data service: {tf} | | | | | | |")
         best_tf = None
@@ -258,19 +232,66 @@ def main() -> int:
     for transfer, result in ours.items():
         rows.append(_row(f"a) clusterwire service, 2 workers, over {transfer}",
                          _rates(*result), best_tf, TARGETS["a"]))
-    base = _rates(*parquet_base)
-    rows.append(_row("b) pyarrow.parquet.read_table in the client", base))
-    rows.append(_row(f"b) clusterwire service from_parquet(batch_rows={BATCH_ROWS}), over "
-                     f"{local or 'grpc'}", _rates(*parquet_ours), base, TARGETS["b"]))
-    sequential_rates = _rates(*sequential)
-    rows.append(_row(f"c) local interleave(cycle_length={FILES}), num_parallel_calls=None",
-                     sequential_rates))
-    for calls, result in parallel.items():
+    return rows
+
+
+def _interleave_rows(pattern: str, runs: int) -> list[str]:
+    """c): the local interleave, sequential and with 2 and 8 parallel calls."""
+    sequential = _rates(*_time(
+        lambda: _record_bytes(_tfrecord_pipeline(pattern, FILES, None)), runs))
+    rows = [_row(f"c) local interleave(cycle_length={FILES}), num_parallel_calls=None",
+                 sequential)]
+    for calls in (2, FILES):
+        result = _time(lambda c=calls: _record_bytes(_tfrecord_pipeline(pattern, FILES, c)),
+                       runs)
         rows.append(_row(f"c) local interleave(cycle_length={FILES}), "
-                         f"num_parallel_calls={calls}", _rates(*result), sequential_rates,
+                         f"num_parallel_calls={calls}", _rates(*result), sequential,
                          TARGETS["c"]))
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--records-per-file", type=int, default=64,
+                        help="1 MiB records in each of the 8 TFRecord files")
+    parser.add_argument("--parts", default="abc",
+                        help="which reads to time, of a (TFRecord service), b (Parquet "
+                             "service), c (local interleave)")
+    parser.add_argument("--tf-python", default=os.environ.get("CLUSTERWIRE_TF_PYTHON"),
+                        help="a Python with tensorflow for the tf.data service rows")
+    args = parser.parse_args()
+    local = "grpc+local" if "grpc+local" in get_plugin_manager().protocols() else None
+    print(f"machine: {cpu_model()}, {os.cpu_count()} cpus; pyarrow {pa.__version__}; "
+          f"{args.runs} runs after a warm-up; MB/s over the whole read; load average "
+          f"{os.getloadavg()[0]:.1f} at the start\n")
+    parts = set(args.parts)
+    rows: list[str] = []
+    with tempfile.TemporaryDirectory() as root:
+        tf_bytes = _write_tfrecords(root, args.records_per_file)
+        parquet, parquet_bytes = _write_parquet(root) if "b" in parts else ([], 0)
+        pattern = os.path.join(root, "*.tfrecord")
+        if "a" in parts or "b" in parts:
+            with data.LocalDataService(2, local, imports=["_file_workload"],
+                                       readable_dirs=[root]) as service:
+                if "a" in parts:
+                    rows += _service_tfrecord_rows(args, service.target, local, pattern,
+                                                   tf_bytes)
+                if "b" in parts:
+                    parquet_ours = _time(lambda: _column_bytes(_through(
+                        data.Dataset.from_parquet(parquet, batch_rows=BATCH_ROWS),
+                        service.target, local)), args.runs)
+            if "b" in parts:
+                base = _rates(*_time(lambda: _pyarrow(parquet), args.runs))
+                rows.append(_row("b) pyarrow.parquet.read_table in the client", base))
+                rows.append(_row(f"b) clusterwire service from_parquet(batch_rows={BATCH_ROWS}),"
+                                 f" over {local or 'grpc'}", _rates(*parquet_ours), base,
+                                 TARGETS["b"]))
+        if "c" in parts:
+            rows += _interleave_rows(pattern, args.runs)
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
-    print(f"TFRecord: {size} ({tf_bytes / 1e6:,.0f} MB); Parquet: {PARQUET_FILES} files x "
+    print(f"TFRecord: {FILES} files x {args.records_per_file} x 1 MiB ({tf_bytes / 1e6:,.0f} "
+          f"MB); Parquet: {PARQUET_FILES} files x "
           f"{PARQUET_ROWS:,} rows x 8 numeric columns ({parquet_bytes / 1e6:,.0f} MB, row "
           f"groups of {ROW_GROUP_ROWS:,} rows); page cache warm\n")
     print("| read | best MB/s | median MB/s | first element s | MB/s after it | "

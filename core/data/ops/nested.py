@@ -4,9 +4,10 @@ function returns a Dataset per input element."""
 from __future__ import annotations
 
 import os
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -27,12 +28,11 @@ from clusterwire.data.pipeline import (
 )
 from clusterwire.errors import InvalidArgumentError
 
-#: Elements read ahead of the consumer per open Dataset of a parallel interleave: a block
-#: of a large ``block_length`` is read in parts, so memory stays bounded.
+#: Elements read ahead of the consumer per open Dataset of a parallel interleave, whatever
+#: the ``block_length``, so memory stays bounded.
 _READ_AHEAD = 8
 
-_ENDED: Future = Future()  # the read of a slot whose Dataset has ended
-_ENDED.set_result((None, [], True, None))
+_ENDED = object()  # what a drained slot whose Dataset has ended gives
 
 
 def default_cycle_length() -> int:
@@ -221,14 +221,41 @@ class _Cycle:
         raise StopIteration
 
 
+class _Failed:
+    """An error a read raised, kept in its place among its Dataset's elements; ``at_open``:
+    the Dataset did not open."""
+
+    __slots__ = ("error", "at_open")
+
+    def __init__(self, error: Exception, at_open: bool):
+        self.error, self.at_open = error, at_open
+
+
+class _Slot:
+    """One open Dataset of a parallel interleave: the elements read ahead of the consumer
+    (a ``_Failed`` last if the read stopped at an error), whether a read of it is under way
+    on the pool, and whether it has ended. Guarded by its cycle's condition."""
+
+    __slots__ = ("element", "iterator", "buffer", "reading", "failed", "ended")
+
+    def __init__(self, element: Any):
+        self.element = element  # the input element whose Dataset this is
+        self.iterator: Iterator[Any] | None = None  # opened by the first read
+        self.buffer: deque[Any] = deque()
+        self.reading = self.failed = self.ended = False
+
+
 class _ParallelCycle:
-    """The open Datasets of a parallel interleave, each with its next elements being read
-    (or the Dataset opened) on the pool, up to ``_READ_AHEAD`` of them: the consumer takes
-    them in TF's cycle order (``deterministic``) or as reads complete. An ended Dataset's
-    place goes to the next input element at once (TF's cycle gives it that element when it
-    comes back). A failed read fails one ``next`` after the elements read before it, and
-    the Dataset is read again (a generator that raised then ends), as in TF. Its
-    ``threads`` go back to ``budget`` when it ends or is dropped."""
+    """The open Datasets of a parallel interleave, each read ahead on the pool into its own
+    buffer, up to ``_READ_AHEAD`` elements (a read task streams them in one by one and
+    ends there, so a pool thread serves every open Dataset in turn and the consumer pays a
+    hand-off per ``_READ_AHEAD / 2`` elements, not per element). The consumer takes them
+    in TF's cycle order (``deterministic``) or from whichever Dataset has elements ready.
+    An ended Dataset's place goes to the next input element when the consumer finds it
+    drained (TF's cycle gives it that element when it comes back). A failed read fails one
+    ``next`` in its place after the elements read before it, and the Dataset is read again
+    (a generator that raised then ends), as in TF; nothing is read past a failure before
+    the consumer took it. Its ``threads`` go back to ``budget`` when it ends or is dropped."""
 
     def __init__(self, open_: Callable[[Any], Iterator[Any]], inputs: Iterator[Any],
                  cycle: int, block_length: int, threads: int, deterministic: bool,
@@ -237,9 +264,8 @@ class _ParallelCycle:
         self._open, self._inputs, self._block_length = open_, inputs, block_length
         self._deterministic = deterministic
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="clusterwire-interleave")
-        self._slots: list[Future | None] = [None] * cycle
-        self._output: deque[Any] = deque()
-        self._error: BaseException | None = None
+        self._changed = threading.Condition()  # a read added an element, or finished
+        self._slots: list[_Slot | None] = [None] * cycle
         self._index = 0
         self._left = block_length  # elements left in the current slot's block
         self._inputs_left = True
@@ -250,25 +276,41 @@ class _ParallelCycle:
     def __iter__(self) -> Iterator[Any]:
         return self
 
-    def _read(self, iterator: Iterator[Any] | None, element: Any, count: int) -> tuple:
-        """(iterator, elements, ended, error): up to ``count`` elements of the Dataset
-        (opened first for a new input ``element``); ended: it has no more, or did not open."""
-        elements: list[Any] = []
+    def _read(self, slot: _Slot, count: int) -> None:
+        """Up to ``count`` more elements of ``slot``'s Dataset (opened first) into its
+        buffer, on a pool thread."""
+        failure, ended = None, False
         try:
-            if iterator is None:
-                iterator = self._open(element)
+            if slot.iterator is None:
+                try:
+                    slot.iterator = self._open(slot.element)
+                except Exception as err:  # noqa: BLE001 - the consumer raises it in its place
+                    failure, ended = _Failed(err, at_open=True), True
+                    return
             for _ in range(count):
-                elements.append(next(iterator))
+                element = next(slot.iterator)
+                with self._changed:
+                    slot.buffer.append(element)
+                    self._changed.notify_all()
         except StopIteration:
-            return iterator, elements, True, None
+            ended = True
         except Exception as err:  # noqa: BLE001 - the consumer raises it in its place
-            return iterator, elements, iterator is None, err
-        return iterator, elements, False, None
+            failure = _Failed(err, at_open=False)
+        finally:
+            with self._changed:
+                if failure is not None:
+                    slot.buffer.append(failure)
+                    slot.failed = True
+                slot.ended = slot.ended or ended
+                slot.reading = False
+                self._changed.notify_all()
 
-    def _submit(self, index: int, iterator: Iterator[Any] | None, element: Any,
-                count: int) -> None:
-        self._slots[index] = self._pool.submit(self._read, iterator, element,
-                                               min(count, _READ_AHEAD))
+    def _submit(self, slot: _Slot) -> None:
+        """Start a read of ``slot`` if it has room for half its read-ahead (under the lock)."""
+        if slot.reading or slot.ended or slot.failed or len(slot.buffer) > _READ_AHEAD // 2:
+            return
+        slot.reading = True
+        self._pool.submit(self._read, slot, _READ_AHEAD - len(slot.buffer))
 
     def _fill(self, index: int) -> bool:
         """Open the next input's Dataset in slot ``index``; False if the input has ended."""
@@ -280,52 +322,74 @@ class _ParallelCycle:
         except StopIteration:
             self._inputs_left = False
             return False
-        self._submit(index, None, element, self._block_length)
+        slot = self._slots[index] = _Slot(element)
+        with self._changed:
+            self._submit(slot)
         return True
-
-    def __next__(self) -> Any:
-        while not self._output:
-            if self._error is not None:
-                error, self._error = self._error, None
-                raise error
-            if all(s is None for s in self._slots):
-                self._close(cancel=False)
-                raise StopIteration
-            self._step()
-        return self._output.popleft()
 
     def _advance(self) -> None:
         self._index = (self._index + 1) % len(self._slots)
         self._left = self._block_length
 
-    def _step(self) -> None:
-        """Take the current slot's next read, then move the cycle as TF's would."""
-        if not self._deterministic:  # any ready read, each its own block
-            ready = wait([s for s in self._slots if s is not None],
-                         return_when=FIRST_COMPLETED).done
-            self._index = next(i for i, s in enumerate(self._slots) if s in ready)
-            self._left = self._block_length
-        future = self._slots[self._index]
-        if future is None:
-            self._advance()
-            return
-        iterator, elements, ended, self._error = future.result()
-        self._output.extend(elements)
-        self._left -= len(elements)
-        if ended and self._error is not None and iterator is None:
-            # TF's parallel interleave (unlike its sequential one) counts a Dataset that
-            # failed to open as an element of the block, and finds it ended on its next visit.
-            self._left -= 1
-            self._slots[self._index] = _ENDED
-            if not self._left:
+    def _pick_ready(self) -> None:
+        """Move to a slot with something for the consumer (the current one first), waiting
+        for a read if none has: ``deterministic=False``, a switch starts a new block."""
+        count = len(self._slots)
+        with self._changed:
+            while True:
+                for step in range(count):
+                    index = (self._index + step) % count
+                    slot = self._slots[index]
+                    if slot is not None and (slot.buffer or not slot.reading):
+                        if step:
+                            self._index, self._left = index, self._block_length
+                        return
+                self._changed.wait()
+
+    def _take(self, slot: _Slot) -> Any:
+        """``slot``'s next buffered element (or ``_Failed``), waiting for its read; ``_ENDED``
+        if it has ended and is drained."""
+        with self._changed:
+            while not slot.buffer:
+                if slot.ended:
+                    return _ENDED
+                self._submit(slot)
+                self._changed.wait()
+            item = slot.buffer.popleft()
+            if isinstance(item, _Failed):
+                slot.failed = False
+            self._submit(slot)
+            return item
+
+    def __next__(self) -> Any:
+        while True:
+            if all(s is None for s in self._slots):
+                self._close(cancel=False)
+                raise StopIteration
+            if not self._deterministic:
+                self._pick_ready()
+            slot = self._slots[self._index]
+            if slot is None:
                 self._advance()
-        elif ended:
-            self._fill(self._index)
-            self._advance()
-        elif self._left:  # the block goes on: a read was cut at _READ_AHEAD, or failed
-            self._submit(self._index, iterator, None, self._left)
-        else:
-            self._submit(self._index, iterator, None, self._block_length)
+                continue
+            item = self._take(slot)
+            if item is _ENDED:
+                self._fill(self._index)
+                self._advance()
+                continue
+            if isinstance(item, _Failed):
+                # TF's parallel interleave (unlike its sequential one) counts a Dataset that
+                # failed to open as an element of the block, and finds it ended on its next visit.
+                if item.at_open:
+                    self._count_one()
+                raise item.error
+            self._count_one()
+            return item
+
+    def _count_one(self) -> None:
+        """One element of the current block taken: the cycle moves on after the last."""
+        self._left -= 1
+        if not self._left:
             self._advance()
 
     def _close(self, cancel: bool) -> None:
