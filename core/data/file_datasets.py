@@ -1,9 +1,10 @@
 """Datasets read from files: ``TFRecordDataset``, ``Dataset.list_files``,
 ``Dataset.from_parquet`` and ``Dataset.from_tar_shards``.
 
-Each is a dataset of file names (or Parquet ``(file, row group)`` pairs) followed by the
-format's read (``clusterwire.data.ops.formats``), so distributed_epoch splits the files (row
-groups) as it splits any ``from_tensor_slices``. Paths are local paths or fsspec URLs.
+Each is a dataset of file names (a ``FileNamesSource``, or Parquet ``(file, row group)`` pairs
+in a ``RowGroupsSource``) followed by the format's read (``clusterwire.data.ops.formats``), so
+distributed_epoch hands out a file, a tar shard or a row group per split
+(``clusterwire.data.splits``). Paths are local paths or fsspec URLs.
 """
 
 from __future__ import annotations
@@ -16,7 +17,14 @@ import numpy as np
 
 from clusterwire.data.dataset import Dataset
 from clusterwire.data.filesystems import is_url
-from clusterwire.data.ops.formats import ParquetRead, TarShardRead, TFRecordRead, names_array
+from clusterwire.data.ops.formats import (
+    FileNamesSource,
+    ParquetRead,
+    RowGroupsSource,
+    TarShardRead,
+    TFRecordRead,
+    names_array,
+)
 from clusterwire.errors import FailedPreconditionError, InvalidArgumentError
 
 
@@ -34,7 +42,7 @@ def TFRecordDataset(filenames: Any, compression_type: str | None = None,  # noqa
     read = TFRecordRead(compression_type, buffer_size, num_parallel_reads)
     if isinstance(filenames, Dataset):
         return filenames._with(read)
-    return Dataset.from_tensor_slices(names_array(filenames, "TFRecordDataset"))._with(read)
+    return Dataset(FileNamesSource(names_array(filenames, "TFRecordDataset")), (read,))
 
 
 def list_files(file_pattern: str | os.PathLike | list, shuffle: bool | None = None,
@@ -49,7 +57,7 @@ def list_files(file_pattern: str | os.PathLike | list, shuffle: bool | None = No
     if not names:
         raise InvalidArgumentError(
             f"No files matched pattern: {', '.join(os.fsdecode(p) for p in patterns)}")
-    dataset = Dataset.from_tensor_slices(names_array(names, "list_files"))
+    dataset = Dataset(FileNamesSource(names_array(names, "list_files")))
     return dataset if shuffle is False else dataset.shuffle(len(names), seed=seed)
 
 
@@ -78,11 +86,10 @@ def from_parquet(paths: Any, columns: list[str] | None = None,
     files = [np.full(info.row_groups, info.path.encode(), dtype=object) for info in plan.files]
     groups = [np.arange(info.row_groups, dtype=np.int64) for info in plan.files]
     pairs = (np.concatenate(files).astype(bytes), np.concatenate(groups))
-    return Dataset.from_tensor_slices(pairs)._with(read)
+    return Dataset(RowGroupsSource(pairs), (read,))
 
 
 def from_tar_shards(paths: Any) -> Dataset:
     """The samples of WebDataset tar shards (``TarShardReader``'s dicts ``{ext: bytes,
     "__key__": key}``), shard after shard; a shard is a split of distributed_epoch."""
-    return Dataset.from_tensor_slices(names_array(paths, "from_tar_shards"))._with(
-        TarShardRead())
+    return Dataset(FileNamesSource(names_array(paths, "from_tar_shards")), (TarShardRead(),))

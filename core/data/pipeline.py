@@ -79,7 +79,10 @@ def _stack(elements: list[Any]) -> Any:
 # ---- Sources ----------------------------------------------------------------
 
 class Source:
-    """A source of elements; ``units()`` is its split count, or None if unsplittable."""
+    """A source of elements; ``units()`` is its count of split units, or None if
+    unsplittable; ``split_kind`` names its split provider (``clusterwire.data.splits``)."""
+
+    split_kind = "elements"
 
     def units(self) -> int | None:
         return None
@@ -568,6 +571,13 @@ class SplitPlan:
     epochs: int
     ops: tuple[Op, ...]
     align: int  # split sizes are multiples of this (a leading batch's size)
+    kind: str  # the source's split kind (``clusterwire.data.splits``)
+
+    def split_units(self, workers: int) -> int:
+        """Units per split, for ``workers`` live workers (the source kind's provider)."""
+        from clusterwire.data.splits import provider
+
+        return provider(self.kind).units_per_split(self.units, workers, self.align)
 
 
 def split_plan(pipeline: Pipeline) -> SplitPlan:
@@ -602,4 +612,4 @@ def split_plan(pipeline: Pipeline) -> SplitPlan:
             align = op.batch_size
         if not (isinstance(op, (Map, Prefetch))):
             break
-    return SplitPlan(units, epochs, tuple(ops), align)
+    return SplitPlan(units, epochs, tuple(ops), align, pipeline.source.split_kind)

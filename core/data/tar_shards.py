@@ -12,7 +12,8 @@ so no data goes missing unnoticed; like WebDataset it skips directory entries (t
 bytes, and ``tar cf shard.tar folder/`` writes them) and top-level ``__name__`` metadata:
 
 * a regular member without a key (no dot in its last component, or a name ending in a
-  dot): InvalidArgumentError, the layout is wrong, not the bytes;
+  dot): InvalidArgumentError, the layout is wrong, not the bytes (after the sample before it,
+  which it ends);
 * the same ext twice in one sample: InvalidArgumentError (WebDataset's ValueError);
 * a symlink, hard link, device or fifo: InvalidArgumentError, never followed;
 * a member larger than ``MAX_MEMBER_BYTES``: ResourceExhaustedError, before it is read;
@@ -126,7 +127,12 @@ class TarShardReader:
         stream = _decompressed(self._file)
         with tarfile.open(fileobj=stream, mode="r|", tarinfo=_Header) as tar:
             for member in tar:
-                split = self._check(member)
+                try:
+                    split = self._check(member)
+                except InvalidArgumentError:
+                    if sample is not None and _split(member.name) is None:
+                        yield sample  # complete: a member without a key is of no sample
+                    raise
                 if split is None:
                     continue
                 key, ext = split

@@ -1,11 +1,17 @@
-"""File formats as dataset transformations: file names (or Parquet row groups) in, records out.
+"""File formats as dataset transformations: file names (or Parquet row groups) in, records out,
+and the sources of those names.
 
 ``TFRecordDataset``, ``Dataset.from_parquet`` and ``Dataset.from_tar_shards`` are a dataset of
-file names (``from_tensor_slices``, or any Dataset of names such as ``list_files``') followed
-by one of these reads. So the split policy of each format is its names' source's: in
-distributed_epoch a split is a range of file names (TF's FILE sharding) for TFRecord and tar
-shards, a range of ``(file, row group)`` pairs for Parquet; a split's element count is not
-known (``position.split_limit`` leaves it unbounded, as for ``from_files``).
+file names (a ``FileNamesSource``, or any Dataset of names) followed by one of these reads;
+Parquet's names are ``(file, row group)`` pairs (a ``RowGroupsSource``). The sources name their
+split kind, so distributed_epoch hands out one file (TF's FILE sharding), one tar shard or one
+row group per split (``clusterwire.data.splits``); a split's element count is not known
+(``position.split_limit`` leaves it unbounded, as for ``from_files``).
+
+An error reading a file (``DataLossError`` for damage, ``InvalidArgumentError`` for a missing
+column or a tar member without a key) fails one element, naming the file, and ends that file
+(Parquet: that row group): the next element comes from the next file, as TF's TFRecordDataset
+goes on, so ``ignore_errors()`` leaves out the rest of a damaged file and reads the others.
 
 Every file is opened through ``filesystems.open_readable``: on a worker with its
 ``readable_dirs`` (``graph.from_def`` sets ``readable``, which a client cannot send), locally
@@ -24,7 +30,15 @@ import numpy as np
 from clusterwire.data.limits import PipelineLimits, ThreadBudget, refuse_cycle
 from clusterwire.data.ops import Node, register
 from clusterwire.data.ops.nested import _Cycle, _ParallelCycle, default_cycle_length
-from clusterwire.data.pipeline import AUTOTUNE, INFINITE, UNKNOWN, Factory, Op, parallelism
+from clusterwire.data.pipeline import (
+    AUTOTUNE,
+    INFINITE,
+    UNKNOWN,
+    Factory,
+    Op,
+    SlicesSource,
+    parallelism,
+)
 from clusterwire.data.tfrecord import TFRecordReader, _compression
 from clusterwire.errors import InvalidArgumentError
 
@@ -40,6 +54,30 @@ def file_name(value: Any) -> str:
     raise InvalidArgumentError(
         f"A dataset of file names holds {value!r:.80} ({type(value).__name__}): give str or "
         "bytes scalars, as list_files makes.")
+
+
+@register
+@dataclass(frozen=True)
+class FileNamesSource(Node, SlicesSource):
+    """File names (a 1-D bytes array): ``list_files``', or the names given to
+    ``TFRecordDataset`` / ``from_tar_shards``. A file is a split of distributed_epoch."""
+
+    kind = "file_names"
+    split_kind = "file"
+
+
+@register
+@dataclass(frozen=True)
+class RowGroupsSource(Node, SlicesSource):
+    """``(file name, row group)`` pairs of ``from_parquet``: a row group is a split."""
+
+    kind = "parquet_row_groups"
+    split_kind = "row_group"
+
+
+def _to_end(records: Iterator[Any]) -> Iterator[Any]:
+    """``records``, ending after the first error it raises (the error is raised once)."""
+    yield from records
 
 
 class ReadsFiles(Op, Node):
@@ -78,8 +116,8 @@ class TFRecordRead(ReadsFiles):
                         allow=(AUTOTUNE,))
 
     def _open(self, name: Any) -> Iterator[bytes]:
-        return TFRecordReader(file_name(name), self.compression_type, self.buffer_size,
-                              readable_prefixes=self.readable)
+        return _to_end(TFRecordReader(file_name(name), self.compression_type,
+                                      self.buffer_size, readable_prefixes=self.readable))
 
     def wrap(self, upstream: Factory) -> Factory:
         reads = self.num_parallel_reads
@@ -115,14 +153,14 @@ class TarShardRead(ReadsFiles):
     kind = "tar_shards"
     readable: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
 
-    def wrap(self, upstream: Factory) -> Factory:
+    def _open(self, name: Any) -> Iterator[Any]:
         from clusterwire.data.tar_shards import TarShardReader
 
-        def run() -> Iterator[Any]:
-            for name in upstream():
-                with TarShardReader(file_name(name), readable_prefixes=self.readable) as reader:
-                    yield from reader
-        return run
+        with TarShardReader(file_name(name), readable_prefixes=self.readable) as reader:
+            yield from reader
+
+    def wrap(self, upstream: Factory) -> Factory:
+        return lambda: _Cycle(self._open, upstream(), 1, 1)
 
 
 @register
@@ -149,25 +187,52 @@ class ParquetRead(ReadsFiles):
                         "element.")
 
     def wrap(self, upstream: Factory) -> Factory:
+        return lambda: _RowGroups(self, upstream())
+
+
+class _RowGroups:
+    """The rows of each ``(file, row group)`` of ``pairs``; the file stays open while
+    consecutive pairs name it. An iterator object: an error fails one ``next`` and ends that
+    row group only (see the module docstring)."""
+
+    def __init__(self, read: ParquetRead, pairs: Iterator[Any]):
+        self._read, self._pairs = read, pairs
+        self._reader: Any = None
+        self._path: str | None = None
+        self._rows: Iterator[Any] = iter(())
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        while True:
+            try:
+                return next(self._rows)
+            except StopIteration:
+                pass
+            try:
+                pair = next(self._pairs)
+            except StopIteration:
+                self.close()
+                raise
+            self._rows = _to_end(self._open(file_name(pair[0]), int(pair[1])))
+
+    def _open(self, name: str, group: int) -> Iterator[Any]:
         from clusterwire.data.parquet import ParquetReader
 
-        def run() -> Iterator[Any]:
-            reader, path = None, None
-            try:
-                for pair in upstream():
-                    name, group = file_name(pair[0]), int(pair[1])
-                    if name != path:
-                        if reader is not None:
-                            reader.close()
-                        reader, path = None, name
-                        reader = ParquetReader(
-                            name, columns=None if self.columns is None else list(self.columns),
-                            batch_rows=self.batch_rows, readable_prefixes=self.readable)
-                    yield from reader.read(group, group + 1)
-            finally:
-                if reader is not None:
-                    reader.close()
-        return run
+        if name != self._path:
+            self.close()
+            columns = self._read.columns
+            self._reader = ParquetReader(
+                name, columns=None if columns is None else list(columns),
+                batch_rows=self._read.batch_rows, readable_prefixes=self._read.readable)
+            self._path = name
+        yield from self._reader.read(group, group + 1)
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+        self._reader, self._path = None, None
 
 
 def names_array(paths: Any, what: str) -> np.ndarray:
