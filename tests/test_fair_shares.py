@@ -205,6 +205,66 @@ def test_uploads_of_another_peer_on_many_connections_leave_a_token_holder_its_pu
               f"at most {worst_get * 1000:.1f} ms; {churn[0]}")
 
 
+class Hog:
+    """``cw_connection_hog.py`` in a process of its own (see there)."""
+
+    def __init__(self, address: str, count: int, source: str):
+        self.process = subprocess.Popen(
+            [sys.executable, os.path.join(TESTS_DIR, "cw_connection_hog.py"), address, TOKEN,
+             str(count), source], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def report(self) -> dict:
+        self.process.stdin.write("?\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        assert line, "the hog process ended"
+        return json.loads(line)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.process.stdin.close()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(30)
+        self.process.stdout.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_token_holder_holding_max_connections_leaves_another_peer_its_gets(tmp_path):
+    """gRPC's port, authenticated connections: a token holder on 127.0.0.2 keeps 8
+    connections busy against a task whose max_connections is 4 (every one the task closes
+    or refuses is opened again at once). A 127.0.0.1 token holder's new session displaces
+    the oldest of them (the peer holding the most) and gets its 8-byte tensor within 1 s;
+    127.0.0.2 keeps the rest."""
+    limit = 4
+    with task(tmp_path, max_connections=limit) as (server, client):
+        with Session(server.target, config=client, timeout=10) as session:
+            session.put("small", np.arange(1, dtype=np.int64))
+        hog = Hog(server.address, 2 * limit, "127.0.0.2")
+        try:
+            wait_for(lambda: hog.report()["held"] == limit, timeout=60,
+                     what=f"127.0.0.2 holding {limit} connections")
+            wait_for(lambda: hog.report()["refused"] > 0, timeout=30,
+                     what="127.0.0.2's connections over the limit refused")
+            took = []
+            for _ in range(8):
+                started = time.monotonic()
+                with Session(server.target, config=client, timeout=10) as session:
+                    assert session.get("small").tolist() == [0]
+                took.append(time.monotonic() - started)
+            report = hog.report()
+        finally:
+            hog.close()
+        assert max(took) < BUDGET_S, took
+        assert report["held"] >= limit - 2, report  # one or two displaced, the rest kept
+        print(f"\n127.0.0.2 keeping {2 * limit} connections busy, max_connections {limit}: 8 "
+              f"new 127.0.0.1 sessions' gets took {min(took) * 1000:.0f}-"
+              f"{max(took) * 1000:.0f} ms; 127.0.0.2 then held {report['held']}, refused "
+              f"{report['refused']} times, closed {report['closed']} times")
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("buffers", [1, 65536], ids=["one-4GiB-buffer", "65536-buffers"])
 def test_a_trickled_upload_holds_what_it_sent_until_the_rate_rule_drops_it(tmp_path,

@@ -157,23 +157,25 @@ def test_a_token_holder_over_max_connections_is_refused_and_gets_in_when_one_clo
 
 
 @contextlib.contextmanager
-def door_and_connections(timeout: float, count: int = 1,
-                         max_connections: int = 1024) -> Iterator:
+def door_and_connections(timeout: float, count: int = 1, max_connections: int = 1024,
+                         sources: list[str] | None = None) -> Iterator:
     """A started door (no gRPC server) that has recorded ``count`` accepted loopback
-    connections; yields (door, [(the client's socket, gRPC's peer string of the client,
-    the accepted socket: gRPC's)])."""
+    connections (the i-th from ``sources[i]``, default 127.0.0.1); yields (door, [(the
+    client's socket, gRPC's peer string of the client, the accepted socket: gRPC's)])."""
     door = Door(ListenOptions(handshake_timeout_seconds=timeout,
                               max_connections=max_connections), "test")
     door.start()
     try:
         with socket.create_server(("127.0.0.1", 0)) as server, contextlib.ExitStack() as held:
             connections = []
-            for _ in range(count):
-                client = held.enter_context(socket.create_connection(server.getsockname()))
+            for i in range(count):
+                source = sources[i] if sources else "127.0.0.1"
+                client = held.enter_context(socket.create_connection(
+                    server.getsockname(), source_address=(source, 0)))
                 accepted = held.enter_context(server.accept()[0])
                 door._accepted(accepted.fileno())
                 connections.append(
-                    (client, f"ipv4:127.0.0.1:{client.getsockname()[1]}", accepted))
+                    (client, f"ipv4:{source}:{client.getsockname()[1]}", accepted))
             yield door, connections
     finally:
         door.close()
@@ -226,6 +228,24 @@ def test_authenticated_connections_are_counted_once_up_to_max_connections():
         assert still_open(connections[0][0]) and still_open(connections[1][0])
         assert door.admitted == set(peers[:2])
         assert door.authenticated(peers[2]) is not None  # its other calls are refused too
+
+
+def test_at_max_connections_a_peer_holding_the_most_gives_its_oldest_up():
+    """Fair shares of max_connections: a new peer displaces (shuts) the oldest connection
+    of the peer holding the most while that one holds more than one more; then it is
+    refused, and so is the peer holding the most."""
+    sources = ["127.0.0.2"] * 4 + ["127.0.0.1"] * 2
+    with door_and_connections(60, count=6, max_connections=3, sources=sources) as (
+            door, connections):
+        peers = [peer for _, peer, _ in connections]
+        for peer in peers[:3]:
+            assert door.authenticated(peer) is None
+        assert door.authenticated(peers[3]) is not None  # 127.0.0.2 over the limit
+        assert door.authenticated(peers[4]) is None  # 127.0.0.1: 3 > 0 + 1
+        assert closed_by_server(connections[0][0])  # 127.0.0.2's oldest
+        assert door.admitted == {peers[1], peers[2], peers[4]}
+        assert door.authenticated(peers[5]) is not None  # 2 is not > 1 + 1
+        assert all(still_open(connections[i][0]) for i in (1, 2, 4))
 
 
 def test_a_connection_grpc_closed_leaves_the_count_when_it_is_full():

@@ -10,9 +10,12 @@ with ctypes, that records each accepted connection. From then on the connection 
 without the token (``refused``), else the oldest of the peer (IP address) holding the most.
 A call that shows the token (``authenticated``) ends its connection's pending state and
 makes it one of the authenticated connections, at most ``max_connections`` (gRPC core's
-quota cannot count them apart from the pending ones): a call showing the token on one more
-is refused (RESOURCE_EXHAUSTED) and its connection shut; one gRPC closed (checked by the
-descriptor's inode) leaves the count when the count is full. At the
+quota cannot count them apart from the pending ones), shared fairly between peers
+(``clusterwire.pending.FairConnections``): one more from peer P displaces (shuts) the
+oldest authenticated connection of the peer holding the most when that peer holds more
+than one more than P, else its call is refused (RESOURCE_EXHAUSTED) and its connection
+shut; one gRPC closed (checked by the descriptor's inode) leaves the count when the count
+is full. At the
 deadline, a connection that called without the token is closed; one that made no call is
 left to gRPC's own limits, which close it at the same deadline if it is silent
 (``connection_args``) and keep it if its first call is waiting for a server thread, but for
@@ -42,7 +45,7 @@ import weakref
 
 import grpc
 
-from clusterwire.pending import PendingConnections
+from clusterwire.pending import FairConnections, PendingConnections
 from clusterwire.transport import ListenOptions
 
 _LOG = logging.getLogger(__name__)
@@ -148,6 +151,7 @@ class Door:
         #: needs nothing more of the door (read without the lock).
         self.admitted: set[str] = set()
         self._admitted: dict[tuple[str, int], _Connection] = {}  # the same, by peer address
+        self._shares: FairConnections[_Connection] = FairConnections(limits.max_connections)
         #: The pending connections by peer address, and those past their deadline for as
         #: long again (``_late``); empty (false) when there are none.
         self.pending: dict[tuple[str, int], _Connection] = {}
@@ -186,6 +190,7 @@ class Door:
             self._late.clear()
             self._dormant.clear()
             self._admitted.clear()
+            self._shares = FairConnections(self._max_connections)
             self.admitted.clear()
             self._lock.notify_all()
 
@@ -200,16 +205,17 @@ class Door:
             _shut(refused)
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, (
             "The server refused the connection: it holds its max_connections "
-            f"({self._max_connections}) authenticated connections. Close idle clients, or "
-            "raise max_connections."))
+            f"({self._max_connections}) authenticated connections, and no other peer holds "
+            "more than this one. Close idle clients, or raise max_connections."))
 
     def authenticated(self, peer: str) -> _Connection | None:
         """A call from ``peer`` (gRPC's peer string) showed the token: its connection is no
         longer pending and is one of the authenticated connections; unless
-        ``max_connections`` others are, live: then it is returned, for the caller to refuse
-        the call and shut it. A connection the door does not hold, closed already, is
-        let be."""
+        ``max_connections`` others are, live, and none may be displaced (see the module's
+        docstring): then it is returned, for the caller to refuse the call and shut it. A
+        connection the door does not hold, closed already, is let be."""
         key = context_peer(peer)
+        displaced = None
         with self._lock:
             if peer in self.admitted:
                 return None
@@ -217,15 +223,18 @@ class Door:
             connection = pending or self._dormant.get(key)
             if connection is None:
                 return None
-            if len(self._admitted) >= self._max_connections:
-                for old in [c for c in self._admitted.values() if not _alive(c)]:
+            if self._shares.full():
+                for old in [c for c in self._shares if not _alive(c)]:
                     self._drop(old)
-                if len(self._admitted) >= self._max_connections:
-                    # Its other calls are refused too until it is shut; if pending, it is
-                    # the first to close when room is needed.
-                    if pending is not None:
-                        self._tokenless[pending] = None
-                    return connection
+            admitted, displaced = self._shares.add(connection, connection.peer[0])
+            if not admitted:
+                # Its other calls are refused too until it is shut; if pending, it is the
+                # first to close when room is needed.
+                if pending is not None:
+                    self._tokenless[pending] = None
+                return connection
+            if displaced is not None:
+                self._drop(displaced)
             if pending is not None:
                 self._forget(pending)
             else:
@@ -233,11 +242,14 @@ class Door:
             connection.name = peer
             self._admitted[key] = connection
             self.admitted.add(peer)
-            return None
+        if displaced is not None:  # its calls in flight fail UNAVAILABLE; it may reconnect
+            _shut(displaced)
+        return None
 
     def _drop(self, connection: _Connection) -> None:
         """``connection`` no longer counts as authenticated."""
         del self._admitted[connection.peer]
+        self._shares.discard(connection)
         self.admitted.discard(connection.name)
 
     def refused(self, peer: str) -> None:
