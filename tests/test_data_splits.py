@@ -16,6 +16,7 @@ from conftest import in_process_data_service
 from clusterwire import data
 from clusterwire.data.pipeline import split_plan
 from clusterwire.data.splits import MAX_SPLIT_UNITS, SPLITS_PER_WORKER, provider
+from clusterwire.data.tfrecord import write_index
 from clusterwire.errors import DataLossError, InvalidArgumentError
 
 pa = pytest.importorskip("pyarrow")
@@ -231,3 +232,49 @@ def test_a_tar_member_without_a_key_names_it_and_the_others_are_read(files, serv
     got = Counter(e["__key__"] for e in distributed(dataset.ignore_errors(), service.target))
     assert got == Counter(["a", *(f"k{i}_{s}" for i in range(2) for s in range(4))])
 
+
+
+# ---- Blocks of records of indexed TFRecord files ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def indexed(files):
+    """Two indexed files of 40 records of 20..59 data bytes (36..75 bytes framed)."""
+    names = []
+    for index in range(2):
+        names.append(str(pathlib.Path(files["root"]) / f"i{index}.tfrecord"))
+        with data.TFRecordWriter(names[-1], index=True) as writer:
+            for record in range(40):
+                writer.write(f"{index}-{record}-".encode().ljust(20 + record, b"."))
+    return names
+
+
+def test_an_indexed_file_is_split_into_blocks_of_records(files, service, indexed):
+    dataset = data.TFRecordDataset(indexed, index_filenames=True, block_bytes=512)
+    expected = [r for name in indexed for r in data.TFRecordDataset(name)]
+    assert list(dataset) == expected
+    got, job, splits = read_and_split(service, dataset, len(expected))
+    assert Counter(got) == Counter(expected)
+    offsets = np.cumsum([0] + [36 + r for r in range(39)])  # each file's record offsets
+    per_file = len(np.unique(offsets // 512))
+    assert (job.split_units, job.total_units) == (1, 2 * per_file) and per_file > 4
+    assert [r for s in splits for r in s] == expected
+    for split in splits:  # records of one file whose offsets fall in one 512-byte window
+        file, records = {r.split(b"-")[0] for r in split}, [int(r.split(b"-")[1]) for r in split]
+        assert len(file) == 1 and records == list(range(records[0], records[-1] + 1))
+        assert len({int(offsets[r]) // 512 for r in records}) == 1
+
+
+def test_an_index_not_of_its_file_is_an_error_naming_them(files, service, indexed, tmp_path):
+    wrong = tmp_path / "wrong.idx"
+    write_index(files["tfrecord"][0], wrong)  # 5 records of 19 bytes
+    with pytest.raises(InvalidArgumentError, match=r"index_filenames names 1 indexes for 2"):
+        data.TFRecordDataset(indexed, index_filenames=[str(wrong)])
+    dataset = data.TFRecordDataset([indexed[1]], index_filenames=[str(wrong)], block_bytes=512)
+    with pytest.raises(DataLossError, match=r"i1\.tfrecord.*index is not this file's"):
+        list(distributed(dataset, service.target))
+    wrong.write_bytes(b"0 36\n36 x\n")
+    with pytest.raises(InvalidArgumentError, match=r"wrong\.idx', line 2"):
+        data.TFRecordDataset([indexed[1]], index_filenames=[str(wrong)])
+    with pytest.raises(InvalidArgumentError, match="uncompressed files named in a list"):
+        data.TFRecordDataset(indexed, "GZIP", index_filenames=True)

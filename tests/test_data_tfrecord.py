@@ -550,3 +550,29 @@ def test_tensorflow_reads_clusterwire_files(tmp_path):
                                    "s": FixedLenFeature([], "string", default_value=b"none")})
     assert out["parsed"] == {"x": ours["x"].tolist(), "n": ours["n"].values.tolist(),
                              "s": [v.decode("latin-1") for v in ours["s"].tolist()]}
+
+
+# ---- Indexes ------------------------------------------------------------------------------
+
+
+def test_an_index_of_a_file_tf_wrote_starts_a_reader_at_each_record(tmp_path):
+    """write_index of TF's fixture file (DALI's tfrecord2idx format) equals what
+    TFRecordWriter(index=True) writes for the same records; each line starts a reader there."""
+    path = FIXTURES / "records.tfrecord"
+    records = list(TFRecordReader(path))
+    index = tfrecord.write_index(path, tmp_path / "tf.idx")
+    copy = tmp_path / "copy.tfrecord"
+    with TFRecordWriter(copy, index=True) as writer:
+        for record in records:
+            writer.write(record)
+    text = pathlib.Path(index).read_bytes()
+    assert text == (tmp_path / "copy.tfrecord.idx").read_bytes()
+    assert copy.read_bytes() == path.read_bytes()
+    rows = tfrecord.read_index(index)
+    assert [int(size) for size in rows[:, 1]] == [16 + len(r) for r in records]
+    for (offset, _), record in zip(rows.tolist(), records, strict=True):
+        assert next(TFRecordReader(path, start=offset)) == record
+    with pytest.raises(InvalidArgumentError, match="only an uncompressed file has an index"):
+        TFRecordWriter(tmp_path / "x.gz", "GZIP", index=True)
+    with pytest.raises(InvalidArgumentError, match="start=19 needs an uncompressed file"):
+        TFRecordReader(FIXTURES / "records.tfrecord.gz", "GZIP", start=19)

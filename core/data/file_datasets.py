@@ -20,17 +20,23 @@ from clusterwire.data.filesystems import is_url
 from clusterwire.data.ops.formats import (
     FileNamesSource,
     ParquetRead,
+    RecordBlocksSource,
     RowGroupsSource,
     TarShardRead,
+    TFRecordBlockRead,
     TFRecordRead,
     names_array,
 )
+from clusterwire.data.splits import RECORD_BLOCK_BYTES, record_blocks
+from clusterwire.data.tfrecord import index_path, read_index
 from clusterwire.errors import FailedPreconditionError, InvalidArgumentError
 
 
 def TFRecordDataset(filenames: Any, compression_type: str | None = None,  # noqa: N802 - TF's name
                     buffer_size: int | None = None,
-                    num_parallel_reads: int | None = None) -> Dataset:
+                    num_parallel_reads: int | None = None, *,
+                    index_filenames: Any = None,
+                    block_bytes: int = RECORD_BLOCK_BYTES) -> Dataset:
     """The records (bytes) of TFRecord files, as ``tf.data.TFRecordDataset``.
 
     ``filenames``: a file name, a list of them, or a Dataset of names (``list_files``'s).
@@ -38,11 +44,56 @@ def TFRecordDataset(filenames: Any, compression_type: str | None = None,  # noqa
     time (None: 256 KiB). ``num_parallel_reads``: None reads the files one after the other;
     N (or AUTOTUNE) reads N at once, interleaving their records one at a time in TF's order.
     A damaged record is DataLossError naming the file and offset, where the consumer reads.
+
+    ``index_filenames`` (clusterwire's; uncompressed files named in a list, read one after
+    the other): the files' indexes (``clusterwire.data.tfrecord``'s format), one per file,
+    or True for ``<file>.idx``. They are read here, and distributed_epoch then hands out
+    blocks of records (about ``block_bytes`` each) of one file per split, not whole files.
     """
+    if index_filenames is not None:
+        return _indexed(filenames, compression_type, buffer_size, num_parallel_reads,
+                        index_filenames, block_bytes)
     read = TFRecordRead(compression_type, buffer_size, num_parallel_reads)
     if isinstance(filenames, Dataset):
         return filenames._with(read)
     return Dataset(FileNamesSource(names_array(filenames, "TFRecordDataset")), (read,))
+
+
+def _indexed(filenames: Any, compression_type: str | None, buffer_size: int | None,
+             num_parallel_reads: int | None, index_filenames: Any, block_bytes: int
+             ) -> Dataset:
+    if isinstance(filenames, Dataset) or compression_type or num_parallel_reads is not None:
+        raise InvalidArgumentError(
+            "TFRecordDataset(index_filenames=...) reads uncompressed files named in a list, "
+            "one after the other: give a list of names, compression_type=None and "
+            f"num_parallel_reads=None (got {type(filenames).__name__}, {compression_type!r}, "
+            f"{num_parallel_reads!r}).")
+    names = [n.decode() for n in names_array(filenames, "TFRecordDataset")]
+    indexes = [index_path(n) for n in names] if index_filenames is True else \
+        [n.decode() for n in names_array(index_filenames, "index_filenames")]
+    if len(indexes) != len(names):
+        raise InvalidArgumentError(
+            f"index_filenames names {len(indexes)} indexes for {len(names)} files: give one "
+            "per file, in the same order (or True for <file>.idx).")
+    if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1:
+        raise InvalidArgumentError(f"block_bytes={block_bytes!r}: give a number of bytes "
+                                   ">= 1.")
+    blocks: list[tuple[bytes, int, int, int]] = []
+    for name, index in zip(names, indexes, strict=True):
+        rows = read_index(index)
+        starts = record_blocks(rows[:, 0], block_bytes)
+        stops = [*starts[1:].tolist(), len(rows)]
+        for first, stop in zip(starts.tolist(), stops, strict=True):
+            end = int(rows[stop - 1, 0] + rows[stop - 1, 1])
+            blocks.append((name.encode(), int(rows[first, 0]), stop - first, end))
+    if not blocks:
+        source = RecordBlocksSource((np.array([], dtype=bytes), *(
+            np.array([], dtype=np.int64) for _ in range(3))))
+    else:
+        columns = list(zip(*blocks, strict=True))
+        source = RecordBlocksSource((np.array(columns[0], dtype=bytes),
+                                     *(np.array(c, dtype=np.int64) for c in columns[1:])))
+    return Dataset(source, (TFRecordBlockRead(buffer_size),))
 
 
 def list_files(file_pattern: str | os.PathLike | list, shuffle: bool | None = None,

@@ -12,16 +12,20 @@ end)``. The kinds:
 - ``"file"`` (``list_files``, ``TFRecordDataset`` of names, ``from_tar_shards``): one file
   per split, TF's FILE sharding (a tar shard is a file);
 - ``"row_group"`` (``from_parquet``): one Parquet row group per split;
-- ``"record_block"`` (``TFRecordDataset`` of indexed files): one block of consecutive records
-  of one file per split (``tfrecord_index.IndexedRecordsSource`` sizes the blocks).
+- ``"record_block"`` (``TFRecordDataset`` with ``index_filenames``): one block of consecutive
+  records of one file per split, cut by ``record_blocks`` (about ``RECORD_BLOCK_BYTES``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 SPLITS_PER_WORKER = 8
 MAX_SPLIT_UNITS = 4096
+#: The bytes of records a block of an indexed TFRecord file holds (at least one record).
+RECORD_BLOCK_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -48,3 +52,11 @@ PROVIDERS = {kind: SplitProvider(kind, kind != "elements")
 def provider(kind: str) -> SplitProvider:
     """The split provider of source kind ``kind`` (see the module docstring)."""
     return PROVIDERS[kind]
+
+
+def record_blocks(offsets: np.ndarray, block_bytes: int = RECORD_BLOCK_BYTES) -> np.ndarray:
+    """The first record of each block of a file whose records start at byte ``offsets``
+    (its index's): a block holds the records starting in one ``block_bytes``-aligned range
+    of the file, so at least one record, about ``block_bytes`` (an int64 array)."""
+    window = offsets // block_bytes
+    return np.flatnonzero(np.diff(window, prepend=-1)).astype(np.int64)

@@ -9,6 +9,13 @@ Reading checks both CRCs. Unlike TF, which ends a file quietly when it stops ins
 a record's 12-byte header, any damage or truncation raises ``DataLossError`` naming
 the file and the record's byte offset (in the decompressed stream for GZIP/ZLIB),
 after every record before it was delivered.
+
+An index (``TFRecordWriter(..., index=True)``, or ``write_index`` for a file written
+elsewhere) is the text index of DALI's ``tfrecord2idx`` and the ``tfrecord`` package: one line
+per record, ``"<byte offset> <record bytes>"`` (decimal; the record's bytes include its 16
+bytes of framing), in file order. It lets a reader start at a record (``TFRecordReader(...,
+start=offset)``) and ``TFRecordDataset(..., index_filenames=...)`` split a file into blocks
+of records. Only uncompressed files have one (offsets in a GZIP/ZLIB stream cannot be sought).
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ import struct
 import zlib
 from collections.abc import Iterable, Iterator
 from typing import BinaryIO
+
+import numpy as np
 
 from clusterwire.data.crc32c import masked
 from clusterwire.data.filesystems import open_readable
@@ -81,13 +90,22 @@ class TFRecordWriter:
     """Writes a TFRecord file that ``tf.data.TFRecordDataset`` reads.
 
     A context manager, as ``tf.io.TFRecordWriter``; the file is created (or
-    truncated) at once. ``compression_type`` is None, "GZIP" or "ZLIB".
+    truncated) at once. ``compression_type`` is None, "GZIP" or "ZLIB". ``index=True``
+    also writes the file's index to ``index_path(path)`` (uncompressed files only).
     """
 
-    def __init__(self, path: str | os.PathLike, compression_type: str | None = None):
+    def __init__(self, path: str | os.PathLike, compression_type: str | None = None, *,
+                 index: bool = False):
         self._compression = _compression(compression_type)
         self._path = os.fspath(path)
+        if index and self._compression is not None:
+            raise InvalidArgumentError(
+                f"TFRecordWriter({self._path!r}, {compression_type!r}, index=True): only an "
+                "uncompressed file has an index (a compressed stream cannot be sought).")
         self._file: BinaryIO | None = _open(path, "wb", DEFAULT_BUFFER_SIZE)
+        self._index: BinaryIO | None = (
+            _open(index_path(path), "wb", DEFAULT_BUFFER_SIZE) if index else None)
+        self._offset = 0
         self._deflate = (None if self._compression is None else zlib.compressobj(
             zlib.Z_DEFAULT_COMPRESSION, zlib.DEFLATED, _WBITS[self._compression], _MEM_LEVEL))
 
@@ -111,6 +129,10 @@ class TFRecordWriter:
         self._emit(header)
         self._emit(record)
         self._emit(footer)
+        size = len(header) + len(footer) + memoryview(record).nbytes
+        if self._index is not None:
+            self._index.write(b"%d %d\n" % (self._offset, size))
+        self._offset += size
 
     def flush(self) -> None:
         """Pushes what was written so far to the file (a partial flush of the compressor, as TF)."""
@@ -129,12 +151,58 @@ class TFRecordWriter:
         finally:
             self._file.close()
             self._file = None
+            if self._index is not None:
+                self._index.close()
 
     def __enter__(self) -> TFRecordWriter:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def index_path(path: str | os.PathLike) -> str:
+    """Where ``TFRecordWriter(path, index=True)`` writes the index: ``path + ".idx"``."""
+    return os.fspath(path) + ".idx"
+
+
+def write_index(path: str | os.PathLike, index: str | os.PathLike | None = None) -> str:
+    """Writes the index of the uncompressed TFRecord file ``path`` (reading it whole, CRCs
+    checked) to ``index`` (None: ``index_path(path)``), as DALI's ``tfrecord2idx``; returns
+    the index's path."""
+    target = index_path(path) if index is None else os.fspath(index)
+    with TFRecordReader(path, buffer_size=None) as reader, \
+            _open(target, "wb", DEFAULT_BUFFER_SIZE) as out:
+        offset = 0
+        for _ in reader:
+            out.write(b"%d %d\n" % (offset, reader.offset - offset))
+            offset = reader.offset
+    return target
+
+
+def read_index(index: str | os.PathLike, *, readable_prefixes: Iterable[str] | None = None
+               ) -> np.ndarray:
+    """The ``(offset, bytes)`` rows (an int64 array of shape (records, 2)) of a TFRecord
+    index; InvalidArgumentError naming the index and line if it is not one (a line not two
+    numbers, or records that do not follow each other from offset 0)."""
+    name = os.fspath(index)
+    with open_readable(index, readable_prefixes) as file:
+        lines = file.read().split(b"\n")
+    if lines and not lines[-1].strip():
+        lines.pop()
+    rows = np.zeros((len(lines), 2), dtype=np.int64)
+    expected = 0
+    for number, line in enumerate(lines):
+        fields = line.split()
+        if len(fields) != 2 or not all(f.isdigit() for f in fields) or \
+                int(fields[0]) != expected or int(fields[1]) < 16:
+            raise InvalidArgumentError(
+                f"TFRecord index {name!r}, line {number + 1} ({line[:40]!r}): not "
+                f"'<offset> <bytes>' of the record at byte {expected}. Write the index again "
+                "(clusterwire.data.tfrecord.write_index).")
+        rows[number] = int(fields[0]), int(fields[1])
+        expected = int(fields[0]) + int(fields[1])
+    return rows
 
 
 def _size(file: BinaryIO) -> int:
@@ -154,9 +222,11 @@ def _size(file: BinaryIO) -> int:
 class _PlainSource:
     """Exact reads from an uncompressed file."""
 
-    def __init__(self, file: BinaryIO):
+    def __init__(self, file: BinaryIO, start: int = 0):
         self._file = file
-        self._unread = _size(file)
+        self._unread = _size(file) - start
+        if start:
+            file.seek(start)
 
     def remaining(self) -> int | None:
         """Bytes left in the file."""
@@ -266,7 +336,8 @@ class TFRecordReader:
 
     ``compression_type`` is None, "GZIP" or "ZLIB"; ``buffer_size`` is the bytes read
     from the file at a time (None: TF's 256 KiB; 0: unbuffered reads of exactly what
-    each record needs, for plain files). ``offset`` is the byte offset of the next
+    each record needs, for plain files). ``start`` is the byte offset of the first record
+    read (an uncompressed file's, from its index). ``offset`` is the byte offset of the next
     record. ``path`` is a local path or an fsspec URL, opened through
     ``filesystems.open_readable`` with ``readable_prefixes`` (None: the caller's own reads,
     unchecked; a worker passes its readable_dirs). A context manager; iterating to the end
@@ -274,9 +345,13 @@ class TFRecordReader:
     """
 
     def __init__(self, path: str | os.PathLike, compression_type: str | None = None,
-                 buffer_size: int | None = None, *,
+                 buffer_size: int | None = None, *, start: int = 0,
                  readable_prefixes: Iterable[str] | None = None):
         compression = _compression(compression_type)
+        if start and compression is not None:
+            raise InvalidArgumentError(
+                f"TFRecord file {os.fspath(path)!r}: start={start} needs an uncompressed file "
+                "(a compressed stream cannot be sought).")
         if buffer_size is None:
             buffer_size = DEFAULT_BUFFER_SIZE
         if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 0:
@@ -286,11 +361,11 @@ class TFRecordReader:
         self._path = os.fspath(path)
         if compression is None:
             self._file = _open(path, "rb", buffer_size, readable_prefixes)
-            self._source: _PlainSource | _InflatingSource = _PlainSource(self._file)
+            self._source: _PlainSource | _InflatingSource = _PlainSource(self._file, start)
         else:  # the inflater reads buffer_size bytes at a time itself
             self._file = _open(path, "rb", 0, readable_prefixes)
             self._source = _InflatingSource(self._file, compression, buffer_size, self._path)
-        self.offset = 0
+        self.offset = start
         self._error: DataLossError | None = None
 
     def _damaged(self, what: str) -> DataLossError:

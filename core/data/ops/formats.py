@@ -40,7 +40,7 @@ from clusterwire.data.pipeline import (
     parallelism,
 )
 from clusterwire.data.tfrecord import TFRecordReader, _compression
-from clusterwire.errors import InvalidArgumentError
+from clusterwire.errors import DataLossError, InvalidArgumentError
 
 
 def file_name(value: Any) -> str:
@@ -73,6 +73,16 @@ class RowGroupsSource(Node, SlicesSource):
 
     kind = "parquet_row_groups"
     split_kind = "row_group"
+
+
+@register
+@dataclass(frozen=True)
+class RecordBlocksSource(Node, SlicesSource):
+    """Blocks of records of indexed TFRecord files: ``(file name, byte offset of the first
+    record, records, byte offset after the last)`` each, a block a split."""
+
+    kind = "tfrecord_blocks"
+    split_kind = "record_block"
 
 
 def _to_end(records: Iterator[Any]) -> Iterator[Any]:
@@ -143,6 +153,41 @@ class TFRecordRead(ReadsFiles):
             refuse_cycle(reads, limits.max_cycle_length)
         reads = parallelism(reads, "TFRecordDataset", reads, limits)
         return replace(self, num_parallel_reads=reads, budget=budget)
+
+
+@register
+@dataclass(frozen=True)
+class TFRecordBlockRead(ReadsFiles):
+    """The records of each block of a ``RecordBlocksSource``, read from its first record's
+    offset; a block that does not end where its index said is DataLossError."""
+
+    kind = "tfrecord_block"
+    buffer_size: int | None = None
+    readable: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.buffer_size is not None:
+            self._count("buffer_size", "Give a number of bytes >= 0, or None for 256 KiB.",
+                        minimum=0)
+
+    def _open(self, block: Any) -> Iterator[bytes]:
+        name, start, count, end = file_name(block[0]), int(block[1]), int(block[2]), \
+            int(block[3])
+        with TFRecordReader(name, None, self.buffer_size, start=start,
+                            readable_prefixes=self.readable) as reader:
+            for _ in range(count):
+                record = next(reader, None)
+                if record is None:
+                    break
+                yield record
+            if reader.offset != end:
+                raise DataLossError(
+                    f"TFRecord file {name!r}: its index puts {count} records between byte "
+                    f"{start} and {end}, the file has them up to byte {reader.offset}: the "
+                    "index is not this file's (write it again).")
+
+    def wrap(self, upstream: Factory) -> Factory:
+        return lambda: _Cycle(lambda block: _to_end(self._open(block)), upstream(), 1, 1)
 
 
 @register
