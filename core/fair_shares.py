@@ -5,15 +5,15 @@ Unix peer's ``uid:N``; ``""`` for callers in its own process, and for an entry w
 a restart forgot). Each entry of a table counts for the peer whose request created it. When
 a table is full, a new entry of ``size`` from peer P takes the place of:
 
-1. the oldest entry nobody uses (the table says which: a job nobody read, a dataset no job
-   used, a stream every reader released) of P itself or of a peer holding more than P would
-   with the new entry;
-2. else the oldest entry of the peer holding the most, when that peer holds more than P
-   would with the new entry;
+1. when the peer holding the most holds more than P would with the new entry: that peer's
+   oldest entry nobody uses (the table says which: a job nobody read, a dataset no job
+   used, a stream every reader released), else that peer's oldest entry;
+2. else P's own oldest entry nobody uses;
 3. else nothing: P holds its fair share and is refused (``ResourceExhaustedError``).
 
 A peer flooding a table therefore only ever displaces its own entries once other peers hold
-theirs, and a peer holding less than the biggest always finds room. Whoever used a displaced
+theirs, a peer holding less than the biggest always finds room, and a peer's entry it has
+not used yet is never displaced for a smaller peer. Whoever used a displaced
 entry is told why at its next use (``Displaced``), never left to find it silently gone.
 Pending connections (``clusterwire.pending``) follow the same bookkeeping with a simpler
 rule: a new one is never refused, it displaces the oldest of the peer holding the most.
@@ -116,18 +116,23 @@ class FairShares(Generic[K]):
             held[owner] -= entry_size
             freed += entry_size
 
-        for entry in unused:
-            if freed >= need:
-                break
-            owner = self.peer_of(entry)
-            if owner is not None and entry not in chosen and (
-                    owner == peer or held[owner] > held.get(peer, 0) + size):
-                choose(entry)
+        unused = [e for e in unused if e in self._entries]
+
+        def oldest_unused(owner: str) -> K | None:
+            return next((e for e in unused if e not in chosen and self._entries[e][0] == owner),
+                        None)
+
         while freed < need:
             owner = max(held, key=held.__getitem__, default=None)
-            if owner is None or held[owner] <= held.get(peer, 0) + size:
+            if owner is not None and held[owner] > held.get(peer, 0) + size:
+                found = oldest_unused(owner)
+                choose(found if found is not None else
+                       next(e for e in self._by_peer[owner] if e not in chosen))
+                continue
+            own = oldest_unused(peer)
+            if own is None:
                 return None
-            choose(next(e for e in self._by_peer[owner] if e not in chosen))
+            choose(own)
         return list(chosen)
 
     def refusal(self, table: str, limit: str, peer: str, size: int, advice: str
