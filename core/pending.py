@@ -109,16 +109,21 @@ class FairConnections(Generic[C]):
         """The peer ``connection`` was added with."""
         return self._peers[connection]
 
+    def admits(self, peer: Hashable) -> bool:
+        """Whether a new connection of ``peer`` would be counted now (see ``add``)."""
+        if len(self._peers) < self.limit:
+            return True
+        return max(map(len, self._by_peer.values())) > len(self._by_peer.get(peer, ())) + 1
+
     def add(self, connection: C, peer: Hashable) -> tuple[bool, C | None]:
         """Count ``connection`` of ``peer``: (whether it was, the connection it displaced, to
         be closed by the caller). Not counted when the limit is reached and no other peer
         holds more than one more connection than ``peer``."""
         displaced = None
         if len(self._peers) >= self.limit:
-            biggest = max(self._by_peer.values(), key=len)
-            if len(biggest) <= len(self._by_peer.get(peer, ())) + 1:
+            if not self.admits(peer):
                 return False, None
-            displaced = next(iter(biggest))
+            displaced = next(iter(max(self._by_peer.values(), key=len)))
             self.discard(displaced)
         self._peers[connection] = peer
         self._by_peer.setdefault(peer, {})[connection] = None

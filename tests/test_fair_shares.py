@@ -265,6 +265,81 @@ def test_a_token_holder_holding_max_connections_leaves_another_peer_its_gets(tmp
               f"{report['refused']} times, closed {report['closed']} times")
 
 
+# Another user's grpc+local client: switches to uid 65534 once its modules are loaded, opens
+# COUNT channels whose 8-byte calls each leave a call connection open, prints how many
+# answered, and holds them until stdin closes.
+_OTHER_USER_HOG = """
+import os, sys
+from clusterwire import errors
+from clusterwire.plugins import get_plugin_manager
+from clusterwire.security import Security
+from clusterwire.transport import Frame
+transport = get_plugin_manager().transport("grpc+local")
+os.setgid(65534)
+os.setuid(65534)
+channels, held = [], 0
+for _ in range(int(sys.argv[3])):
+    channel = transport.connect(sys.argv[1], Security(token=sys.argv[2].encode()))
+    channels.append(channel)
+    try:
+        channel.call(Frame(b"hog", [b"8 bytes!"]), timeout=10)
+        held += 1
+    except errors.ResourceExhaustedError:
+        pass
+print("held", held, flush=True)
+sys.stdin.read()
+for channel in channels:
+    channel.close()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_grpc_local_connections_of_one_user_leave_another_user_its_calls():
+    """grpc+local tells peers apart by user: a client of uid 65534 holding max_connections
+    (4) call connections (and asking for 4 more) does not lock out a root client, whose new
+    channel's 8-byte call displaces the other user's oldest connection."""
+    if os.geteuid() != 0:
+        pytest.skip("a client of another user needs the test to run as root")
+    from clusterwire.plugins import get_plugin_manager
+    from clusterwire.security import Security
+    from clusterwire.testing.peer import echo_handler
+    from clusterwire.transport import Frame, ListenOptions
+
+    limit = 4
+    transport = get_plugin_manager().transport("grpc+local")
+    listener = transport.listen("127.0.0.1:0", echo_handler, ListenOptions(
+        max_connections=limit, security=Security(token=TOKEN.encode())))
+    listener.start()
+    hog = subprocess.Popen([sys.executable, "-c", _OTHER_USER_HOG, listener.address, TOKEN,
+                            str(2 * limit)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                           text=True)
+    try:
+        assert hog.stdout.readline().split() == ["held", str(limit)]
+        assert listener.connections() == limit
+        took = []
+        for _ in range(5):
+            channel = transport.connect(listener.address, Security(token=TOKEN.encode()))
+            try:
+                started = time.monotonic()
+                reply = channel.call(Frame(b"mine", [b"8 bytes!"]), timeout=10)
+                took.append(time.monotonic() - started)
+                assert bytes(reply.buffers[0]) == b"8 bytes!"
+            finally:
+                channel.close()
+        assert max(took) < BUDGET_S, took
+        print(f"\nuid 65534 holding grpc+local's max_connections ({limit}): 5 new root "
+              f"channels' 8-byte calls took {min(took) * 1000:.1f}-{max(took) * 1000:.1f} ms")
+    finally:
+        hog.stdin.close()
+        try:
+            hog.wait(30)
+        except subprocess.TimeoutExpired:
+            hog.kill()
+            hog.wait(30)
+        hog.stdout.close()
+        listener.stop(0)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("buffers", [1, 65536], ids=["one-4GiB-buffer", "65536-buffers"])
 def test_a_trickled_upload_holds_what_it_sent_until_the_rate_rule_drops_it(tmp_path,

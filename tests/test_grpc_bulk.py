@@ -210,6 +210,38 @@ def test_a_bulk_port_at_its_connection_limit_sends_the_response_over_grpc():
         listener.stop(0)
 
 
+def test_a_bulk_port_at_its_connection_limit_displaces_the_peer_holding_the_most():
+    """Two idle bulk connections of 127.0.0.2 hold max_connections (2): a 127.0.0.1 client's
+    fetch closes the older of them and is served over the bulk port."""
+    listener = GrpcTransport().listen("127.0.0.1:0", echo_handler,
+                                      ListenOptions(max_connections=2))
+    listener.start()
+    hogs = []
+    channel = GrpcTransport().connect(listener.address)
+    try:
+        payload = np.full(2 * _MiB, 8, np.uint8)
+        for _ in range(2):
+            hogs.append(socket.create_connection(("127.0.0.1", listener.bulk_port), timeout=5,
+                                                 source_address=("127.0.0.2", 0)))
+            hogs[-1].sendall(struct.pack("<Q", announce(listener, payload).fetch_id))
+            with hogs[-1].makefile("rb") as reader:
+                assert len(reader.read(_STATUS.size + payload.nbytes)) == \
+                    _STATUS.size + payload.nbytes
+        bulk_server = listener._bulk
+        assert [bulk_server._connections.peer(c) for c in bulk_server._connections] == \
+            ["127.0.0.2"] * 2
+        reply = channel.call(Frame(b"mine", [payload]), timeout=30)
+        assert bytes(reply.buffers[0]) == payload.tobytes()
+        assert hogs[0].recv(1) == b""  # closed by the server (the timeout would raise)
+        assert sorted(bulk_server._connections.peer(c) for c in bulk_server._connections) \
+            == ["127.0.0.1", "127.0.0.2"]  # this client's, kept for its next fetch
+    finally:
+        for hog in hogs:
+            hog.close()
+        channel.close()
+        listener.stop(0)
+
+
 def test_a_port_answering_as_another_service_is_unreachable():
     with socket.create_server(("127.0.0.1", 0)) as impostor:
         def answer():

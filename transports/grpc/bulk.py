@@ -29,10 +29,12 @@ Limits (the listener's ``ListenOptions``): a connection is pending until its
 first fetch id arrives, which must happen within ``handshake_timeout_seconds``;
 at most ``max_pending_connections`` are pending, a new one beyond that closing
 the oldest of the peer (IP address) holding the most (``clusterwire.pending``).
-A connection whose first id is answered counts against ``max_connections``
-(over it, the id is left unread and the connection closed: the client fetches
-over gRPC). A client that stops reading a response for
-``message_idle_timeout_seconds`` is cut off.
+A connection whose first id is answered counts against ``max_connections``,
+shared fairly between peers (``clusterwire.pending.FairConnections``): over it, a
+new one displaces (closes) the oldest of the peer holding the most when that peer
+holds more than one more than the new one's, else the new one's id is left unread
+and it is closed (the client fetches over gRPC). A client that stops reading a
+response for ``message_idle_timeout_seconds`` is cut off.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ import numpy as np
 from clusterwire import errors
 from clusterwire.addressing import split_host_port
 from clusterwire.buffers import MIN_POOLED_BYTES, receive_buffers, split
-from clusterwire.pending import PendingConnections
+from clusterwire.pending import FairConnections, PendingConnections
 from clusterwire.transport import ListenOptions
 from clusterwire.transports.grpc.relay import Incoming, Relay, splice
 
@@ -93,7 +95,9 @@ class BulkServer:
         # No fetch id yet (each thread keeps its own deadline).
         self._pending: PendingConnections[socket.socket] = PendingConnections(
             limits.max_pending_connections, limits.handshake_timeout_seconds)
-        self._connections: set[socket.socket] = set()  # admitted with their first fetch id
+        # Admitted with their first fetch id, by peer (IP address).
+        self._connections: FairConnections[socket.socket] = FairConnections(
+            limits.max_connections)
         self._threads: set[threading.Thread] = set()
         self._lock = threading.Lock()
         self._stopping = False
@@ -144,31 +148,32 @@ class BulkServer:
                     evicted = self._pending.add(connection, peer[0], time.monotonic())
                     if evicted is not None:
                         _shutdown(evicted, socket.SHUT_RDWR)  # its thread wakes and closes it
-                    thread = threading.Thread(target=self._serve, args=(connection,),
+                    thread = threading.Thread(target=self._serve, args=(connection, peer[0]),
                                               name="clusterwire-grpc-bulk", daemon=True)
                     self._threads.add(thread)
                     thread.start()  # under the lock: stop() never joins an unstarted thread
             if refused:
                 connection.close()
 
-    def _admit(self, connection: socket.socket) -> bool:
-        """Move a connection that sent its first fetch id from pending to admitted; False if
-        it was closed as the oldest pending one, or ``max_connections`` are admitted."""
+    def _admit(self, connection: socket.socket, peer: str) -> bool:
+        """Move a connection of ``peer`` that sent its first fetch id from pending to
+        admitted; False if it was closed as the oldest pending one, or ``max_connections``
+        are admitted and none may be displaced."""
         with self._lock:
             if not self._pending.discard(connection):
                 return False
-            if len(self._connections) >= self._limits.max_connections:
-                return False
-            self._connections.add(connection)
-            return True
+            admitted, displaced = self._connections.add(connection, peer)
+        if displaced is not None:  # its thread wakes and closes it
+            _shutdown(displaced, socket.SHUT_RDWR)
+        return admitted
 
-    def _serve(self, connection: socket.socket) -> None:
+    def _serve(self, connection: socket.socket, peer: str) -> None:
         try:
             connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             ticket = bytearray(_TICKET.size)
             deadline = time.monotonic() + self._limits.handshake_timeout_seconds
             if not (_receive_into(connection, memoryview(ticket), deadline)
-                    and self._admit(connection)):
+                    and self._admit(connection, peer)):
                 return  # silent, too slow, pushed out, or over the limit: the id stays unread
             while True:
                 source = self._take(_TICKET.unpack(ticket)[0])

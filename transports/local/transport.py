@@ -56,7 +56,7 @@ import grpc
 from clusterwire import errors
 from clusterwire.addressing import split_host_port
 from clusterwire.envelope import INLINE_BUDGET
-from clusterwire.pending import PendingConnections
+from clusterwire.pending import FairConnections, PendingConnections
 from clusterwire.security import Security
 from clusterwire.thread_pool import WorkSlots, parked
 from clusterwire.transport import (
@@ -121,8 +121,10 @@ class LocalListener(Listener):
         self._unix.listen(64)
         self._unix.setblocking(False)
         self._clients: dict[int, SegmentPeer] = {}  # by client id, after their hello
-        # Every Unix connection past its hello: segment connections and call connections.
-        self._connections: set[SegmentPeer | CallConnection] = set()
+        # Every Unix connection past its hello: segment connections and call connections, at
+        # most max_connections, shared fairly between peers (uids: clusterwire.pending).
+        self._connections: FairConnections[SegmentPeer | CallConnection] = FairConnections(
+            options.max_connections)
         #: Calls served over call connections so far.
         self.unix_calls = 0
         self._calls = threading.Condition(threading.Lock())  # for the three below
@@ -227,11 +229,13 @@ class LocalListener(Listener):
                 conn, _ = self._unix.accept()
             except OSError:  # BlockingIOError: none left; others: the socket is shut down
                 return
-            if self._full():  # refused before reading anything; a call connection reads why
+            peer = unix.peer_name(conn)
+            if not self._admits(peer):  # refused before reading anything; a call
+                # connection reads why
                 self._refuse(conn, errors.RESOURCE_EXHAUSTED, self._full_message())
                 continue
             conn.setblocking(False)
-            evicted = pending.add(conn, unix.peer_name(conn), time.monotonic())
+            evicted = pending.add(conn, peer, time.monotonic())
             if evicted is not None:
                 _unregister_and_shutdown(selector, evicted)
             selector.register(conn, selectors.EVENT_READ)
@@ -266,18 +270,24 @@ class LocalListener(Listener):
         except errors.OpError:
             unix.shutdown(conn)
             return
-        if self._full():
+        name = unix.peer_name(conn)
+        if not self._admits(name):
             unix.shutdown(conn)
             return
         conn.setblocking(True)
-        peer = SegmentPeer(conn, client_id, on_close=self.forget, peer=unix.peer_name(conn))
+        peer = SegmentPeer(conn, client_id, on_close=self.forget, peer=name)
+        old = None
         with self._clients_lock:
-            self._connections.add(peer)
-            old = self._clients.get(client_id)
-            self._clients[client_id] = peer
-            self._clients_lock.notify_all()
-        if old is not None:
-            old.close()
+            admitted, displaced = self._connections.add(peer, name)
+            if admitted:
+                old = self._clients.get(client_id)
+                self._clients[client_id] = peer
+                self._clients_lock.notify_all()
+        if not admitted:  # others were admitted since the check
+            peer.close()
+        for closing in (displaced, old):
+            if closing is not None:
+                closing.close()
 
     def _admit_calls(self, conn: socket.socket, token: bytes) -> None:
         """Admit a call connection that showed the token (answer READY and give it a thread),
@@ -292,15 +302,18 @@ class LocalListener(Listener):
         except errors.UnauthenticatedError as err:
             self._refuse(conn, errors.UNAUTHENTICATED, err.message)
             return
-        connection = None
+        connection, displaced, peer = None, None, unix.peer_name(conn)
         with self._clients_lock:
-            if len(self._connections) < self._max_connections and not self._stopped.is_set():
-                conn.setblocking(True)
-                connection = CallConnection(self, conn, unix.peer_name(conn))
-                self._connections.add(connection)
+            if not self._stopped.is_set():
+                candidate = CallConnection(self, conn, peer)
+                admitted, displaced = self._connections.add(candidate, peer)
+                connection = candidate if admitted else None
+        if displaced is not None:  # its call in flight, if any, fails: its client retries
+            displaced.close()
         if connection is None:
             self._refuse(conn, errors.RESOURCE_EXHAUSTED, self._full_message())
             return
+        conn.setblocking(True)
         try:
             conn.send(wire.encode_unix(wire.READY, 0, 0), socket.MSG_DONTWAIT)
         except OSError:
@@ -309,14 +322,15 @@ class LocalListener(Listener):
             return
         connection.start()
 
-    def _full(self) -> bool:
-        """Whether the admitted connections are at max_connections."""
+    def _admits(self, peer: str) -> bool:
+        """Whether a connection of ``peer`` past its hello would be admitted now."""
         with self._clients_lock:
-            return len(self._connections) >= self._max_connections
+            return self._connections.admits(peer)
 
     def _full_message(self) -> str:
         return (f"The grpc+local server at {self._address} refused the connection: it holds "
-                f"its max_connections ({self._max_connections}).")
+                f"its max_connections ({self._max_connections}), and no other peer (user) "
+                "holds more than this one.")
 
     @staticmethod
     def _refuse(conn: socket.socket, code: int, text: str) -> None:
