@@ -182,3 +182,74 @@ def test_a_stopped_shuffled_iteration_resumes_from_its_position():
         rest = ints(distributed(shuffled(), dispatcher.target, job_name="resume",
                                 state=state))
     assert Counter(before + rest) == Counter(ints(shuffled()))
+
+
+# ---- file sources: Parquet rows, records of indexed TFRecord files -------------------------
+
+ROWS = 240
+
+
+@pytest.fixture(scope="module")
+def row_files(tmp_path_factory):
+    """ROWS rows over 3 Parquet files (row groups of 7), and as records over 3 indexed
+    TFRecord files; the workers' readable dir."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    root = tmp_path_factory.mktemp("rows")
+    parquets, tfrecords = [], []
+    for index, (start, stop) in enumerate([(0, 100), (100, 130), (130, ROWS)]):
+        parquets.append(str(root / f"t{index}.parquet"))
+        pq.write_table(pa.table({"x": np.arange(start, stop), "y": -np.arange(start, stop)}),
+                       parquets[-1], row_group_size=7)
+        tfrecords.append(str(root / f"r{index}.tfrecord"))
+        with data.TFRecordWriter(tfrecords[-1], index=True) as writer:
+            for value in range(start, stop):
+                writer.write(b"%d" % value)
+    return {"root": str(root), "parquet": parquets, "tfrecord": tfrecords}
+
+
+def file_rows(files, kind, seed=3):
+    if kind == "parquet":
+        return data.Dataset.from_parquet(files["parquet"], columns=["x"]).global_shuffle(seed)
+    return data.TFRecordDataset(files["tfrecord"], index_filenames=True,
+                                block_bytes=256).global_shuffle(seed)
+
+
+def row_batches(dataset) -> list[tuple[int, ...]]:
+    return [tuple(int(v) for v in (b["x"] if isinstance(b, dict) else b).tolist())
+            for b in dataset]
+
+
+@pytest.mark.parametrize("kind", ["parquet", "tfrecord"])
+def test_file_rows_are_a_permutation_fixed_by_seed_and_epoch(row_files, kind):
+    dataset = file_rows(row_files, kind).batch(ROWS)
+    first, second = row_batches(dataset.repeat(2))
+    assert sorted(first) == sorted(second) == list(range(ROWS)) and first != second
+    assert row_batches(file_rows(row_files, kind).batch(ROWS))[0] == first
+    assert row_batches(file_rows(row_files, kind, seed=4).batch(ROWS))[0] != first
+
+
+@pytest.mark.parametrize("kind", ["parquet", "tfrecord"])
+@pytest.mark.parametrize("workers,consumers", [(1, 1), (2, 1), (2, 3)])
+def test_file_rows_through_any_workers_and_consumers_are_ranges_of_one_permutation(
+        row_files, kind, workers, consumers):
+    local = row_batches(file_rows(row_files, kind).batch(20))
+    with in_process_data_service(workers, readable_dirs=[row_files["root"]]) as dispatcher:
+        with ThreadPoolExecutor(consumers) as pool:
+            reads = [pool.submit(row_batches, distributed(
+                file_rows(row_files, kind).batch(20), dispatcher.target, job_name="rows"))
+                for _ in range(consumers)]
+            read = [b for r in reads for b in r.result(60)]
+    assert Counter(read) == Counter(local) and len(local) == ROWS // 20
+    assert sorted(x for b in read for x in b) == list(range(ROWS))
+
+
+def test_file_sources_without_random_access_are_refused_naming_the_fix(row_files):
+    for dataset, what in [
+            (data.TFRecordDataset(row_files["tfrecord"]), "TFRecordRead"),
+            (data.Dataset.from_parquet(row_files["parquet"], batch_rows=4), "ParquetRead"),
+            (data.Dataset.list_files(f"{row_files['root']}/*.tfrecord"), "Shuffle")]:
+        with pytest.raises(errors.InvalidArgumentError, match=f"(?i){what}.* is not"):
+            dataset.global_shuffle(seed=1)
+    names = data.Dataset.list_files(f"{row_files['root']}/*.tfrecord", shuffle=False)
+    assert sorted(n.decode() for n in names.global_shuffle(seed=1)) == row_files["tfrecord"]

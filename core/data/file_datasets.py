@@ -85,14 +85,12 @@ def _indexed(filenames: Any, compression_type: str | None, buffer_size: int | No
         stops = [*starts[1:].tolist(), len(rows)]
         for first, stop in zip(starts.tolist(), stops, strict=True):
             end = int(rows[stop - 1, 0] + rows[stop - 1, 1])
-            blocks.append((name.encode(), int(rows[first, 0]), stop - first, end))
-    if not blocks:
-        source = RecordBlocksSource((np.array([], dtype=bytes), *(
-            np.array([], dtype=np.int64) for _ in range(3))))
-    else:
-        columns = list(zip(*blocks, strict=True))
-        source = RecordBlocksSource((np.array(columns[0], dtype=bytes),
-                                     *(np.array(c, dtype=np.int64) for c in columns[1:])))
+            blocks.append((name.encode(), int(rows[first, 0]), stop - first, end,
+                           index.encode()))
+    columns = list(zip(*blocks, strict=True)) or [()] * 5
+    source = RecordBlocksSource((np.array(columns[0], dtype=bytes),
+                                 *(np.array(c, dtype=np.int64) for c in columns[1:4]),
+                                 np.array(columns[4], dtype=bytes)))
     return Dataset(source, (TFRecordBlockRead(buffer_size),))
 
 
@@ -136,8 +134,9 @@ def from_parquet(paths: Any, columns: list[str] | None = None,
     plan = plan_row_groups(names, readable_prefixes=None)
     files = [np.full(info.row_groups, info.path.encode(), dtype=object) for info in plan.files]
     groups = [np.arange(info.row_groups, dtype=np.int64) for info in plan.files]
-    pairs = (np.concatenate(files).astype(bytes), np.concatenate(groups))
-    return Dataset(RowGroupsSource(pairs), (read,))
+    rows = [np.array(info.row_group_rows, dtype=np.int64) for info in plan.files]
+    return Dataset(RowGroupsSource((np.concatenate(files).astype(bytes), np.concatenate(groups),
+                                    np.concatenate(rows))), (read,))
 
 
 def from_tar_shards(paths: Any) -> Dataset:

@@ -143,6 +143,19 @@ class ParquetReader:
             for batch in table.to_batches(max_chunksize=self._batch_rows):
                 yield from self._elements(batch)
 
+    def take(self, group: int, rows: np.ndarray) -> Iterator[dict[str, Any]]:
+        """The elements (one row each) of rows ``rows`` (an int64 array) of row group
+        ``group``, in that order: ``global_shuffle``'s random access."""
+        pa, _ = _pyarrow()
+        try:
+            table = self._parquet.read_row_group(group, columns=self.columns)
+        except (OSError, pa.ArrowException) as error:
+            raise DataLossError(
+                f"Parquet file {self._path!r}: row group {group} cannot be read: "
+                f"{error}") from None
+        for batch in table.take(pa.array(rows)).to_batches():
+            yield from self._elements(batch)
+
     def _elements(self, batch: Any) -> Iterator[dict[str, Any]]:
         per_row = self._batch_rows is None
         values = {name: _values(batch.column(i), per_row)

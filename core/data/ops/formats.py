@@ -21,7 +21,7 @@ unchecked.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -39,7 +39,7 @@ from clusterwire.data.pipeline import (
     SlicesSource,
     parallelism,
 )
-from clusterwire.data.tfrecord import TFRecordReader, _compression
+from clusterwire.data.tfrecord import TFRecordReader, _compression, read_index
 from clusterwire.errors import DataLossError, InvalidArgumentError
 
 
@@ -69,7 +69,7 @@ class FileNamesSource(Node, SlicesSource):
 @register
 @dataclass(frozen=True)
 class RowGroupsSource(Node, SlicesSource):
-    """``(file name, row group)`` pairs of ``from_parquet``: a row group is a split."""
+    """``(file name, row group, its rows)`` of ``from_parquet``: a row group is a split."""
 
     kind = "parquet_row_groups"
     split_kind = "row_group"
@@ -79,10 +79,18 @@ class RowGroupsSource(Node, SlicesSource):
 @dataclass(frozen=True)
 class RecordBlocksSource(Node, SlicesSource):
     """Blocks of records of indexed TFRecord files: ``(file name, byte offset of the first
-    record, records, byte offset after the last)`` each, a block a split."""
+    record, records, byte offset after the last, index file name)`` each, a block a split."""
 
     kind = "tfrecord_blocks"
     split_kind = "record_block"
+
+
+def _locate(counts: np.ndarray, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For element ``indices`` of units holding ``counts`` elements each: (unit, element
+    within it) of each."""
+    ends = np.cumsum(counts)
+    units = np.searchsorted(ends, indices, side="right")
+    return units, indices - (ends[units] - counts[units])
 
 
 def _to_end(records: Iterator[Any]) -> Iterator[Any]:
@@ -189,6 +197,27 @@ class TFRecordBlockRead(ReadsFiles):
     def wrap(self, upstream: Factory) -> Factory:
         return lambda: _Cycle(lambda block: _to_end(self._open(block)), upstream(), 1, 1)
 
+    def random_access(self, source: RecordBlocksSource
+                      ) -> tuple[int, Callable[[np.ndarray], Iterator[bytes]]]:
+        """``global_shuffle``'s view of ``source``: its record count, and what reads records
+        by number (in the order given), each at its offset from its file's index (an index
+        is read once per view, when a record of its file is first asked)."""
+        names, starts, counts, _, index_names = source.tensors
+        indexes: dict[str, np.ndarray] = {}
+
+        def gather(indices: np.ndarray) -> Iterator[bytes]:
+            for block, within in zip(*_locate(counts, indices), strict=True):
+                index = file_name(index_names[block])
+                if index not in indexes:
+                    indexes[index] = read_index(index, readable_prefixes=self.readable)
+                rows = indexes[index]
+                offset, size = rows[int(np.searchsorted(rows[:, 0], starts[block])) + within]
+                with TFRecordReader(file_name(names[block]), None, int(size),
+                                    start=int(offset), readable_prefixes=self.readable
+                                    ) as reader:
+                    yield next(reader)
+        return int(np.sum(counts)), gather
+
 
 @register
 @dataclass(frozen=True)
@@ -233,6 +262,31 @@ class ParquetRead(ReadsFiles):
 
     def wrap(self, upstream: Factory) -> Factory:
         return lambda: _RowGroups(self, upstream())
+
+    def random_access(self, source: RowGroupsSource
+                      ) -> tuple[int, Callable[[np.ndarray], Iterator[dict[str, Any]]]] | None:
+        """``global_shuffle``'s view of ``source``: its row count, and what reads rows by
+        number (in the order given: each row group they fall in read once per call, its rows
+        taken); None with ``batch_rows``, whose elements are batches."""
+        if self.batch_rows is not None:
+            return None
+        from clusterwire.data.parquet import ParquetReader
+
+        names, groups, rows = source.tensors
+        columns = None if self.columns is None else list(self.columns)
+
+        def gather(indices: np.ndarray) -> Iterator[dict[str, Any]]:
+            units, within = _locate(rows, indices)
+            taken: list[Any] = [None] * len(indices)
+            for unit in np.unique(units).tolist():
+                where = np.flatnonzero(units == unit)
+                with ParquetReader(file_name(names[unit]), columns=columns,
+                                   readable_prefixes=self.readable) as reader:
+                    rows_taken = reader.take(int(groups[unit]), within[where])
+                    for place, row in zip(where.tolist(), rows_taken, strict=True):
+                        taken[place] = row
+            return iter(taken)
+        return int(np.sum(rows)), gather
 
 
 class _RowGroups:

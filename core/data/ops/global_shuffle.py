@@ -1,9 +1,12 @@
 """``Dataset.global_shuffle``: a source reading a random-access pipeline in the order of an
 index permutation (``clusterwire.data.index_shuffle``), with no buffer of elements.
 
-Random access: a ``range`` or ``from_tensor_slices`` source, then only ``map``,
-``prefetch``, ``take`` and ``skip`` (one element per index; ``take``/``skip`` move the
-index window, ``map``/``prefetch`` run on the shuffled elements). Its units are positions
+Random access: a ``range`` or ``from_tensor_slices`` source, the rows of ``from_parquet``
+(without ``batch_rows``) or the records of ``TFRecordDataset(..., index_filenames=...)`` (a
+file read with a ``random_access`` view: each gather reads the row groups its rows fall in,
+each record at its offset from its file's index), then only ``map``, ``prefetch``, ``take``
+and ``skip`` (one element per index; ``take``/``skip`` move the index window,
+``map``/``prefetch`` run on the shuffled elements). Its units are positions
 in the shuffled order, so a distributed_epoch split ``[a, b)`` yields the input's elements
 ``perm(a) .. perm(b - 1)``: the same permutation however many workers read it. With
 ``reshuffle_each_iteration`` epoch ``e`` uses the key ``(seed, e)``; in distributed_epoch
@@ -31,8 +34,9 @@ _ELEMENTWISE = (Map, Prefetch)
 
 def _not_random_access(what: str) -> InvalidArgumentError:
     return InvalidArgumentError(
-        f"global_shuffle needs a random-access input (Dataset.range or from_tensor_slices, "
-        f"then only map, prefetch, take and skip); {what} is not. Call global_shuffle() "
+        f"global_shuffle needs a random-access input (Dataset.range, from_tensor_slices, "
+        f"from_parquet without batch_rows or TFRecordDataset with index_filenames, then only "
+        f"map, prefetch, take and skip); {what} is not. Call global_shuffle() "
         "before it (e.g. ds.global_shuffle().filter(...)), or use shuffle(buffer_size) for "
         "this input.")
 
@@ -61,9 +65,18 @@ class GlobalShuffleSource(Node, Source):
         if len(self.inputs) != 1:
             raise InvalidArgumentError("Malformed dataset: global_shuffle reads one dataset.")
         source, ops = self.inputs[0].source, self.inputs[0].ops
-        if not hasattr(source, "gather"):
+        read = ops[0] if ops and hasattr(ops[0], "random_access") else None
+        if read is not None:
+            view = read.random_access(source)
+            if view is None:
+                raise _not_random_access(f"{type(read).__name__} with its arguments")
+            count, ops = view[0], ops[1:]
+        elif hasattr(source, "gather"):
+            count = source.units()
+        else:
             raise _not_random_access(f"a {type(source).__name__}")
-        offset, count, elementwise = 0, source.units(), []
+        object.__setattr__(self, "_read", read)
+        offset, elementwise = 0, []
         for op in ops:
             if isinstance(op, _ELEMENTWISE):
                 elementwise.append(op)
@@ -111,6 +124,8 @@ class GlobalShuffleSource(Node, Source):
         if units == 0:
             return
         source: Any = self.inputs[0].source
+        read: Any = self._read  # type: ignore[attr-defined]
+        gather = source.gather if read is None else read.random_access(source)[1]
         permutation, key = None, -1
         position = start
         while position < end:
@@ -121,5 +136,5 @@ class GlobalShuffleSource(Node, Source):
                 permutation, key = IndexPermutation(units, self.seed, wanted), wanted
             first = position - epoch * units
             indices = permutation.apply(np.arange(first, first + stop - position))  # type: ignore
-            yield from source.gather(indices + offset)
+            yield from gather(indices + offset)
             position = stop
