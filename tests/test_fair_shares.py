@@ -341,6 +341,41 @@ def test_grpc_local_connections_of_one_user_leave_another_user_its_calls():
 
 
 @pytest.mark.timeout(120)
+def test_grpc_verbs_clients_are_shared_fairly_between_peers():
+    """grpc+verbs' client slots (max_connections 2) by the Hello's IP address: two clients
+    of 127.0.0.2 (through a proxy connecting from there) hold them, a third is refused, and
+    a 127.0.0.1 client gets in by displacing the older."""
+    pytest.importorskip("ucxx", reason="the verbs extra is not installed")
+    from clusterwire.plugins import get_plugin_manager
+    from clusterwire.testing.peer import PEER, echo_handler
+    from clusterwire.testing.proxy import TrickleProxy
+    from clusterwire.transport import Frame, ListenOptions
+
+    transport = get_plugin_manager().transport("grpc+verbs")
+    listener = transport.listen("127.0.0.1:0", echo_handler, ListenOptions(max_connections=2))
+    listener.start()
+    proxy = TrickleProxy(listener.address, burst=1 << 62, source="127.0.0.2")
+    channels = []
+    try:
+        channels = [transport.connect(proxy.address) for _ in range(3)]
+        for other in channels[:2]:
+            assert bytes(other.call(Frame(PEER, []), timeout=30).header) == b"127.0.0.2"
+        with pytest.raises(errors.ResourceExhaustedError, match="max_connections"):
+            channels[2].call(Frame(b"over", []), timeout=30)
+        channels.append(transport.connect(listener.address))
+        started = time.monotonic()
+        assert bytes(channels[-1].call(Frame(PEER, []), timeout=30).header) == b"127.0.0.1"
+        took = time.monotonic() - started
+        assert listener.connections() == 2
+        assert took < BUDGET_S, took
+    finally:
+        for channel in channels:
+            channel.close()
+        proxy.close()
+        listener.stop(0)
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("buffers", [1, 65536], ids=["one-4GiB-buffer", "65536-buffers"])
 def test_a_trickled_upload_holds_what_it_sent_until_the_rate_rule_drops_it(tmp_path,
                                                                             buffers):

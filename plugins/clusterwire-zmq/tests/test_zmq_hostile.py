@@ -6,6 +6,7 @@ with a malformed frame, never die, and keep serving well-formed clients.
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import time
 from collections.abc import Iterator
@@ -195,3 +196,28 @@ def test_connections_over_max_connections_are_refused_until_one_closes():
                 except errors.ResourceExhaustedError:
                     assert time.monotonic() < deadline, "the closed connection still counts"
             time.sleep(0.02)
+
+
+def test_at_max_connections_another_peer_displaces_the_peer_holding_the_most():
+    """Three channels of 127.0.0.2 (through a proxy connecting from there) against
+    max_connections 2: two are admitted, the third refused; a 127.0.0.1 channel then gets in
+    by displacing the older of 127.0.0.2's, and sees itself as 127.0.0.1."""
+    from clusterwire.testing.peer import PEER
+    from clusterwire.testing.proxy import TrickleProxy
+
+    with serving(options=ListenOptions(max_connections=2)) as listener:
+        proxy = TrickleProxy(listener.address, burst=1 << 62, source="127.0.0.2")
+        try:
+            with contextlib.ExitStack() as hogs:
+                others = [hogs.enter_context(channel_to(proxy.address)) for _ in range(3)]
+                for other in others[:2]:
+                    assert bytes(other.call(Frame(PEER, []), timeout=10).header) == \
+                        b"127.0.0.2"
+                with pytest.raises(errors.ResourceExhaustedError, match="max_connections"):
+                    others[2].call(Frame(b"over", []), timeout=10)
+                with channel_to(listener.address) as mine:
+                    assert bytes(mine.call(Frame(PEER, []), timeout=10).header) == \
+                        b"127.0.0.1"
+                assert listener.connections() <= 2
+        finally:
+            proxy.close()
