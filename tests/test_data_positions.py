@@ -189,54 +189,60 @@ def test_a_consumer_reports_only_its_own_splits_done(processes):
     assert Counter(read_together([iter(victim)])) == Counter(range(COUNT))
 
 
-# ---- parallel_epochs: a forged stream offset costs nothing once its reader is gone ----------
+# ---- a skip costs CPU only while its reader reads -------------------------------------------
 
-def test_a_forged_stream_offset_stops_costing_cpu_when_its_reader_goes(processes):
-    """A forged parallel_epochs position skipping 2**62 elements of an infinite dataset (a
-    worker thread spun at 1.18 CPU after the iterator closed): the skip runs while the reader
-    reads, stops when it closes, and pauses when a raw reader just stops asking."""
+def test_a_forged_skip_stops_costing_cpu_when_its_reader_goes(processes):
+    """Round-robin positions are not vouched for (data/position.py): a forged one skipping
+    2**60 rounds of an infinite dataset (a parallel_epochs one spun a worker thread at 1.18
+    CPU after its iterator closed, before positions were vouched for) skips while its reader
+    reads, stops when it closes, and pauses when a raw reader just stops asking. A
+    parallel_epochs offset without the service's vouch is refused outright
+    (test_data_position_vouches)."""
     dispatcher, [worker] = start_service(processes, workers=1)
-    dataset = data.Dataset.range(1000).repeat()
-    honest = iter(dataset.apply(data.distribute("parallel_epochs", dispatcher.target)))
+    dataset_id = data.register_dataset(dispatcher.target, data.Dataset.range(1000).repeat())
+    honest = round_robin(dispatcher.target, dataset_id, 0)
     take(honest, 5)
     state = honest.state_dict()
     honest.close()
-    [address] = state["streams"]
-    forged = {**state, "streams": {address: HUGE}}
-    resumed = iter(dataset.apply(data.distribute("parallel_epochs", dispatcher.target,
-                                                 state=forged)))
+    # 2**60 rounds: round-robin stream positions are rounds x consumers (an int64).
+    resumed = round_robin(dispatcher.target, dataset_id, 0, {**state, "elements": 2 ** 60})
     # The reader waits while the worker skips for it (about 1 CPU on an idle machine).
     await_cpu(worker.process.pid, lambda use: use > 2 * IDLE_CPU, "busy skipping", 30)
     resumed.close()
     await_idle(worker.process.pid, timeout=10)
 
-    # A raw reader asks once and goes away without releasing: the skip pauses.
-    client = raw_client(dispatcher)
+    client, channels = raw_client(dispatcher), WorkerChannels(Security())
     try:
+        # A raw reader asks once and goes away without releasing: the skip pauses.
         job, _ = client.call(DataRequest(get_or_create_job=GetOrCreateJobRequest(
-            dataset_id=state["dataset_id"], sharding_policy=data.ShardingPolicy.OFF,
-            job_key="anonymous/raw", consumer_id="raw")))
-        spec = StreamSpec(job_id=job.job.job_id, dataset_id=job.job.dataset_id,
-                          sharding_policy=0, grant=job.job.grant, owner="raw")
+            dataset_id=dataset_id, sharding_policy=data.ShardingPolicy.OFF,
+            job_key="raw/0", named=True, num_consumers=2, consumer_id="raw")))
+        spec = StreamSpec(job_id=job.job.job_id, dataset_id=dataset_id, num_consumers=2,
+                          grant=job.job.grant)
         read = GetElementsRequest(stream=spec, consumer_id="raw", request_seq=1, offset=HUGE,
                                   wait_seconds=0.1)
-        response, _ = WorkerChannels(Security()).call(
-            "grpc", worker.address, DataRequest(get_elements=read), 10.0)
+        response, _ = channels.call("grpc", worker.address, DataRequest(get_elements=read),
+                                    10.0)
         assert not response.get_elements.elements
         await_idle(worker.process.pid, timeout=READER_GONE_S + 10)
-        # Past the dataset's end is refused outright where the dataset is finite.
+        # An anonymous job's stream: unvouched offsets are refused, and past a finite
+        # dataset's end refused outright.
         finite = data.register_dataset(dispatcher.target, data.Dataset.range(10))
-        job, _ = client.call(DataRequest(get_or_create_job=GetOrCreateJobRequest(
-            dataset_id=finite, sharding_policy=data.ShardingPolicy.OFF,
-            job_key="anonymous/finite", consumer_id="raw")))
-        spec = StreamSpec(job_id=job.job.job_id, dataset_id=finite, sharding_policy=0,
-                          grant=job.job.grant, owner="raw")
-        for offset in (-5, 11):
-            with pytest.raises(errors.InvalidArgumentError, match=f"skip {offset} elements"):
-                WorkerChannels(Security()).call("grpc", worker.address, DataRequest(
-                    get_elements=GetElementsRequest(stream=spec, consumer_id="raw",
-                                                    request_seq=1, offset=offset)), 10.0)
+        for dataset, offsets, error, match in [
+                (dataset_id, (HUGE,), errors.PermissionDeniedError, "no vouch"),
+                (finite, (-5, 11), errors.InvalidArgumentError, "skip {} elements")]:
+            job, _ = client.call(DataRequest(get_or_create_job=GetOrCreateJobRequest(
+                dataset_id=dataset, sharding_policy=data.ShardingPolicy.OFF,
+                job_key=f"anonymous/{dataset}", consumer_id="raw")))
+            spec = StreamSpec(job_id=job.job.job_id, dataset_id=dataset, sharding_policy=0,
+                              grant=job.job.grant, owner="raw")
+            for offset in offsets:
+                with pytest.raises(error, match=match.format(offset)):
+                    channels.call("grpc", worker.address, DataRequest(
+                        get_elements=GetElementsRequest(stream=spec, consumer_id="raw",
+                                                        request_seq=1, offset=offset)), 10.0)
     finally:
+        channels.close()
         client.close()
     # Another consumer reads at full speed meanwhile.
     assert sorted(int(x) for x in data.Dataset.range(100).apply(

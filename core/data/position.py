@@ -5,7 +5,8 @@ It is a small JSON-serialisable dict, saved beside a model checkpoint:
 
 * distributed_epoch: the job and the consumer (the same consumer resumes in the same job),
   how many splits the job had handed it (``handed``: every earlier one is read completely or
-  listed in ``partial`` with the elements returned of it) and the splits handed later but
+  listed in ``partial`` with the elements returned of it, each with the service's word for
+  that count: see below) and the splits handed later but
   already read completely (``completed``). The dispatcher gives the consumer back every other
   split it had been handed, so each element is returned once over the whole run, those
   returned after the saved position once more.
@@ -18,10 +19,19 @@ It is a small JSON-serialisable dict, saved beside a model checkpoint:
   by a digest of its grant, which only its consumers hold: another client cannot join or
   block their resume without having joined that job.
 
-What the service trusts of a position: the dispatcher checks a distributed_epoch position
-against what the job handed the consumer (its own splits only, each offset within its
-split: ``split_limit``); a worker skips a resumed stream's elements only while a reader
-reads it (``streams.Stream``).
+What the service trusts of a position: every nonzero offset in it (a split's in
+distributed_epoch, a worker stream's in parallel_epochs) comes with a vouch
+(``data/vouches.py``): the HMAC, under the dispatcher's grant key, by which a worker (or the
+dispatcher, for the offset a split is handed out at) said it handed this consumer elements up
+to there. The dispatcher checks a distributed_epoch position against what the job handed the
+consumer (its own splits only, never below the offset a split was handed at, each offset
+within its split where ``split_limit`` knows the split's size, and vouched for); a worker
+skips a resumed stream's elements only for a vouched offset, only while a reader reads it
+(``streams.Stream``), and so at most what it already produced for that consumer. Positions of
+version 1 carry no vouches and are refused.
+
+Round-robin positions are not vouched for: a round-robin resume skips (on each worker, while
+its readers read) the elements of the rounds the position names.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from clusterwire.data import vouches
 from clusterwire.data.modes import ShardingPolicy
 from clusterwire.data.pipeline import (
     Batch,
@@ -37,16 +48,36 @@ from clusterwire.data.pipeline import (
     Filter,
     Map,
     Op,
+    Pipeline,
     Prefetch,
     Repeat,
     Shuffle,
     Skip,
     Source,
     Take,
+    split_plan,
 )
-from clusterwire.errors import InvalidArgumentError
+from clusterwire.errors import InvalidArgumentError, PermissionDeniedError
+from clusterwire.protos.data_service_pb2 import SplitOffset, StreamSpec, Vouch
 
-VERSION = 1
+#: 2: offsets carry vouches (version 1's did not, and are refused).
+VERSION = 2
+
+
+@dataclass(frozen=True)
+class Offset:
+    """Elements of a split or stream returned, and the service's word for them (None: none
+    needed, for 0)."""
+
+    count: int
+    vouch: Vouch | None = None
+
+    def to_json(self) -> Any:
+        if self.vouch is None:
+            return None
+        v = self.vouch
+        return {"job": v.job_id, "consumer": v.consumer_id, "start": v.start, "end": v.end,
+                "mac": v.mac.hex()}
 
 
 @dataclass(frozen=True)
@@ -59,9 +90,9 @@ class Position:
     job_key: str = ""
     consumer_id: str = ""
     handed: int = 0
-    partial: dict[int, int] = field(default_factory=dict)  # split id -> elements returned
+    partial: dict[int, Offset] = field(default_factory=dict)  # split id -> elements returned
     completed: tuple[int, ...] = ()
-    streams: dict[str, int] = field(default_factory=dict)  # worker -> elements returned
+    streams: dict[str, Offset] = field(default_factory=dict)  # worker -> elements returned
     elements: int = 0  # returned in this iteration, before and after resuming
     workers: tuple[str, ...] = ()  # round-robin reads: the workers, in round order
     consumer_index: int = 0
@@ -75,8 +106,11 @@ class Position:
                 "processing_mode": self.processing_mode, "iteration": self.iteration,
                 "job_key": self.job_key, "consumer_id": self.consumer_id,
                 "handed": self.handed,
-                "partial": [[split, offset] for split, offset in sorted(self.partial.items())],
-                "completed": sorted(self.completed), "streams": dict(sorted(self.streams.items())),
+                "partial": [[split, offset.count, offset.to_json()]
+                            for split, offset in sorted(self.partial.items())],
+                "completed": sorted(self.completed),
+                "streams": {worker: [offset.count, offset.to_json()]
+                            for worker, offset in sorted(self.streams.items())},
                 "elements": self.elements, "workers": list(self.workers),
                 "consumer_index": self.consumer_index, "num_consumers": self.num_consumers,
                 "finished": self.finished, "group": self.group}
@@ -90,9 +124,12 @@ class Position:
                 f"A data-service position must be the dict state_dict() returned, got "
                 f"{type(state).__name__}.")
         if state.get("version") != VERSION:
+            unsigned = (" (version 1 positions carry no vouch for their offsets, which the "
+                        "service now requires)" if state.get("version") == 1 else "")
             raise InvalidArgumentError(
                 f"Data-service position version {state.get('version')!r} is not "
-                f"{VERSION}: save the position with this clusterwire, or start anew.")
+                f"{VERSION}{unsigned}: save the position with this clusterwire, or start "
+                "the iteration anew.")
         try:
             return cls(
                 dataset_id=_typed(state, "dataset_id", str),
@@ -101,12 +138,12 @@ class Position:
                 job_key=_typed(state, "job_key", str),
                 consumer_id=_typed(state, "consumer_id", str),
                 handed=_count(state, "handed"),
-                partial={_nonnegative(split, "partial"): _nonnegative(offset, "partial")
-                         for split, offset in _typed(state, "partial", list)},
+                partial={_nonnegative(entry[0], "partial"): _offset(entry[1:], "partial")
+                         for entry in _typed(state, "partial", list)},
                 completed=tuple(_nonnegative(split, "completed")
                                 for split in _typed(state, "completed", list)),
-                streams={_key(worker): _nonnegative(count, "streams")
-                         for worker, count in _typed(state, "streams", Mapping).items()},
+                streams={_key(worker): _offset(entry, "streams")
+                         for worker, entry in _typed(state, "streams", Mapping).items()},
                 elements=_count(state, "elements"),
                 workers=tuple(_key(worker) for worker in _typed(state, "workers", list)),
                 consumer_index=_count(state, "consumer_index"),
@@ -147,6 +184,31 @@ def _nonnegative(value: Any, key: str) -> int:
     return value
 
 
+def _offset(entry: Any, key: str) -> Offset:
+    """An offset saved as [count] or [count, vouch] (to_json)."""
+    if not isinstance(entry, list) or len(entry) not in (1, 2):
+        raise InvalidArgumentError(
+            f"Malformed data-service position: key {key!r} holds {entry!r}, not an offset "
+            "and its vouch: pass the dict state_dict() returned, unchanged.")
+    count = _nonnegative(entry[0], key)
+    saved = entry[1] if len(entry) == 2 else None
+    if saved is None:
+        return Offset(count)
+    if not isinstance(saved, Mapping):
+        raise InvalidArgumentError(
+            f"Data-service position key {key!r} holds vouch {saved!r}, not a dict: pass the "
+            "dict state_dict() returned, unchanged.")
+    try:
+        return Offset(count, Vouch(
+            job_id=_nonnegative(saved["job"], key), consumer_id=_typed(saved, "consumer", str),
+            start=_nonnegative(saved["start"], key), end=_nonnegative(saved["end"], key),
+            mac=bytes.fromhex(_typed(saved, "mac", str))))
+    except KeyError as err:
+        raise InvalidArgumentError(
+            f"Data-service position key {key!r} holds a vouch without {err}: pass the dict "
+            "state_dict() returned, unchanged.") from None
+
+
 def _key(value: Any) -> str:
     if not isinstance(value, str):
         raise InvalidArgumentError(
@@ -176,6 +238,47 @@ def split_limit(source: Source, ops: tuple[Op, ...], units: int) -> int | None:
         else:
             return None
     return limit
+
+
+def check_split_offset(key: bytes, job_id: int, dataset_id: str, consumer_id: str,
+                       at: SplitOffset, floor: int, limit: int | None,
+                       lower: bool = False) -> None:
+    """The dispatcher's check of a split offset a consumer hands back (resuming, or
+    releasing the split): within the split (``check_offset``), not below ``floor`` (where
+    the split was handed to this consumer; ``lower``: an offset below it is not an error,
+    its caller keeps the higher one) and, above it, vouched for (``vouches.check``)."""
+    check_offset(at.split_id, at.offset, limit)
+    if at.offset < floor and not lower:
+        raise PermissionDeniedError(
+            f"A position puts split {at.split_id} at offset {at.offset}, but job {job_id} "
+            f"handed it to consumer {consumer_id!r} at offset {floor}: the elements before "
+            "are another consumer's. Pass the position state_dict() returned, unchanged.")
+    if at.offset > floor:
+        vouches.check(key, dataset_id, vouches.split_stream(at.split_id), at.offset,
+                      at.vouch if at.HasField("vouch") else None, job_id, consumer_id)
+
+
+def check_stream_offset(key: bytes, spec: StreamSpec, consumer_id: str, offset: int,
+                        vouch: Vouch | None, pipe: Pipeline, address: str) -> None:
+    """A worker's check of the offset a stream is asked to start at (a split's later
+    attempt, a resumed stream): within its split, or within a finite dataset, and vouched
+    for (a split's by its job and consumer; an anonymous job's stream on worker ``address``
+    by any earlier job of the dataset, as a resumed iteration reads a new job). Round-robin
+    streams skip the rounds their position names, unvouched (see the module doc)."""
+    if spec.is_split:
+        check_offset(spec.split_id, offset, split_limit(
+            pipe.source, split_plan(pipe).ops, spec.unit_end - spec.unit_start))
+        vouches.check(key, spec.dataset_id, vouches.split_stream(spec.split_id), offset, vouch,
+                      spec.job_id, consumer_id)
+        return
+    cardinality = pipe.cardinality()
+    if offset < 0 or 0 <= cardinality < offset:
+        of = f" of a dataset of {cardinality}" if cardinality >= 0 else ""
+        raise InvalidArgumentError(
+            f"A read of job {spec.job_id} asked to skip {offset} elements{of}: pass the "
+            "position state_dict() returned, unchanged.")
+    if not spec.num_consumers:
+        vouches.check(key, spec.dataset_id, vouches.worker_stream(address), offset, vouch)
 
 
 def check_offset(split_id: int, offset: int, limit: int | None) -> None:

@@ -76,7 +76,7 @@ from clusterwire import errors
 from clusterwire.addressing import split_host_port
 from clusterwire.data import elements
 from clusterwire.data.modes import STATIC_POLICIES, ShardingPolicy, mode_name
-from clusterwire.data.position import Position
+from clusterwire.data.position import Offset, Position
 from clusterwire.data.rpc import DispatcherClient, WorkerChannels
 from clusterwire.data.streams import OVER_LIMITS
 from clusterwire.metrics import REGISTRY, catalog
@@ -91,6 +91,7 @@ from clusterwire.protos.data_service_pb2 import (
     ReleaseStreamsRequest,
     SplitOffset,
     StreamSpec,
+    Vouch,
     WorkerInfo,
 )
 
@@ -153,6 +154,9 @@ class _Split:
     address: str = ""  # the worker reading it
     handout: int = -1  # its index among the splits the job handed this consumer
     ended: bool = False  # read to its end (``consumed`` may still be behind ``received``)
+    # The service's word for ``consumed`` and for ``received`` (data/vouches.py; None at 0).
+    vouch: Vouch | None = None
+    received_vouch: Vouch | None = None
 
 
 @dataclass
@@ -160,6 +164,7 @@ class _StreamPosition:
     """Elements of one worker's stream returned by __next__ (parallel_epochs, static)."""
 
     consumed: int = 0
+    vouch: Vouch | None = None  # the service's word for ``consumed`` (None at 0)
 
 
 @dataclass
@@ -178,6 +183,7 @@ class _Batch:
 
     headers: Any  # the response's ElementHeaders
     buffers: list[Any]
+    vouch: Vouch | None = None  # the worker's word for the elements (data/vouches.py)
 
     def __len__(self) -> int:
         return len(self.headers)
@@ -253,7 +259,8 @@ class JobReader(Iterator[Any]):
         self._decoder = ThreadPoolExecutor(_DECODERS, "clusterwire-data-decode")
         self._queue: queue.Queue = queue.Queue(maxsize=16)
         self._batch: deque = deque()
-        self._credits: deque[list] = deque()  # [split, elements of it still in _batch]
+        # [split or stream, elements of it still in _batch, the worker's vouch for them]
+        self._credits: deque[list] = deque()
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._split_lock = threading.Lock()
@@ -289,7 +296,7 @@ class JobReader(Iterator[Any]):
         self._completed: dict[int, int] = {}
         self._resumable = False  # the dispatcher keeps this consumer's splits for a resume
         self._generation = 0  # of a resumed consumer: later than any earlier iterator's
-        self._start_offsets: dict[str, int] = {}
+        self._start_offsets: dict[str, Offset] = {}
         self._first_round = 0  # round-robin reads: resumed from this round
         self._round_workers: list[str] | None = None  # the workers rounds go to (in order)
         self._saved_workers: list[str] | None = None  # the resumed position's
@@ -346,7 +353,8 @@ class JobReader(Iterator[Any]):
         self._consumer = request.consumer_id = position.consumer_id
         request.job_key, request.resume = position.job_key, True
         request.handed = self._handed = position.handed
-        request.partial.extend(SplitOffset(split_id=split, offset=offset)
+        request.partial.extend(SplitOffset(split_id=split, offset=offset.count,
+                                           vouch=offset.vouch)
                                for split, offset in position.partial.items())
         request.completed.extend(position.completed)
         request.generation = self._generation = time.time_ns()
@@ -383,10 +391,11 @@ class JobReader(Iterator[Any]):
                 "distributed_epoch reads (each split is one consumer's), or read without "
                 "job_name.")
         with self._lock:
-            partial = {s.split_id: s.consumed for s in self._unread.values()}
+            partial = {s.split_id: Offset(s.consumed, s.vouch) for s in self._unread.values()}
             completed = tuple(split for split, at in self._completed.items()
                               if at >= self._handed)
-            streams = {address: p.consumed for address, p in self._positions.items()}
+            streams = {address: Offset(p.consumed, p.vouch)
+                       for address, p in self._positions.items()}
             workers = self._round_workers or (sorted(self._workers)
                                               if self._options.num_consumers else [])
         return Position(
@@ -437,7 +446,7 @@ class JobReader(Iterator[Any]):
         while not self._batch:
             if self._finished:
                 raise StopIteration
-            kind, payload, position = self._queue.get()
+            kind, payload, position, vouch = self._queue.get()
             if kind is _END:
                 self._finish()
                 raise StopIteration
@@ -451,11 +460,12 @@ class JobReader(Iterator[Any]):
                 raise
             self._batch.extend(decoded)
             if position is not None and decoded:
-                self._credits.append([position, len(decoded)])
+                self._credits.append([position, len(decoded), vouch])
         self._elements += 1
         if self._credits:
             credit = self._credits[0]
             credit[0].consumed += 1
+            credit[0].vouch = credit[2]
             credit[1] -= 1
             if not credit[1]:
                 self._credits.popleft()
@@ -497,7 +507,7 @@ class JobReader(Iterator[Any]):
             self._released = True
             self._finished = True
             self._stop.set()
-            unfinished = [SplitOffset(split_id=s.split_id, offset=s.consumed)
+            unfinished = [SplitOffset(split_id=s.split_id, offset=s.consumed, vouch=s.vouch)
                           for s in self._held.values()]
             streams = {a: list(specs.values()) for a, specs in self._opened.items() if specs}
         self._decoder.shutdown(wait=False, cancel_futures=True)
@@ -540,15 +550,18 @@ class JobReader(Iterator[Any]):
 
     def _put(self, kind: Any, payload: Any = None,
              position: _Split | _StreamPosition | None = None) -> None:
-        """Queue a batch (and what its elements advance when returned), an error or _END."""
+        """Queue a batch (and what its elements advance when returned, with the worker's
+        vouch for them), an error or _END."""
+        vouch = None
         if kind == "batch":
+            vouch = payload.vouch
             try:
                 payload = self._decoder.submit(payload.decode)
             except RuntimeError:  # closed meanwhile
                 return
         while not self._stop.is_set():
             try:
-                self._queue.put((kind, payload, position), timeout=0.1)
+                self._queue.put((kind, payload, position, vouch), timeout=0.1)
                 return
             except queue.Full:
                 continue
@@ -697,8 +710,10 @@ class JobReader(Iterator[Any]):
                 specs[key] = spec
 
     def _read(self, address: str, spec: StreamSpec, seq: int, offset: int = 0,
-              first: bool = False, position: int = 0) -> tuple[_Batch, bool]:
-        """One batch from a worker (a single element when ``first``, to start fast).
+              first: bool = False, position: int = 0, vouch: Vouch | None = None
+              ) -> tuple[_Batch, bool]:
+        """One batch from a worker (a single element when ``first``, to start fast), the
+        stream starting at ``offset`` (with the service's ``vouch`` for it) if it is new.
 
         A retry must repeat ``seq``: the worker then answers with the same
         elements instead of handing out new ones.
@@ -706,14 +721,15 @@ class JobReader(Iterator[Any]):
         request = DataRequest(get_elements=GetElementsRequest(
             stream=spec, consumer_id=self._consumer, request_seq=seq, offset=offset,
             max_elements=1 if first else self._options.max_elements, max_bytes=_MAX_BYTES,
-            wait_seconds=_READ_WAIT_S, position=position))
+            wait_seconds=_READ_WAIT_S, position=position, vouch=vouch))
         key = spec.split_id if spec.is_split else "job"
         self._track(address, key, spec, ended=False)
         response, buffers = self._call_when_not_busy(address, request)
         end = response.get_elements.end_of_stream
         if end:
             self._track(address, key, spec, ended=True)
-        return _Batch(response.get_elements.elements, buffers), end
+        read = response.get_elements
+        return _Batch(read.elements, buffers, read.vouch if read.HasField("vouch") else None), end
 
     def _call_when_not_busy(self, address: str, request: DataRequest) -> tuple[Any, list]:
         """Call the worker; while it refuses the stream over its stream limits, call again
@@ -753,13 +769,16 @@ class JobReader(Iterator[Any]):
         order = list(self._job.worker_order)
         if self._job.sharding_policy in STATIC_POLICIES and address in order:
             spec.shard_index, spec.num_shards = order.index(address), len(order)
-        offset = self._start_offsets.get(address, 0)
+        start = self._start_offsets.get(address, Offset(0))
+        offset = start.count
         with self._lock:
-            position = self._positions.setdefault(address, _StreamPosition(offset))
+            position = self._positions.setdefault(address,
+                                                  _StreamPosition(offset, start.vouch))
         first, received = True, offset
         while not self._stop.is_set():
             read = self._read_retrying(address, spec, first=first,
-                                       offset=offset if first else 0)
+                                       offset=offset if first else 0,
+                                       vouch=start.vouch if first else None)
             if read is None:
                 self._drop(address, spec, received)
                 return
@@ -874,10 +893,12 @@ class JobReader(Iterator[Any]):
                     self._end_of_splits = True
                 if not result.has_split:
                     return None
+                handed_at = result.split.vouch if result.split.HasField("vouch") else None
                 split = _Split(result.split.split_id, result.split.unit_start,
                                result.split.unit_end, result.split.grant,
                                received=result.split.offset, consumed=result.split.offset,
-                               handout=result.split.handout)
+                               handout=result.split.handout, vouch=handed_at,
+                               received_vouch=handed_at)
                 self._held[split.split_id] = split
                 self._handed_out(split)
         self._fill_idle_workers()
@@ -893,11 +914,14 @@ class JobReader(Iterator[Any]):
             try:
                 # Only the job's first read asks for a single element (to start fast).
                 first = not split.received and not self._delivered
-                batch, end = self._read(address, spec, next(self._seq), split.received, first)
+                batch, end = self._read(address, spec, next(self._seq), split.received, first,
+                                        vouch=split.received_vouch)
             except _WORKER_FAILURES:
                 self._orphan(address, split)
                 return False
             split.received += len(batch)
+            if batch.vouch is not None:
+                split.received_vouch = batch.vouch
             if batch:
                 self._delivered = True
                 self._put("batch", batch, split)
