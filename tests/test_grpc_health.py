@@ -20,6 +20,7 @@ from clusterwire.shell import Shell, listen_options
 from clusterwire.testing.peer import echo_handler
 from clusterwire.transport import Frame
 from clusterwire.transports._grpc_common.client import TOKEN_METADATA
+from clusterwire.transports.grpc.transport import _message_limit
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -152,6 +153,37 @@ def test_only_served_names_are_answered_and_nothing_is_kept_for_others(token_tas
         # the allocator), no more after the second; it was +390 MiB a round, kept.
         assert grown < 250, f"the task grew by {grown:.0f} MiB"
         print(f"\n2 x 20 Watches on 16 MiB names: NOT_FOUND, RSS +{grown:.0f} MiB")
+
+
+@pytest.mark.timeout(180)
+def test_a_health_name_is_bounded_by_the_listeners_max_message_only(token_task):
+    """grpcio has no smaller receive limit for one service's methods (a server ignores a
+    service config's maxRequestMessageBytes; gRPC core's server-side size check reads the
+    channel's arguments only), so a health request may be as large as the listener's
+    largest message, and is received whole before it is refused. What bounds it: the
+    health service's two reading threads, and gRPC refusing a longer one at its length
+    prefix."""
+    limit = _message_limit(1 << 20, 1 << 20)  # the grpc listener's, with default options
+    cluster, _ = token_task()
+    with cluster:
+        pid, address = cluster.process("w").pid, cluster.target("w").split("://")[1]
+        before = rss_mib(pid)
+        calls = [watch(address, "x" * (limit - 64) + str(i)) for i in range(12)]
+        try:
+            assert {ending(call) for _, call in calls} == {grpc.StatusCode.NOT_FOUND}
+        finally:
+            for channel, _ in calls:
+                channel.close()
+        grown = rss_mib(pid) - before
+        channel, longer = watch(address, "x" * limit)
+        try:
+            assert ending(longer) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        finally:
+            channel.close()
+    # Measured: +175 MiB for these 12 names of 65.6 MiB, +297 MiB for 2 x 20, +336 MiB for
+    # 2 x 60: at most about five of the largest message, whatever the number of requests.
+    assert grown < 6 * limit / (1 << 20), f"the task grew by {grown:.0f} MiB"
+    print(f"\n12 Watches on {limit / (1 << 20):.1f} MiB names: NOT_FOUND, RSS +{grown:.0f} MiB")
 
 
 @pytest.mark.timeout(60)
