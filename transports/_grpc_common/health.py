@@ -6,7 +6,9 @@ A probe carries no token, so health calls are answered without one; what bounds 
 * Only the names the server serves are answered: ``""`` and its own service names. Any other
   name is NOT_FOUND at once, for ``Check`` and ``Watch`` alike, and nothing is kept for it
   (``grpc_health``'s servicer keeps an entry for every name ever watched). A request longer
-  than the longest served name's request is NOT_FOUND unparsed.
+  than the longest served name's request is NOT_FOUND unparsed, but only once received whole:
+  grpcio has no receive limit for one service's methods below the listener's (a server
+  ignores per-method service config), so the listener's largest message is its bound.
 * A request is read on the service's own few threads (never the server's workers), and one
   that has not arrived ``handshake_timeout_seconds`` after its call was taken is cancelled.
 * A ``Watch`` without the token is pending, as an unauthenticated connection is
