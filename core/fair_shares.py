@@ -149,10 +149,12 @@ class FairShares(Generic[K]):
         """Why ``entry`` (``what``) goes to make room for ``peer``'s (call before discarding
         it): what its users are told at their next use."""
         owner = self.peer_of(entry) or ""
+        needed = ("needed room for a newer one nobody used yet" if owner == peer else
+                  f"{peer_name(peer)} needed room")
         return (f"{what} was displaced: {table} was full ({limit}), {peer_name(owner)} held "
-                f"{self.held(owner)} of it, the most, and {peer_name(peer)} needed room (a full "
-                "table is shared fairly between peers: see the README's Reliability list). "
-                "Create it again when the table has room, or use fewer at once from that peer.")
+                f"{self.held(owner)} of it, the most, and {needed} (a full table is shared "
+                "fairly between peers: see the README's Reliability list). Create it again "
+                "when the table has room, or use fewer at once from that peer.")
 
 
 class Displaced(Generic[K]):

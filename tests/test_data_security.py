@@ -277,7 +277,7 @@ def test_the_dispatcher_holds_a_bounded_number_of_datasets(monkeypatch):
                          for n in (1, 2))
         assert data.register_dataset(dispatcher.target, data.Dataset.range(1)) == first
         third = data.register_dataset(dispatcher.target, data.Dataset.range(3))
-        with pytest.raises(errors.NotFoundError, match=first):
+        with pytest.raises(errors.ResourceExhaustedError, match=f"Dataset {first} was displaced"):
             list(data.from_dataset_id("parallel_epochs", dispatcher.target, first))
         client = DispatcherClient("grpc", dispatcher.target.split("://")[1], 10.0, Security())
         try:
@@ -286,7 +286,7 @@ def test_the_dispatcher_holds_a_bounded_number_of_datasets(monkeypatch):
                     dataset_id=dataset_id, job_key=f"uses/{dataset_id}")))
         finally:
             client.close()
-        with pytest.raises(errors.ResourceExhaustedError, match="2 datasets.*2 of them used"):
+        with pytest.raises(errors.ResourceExhaustedError, match="2 datasets.*shared fairly"):
             data.register_dataset(dispatcher.target, data.Dataset.range(4))
 
 

@@ -551,9 +551,9 @@ class WorkerServer:
             if spec.is_split or spec.owner else 0
         if mine >= MAX_STREAMS_PER_CONSUMER:
             raise errors.ResourceExhaustedError(
-                f"This tf.data service worker is {OVER_LIMITS}: it runs {mine} streams for "
-                f"this consumer (reading job {spec.job_id}), its limit of "
-                f"{MAX_STREAMS_PER_CONSUMER} a consumer. Retry later or add workers.")
+                f"This tf.data service worker is {OVER_LIMITS}: it runs {len(running)} "
+                f"streams, {mine} of them for this consumer (reading job {spec.job_id}); its "
+                f"limit is {MAX_STREAMS_PER_CONSUMER} a consumer. Retry later or add workers.")
         evicted: list[tuple] = []
         now = time.monotonic()
         if len(running) >= MAX_OPEN_STREAMS:
