@@ -3,7 +3,9 @@ the same locally and through the service whatever the number of workers and cons
 
 from __future__ import annotations
 
+import io
 import json
+import tarfile
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -191,12 +193,12 @@ ROWS = 240
 
 @pytest.fixture(scope="module")
 def row_files(tmp_path_factory):
-    """ROWS rows over 3 Parquet files (row groups of 7), and as records over 3 indexed
-    TFRecord files; the workers' readable dir."""
+    """ROWS rows over 3 Parquet files (row groups of 7), as records over 3 indexed TFRecord
+    files and as samples over 3 tar shards; the workers' readable dir."""
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
     root = tmp_path_factory.mktemp("rows")
-    parquets, tfrecords = [], []
+    parquets, tfrecords, shards = [], [], []
     for index, (start, stop) in enumerate([(0, 100), (100, 130), (130, ROWS)]):
         parquets.append(str(root / f"t{index}.parquet"))
         pq.write_table(pa.table({"x": np.arange(start, stop), "y": -np.arange(start, stop)}),
@@ -205,12 +207,21 @@ def row_files(tmp_path_factory):
         with data.TFRecordWriter(tfrecords[-1], index=True) as writer:
             for value in range(start, stop):
                 writer.write(b"%d" % value)
-    return {"root": str(root), "parquet": parquets, "tfrecord": tfrecords}
+        shards.append(str(root / f"s{index}.tar"))
+        with tarfile.open(shards[-1], "w") as tar:
+            for value in range(start, stop):
+                for ext, payload in (("x", b"%d" % value), ("pad", b"." * (value % 5))):
+                    info = tarfile.TarInfo(f"v{value:04d}.{ext}")
+                    info.size = len(payload)
+                    tar.addfile(info, io.BytesIO(payload))
+    return {"root": str(root), "parquet": parquets, "tfrecord": tfrecords, "tar": shards}
 
 
 def file_rows(files, kind, seed=3):
     if kind == "parquet":
         return data.Dataset.from_parquet(files["parquet"], columns=["x"]).global_shuffle(seed)
+    if kind == "tar":
+        return data.Dataset.from_tar_shards(files["tar"], indexed=True).global_shuffle(seed)
     return data.TFRecordDataset(files["tfrecord"], index_filenames=True,
                                 block_bytes=256).global_shuffle(seed)
 
@@ -220,7 +231,7 @@ def row_batches(dataset) -> list[tuple[int, ...]]:
             for b in dataset]
 
 
-@pytest.mark.parametrize("kind", ["parquet", "tfrecord"])
+@pytest.mark.parametrize("kind", ["parquet", "tfrecord", "tar"])
 def test_file_rows_are_a_permutation_fixed_by_seed_and_epoch(row_files, kind):
     dataset = file_rows(row_files, kind).batch(ROWS)
     first, second = row_batches(dataset.repeat(2))
@@ -229,7 +240,7 @@ def test_file_rows_are_a_permutation_fixed_by_seed_and_epoch(row_files, kind):
     assert row_batches(file_rows(row_files, kind, seed=4).batch(ROWS))[0] != first
 
 
-@pytest.mark.parametrize("kind", ["parquet", "tfrecord"])
+@pytest.mark.parametrize("kind", ["parquet", "tfrecord", "tar"])
 @pytest.mark.parametrize("workers,consumers", [(1, 1), (2, 1), (2, 3)])
 def test_file_rows_through_any_workers_and_consumers_are_ranges_of_one_permutation(
         row_files, kind, workers, consumers):
@@ -248,6 +259,7 @@ def test_file_sources_without_random_access_are_refused_naming_the_fix(row_files
     for dataset, what in [
             (data.TFRecordDataset(row_files["tfrecord"]), "TFRecordRead"),
             (data.Dataset.from_parquet(row_files["parquet"], batch_rows=4), "ParquetRead"),
+            (data.Dataset.from_tar_shards(row_files["tar"]), "TarShardRead"),
             (data.Dataset.list_files(f"{row_files['root']}/*.tfrecord"), "Shuffle")]:
         with pytest.raises(errors.InvalidArgumentError, match=f"(?i){what}.* is not"):
             dataset.global_shuffle(seed=1)

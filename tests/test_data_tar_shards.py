@@ -195,3 +195,33 @@ def test_reads_only_under_readable_prefixes(tmp_path):
         TarShardReader(path, readable_prefixes=[str(allowed)])
     with pytest.raises(PermissionDeniedError):
         TarShardReader(path, readable_prefixes=[])
+
+
+# ---- By sample (global_shuffle's random access) -------------------------------------------
+
+
+def test_an_index_reads_each_sample_as_iterating_does(tmp_path):
+    path = _write(tmp_path / "shard.tar", MEMBERS)
+    with TarShardReader(path, readable_prefixes=None) as reader:
+        entries = reader.index()
+        assert [reader.sample(e) for e in reversed(entries)] == \
+            list(reversed(_tarfile_samples(path)))
+    assert entries[0][1][0] == ("jpg", 512, 3000)  # (ext, data offset, bytes)
+    gz = _write(tmp_path / "shard.tar.gz", MEMBERS, "w:gz")
+    with pytest.raises(InvalidArgumentError, match="shard.tar.gz' is compressed"):
+        TarShardReader(gz, readable_prefixes=None).index()
+
+
+@pytest.mark.parametrize("length", [0, 100, 2560, 2560 + 100, 1536 + 200])
+def test_an_index_of_a_truncated_shard_is_data_loss(tmp_path, length):
+    members = [("a.x", os.urandom(1000)), ("a.y", b"1"), ("b.x", b"2")]
+    data = pathlib.Path(_write(tmp_path / "full.tar", members)).read_bytes()
+    with pytest.raises(DataLossError, match="cut.tar"):
+        TarShardReader(_cut(tmp_path, data, length), readable_prefixes=None).index()
+
+
+@pytest.mark.parametrize("name", ["nokey", "a."])
+def test_an_index_refuses_a_member_without_a_key(tmp_path, name):
+    path = _write(tmp_path / "shard.tar", [("a.x", b"1"), (name, b"2")])
+    with pytest.raises(InvalidArgumentError, match=f"member '{name}' has no key"):
+        TarShardReader(path, readable_prefixes=None).index()

@@ -176,11 +176,11 @@ class Dataset:
         return file_datasets.from_parquet(paths, columns, batch_rows)
 
     @staticmethod
-    def from_tar_shards(paths: Any) -> Dataset:
-        """The samples of WebDataset tar shards; a shard is a split
-        (``file_datasets.from_tar_shards``)."""
+    def from_tar_shards(paths: Any, indexed: bool = False) -> Dataset:
+        """The samples of WebDataset tar shards; a shard is a split; ``indexed=True`` counts
+        their samples for ``global_shuffle`` (``file_datasets.from_tar_shards``)."""
         from clusterwire.data import file_datasets
-        return file_datasets.from_tar_shards(paths)
+        return file_datasets.from_tar_shards(paths, indexed)
 
     @staticmethod
     def from_tensors(tensors: Any) -> Dataset:

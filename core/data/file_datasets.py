@@ -139,7 +139,21 @@ def from_parquet(paths: Any, columns: list[str] | None = None,
                                     np.concatenate(rows))), (read,))
 
 
-def from_tar_shards(paths: Any) -> Dataset:
+def from_tar_shards(paths: Any, indexed: bool = False) -> Dataset:
     """The samples of WebDataset tar shards (``TarShardReader``'s dicts ``{ext: bytes,
-    "__key__": key}``), shard after shard; a shard is a split of distributed_epoch."""
-    return Dataset(FileNamesSource(names_array(paths, "from_tar_shards")), (TarShardRead(),))
+    "__key__": key}``), shard after shard; a shard is a split of distributed_epoch.
+    ``indexed=True`` reads the (uncompressed) shards' headers here to count their samples,
+    so ``global_shuffle`` can read samples by number."""
+    names = names_array(paths, "from_tar_shards")
+    counts = None
+    if indexed:
+        from clusterwire.data.tar_shards import TarShardReader
+
+        counts = []
+        for name in names:
+            with TarShardReader(name.decode(), readable_prefixes=None) as reader:
+                counts.append(len(reader.index()))
+    elif indexed is not False:
+        raise InvalidArgumentError(f"from_tar_shards `indexed` must be a bool, got "
+                                   f"{indexed!r:.80}.")
+    return Dataset(FileNamesSource(names), (TarShardRead(counts),))

@@ -26,6 +26,7 @@ bytes, and ``tar cf shard.tar folder/`` writes them) and top-level ``__name__`` 
 from __future__ import annotations
 
 import bz2
+import contextlib
 import gzip
 import lzma
 import os
@@ -37,6 +38,9 @@ from typing import Any, BinaryIO
 
 from clusterwire.data.filesystems import open_readable
 from clusterwire.errors import DataLossError, InvalidArgumentError, ResourceExhaustedError
+
+#: A sample of an uncompressed shard: its key, and each member's (ext, byte offset, bytes).
+SampleEntry = tuple[str, tuple[tuple[str, int, int], ...]]
 
 #: The largest member a reader reads into memory, in bytes.
 MAX_MEMBER_BYTES = 256 * 1024 * 1024
@@ -109,7 +113,16 @@ class TarShardReader:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         try:
-            yield from self._samples()
+            with self._reading():
+                yield from self._samples()
+        finally:
+            self.close()
+
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[None]:
+        """tarfile's and the decompressors' errors as clusterwire's, naming the shard."""
+        try:
+            yield
         except _TooLarge as error:
             raise ResourceExhaustedError(
                 f"Tar shard {self._path!r}: {error} is over the {MAX_MEMBER_BYTES}-byte limit "
@@ -119,8 +132,62 @@ class TarShardReader:
             raise DataLossError(
                 f"Tar shard {self._path!r}: truncated, corrupt or unreadable ({error}); "
                 "nothing after it was read.") from None
-        finally:
-            self.close()
+
+    def index(self) -> list[SampleEntry]:
+        """Where each sample's members are in this uncompressed shard, from its headers only
+        (the checks of iterating it apply); InvalidArgumentError for a compressed shard,
+        which cannot be read by sample."""
+        if _decompressed(self._file) is not self._file:
+            raise InvalidArgumentError(
+                f"Tar shard {self._path!r} is compressed: its samples cannot be read by "
+                "number (global_shuffle). Give uncompressed shards.")
+        entries: list[SampleEntry] = []
+        key, members = None, []
+        with self._reading(), tarfile.open(fileobj=self._file, mode="r:",
+                                           tarinfo=_Header) as tar:
+            while (member := tar.next()) is not None:
+                split = self._check(member)
+                if split is None:
+                    continue
+                if split[0] != key:
+                    if key is not None:
+                        entries.append((key, tuple(members)))
+                    key, members = split[0], []
+                self._check_size(member)
+                if any(ext == split[1] for ext, _, _ in members):
+                    raise InvalidArgumentError(
+                        f"Tar shard {self._path!r}: member {member.name!r} repeats ext "
+                        f"{split[1]!r} of sample {key!r}.")
+                members.append((split[1], member.offset_data, member.size))
+                tar.members.clear()  # headers are not kept: the entries are
+            reason = getattr(tar, "stop_reason",
+                             "the shard ends without tar's end-of-archive block")
+            if reason is not None:
+                raise tarfile.ReadError(f"{reason} at byte {tar.offset}")
+        if key is not None:
+            entries.append((key, tuple(members)))
+        return entries
+
+    def sample(self, entry: SampleEntry) -> dict[str, Any]:
+        """The sample of an ``index()`` entry, its members read at their offsets."""
+        key, members = entry
+        sample: dict[str, Any] = {"__key__": key}
+        for ext, offset, size in members:
+            self._file.seek(offset)
+            data = self._file.read(size)
+            if len(data) != size:
+                raise DataLossError(
+                    f"Tar shard {self._path!r}: sample {key!r} is cut short at byte "
+                    f"{offset + len(data)} (the shard changed since it was indexed?).")
+            sample[ext] = data
+        return sample
+
+    def _check_size(self, member: tarfile.TarInfo) -> None:
+        if member.size > MAX_MEMBER_BYTES:
+            raise ResourceExhaustedError(
+                f"Tar shard {self._path!r}: member {member.name!r} is {member.size} "
+                f"bytes, over the {MAX_MEMBER_BYTES}-byte limit of one member "
+                "(tar_shards.MAX_MEMBER_BYTES).")
 
     def _samples(self) -> Iterator[dict[str, Any]]:
         sample: dict[str, Any] | None = None
@@ -141,11 +208,7 @@ class TarShardReader:
                     sample = None
                 if sample is None:
                     sample = {"__key__": key}
-                if member.size > MAX_MEMBER_BYTES:
-                    raise ResourceExhaustedError(
-                        f"Tar shard {self._path!r}: member {member.name!r} is {member.size} "
-                        f"bytes, over the {MAX_MEMBER_BYTES}-byte limit of one member "
-                        "(tar_shards.MAX_MEMBER_BYTES).")
+                self._check_size(member)
                 if ext in sample:
                     raise InvalidArgumentError(
                         f"Tar shard {self._path!r}: member {member.name!r} repeats ext {ext!r} "

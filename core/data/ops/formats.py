@@ -222,10 +222,49 @@ class TFRecordBlockRead(ReadsFiles):
 @register
 @dataclass(frozen=True)
 class TarShardRead(ReadsFiles):
-    """The samples of each tar shard named (``TarShardReader``'s dicts), shard after shard."""
+    """The samples of each tar shard named (``TarShardReader``'s dicts), shard after shard.
+    ``sample_counts``: the samples of each shard of its source, in order, when they were
+    counted (``from_tar_shards(indexed=True)``): what ``global_shuffle`` needs."""
 
     kind = "tar_shards"
+    sample_counts: tuple[int, ...] | None = None
     readable: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.sample_counts is not None:
+            counts = tuple(self.sample_counts)
+            if not all(isinstance(c, (int, np.integer)) and not isinstance(c, bool) and c >= 0
+                       for c in counts):
+                raise InvalidArgumentError(
+                    f"Malformed dataset: tar_shards sample_counts {counts!r:.80}.")
+            object.__setattr__(self, "sample_counts", tuple(int(c) for c in counts))
+
+    def random_access(self, source: Any
+                      ) -> tuple[int, Callable[[np.ndarray], Iterator[dict[str, Any]]]] | None:
+        """``global_shuffle``'s view of the shards: their sample count, and what reads
+        samples by number (in the order given), each from its shard's index (its headers,
+        read once per view, when a sample of it is first asked); None unless counted."""
+        counts = None if self.sample_counts is None else np.array(self.sample_counts)
+        names = getattr(source, "tensors", None)
+        if counts is None or not isinstance(names, np.ndarray) or len(names) != len(counts):
+            return None
+        from clusterwire.data.tar_shards import TarShardReader
+
+        indexes: dict[int, list] = {}
+
+        def gather(indices: np.ndarray) -> Iterator[dict[str, Any]]:
+            for shard, within in zip(*_locate(counts, indices), strict=True):
+                with TarShardReader(file_name(names[shard]),
+                                    readable_prefixes=self.readable) as reader:
+                    if shard not in indexes:
+                        indexes[shard] = reader.index()
+                        if len(indexes[shard]) != counts[shard]:
+                            raise DataLossError(
+                                f"Tar shard {file_name(names[shard])!r} holds "
+                                f"{len(indexes[shard])} samples, {counts[shard]} when the "
+                                "Dataset was built: it changed since.")
+                    yield reader.sample(indexes[shard][within])
+        return int(counts.sum()), gather
 
     def _open(self, name: Any) -> Iterator[Any]:
         from clusterwire.data.tar_shards import TarShardReader

@@ -2,9 +2,10 @@
 index permutation (``clusterwire.data.index_shuffle``), with no buffer of elements.
 
 Random access: a ``range`` or ``from_tensor_slices`` source, the rows of ``from_parquet``
-(without ``batch_rows``) or the records of ``TFRecordDataset(..., index_filenames=...)`` (a
-file read with a ``random_access`` view: each gather reads the row groups its rows fall in,
-each record at its offset from its file's index), then only ``map``, ``prefetch``, ``take``
+(without ``batch_rows``), the records of ``TFRecordDataset(..., index_filenames=...)`` or the
+samples of ``from_tar_shards(indexed=True)`` (a file read with a ``random_access`` view: each
+gather reads the row groups its rows fall in, each record or sample at its offset from its
+file's index), then only ``map``, ``prefetch``, ``take``
 and ``skip`` (one element per index; ``take``/``skip`` move the index window,
 ``map``/``prefetch`` run on the shuffled elements). Its units are positions
 in the shuffled order, so a distributed_epoch split ``[a, b)`` yields the input's elements
@@ -35,8 +36,9 @@ _ELEMENTWISE = (Map, Prefetch)
 def _not_random_access(what: str) -> InvalidArgumentError:
     return InvalidArgumentError(
         f"global_shuffle needs a random-access input (Dataset.range, from_tensor_slices, "
-        f"from_parquet without batch_rows or TFRecordDataset with index_filenames, then only "
-        f"map, prefetch, take and skip); {what} is not. Call global_shuffle() "
+        f"from_parquet without batch_rows, TFRecordDataset with index_filenames or "
+        f"from_tar_shards(indexed=True), then only map, prefetch, take and skip); {what} is "
+        "not. Call global_shuffle() "
         "before it (e.g. ds.global_shuffle().filter(...)), or use shuffle(buffer_size) for "
         "this input.")
 
