@@ -11,8 +11,9 @@ against themselves.
 
 pytest then runs every conformance check (payload shapes up to 256 MiB,
 concurrency, deadlines, cancellation, killed peers, stop with calls in
-flight, closed ports, size limits, malformed input, port 0, and a real
-3-process cluster over the protocol) against that transport. Capability
+flight, closed ports, size limits, malformed input, port 0, the peer a
+handler sees in ``Frame.peer``, and a real 3-process cluster over the
+protocol) against that transport. Capability
 flags switch off the checks for what a transport does not support.
 
 **Server surfaces** (a task's port, a metrics endpoint, membership, a dispatcher, a worker,
