@@ -265,3 +265,13 @@ def test_file_sources_without_random_access_are_refused_naming_the_fix(row_files
             dataset.global_shuffle(seed=1)
     names = data.Dataset.list_files(f"{row_files['root']}/*.tfrecord", shuffle=False)
     assert sorted(n.decode() for n in names.global_shuffle(seed=1)) == row_files["tfrecord"]
+
+
+@pytest.mark.parametrize("kind", ["parquet", "tfrecord", "tar"])
+def test_a_worker_reads_shuffled_rows_only_under_its_readable_dirs(row_files, kind, tmp_path):
+    """The random-access reads open files as the sequential ones do: a file outside the
+    workers' readable_dirs is refused, naming it."""
+    with in_process_data_service(1, readable_dirs=[str(tmp_path)]) as dispatcher:
+        outside = f"does not read '{row_files['root']}"
+        with pytest.raises(errors.PermissionDeniedError, match=outside):
+            list(distributed(file_rows(row_files, kind), dispatcher.target))
