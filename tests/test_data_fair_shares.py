@@ -183,3 +183,54 @@ def test_a_peer_filling_a_table_with_entries_it_uses_leaves_others_their_share(p
     assert counts["displaced"] > 0, counts
     assert limit - 16 <= counts["held"] <= limit, counts
     assert len(status.jobs) <= dispatcher_module.MAX_JOBS
+
+
+# ---- what a displaced entry's reader sees -------------------------------------------------
+
+def _read_until_error(iterator, seconds: float = 60.0) -> errors.OpError:
+    """Read ``iterator`` (endless) until it raises; the error (bounded in time)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            next(iterator)
+        except errors.OpError as err:
+            return err
+    raise AssertionError(f"no error within {seconds} s")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("table", ["jobs", "streams"])
+def test_a_reader_whose_job_or_stream_was_displaced_is_told_why(monkeypatch, table):
+    """Servers in this process (their own process's readers are peer ""), the job table or
+    the worker's streams lowered to 3: three endless readers fill it; a token holder on
+    127.0.0.2 (through a relay) makes a job or opens a stream, which displaces the oldest
+    reader's. That reader's next elements end in ResourceExhaustedError saying it was
+    displaced and by whom; the two others read on."""
+    from cw_data_fair_flood import Flooder
+
+    module, name = ((dispatcher_module, "MAX_JOBS") if table == "jobs"
+                    else (worker_module, "MAX_OPEN_STREAMS"))
+    monkeypatch.setattr(module, name, 3)
+    with data.DispatchServer(port=0) as dispatcher, data.WorkerServer(
+            port=0, dispatcher_address=dispatcher.target.split("://")[1]):
+        readers = [iter(data.Dataset.range(1).repeat().apply(data.distribute(
+            "parallel_epochs", dispatcher.target))) for _ in range(3)]
+        flooder = Flooder("jobs" if table == "jobs" else "streams",
+                          dispatcher.target.split("://")[1])
+        try:
+            for reader in readers:  # each has its job read and its stream open
+                assert int(next(reader)) == 0
+            flooder.create()
+            err = _read_until_error(readers[0])
+            assert isinstance(err, errors.ResourceExhaustedError), err
+            assert "was displaced" in err.message and "peer 127.0.0.2 needed room" in \
+                err.message, err.message
+            for reader in readers[1:]:
+                assert [int(next(reader)) for _ in range(100)] == [0] * 100
+            with pytest.raises(errors.ResourceExhaustedError, match="shared fairly"):
+                flooder.create()  # with one more it would hold 2, as many as peer "" holds
+        finally:
+            flooder.dispatcher.close()
+            flooder.workers.close()
+            for reader in readers:
+                reader.close()
