@@ -637,7 +637,8 @@ class TransportSuite:
     # -- peers: who sent a request (Frame.peer, the servers' fair shares) ---------------
 
     def _own_peer(self) -> str:
-        return self.host if self.capabilities.peers == "ip" else f"uid:{os.getuid()}"
+        return self.host.strip("[]") if self.capabilities.peers == "ip" else \
+            f"uid:{os.getuid()}"
 
     def test_the_handler_sees_the_client_as_its_peer(self, channel):
         reply = channel.call(Frame(PEER, []), timeout=30)
@@ -658,7 +659,7 @@ class TransportSuite:
         finally:
             channel.close()
             proxy.close()
-        assert seen == [_OTHER_PEER] * 2 and mine == self.host
+        assert seen == [_OTHER_PEER] * 2 and mine == self._own_peer()
 
     @staticmethod
     def _echo_peer(transport: Transport, listener: Listener) -> str:
