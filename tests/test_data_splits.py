@@ -160,6 +160,18 @@ def test_a_tar_shard_is_a_split(files, service):
         [[f"k{i}_{s}" for s in range(4)] for i in range(3)]
 
 
+def test_a_text_file_of_from_files_is_a_split(files, service):
+    names = []
+    for index in range(3):
+        names.append(str(pathlib.Path(files["root"]) / f"l{index}.txt"))
+        pathlib.Path(names[-1]).write_text("".join(f"{index}-{i}\n" for i in range(4)))
+    dataset = data.Dataset.from_files(names)
+    got, job, splits = read_and_split(service, dataset, 12)
+    assert sorted(got) == sorted(f"{i}-{j}".encode() for i in range(3) for j in range(4))
+    assert (job.split_units, job.total_units) == (1, 3)
+    assert splits == [[f"{i}-{j}".encode() for j in range(4)] for i in range(3)]
+
+
 def test_element_sources_keep_splits_per_worker(service):
     """range and from_tensor_slices: SPLITS_PER_WORKER splits per live worker, batch-aligned."""
     dataset = data.Dataset.range(1000).batch(7)

@@ -162,8 +162,10 @@ class SlicesSource(Source):
 
 @dataclass(frozen=True)
 class FilesSource(Source):
-    """``Dataset.from_files``: the text lines of files (bytes, without line ends)."""
+    """``Dataset.from_files``: the text lines of files (bytes, without line ends); a file is
+    a split of distributed_epoch."""
 
+    split_kind = "file"
     paths: tuple[str, ...]
 
     def units(self) -> int:

@@ -6,11 +6,11 @@ and names its kind (``Source.split_kind``); the dispatcher hands out splits of
 ``units_per_split`` consecutive units, and a worker reads a split as ``source.read(start,
 end)``. The kinds:
 
-- ``"elements"`` (``range``, ``from_tensor_slices``, ``from_files``, ``global_shuffle``):
+- ``"elements"`` (``range``, ``from_tensor_slices``, ``global_shuffle``):
   about ``SPLITS_PER_WORKER`` splits per live worker, at most ``MAX_SPLIT_UNITS`` units each,
   rounded up to a multiple of a leading ``batch``'s size (so batches do not straddle splits);
-- ``"file"`` (``list_files``, ``TFRecordDataset`` of names, ``from_tar_shards``): one file
-  per split, TF's FILE sharding (a tar shard is a file);
+- ``"file"`` (``list_files``, ``TFRecordDataset`` of names, ``from_tar_shards``,
+  ``from_files``): one file per split, TF's FILE sharding (a tar shard is a file);
 - ``"row_group"`` (``from_parquet``): one Parquet row group per split;
 - ``"record_block"`` (``TFRecordDataset`` with ``index_filenames``): one block of consecutive
   records of one file per split, cut by ``record_blocks`` (about ``RECORD_BLOCK_BYTES``).
