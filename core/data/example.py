@@ -27,6 +27,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
 
+from clusterwire.data import example_wire
 from clusterwire.errors import InvalidArgumentError
 from clusterwire.protos.example_pb2 import FloatList, PackedExample
 
@@ -193,17 +194,17 @@ def _parse(records: Sequence[Any], features: Mapping[str, Any]) -> dict[str, Any
             f"{type(features).__name__}")
     specs = [_spec(key, feature) for key, feature in features.items()]
     batch = len(records)
-    maps = [_decode(record, i) for i, record in enumerate(records)]
-    result: dict[str, Any] = {}
-    for spec in specs:
-        if spec.fixed:
-            result[spec.key] = _fixed(spec, maps)
-        else:
-            result[spec.key] = _var(spec, maps, batch)
-    return result
+    decoded = example_wire.decode(records, specs)
+    if decoded is None:  # not in the common form: record by record, errors worded
+        maps = [_decode(record, i) for i, record in enumerate(records)]
+        decoded = {spec.key: _fixed(spec, maps) if spec.fixed else _var(spec, maps)
+                   for spec in specs}
+    return {spec.key: decoded[spec.key].reshape((batch, *spec.shape)) if spec.fixed
+            else _sparse(*decoded[spec.key]) for spec in specs}
 
 
 def _fixed(spec: _Spec, maps: list[Any]) -> np.ndarray:
+    """A fixed-length feature's values, ``[batch, size]``."""
     out = np.empty((len(maps), spec.size), dtype=spec.dtype)
     for i, feature_map in enumerate(maps):
         values = _values(spec, feature_map.get(spec.key), i)
@@ -219,10 +220,11 @@ def _fixed(spec: _Spec, maps: list[Any]) -> np.ndarray:
                 f"{list(spec.shape)} needs {spec.size}")
         else:
             out[i] = values
-    return out.reshape((len(maps), *spec.shape))
+    return out
 
 
-def _var(spec: _Spec, maps: list[Any], batch: int) -> SparseTensorValue:
+def _var(spec: _Spec, maps: list[Any]) -> tuple[np.ndarray, np.ndarray]:
+    """(values per example, all values in order) of a var-length feature."""
     lists = [_values(spec, feature_map.get(spec.key), i) for i, feature_map in enumerate(maps)]
     lengths = np.array([0 if v is None else len(v) for v in lists], dtype=np.int64)
     values = np.empty(int(lengths.sum()), dtype=spec.dtype)
@@ -231,6 +233,12 @@ def _var(spec: _Spec, maps: list[Any], batch: int) -> SparseTensorValue:
         if n:
             values[start:start + n] = v
             start += n
+    return lengths, values
+
+
+def _sparse(lengths: np.ndarray, values: np.ndarray) -> SparseTensorValue:
+    """TF's SparseTensor of a batch's lists: ``lengths`` values each, ``values`` in order."""
+    batch = lengths.size
     rows = np.repeat(np.arange(batch, dtype=np.int64), lengths)
     columns = np.arange(len(values), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths,
                                                                   lengths)
