@@ -21,7 +21,7 @@ from clusterwire import data, errors
 from clusterwire.data.pipeline import split_plan
 from clusterwire.data.position import split_limit
 from clusterwire.data.rpc import DispatcherClient, WorkerChannels
-from clusterwire.data.streams import MAX_BUFFERED_BYTES, READER_GONE_S
+from clusterwire.data.streams import MAX_BUFFERED_BYTES, READER_GONE_S, Stream
 from clusterwire.protos.data_service_pb2 import (
     ClientHeartbeatRequest,
     DataRequest,
@@ -189,64 +189,88 @@ def test_a_consumer_reports_only_its_own_splits_done(processes):
     assert Counter(read_together([iter(victim)])) == Counter(range(COUNT))
 
 
-# ---- a skip costs CPU only while its reader reads -------------------------------------------
+# ---- a forged skip costs nothing -----------------------------------------------------------
 
-def test_a_forged_skip_stops_costing_cpu_when_its_reader_goes(processes):
-    """Round-robin positions are not vouched for (data/position.py): a forged one skipping
-    2**60 rounds of an infinite dataset (a parallel_epochs one spun a worker thread at 1.18
-    CPU after its iterator closed, before positions were vouched for) skips while its reader
-    reads, stops when it closes, and pauses when a raw reader just stops asking. A
-    parallel_epochs offset without the service's vouch is refused outright
-    (test_data_position_vouches)."""
+def test_a_forged_skip_is_refused_and_costs_the_worker_nothing(processes):
+    """A forged position skipping 2**60 rounds of an infinite dataset (a parallel_epochs one
+    skipping 2**62 elements spun a worker thread at 1.18 CPU after its iterator closed,
+    before positions were vouched for): the worker refuses an offset beyond the vouch of the
+    last element the consumer returned from it (PermissionDeniedError), so nothing is
+    skipped and the worker stays idle; so is a raw read's unvouched offset, and one past a
+    finite dataset's end (InvalidArgumentError). parallel_epochs and distributed_epoch
+    offsets: test_data_position_vouches."""
     dispatcher, [worker] = start_service(processes, workers=1)
     dataset_id = data.register_dataset(dispatcher.target, data.Dataset.range(1000).repeat())
     honest = round_robin(dispatcher.target, dataset_id, 0)
     take(honest, 5)
     state = honest.state_dict()
     honest.close()
+    [(address, [rounds, vouch])] = state["streams"].items()
+    assert rounds == 5 and (vouch["start"], vouch["end"]) == (8, 9)  # round 4: position 8
     # 2**60 rounds: round-robin stream positions are rounds x consumers (an int64).
-    resumed = round_robin(dispatcher.target, dataset_id, 0, {**state, "elements": 2 ** 60})
-    # The reader waits while the worker skips for it (about 1 CPU on an idle machine).
-    await_cpu(worker.process.pid, lambda use: use > 2 * IDLE_CPU, "busy skipping", 30)
-    resumed.close()
+    for forged, match in [({**state, "elements": 2 ** 60}, "covers elements 8 to 9 only"),
+                          ({**state, "elements": 2 ** 60, "streams": {}}, "no vouch")]:
+        resumed = round_robin(dispatcher.target, dataset_id, 0, forged)
+        with pytest.raises(errors.PermissionDeniedError, match=match):
+            next(resumed)
+        resumed.close()
     await_idle(worker.process.pid, timeout=10)
 
     client, channels = raw_client(dispatcher), WorkerChannels(Security())
     try:
-        # A raw reader asks once and goes away without releasing: the skip pauses.
-        job, _ = client.call(DataRequest(get_or_create_job=GetOrCreateJobRequest(
-            dataset_id=dataset_id, sharding_policy=data.ShardingPolicy.OFF,
-            job_key="raw/0", named=True, num_consumers=2, consumer_id="raw")))
-        spec = StreamSpec(job_id=job.job.job_id, dataset_id=dataset_id, num_consumers=2,
-                          grant=job.job.grant)
-        read = GetElementsRequest(stream=spec, consumer_id="raw", request_seq=1, offset=HUGE,
-                                  wait_seconds=0.1)
-        response, _ = channels.call("grpc", worker.address, DataRequest(get_elements=read),
-                                    10.0)
-        assert not response.get_elements.elements
-        await_idle(worker.process.pid, timeout=READER_GONE_S + 10)
-        # An anonymous job's stream: unvouched offsets are refused, and past a finite
-        # dataset's end refused outright.
         finite = data.register_dataset(dispatcher.target, data.Dataset.range(10))
-        for dataset, offsets, error, match in [
-                (dataset_id, (HUGE,), errors.PermissionDeniedError, "no vouch"),
-                (finite, (-5, 11), errors.InvalidArgumentError, "skip {} elements")]:
+        for dataset, consumers, offsets, error, match in [
+                (dataset_id, 2, (HUGE,), errors.PermissionDeniedError, "offset {} .* no vouch"),
+                (dataset_id, 0, (HUGE,), errors.PermissionDeniedError, "offset {} .* no vouch"),
+                (finite, 0, (-5, 11), errors.InvalidArgumentError, "skip {} elements")]:
             job, _ = client.call(DataRequest(get_or_create_job=GetOrCreateJobRequest(
                 dataset_id=dataset, sharding_policy=data.ShardingPolicy.OFF,
-                job_key=f"anonymous/{dataset}", consumer_id="raw")))
+                job_key=f"raw-{dataset}-{consumers}/0", named=bool(consumers),
+                num_consumers=consumers, consumer_id="raw")))
             spec = StreamSpec(job_id=job.job.job_id, dataset_id=dataset, sharding_policy=0,
-                              grant=job.job.grant, owner="raw")
+                              num_consumers=consumers, grant=job.job.grant,
+                              owner=job.job.owner)
             for offset in offsets:
                 with pytest.raises(error, match=match.format(offset)):
                     channels.call("grpc", worker.address, DataRequest(
                         get_elements=GetElementsRequest(stream=spec, consumer_id="raw",
-                                                        request_seq=1, offset=offset)), 10.0)
+                                                        request_seq=1, offset=offset,
+                                                        wait_seconds=0.1)), 10.0)
+        await_idle(worker.process.pid, timeout=10)
     finally:
         channels.close()
         client.close()
     # Another consumer reads at full speed meanwhile.
     assert sorted(int(x) for x in data.Dataset.range(100).apply(
         data.distribute("parallel_epochs", dispatcher.target))) == list(range(100))
+
+
+def test_a_skip_runs_only_while_a_reader_asks_and_ends_with_its_stream():
+    """An honest resume's skip (vouched, so at most what was produced before) passes over the
+    elements on the stream's thread only while a reader asked within READER_GONE_S, and ends
+    when the stream is closed."""
+    passed = [0]
+
+    def endless():
+        while True:
+            passed[0] += 1
+            yield passed[0]
+
+    def settled() -> bool:  # no element passed over a window of the skip's thread
+        before = passed[0]
+        time.sleep(0.5)  # the measuring window itself, not a synchronisation
+        return passed[0] == before
+
+    stream = Stream(endless(), lambda element: element, skip=HUGE)
+    try:
+        wait_for(settled, timeout=READER_GONE_S + 30, what="the skip paused without a reader")
+        paused_at = passed[0]
+        assert stream.fetch("reader", 1, 1, 1 << 20, wait=0.1) == ([], False)
+        wait_for(lambda: passed[0] > paused_at, timeout=30, what="the skip going on for a reader")
+    finally:
+        stream.close()
+    wait_for(lambda: not stream._thread.is_alive(), timeout=30, what="the skip's thread ended")
+    assert passed[0] < HUGE
 
 
 # ---- round-robin: resumed as often as they checkpoint, not blocked by others -----------------

@@ -5,33 +5,31 @@ It is a small JSON-serialisable dict, saved beside a model checkpoint:
 
 * distributed_epoch: the job and the consumer (the same consumer resumes in the same job),
   how many splits the job had handed it (``handed``: every earlier one is read completely or
-  listed in ``partial`` with the elements returned of it, each with the service's word for
-  that count: see below) and the splits handed later but
+  listed in ``partial`` with the elements returned of it) and the splits handed later but
   already read completely (``completed``). The dispatcher gives the consumer back every other
   split it had been handed, so each element is returned once over the whole run, those
   returned after the saved position once more.
 * parallel_epochs (and static sharding): the elements returned of each worker's stream
   (``streams``). A resumed iteration is a new job whose streams skip those elements.
-* round-robin reads (``num_consumers``): the rounds returned (``elements``, one a round) and
-  the workers they went to. The consumers of a job resume together, from the same round (as
-  a synchronous trainer's ranks saved at one step), in a job of the rounds from there on
-  whose worker streams skip the earlier rounds' elements. ``group`` names the job they read
-  by a digest of its grant, which only its consumers hold: another client cannot join or
-  block their resume without having joined that job.
+* round-robin reads (``num_consumers``): the rounds returned (``elements``, one a round),
+  the workers they went to and, for each worker, the rounds returned from it (``streams``).
+  The consumers of a job resume together, from the same round (as a synchronous trainer's
+  ranks saved at one step), in a job of the rounds from there on whose worker streams skip
+  the earlier rounds' elements. ``group`` names the job they read by a digest of its grant,
+  which only its consumers hold: another client cannot join or block their resume without
+  having joined that job.
 
 What the service trusts of a position: every nonzero offset in it (a split's in
-distributed_epoch, a worker stream's in parallel_epochs) comes with a vouch
-(``data/vouches.py``): the HMAC, under the dispatcher's grant key, by which a worker (or the
-dispatcher, for the offset a split is handed out at) said it handed this consumer elements up
-to there. The dispatcher checks a distributed_epoch position against what the job handed the
-consumer (its own splits only, never below the offset a split was handed at, each offset
-within its split where ``split_limit`` knows the split's size, and vouched for); a worker
-skips a resumed stream's elements only for a vouched offset, only while a reader reads it
-(``streams.Stream``), and so at most what it already produced for that consumer. Positions of
-version 1 carry no vouches and are refused.
-
-Round-robin positions are not vouched for: a round-robin resume skips (on each worker, while
-its readers read) the elements of the rounds the position names.
+distributed_epoch, a worker stream's otherwise) comes with a vouch (``data/vouches.py``): the
+HMAC, under the dispatcher's grant key, by which a worker (or the dispatcher, for the offset a
+split is handed out at) said it handed this consumer elements up to there. The dispatcher
+checks a distributed_epoch position against what the job handed the consumer (its own splits
+only, never below the offset a split was handed at, each offset within its split where
+``split_limit`` knows the split's size, and vouched for); a worker skips a resumed stream's
+elements only for a vouched offset, only while a reader reads it (``streams.Stream``), and so
+at most what it already produced for that consumer (a round-robin consumer's vouch is of the
+last element it returned from the worker: the skip also passes the other consumers' elements
+of that round). Positions of version 1 carry no vouches and are refused.
 """
 
 from __future__ import annotations
@@ -262,9 +260,10 @@ def check_stream_offset(key: bytes, spec: StreamSpec, consumer_id: str, offset: 
                         vouch: Vouch | None, pipe: Pipeline, address: str) -> None:
     """A worker's check of the offset a stream is asked to start at (a split's later
     attempt, a resumed stream): within its split, or within a finite dataset, and vouched
-    for (a split's by its job and consumer; an anonymous job's stream on worker ``address``
-    by any earlier job of the dataset, as a resumed iteration reads a new job). Round-robin
-    streams skip the rounds their position names, unvouched (see the module doc)."""
+    for (a split's by its job and consumer; an anonymous or round-robin job's stream on
+    worker ``address`` by any earlier job of the dataset, as a resumed iteration reads a new
+    job). A round-robin consumer's vouch is of the last element it read of the stream, so
+    the skip may pass the other consumers' elements of that round too."""
     if spec.is_split:
         check_offset(spec.split_id, offset, split_limit(
             pipe.source, split_plan(pipe).ops, spec.unit_end - spec.unit_start))
@@ -277,7 +276,11 @@ def check_stream_offset(key: bytes, spec: StreamSpec, consumer_id: str, offset: 
         raise InvalidArgumentError(
             f"A read of job {spec.job_id} asked to skip {offset} elements{of}: pass the "
             "position state_dict() returned, unchanged.")
-    if not spec.num_consumers:
+    if spec.num_consumers:
+        vouches.check(key, spec.dataset_id,
+                      vouches.round_robin_stream(address, spec.num_consumers), offset, vouch,
+                      slack=spec.num_consumers - 1)
+    else:
         vouches.check(key, spec.dataset_id, vouches.worker_stream(address), offset, vouch)
 
 

@@ -344,6 +344,7 @@ class JobReader(Iterator[Any]):
                 f"/{position.group}" if position.group else "")
             request.resume_group, request.resume_round = group, position.elements
             self._first_round, self._saved_workers = position.elements, list(position.workers)
+            self._start_offsets = dict(position.streams)  # the vouches for the skips
             return request
         if options.policy != ShardingPolicy.DYNAMIC:
             # A job of its own whose worker streams skip what was returned before.
@@ -847,6 +848,12 @@ class JobReader(Iterator[Any]):
         first, count = self._first_round, len(workers)
         skipped = {address: ((first + (i - first) % count) // count) * consumers
                    for i, address in enumerate(workers)}
+        # Rounds returned from each worker, with its vouch for the last one's element.
+        starts = {address: self._start_offsets.get(address, Offset(0)) for address in workers}
+        with self._lock:
+            returned = {address: self._positions.setdefault(
+                address, _StreamPosition(starts[address].count, starts[address].vouch))
+                for address in workers}
         for round_ in itertools.count(first):
             address = workers[round_ % count]
             position = ((round_ // count) * consumers + (self._options.consumer_index or 0)
@@ -854,14 +861,15 @@ class JobReader(Iterator[Any]):
             batch: _Batch | None = None
             while not batch and not self._stop.is_set():
                 read = self._read_retrying(address, spec, position=position,
-                                           offset=skipped[address])
+                                           offset=skipped[address],
+                                           vouch=starts[address].vouch)
                 if read is None or read[1]:
                     raise errors.UnavailableError(
                         f"Round-robin reads lost worker {address} (or its stream ended).")
                 batch = read[0]
             if self._stop.is_set():
                 return
-            self._put("batch", batch)
+            self._put("batch", batch, returned[address])
 
     # ---- distributed_epoch ----
 

@@ -35,6 +35,12 @@ def worker_stream(address: str) -> str:
     return f"worker {address}"
 
 
+def round_robin_stream(address: str, consumers: int) -> str:
+    """The stream a vouch of a round-robin job's stream on worker ``address`` names (read by
+    ``consumers`` consumers: a resume's skip may pass their elements of the last round)."""
+    return f"worker {address} round-robin of {consumers}"
+
+
 def _mac(key: bytes, dataset_id: str, stream: str, job_id: int, consumer_id: str,
          start: int, end: int) -> bytes:
     message = "\x00".join(str(f) for f in (
@@ -51,10 +57,11 @@ def vouch(key: bytes, dataset_id: str, stream: str, job_id: int, consumer_id: st
 
 
 def check(key: bytes, dataset_id: str, stream: str, offset: int, given: Vouch | None,
-          job_id: int | None = None, consumer_id: str | None = None) -> None:
+          job_id: int | None = None, consumer_id: str | None = None, slack: int = 0) -> None:
     """PermissionDeniedError naming ``offset`` unless ``given`` is the service's word for it:
     of ``stream`` of ``dataset_id``, of job ``job_id`` and consumer ``consumer_id`` (where
-    given: a split's; an anonymous job's stream resumes in a new job of the same dataset)."""
+    given: a split's; an anonymous job's stream resumes in a new job of the same dataset),
+    its range holding ``offset`` (or ending at most ``slack`` elements before it)."""
     where = f"offset {offset} of {stream} (dataset {dataset_id!r})"
     fix = ("pass the position state_dict() returned, unchanged (a position saved before "
            "offsets were vouched for cannot be resumed: start the iteration anew)")
@@ -70,7 +77,7 @@ def check(key: bytes, dataset_id: str, stream: str, offset: int, given: Vouch | 
         raise PermissionDeniedError(
             f"The vouch for {where} is of consumer {given.consumer_id!r}, not "
             f"{consumer_id!r}: another consumer's position; {fix}.")
-    if not given.start <= offset <= given.end:
+    if not given.start <= offset <= given.end + slack:
         raise PermissionDeniedError(
             f"The vouch for {where} covers elements {given.start} to {given.end} only: "
             f"{fix}.")

@@ -415,7 +415,7 @@ class WorkerServer:
         response = DataResponse()
         response.get_elements.elements.extend(e.header for e in taken)
         response.get_elements.end_of_stream = end
-        if stream.owner and not spec.num_consumers and stream.cache is None:
+        if (taken if spec.num_consumers else stream.owner and stream.cache is None):
             self._vouch(response.get_elements.vouch, stream, spec, read, len(taken))
         return response, [b for e in taken for b in e.buffers]
 
@@ -443,11 +443,15 @@ class WorkerServer:
 
     def _vouch(self, into: Vouch, stream: Stream, spec: StreamSpec, read: GetElementsRequest,
                count: int) -> None:
-        """Vouch for the elements this answer hands a split's or an anonymous job's stream
-        (a position within them can be resumed: data/vouches.py)."""
-        start, end = self._ledger.handed(stream, read.request_seq, count)
-        what = (vouches.split_stream(spec.split_id) if spec.is_split
-                else vouches.worker_stream(self.address))
+        """Vouch for the elements this answer hands of a split's, an anonymous job's or a
+        round-robin job's stream (a position within them can be resumed: data/vouches.py)."""
+        if spec.num_consumers:  # the element at read.position of those after the skip
+            start, end = stream.skip + read.position, stream.skip + read.position + count
+            what = vouches.round_robin_stream(self.address, spec.num_consumers)
+        else:
+            start, end = self._ledger.handed(stream, read.request_seq, count)
+            what = (vouches.split_stream(spec.split_id) if spec.is_split
+                    else vouches.worker_stream(self.address))
         into.CopyFrom(vouches.vouch(self._grant_key, spec.dataset_id, what, spec.job_id,
                                     read.consumer_id, start, end))
 
