@@ -11,12 +11,13 @@ until stdin closes:
   id) of an infinite dataset, and read every one again and again.
 
 When the servers refuse a new entry, the thread reads one of its entries instead (round the
-flooder's entries). It prints ``FULL`` once it holds the table's limit (MAX_JOBS,
-MAX_DATASETS, or the worker's MAX_OPEN_STREAMS). At the end it reads every entry it holds
-once more and prints a JSON line of counts: ``created``, ``refused`` (ResourceExhaustedError
-of a new entry, by the fair-share rule), ``displaced`` (an entry read after it was
-displaced: the error said so), ``held`` (entries still read at the end), ``other`` (any
-other error, or a refusal not by the rule: a list of up to 5 of them).
+flooder's entries). It prints ``FULL <entries it holds>`` at the first refusal: the table
+(MAX_JOBS, MAX_DATASETS, or the worker's MAX_OPEN_STREAMS) is full and it holds its share.
+At the end it reads every entry it holds once more and prints a JSON line of counts:
+``created``, ``refused`` (ResourceExhaustedError of a new entry, by the fair-share rule),
+``displaced`` (an entry read after it was displaced: the error said so), ``held`` (entries
+still read at the end), ``other`` (any other error, or a refusal not by the rule: a list of
+up to 5 of them).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import secrets
 import socket
 import sys
 import threading
@@ -81,11 +83,15 @@ def _pump(source: socket.socket, sink: socket.socket) -> None:
 
 
 class Flooder:
-    """The flood's state, shared by its threads."""
+    """The flood's state, shared by its threads. ``relay``: connect from ``SOURCE`` (else
+    as this process)."""
 
-    def __init__(self, kind: str, dispatcher: str):
+    def __init__(self, kind: str, dispatcher: str, relay: bool = True):
         self.kind = kind
-        self.dispatcher = DispatcherClient("grpc", Relay(dispatcher).address, 10.0, Security())
+        self.relay = relay
+        self.name = secrets.token_hex(4)  # in its consumer ids (so its job keys)
+        self.dispatcher = DispatcherClient(
+            "grpc", Relay(dispatcher).address if relay else dispatcher, 10.0, Security())
         self.workers = WorkerChannels(Security())
         self.relays: dict[str, str] = {}  # worker address -> its relay's
         self.lock = threading.Lock()
@@ -108,13 +114,15 @@ class Flooder:
         return response.register_dataset.dataset_id
 
     def _job(self, dataset_id: str, n: int) -> dict:
-        consumer = f"flood-{n}"
+        consumer = f"flood-{self.name}-{n}"
         job = self.dispatcher.call(DataRequest(get_or_create_job=GetOrCreateJobRequest(
             dataset_id=dataset_id, sharding_policy=data.ShardingPolicy.OFF,
             job_key=f"anonymous/{consumer}", consumer_id=consumer)))[0].job
         return {"job": job, "consumer": consumer, "seq": 0}
 
     def _worker(self, address: str) -> str:
+        if not self.relay:
+            return address
         with self.lock:
             if address not in self.relays:
                 self.relays[address] = Relay(address).address
@@ -162,9 +170,6 @@ class Flooder:
             with self.lock:
                 self.entries.append(entry)
                 self.counts["created"] += 1
-                if len(self.entries) == self.limit and not self.full:
-                    self.full = True
-                    print("FULL", flush=True)
 
     def _read_again(self, entry: dict, last: bool = False) -> bool:
         """Read ``entry``; False if it is lost (displaced, or another error)."""
@@ -198,6 +203,9 @@ class Flooder:
                     self.counts["other"].append(f"{type(err).__name__}: {err.message[:300]}")
             elif key != "refused" or "shared fairly" in err.message:
                 self.counts[key] += 1
+                if key == "refused" and not self.full:
+                    self.full = True
+                    print("FULL", len(self.entries), flush=True)
             else:
                 self.counts["other"].append(f"unfair refusal: {err.message[:300]}")
 
