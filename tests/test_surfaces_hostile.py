@@ -28,6 +28,7 @@ from clusterwire.protos.service_pb2 import Request, Response, TaskRef, TaskStatu
 from clusterwire.security import Security
 from clusterwire.testing import (
     HOSTILE_STRINGS,
+    TCP_FLOODS,
     Surface,
     SurfaceSuite,
     assert_terminal_safe,
@@ -142,9 +143,10 @@ def local_task():
 
 class TestLocalTaskServer(SurfaceSuite):
     """The same requests over grpc+local's Unix socket; its gRPC port is the one
-    TestTaskServer floods."""
+    TestTaskServer floods; a task prints nothing TestTaskServer's check does not."""
 
     floods = ()
+    prints_strings = False
 
     @pytest.fixture(scope="class")
     def surface(self, local_task, client_config) -> Surface:
@@ -175,9 +177,10 @@ def _status(target: str, config: dict[str, str]) -> None:
 
 class TestMembership(SurfaceSuite):
     """Heartbeats and membership changes from a token holder; the task's port is flooded by
-    TestTaskServer already."""
+    TestTaskServer already; its strings print as TestTaskServer's do."""
 
     floods = ()
+    prints_strings = False
 
     @pytest.fixture(scope="class")
     def surface(self, elastic_task, client_config) -> Surface:
@@ -200,12 +203,18 @@ def _scrape(url: str) -> None:
 
 
 class TestMetricsEndpoint(SurfaceSuite):
+    """An HTTP port: the floods of any TCP port; no clusterwire requests, nothing printed."""
+
+    floods = TCP_FLOODS
+    takes_requests = False
+    prints_strings = False
+
     @pytest.fixture(scope="class")
     def surface(self, task_process, metrics_port) -> Surface:
         url = f"http://127.0.0.1:{metrics_port}/metrics"
         return Surface(
             "metrics endpoint", f"127.0.0.1:{metrics_port}", task_process.process.pid,
-            {"scrape": lambda: _scrape(url)}, TOKEN, grpc=False, log=task_process.stderr)
+            {"scrape": lambda: _scrape(url)}, TOKEN, log=task_process.stderr)
 
 
 @pytest.fixture(scope="module")
@@ -287,6 +296,9 @@ class TestDispatcher(SurfaceSuite):
 
 
 class TestWorker(SurfaceSuite):
+    """A worker's names and errors are shown by the dispatcher's top (TestDispatcher)."""
+
+    prints_strings = False
 
     @pytest.fixture(scope="class")
     def surface(self, data_service, client_config) -> Surface:

@@ -45,19 +45,24 @@ and the server's RSS grows by less than
 items, extreme map keys, wrong wire types, bad UTF-8), answered within ``ANSWER_SECONDS``
 with OK or an error that blames the request, never a crash, a hang or a traceback in the
 server's log; and every ``HOSTILE_STRINGS`` through ``show``, whose output must pass
-``assert_terminal_safe``. A check without what it needs (no ``requests``, no ``show``, a
-port that is not gRPC) is skipped; ``floods`` picks the floods a class runs, and
-``known_failures`` runs the checks that fail for a known reason as ``xfail``.
+``assert_terminal_safe``. The class says what applies: ``floods`` picks the floods it runs
+(``TCP_FLOODS`` for a port that is not gRPC), ``takes_requests = False`` and
+``prints_strings = False`` leave out the request and terminal checks; what does not apply
+is not collected (never skipped), and a check that applies without what it needs (no
+``requests``, no ``show``) fails. ``known_failures`` runs the checks that fail for a known
+reason as ``xfail``.
 """
 
 from clusterwire.testing.suite import Capabilities, TransportSuite
 from clusterwire.testing.surfaces import (
     HOSTILE_STRINGS,
+    TCP_FLOODS,
     Surface,
     SurfaceSuite,
     assert_terminal_safe,
     malformed_variants,
 )
 
-__all__ = ["HOSTILE_STRINGS", "Capabilities", "Surface", "SurfaceSuite", "TransportSuite",
+__all__ = ["HOSTILE_STRINGS", "TCP_FLOODS", "Capabilities", "Surface", "SurfaceSuite",
+           "TransportSuite",
            "assert_terminal_safe", "malformed_variants"]

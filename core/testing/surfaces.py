@@ -43,6 +43,9 @@ RSS_GROWTH_BYTES = 64 * _MiB
 #: one (``max_connections + max_pending_connections``) included.
 FLOOD_CONNECTIONS = (ListenOptions().max_connections + ListenOptions().max_pending_connections
                      + 64)
+#: The floods any TCP port takes (the others are gRPC health streams): a port that does not
+#: speak gRPC runs these.
+TCP_FLOODS = tuple(kind for kind in FLOODS if not kind.startswith("health"))
 #: Streams of the ``health_names`` flood (each on its own connection, each naming an
 #: invented service of ``hostile_peer.HEALTH_NAME_BYTES``).
 HEALTH_NAME_STREAMS = 24
@@ -104,8 +107,6 @@ class Surface:
     operations: Mapping[str, Callable[[], object]]
     #: The cluster token the server checks.
     token: bytes
-    #: The port speaks gRPC (the health floods apply).
-    grpc: bool = True
     #: The transport that carries ``requests`` (a clusterwire protocol name).
     protocol: str = "grpc"
     #: Well-formed request headers (protobuf messages) a token holder sends; the kit sends
@@ -438,16 +439,46 @@ def _connect(surface: Surface, token: bytes | None) -> Channel:
 
 
 class SurfaceSuite:
-    """Subclass as ``TestXxx`` with a ``surface`` fixture (any scope) yielding a Surface."""
+    """Subclass as ``TestXxx`` with a ``surface`` fixture (any scope) yielding a Surface.
+
+    The class says which checks apply (``floods``, ``takes_requests``, ``prints_strings``);
+    those that do not are not collected, so a skip always means something. A check that
+    applies but lacks what its Surface should give fails, naming the attribute."""
 
     #: Seconds each flood is held while the legitimate operations run again and again.
     flood_seconds: float = 1.0
-    #: The floods to run (``floods.FLOODS``); a surface on a port another class floods
-    #: already may run none.
+    #: The floods to run (``floods.FLOODS``; ``TCP_FLOODS`` for a port that does not speak
+    #: gRPC); a surface on a port another class floods already may run none.
     floods: tuple[str, ...] = FLOODS
+    #: The surface takes clusterwire requests (its Surface gives ``requests``): the token
+    #: and malformed-field checks run.
+    takes_requests: bool = True
+    #: The surface prints strings from the network (its Surface gives ``show``): the
+    #: terminal check runs for each of HOSTILE_STRINGS.
+    prints_strings: bool = True
     #: Checks failing for a known reason: test id (``test_tokenless_flood[health_watch]``)
     #: to the reason. They run as ``xfail(strict=False)``.
     known_failures: Mapping[str, str] = {}
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        unknown = set(cls.floods) - set(FLOODS)
+        if unknown:
+            raise ValueError(f"{cls.__name__}.floods: unknown {sorted(unknown)}; the floods "
+                             f"are {FLOODS}")
+        # pytest collects only callables: a check set to None here is not a test at all.
+        for check, applies in (
+                ("test_tokenless_flood", bool(cls.floods)),
+                ("test_requests_without_the_token_are_refused", cls.takes_requests),
+                ("test_huge_and_malformed_fields", cls.takes_requests),
+                ("test_printed_strings_are_terminal_safe", cls.prints_strings)):
+            if not applies:
+                setattr(cls, check, None)
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        """The flood check runs once per flood of ``floods``."""
+        if metafunc.definition.originalname == "test_tokenless_flood":
+            metafunc.parametrize("kind", self.floods)
 
     @pytest.fixture
     def surface(self) -> Surface:
@@ -479,17 +510,12 @@ class SurfaceSuite:
 
     # -- floods without the token ------------------------------------------------------
 
-    @pytest.mark.parametrize("kind", FLOODS)
     @pytest.mark.usefixtures("_server_log")
     def test_tokenless_flood(self, surface: Surface, kind: str, request) -> None:
         """``kind`` of flood (``floods.FLOODS``) of FLOOD_CONNECTIONS connections, held
         ``flood_seconds``: every legitimate operation succeeds within OPERATION_SECONDS
         (``allowed_seconds``) throughout, the server's memory grows by less than
         ``max_rss_growth_bytes``, and it still serves after."""
-        if kind not in self.floods:
-            pytest.skip(f"{type(self).__name__} runs no {kind} flood")
-        if kind.startswith("health") and not surface.grpc:
-            pytest.skip(f"{surface.name} does not speak gRPC")
         count = HEALTH_NAME_STREAMS if kind == "health_names" else FLOOD_CONNECTIONS
         hostile_peer: HostilePeer = request.getfixturevalue("hostile_peer")
         allowed = allowed_seconds(surface)
@@ -521,8 +547,9 @@ class SurfaceSuite:
     # -- requests ----------------------------------------------------------------------
 
     def _requests(self, surface: Surface) -> Sequence[Message]:
-        if not surface.requests:
-            pytest.skip(f"{surface.name} takes no clusterwire requests")
+        assert surface.requests, (
+            f"{surface.name}'s Surface gives no requests: give them, or set "
+            f"{type(self).__name__}.takes_requests = False")
         return surface.requests
 
     @pytest.mark.usefixtures("_server_log")
@@ -570,8 +597,9 @@ class SurfaceSuite:
     def test_printed_strings_are_terminal_safe(self, surface: Surface, text: str) -> None:
         """``show`` plants ``text`` and returns what the terminal gets: no raw control
         character reaches it, and markup is shown as text, not interpreted."""
-        if surface.show is None:
-            pytest.skip(f"{surface.name} prints no string from the network")
+        assert surface.show is not None, (
+            f"{surface.name}'s Surface gives no show: give it, or set "
+            f"{type(self).__name__}.prints_strings = False")
         output: list[str] = []
         _, error = _bounded(lambda: output.append(surface.show(text)), _GIVE_UP_S,
                             f"{surface.name}: showing {text[:40]!r}")
