@@ -283,3 +283,33 @@ def test_parallel_epochs_positions_skip_only_what_was_vouched(processes, sources
     assert Counter(int(x) for x in datasets["from_files"].apply(
         data.distribute("parallel_epochs", dispatcher.target))) == Counter(
             2 * list(range(COUNT)))
+
+
+def test_positions_resume_across_a_fault_tolerant_dispatcher_restart(processes, sources,
+                                                                      tmp_path):
+    """The vouches are under the dispatcher's grant key, which its journal keeps: after a
+    SIGKILL and restart both modes' positions resume, exactly."""
+    root, datasets = sources
+    ft = ["--fault-tolerant-mode", "--work-dir", str(tmp_path / "work")]
+    dispatcher, _ = start(processes, root, "--port", "0", *ft)
+    dataset_id = data.register_dataset(dispatcher.target, datasets["tfrecord"],
+                                       dataset_id="kept")
+    distributed = iter(data.from_dataset_id("distributed_epoch", dispatcher.target,
+                                            dataset_id, job_name="ft"))
+    first = take(distributed, 40)
+    saved = json.loads(json.dumps(distributed.state_dict()))
+    distributed.close()
+    parallel = iter(data.from_dataset_id("parallel_epochs", dispatcher.target, dataset_id))
+    first_parallel = take(parallel, 40)
+    saved_parallel = json.loads(json.dumps(parallel.state_dict()))
+    parallel.close()
+    dispatcher.kill()
+    dispatcher = processes("dispatcher", "--port", str(dispatcher.port), *ft)
+    wait_for(lambda: len(data.service_status(dispatcher.target).workers) == 2, timeout=30,
+             what="the workers registered again")
+    rest = [int(x) for x in data.from_dataset_id("distributed_epoch", dispatcher.target,
+                                                 dataset_id, job_name="ft", state=saved)]
+    assert Counter(first + rest) == Counter(range(COUNT))
+    rest = [int(x) for x in data.from_dataset_id("parallel_epochs", dispatcher.target,
+                                                 dataset_id, state=saved_parallel)]
+    assert Counter(first_parallel + rest) == Counter(2 * list(range(COUNT)))
