@@ -13,16 +13,17 @@ a table is full, a new entry of ``size`` from peer P takes the place of:
 
 A peer flooding a table therefore only ever displaces its own entries once other peers hold
 theirs, a peer holding less than the biggest always finds room, and a peer's entry it has
-not used yet is never displaced for a smaller peer. Whoever used a displaced
-entry is told why at its next use (``Displaced``), never left to find it silently gone.
-Pending connections (``clusterwire.pending``) follow the same bookkeeping with a simpler
-rule: a new one is never refused, it displaces the oldest of the peer holding the most.
+not used yet (a job it is about to read) goes for its own new one only while no peer holds
+more than it would. Whoever used a displaced entry is told why at its next use
+(``Displaced``), never left to find it silently gone. Pending connections
+(``clusterwire.pending``) keep a simpler rule of their own: a new one is never refused, it
+displaces the oldest of the peer holding the most.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Hashable, Iterable
 from typing import Generic, TypeVar
 
 from clusterwire import errors
@@ -42,15 +43,6 @@ class FairShares(Generic[K]):
         self._entries: dict[K, tuple[str, int]] = {}  # entry -> (peer, size), oldest first
         self._by_peer: dict[str, dict[K, None]] = {}
         self._held: dict[str, int] = {}
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __contains__(self, entry: object) -> bool:
-        return entry in self._entries
-
-    def __iter__(self) -> Iterator[K]:
-        return iter(self._entries)
 
     def add(self, entry: K, peer: str, size: int = 1) -> None:
         """Count ``entry`` (newest) for ``peer``; an entry added again keeps its first peer."""
@@ -93,12 +85,6 @@ class FairShares(Generic[K]):
             return "", 0
         peer = max(self._held, key=self._held.__getitem__)
         return peer, self._held[peer]
-
-    def oldest_of_biggest(self) -> K | None:
-        """The oldest entry of the peer holding the most (None when empty)."""
-        if not self._by_peer:
-            return None
-        return next(iter(self._by_peer[self.biggest()[0]]))
 
     def make_room(self, peer: str, need: int, size: int = 1,
                   unused: Iterable[K] = ()) -> list[K] | None:

@@ -87,7 +87,7 @@ def test_sizes_count_as_held_and_the_refusal_and_displacement_say_why():
     assert why.startswith("Entry big was displaced: the table was full (1000 bytes), peer "
                           "10.0.0.9 held 950 of it, the most, and peer 127.0.0.1 needed room")
     shares.discard("big")
-    assert shares.held("10.0.0.9") == 50 and shares.oldest_of_biggest() == "small"
+    assert shares.held("10.0.0.9") == 50 and shares.biggest() == ("10.0.0.9", 50)
     displaced: Displaced[str] = Displaced(2)
     for entry in ("a", "b", "c"):
         displaced.remember(entry, f"why {entry}")
