@@ -33,6 +33,7 @@ from clusterwire.errors import InvalidArgumentError
 _READ_AHEAD = 8
 
 _ENDED = object()  # what a drained slot whose Dataset has ended gives
+_ANY = object()  # the consumer of a non-deterministic interleave waits for any slot
 
 
 def default_cycle_length() -> int:
@@ -265,6 +266,9 @@ class _ParallelCycle:
         self._deterministic = deterministic
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="clusterwire-interleave")
         self._changed = threading.Condition()  # a read added an element, or finished
+        # What the consumer waits for: a slot, _ANY slot, or None. A read wakes it only for
+        # that (the consumer wakes once per element it needs, not for every element read).
+        self._awaited: _Slot | object | None = None
         self._slots: list[_Slot | None] = [None] * cycle
         self._index = 0
         self._left = block_length  # elements left in the current slot's block
@@ -291,7 +295,8 @@ class _ParallelCycle:
                 element = next(slot.iterator)
                 with self._changed:
                     slot.buffer.append(element)
-                    self._changed.notify_all()
+                    if self._awaited in (slot, _ANY):
+                        self._changed.notify()
         except StopIteration:
             ended = True
         except Exception as err:  # noqa: BLE001 - the consumer raises it in its place
@@ -303,7 +308,8 @@ class _ParallelCycle:
                     slot.failed = True
                 slot.ended = slot.ended or ended
                 slot.reading = False
-                self._changed.notify_all()
+                if self._awaited in (slot, _ANY):
+                    self._changed.notify()
 
     def _submit(self, slot: _Slot) -> None:
         """Start a read of ``slot`` if it has room for half its read-ahead (under the lock)."""
@@ -344,7 +350,9 @@ class _ParallelCycle:
                         if step:
                             self._index, self._left = index, self._block_length
                         return
+                self._awaited = _ANY
                 self._changed.wait()
+                self._awaited = None
 
     def _take(self, slot: _Slot) -> Any:
         """``slot``'s next buffered element (or ``_Failed``), waiting for its read; ``_ENDED``
@@ -354,7 +362,9 @@ class _ParallelCycle:
                 if slot.ended:
                     return _ENDED
                 self._submit(slot)
+                self._awaited = slot
                 self._changed.wait()
+                self._awaited = None
             item = slot.buffer.popleft()
             if isinstance(item, _Failed):
                 slot.failed = False
