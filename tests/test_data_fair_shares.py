@@ -241,3 +241,27 @@ def test_a_reader_whose_job_or_stream_was_displaced_is_told_why(kind):
             for flooder in (ours, theirs):
                 flooder.dispatcher.close()
                 flooder.workers.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_dataset_is_each_peers_own_and_keeps_its_id_across_a_restart(tmp_path):
+    """The same dataset registered from 127.0.0.2 and from this process gets two ids (a
+    peer's displaced dataset never takes another peer's jobs along); registered again from
+    127.0.0.2 it gets its own id back, also after a fault-tolerant restart, which forgot its
+    creator (peer "")."""
+    from cw_data_fair_flood import Flooder
+
+    config = data.DispatcherConfig(port=0, fault_tolerant_mode=True, work_dir=str(tmp_path))
+
+    def register(address: str, relay: bool = True) -> str:
+        flooder = Flooder("jobs", address, relay=relay)  # registers range(10)
+        flooder.dispatcher.close()
+        flooder.workers.close()
+        return flooder.dataset_id
+
+    with data.DispatchServer(config) as dispatcher:
+        address = dispatcher.target.split("://")[1]
+        registered = [register(address), register(address, relay=False), register(address)]
+    assert registered[0] != registered[1] and registered[2] == registered[0]
+    with data.DispatchServer(config._replace(port=int(address.rsplit(":", 1)[1]))):
+        assert register(address) == registered[0]

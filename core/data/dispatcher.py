@@ -317,8 +317,11 @@ class DispatchServer:
                             "different dataset.")
                     return self._registered(dataset_id), []
             else:
-                known_id = self._state.by_fingerprint.get(
-                    (fingerprint, request.compression, peer))
+                # The peer's own, or one whose creator a restart forgot (the same id as
+                # before the restart).
+                known = self._state.by_fingerprint
+                known_id = known.get((fingerprint, request.compression, peer)) or known.get(
+                    (fingerprint, request.compression, ""))
                 if known_id is not None:
                     self._state.datasets[known_id].last_used = time.monotonic()
                     return self._registered(known_id), []

@@ -159,7 +159,8 @@ class DispatcherState:
         # (fingerprint, compression, peer) -> dataset id: a peer registering the same dataset
         # again with the same compression gets the same id, with another one a new id.
         # Another peer's registration is its own (its share: a peer's datasets displaced
-        # from a full table never take another peer's jobs with them).
+        # from a full table never take another peer's jobs with them), but for datasets of
+        # peer "" (this process's, or registered before a restart: every peer finds those).
         self.by_fingerprint: dict[tuple[str, str, str], str] = {}
         self.jobs: dict[int, Job] = {}
         self.job_keys: dict[str, int] = {}
