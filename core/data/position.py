@@ -64,13 +64,14 @@ VERSION = 2
 
 @dataclass(frozen=True)
 class Offset:
-    """Elements of a split or stream returned, and the service's word for them (None: none
-    needed, for 0)."""
+    """Elements of a split or stream returned, and the service's vouch for that count
+    (``data/vouches.py``; None where none came: 0 needs none)."""
 
     count: int
     vouch: Vouch | None = None
 
     def to_json(self) -> Any:
+        """The vouch as saved in a position's dict (None: none)."""
         if self.vouch is None:
             return None
         v = self.vouch
