@@ -16,7 +16,7 @@ import time
 from collections import Counter
 
 import pytest
-from conftest import read_together, wait_for
+from conftest import free_ports, read_together, wait_for
 from test_data_positions import HUGE, raw_client, take
 
 from clusterwire import data, errors
@@ -313,3 +313,38 @@ def test_positions_resume_across_a_fault_tolerant_dispatcher_restart(processes, 
     rest = [int(x) for x in data.from_dataset_id("parallel_epochs", dispatcher.target,
                                                  dataset_id, state=saved_parallel)]
     assert Counter(first_parallel + rest) == Counter(2 * list(range(COUNT)))
+
+
+@pytest.mark.parametrize("policy", [data.ShardingPolicy.FILE, data.ShardingPolicy.DATA])
+def test_a_static_shard_position_resumes_exactly_and_only_as_vouched(sources, policy):
+    """Static sharding (each worker one shard, its stream an anonymous job's): an honest
+    position resumes exactly; its offset raised past the elements its vouch covers is
+    refused."""
+    root, datasets = sources
+    ports = free_ports(2)
+    dispatcher = data.DispatchServer(data.DispatcherConfig(
+        port=0, worker_addresses=[f"localhost:{port}" for port in ports]))
+    address = dispatcher.target.split("://")[1]
+    workers = [data.WorkerServer(data.WorkerConfig(dispatcher_address=address, port=port,
+                                                   readable_dirs=[str(root)]))
+               for port in ports]
+    try:
+        wait_for(lambda: dispatcher.num_workers() == 2, what="2 workers")
+        dataset = datasets["from_files"]
+        reader = iter(dataset.apply(data.distribute(policy, dispatcher.target)))
+        first = take(reader, 70)
+        state = json.loads(json.dumps(reader.state_dict()))
+        reader.close()
+        rest = [int(x) for x in dataset.apply(data.distribute(policy, dispatcher.target,
+                                                              state=state))]
+        assert Counter(first + rest) == Counter(range(COUNT))
+        # Past the elements the worker handed (its vouch's range: the batch holding `count`).
+        worker, [count, vouch] = max(state["streams"].items(), key=lambda item: item[1][0])
+        past = vouch["end"] + 1
+        raised = {**state, "streams": {**state["streams"], worker: [past, vouch]}}
+        with pytest.raises(errors.PermissionDeniedError, match=f"offset {past} of worker"):
+            list(dataset.apply(data.distribute(policy, dispatcher.target, state=raised)))
+    finally:
+        for worker_server in workers:
+            worker_server.stop()
+        dispatcher.stop()
