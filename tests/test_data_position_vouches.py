@@ -95,7 +95,8 @@ class RawConsumer:
     def spec(self, split, attempt: int) -> StreamSpec:
         return StreamSpec(job_id=self.job.job_id, dataset_id=self.dataset_id, is_split=True,
                           split_id=split.split_id, unit_start=split.unit_start,
-                          unit_end=split.unit_end, grant=split.grant, attempt=attempt)
+                          unit_end=split.unit_end, grant=split.grant, attempt=attempt,
+                          handed_at=split.offset)
 
     def read(self, worker, split, count: int, offset: int = 0, vouch: Vouch | None = None,
              attempt: int = 1) -> tuple[list[int], Vouch]:
@@ -113,6 +114,7 @@ class RawConsumer:
             got += [int(x) for x in elements.decode_all(response.get_elements.elements,
                                                         buffers)]
             last = response.get_elements.vouch
+            assert len(got) == count or not response.get_elements.end_of_stream
         return got, last
 
     def resume(self, *partial: SplitOffset) -> None:
@@ -148,19 +150,20 @@ def test_a_co_consumer_hands_back_only_offsets_the_service_handed_it(processes, 
     mallory = RawConsumer(dispatcher, dataset_id, "team", "mallory")
     elsewhere = RawConsumer(dispatcher, dataset_id, "other", "mallory")
     try:
-        # Alice reads 20 elements of split 0 and gives it back there (honestly, vouched).
+        # Alice reads 10 elements of split 0 and gives it back there (honestly, vouched).
         split = alice.split()
-        alice_got, alice_vouch = alice.read(workers[0], split, 20)
-        alice.release(SplitOffset(split_id=split.split_id, offset=20, vouch=alice_vouch),
+        alice_got, alice_vouch = alice.read(workers[0], split, 10)
+        alice.release(SplitOffset(split_id=split.split_id, offset=10, vouch=alice_vouch),
                       resumable=False)
-        # Mallory is handed it at 20, keeps it (resumable) and reads it again from 0 on a
-        # worker (its own stream: allowed), then 30 elements of split 0 of another job.
+        # Mallory is handed it at 10, keeps it (resumable) and reads 10 of it, then 15
+        # elements of split 0 of another job (a split has 42 elements or more).
         handed = mallory.split(resumable=True)
-        assert (handed.split_id, handed.offset) == (split.split_id, 20)
-        _, from_zero = mallory.read(workers[1], handed, 40)
+        assert (handed.split_id, handed.offset) == (split.split_id, 10)
+        _, mine = mallory.read(workers[1], handed, 10, offset=10)
+        assert 10 <= mine.start < mine.end == 20  # the last batch's elements
         other_split = elsewhere.split()
         assert other_split.split_id == split.split_id
-        _, other_vouch = elsewhere.read(workers[0], other_split, 30)
+        _, other_vouch = elsewhere.read(workers[0], other_split, 15)
         sid = split.split_id
 
         def at(offset: int, vouch: Vouch | None = None) -> SplitOffset:
@@ -178,7 +181,7 @@ def test_a_co_consumer_hands_back_only_offsets_the_service_handed_it(processes, 
         relabelled.job_id = mallory.job.job_id
         # Plant 2**62: unvouched, beyond the vouch, forged.
         refused(errors.PermissionDeniedError, f"offset {HUGE} of split {sid}",
-                lambda: mallory.resume(at(HUGE)), lambda: mallory.resume(at(HUGE, from_zero)),
+                lambda: mallory.resume(at(HUGE)), lambda: mallory.resume(at(HUGE, mine)),
                 lambda: mallory.resume(at(HUGE, forged)), lambda: mallory.release(at(HUGE)),
                 lambda: mallory.release(at(HUGE, handed.vouch)),
                 worker_read(HUGE, None), worker_read(HUGE, handed.vouch))
@@ -186,22 +189,23 @@ def test_a_co_consumer_hands_back_only_offsets_the_service_handed_it(processes, 
         refused(errors.InvalidArgumentError, f"split {sid} at offset -5",
                 lambda: mallory.resume(at(-5)), lambda: mallory.release(at(-5)),
                 worker_read(-5, None))
-        # Lower alice's offset: below where the split was handed to mallory, even with the
-        # vouch mallory's own read from 0 got, or alice's.
-        refused(errors.PermissionDeniedError, f"split {sid} at offset (0|5|10), but job .* "
-                "handed it to consumer 'mallory' at offset 20",
-                lambda: mallory.resume(at(0)), lambda: mallory.resume(at(5, from_zero)),
-                lambda: mallory.resume(at(10, alice_vouch)))
+        # Lower alice's offset: below where the split was handed to mallory, with mallory's
+        # vouch or alice's, or read it from there on a worker.
+        refused(errors.PermissionDeniedError, f"split {sid} at offset (0|3|5), but job .* "
+                "handed it to consumer 'mallory' at offset 10",
+                lambda: mallory.resume(at(0)), lambda: mallory.resume(at(3, mine)),
+                lambda: mallory.resume(at(5, alice_vouch)), worker_read(0, None),
+                worker_read(5, alice_vouch))
         # Replay another job's vouch (as it is, or relabelled with this job).
-        refused(errors.PermissionDeniedError, f"offset 30 of split {sid} .* is of job "
+        refused(errors.PermissionDeniedError, f"offset 15 of split {sid} .* is of job "
                 f"{elsewhere.job.job_id}, not job {mallory.job.job_id}",
-                lambda: mallory.resume(at(30, replayed)),
-                lambda: mallory.release(at(30, replayed)), worker_read(30, replayed))
-        refused(errors.PermissionDeniedError, "offset 30 .* not the service's",
-                lambda: mallory.resume(at(30, relabelled)), worker_read(30, relabelled))
-        # Mallory leaves having read none of it past alice's 20: after job_gc_timeout its
-        # split goes to the victim at 20, who reads everything else exactly once.
-        mallory.release(at(20))
+                lambda: mallory.resume(at(15, replayed)),
+                lambda: mallory.release(at(15, replayed)), worker_read(15, replayed))
+        refused(errors.PermissionDeniedError, "offset 15 .* not the service's",
+                lambda: mallory.resume(at(15, relabelled)), worker_read(15, relabelled))
+        # Mallory leaves returning none of it past alice's 10: after job_gc_timeout its
+        # split goes to the victim at 10, who reads everything else exactly once.
+        mallory.release(at(10))
         victim = iter(data.from_dataset_id("distributed_epoch", dispatcher.target, dataset_id,
                                            job_name="team"))
         assert Counter(alice_got + read_together([victim])) == Counter(range(COUNT))

@@ -691,7 +691,7 @@ class DispatchServer:
         result.split.grant = grants.grant(self._state.grant_key, StreamSpec(
             job_id=job.info.job_id, dataset_id=job.info.dataset_id, is_split=True,
             split_id=split_id, unit_start=result.split.unit_start,
-            unit_end=result.split.unit_end), consumer)
+            unit_end=result.split.unit_end, handed_at=result.split.offset), consumer)
         return response
 
     def _on_worker_heartbeat(self, request, _buffers):

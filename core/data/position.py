@@ -260,16 +260,23 @@ def check_split_offset(key: bytes, job_id: int, dataset_id: str, consumer_id: st
 def check_stream_offset(key: bytes, spec: StreamSpec, consumer_id: str, offset: int,
                         vouch: Vouch | None, pipe: Pipeline, address: str) -> None:
     """A worker's check of the offset a stream is asked to start at (a split's later
-    attempt, a resumed stream): within its split, or within a finite dataset, and vouched
-    for (a split's by its job and consumer; an anonymous or round-robin job's stream on
+    attempt, a resumed stream): within its split and not before where it was handed to the
+    consumer (``spec.handed_at``, granted), or within a finite dataset, and vouched for (a
+    split's by its job and consumer; an anonymous or round-robin job's stream on
     worker ``address`` by any earlier job of the dataset, as a resumed iteration reads a new
     job). A round-robin consumer's vouch is of the last element it read of the stream, so
     the skip may pass the other consumers' elements of that round too."""
     if spec.is_split:
         check_offset(spec.split_id, offset, split_limit(
             pipe.source, split_plan(pipe).ops, spec.unit_end - spec.unit_start))
-        vouches.check(key, spec.dataset_id, vouches.split_stream(spec.split_id), offset, vouch,
-                      spec.job_id, consumer_id)
+        if offset < spec.handed_at:
+            raise PermissionDeniedError(
+                f"A read puts split {spec.split_id} at offset {offset}, but job {spec.job_id} "
+                f"handed it to consumer {consumer_id!r} at offset {spec.handed_at}: the "
+                "elements before are another consumer's.")
+        if offset > spec.handed_at:
+            vouches.check(key, spec.dataset_id, vouches.split_stream(spec.split_id), offset,
+                          vouch, spec.job_id, consumer_id)
         return
     cardinality = pipe.cardinality()
     if offset < 0 or 0 <= cardinality < offset:

@@ -153,6 +153,7 @@ class _Split:
     orphaned_at: float = 0.0
     address: str = ""  # the worker reading it
     handout: int = -1  # its index among the splits the job handed this consumer
+    handed_at: int = 0  # the offset it was handed at (its grant's)
     ended: bool = False  # read to its end (``consumed`` may still be behind ``received``)
     # The service's word for ``consumed`` and for ``received`` (data/vouches.py; None at 0).
     vouch: Vouch | None = None
@@ -905,8 +906,8 @@ class JobReader(Iterator[Any]):
                 split = _Split(result.split.split_id, result.split.unit_start,
                                result.split.unit_end, result.split.grant,
                                received=result.split.offset, consumed=result.split.offset,
-                               handout=result.split.handout, vouch=handed_at,
-                               received_vouch=handed_at)
+                               handout=result.split.handout, handed_at=result.split.offset,
+                               vouch=handed_at, received_vouch=handed_at)
                 self._held[split.split_id] = split
                 self._handed_out(split)
         self._fill_idle_workers()
@@ -918,6 +919,7 @@ class JobReader(Iterator[Any]):
         spec = self._spec()
         spec.is_split, spec.split_id, spec.attempt = True, split.split_id, split.attempt
         spec.unit_start, spec.unit_end, spec.grant = split.unit_start, split.unit_end, split.grant
+        spec.handed_at = split.handed_at
         while not self._stop.is_set():
             try:
                 # Only the job's first read asks for a single element (to start fast).

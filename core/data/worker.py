@@ -463,7 +463,7 @@ class WorkerServer:
         pipe = self._pipeline(spec.dataset_id)
         if spec.trainer_id:
             _check_cross_trainer_cache(spec, pipe)
-        if offset:
+        if offset or spec.handed_at:
             check_stream_offset(self._grant_key, spec, consumer_id, offset, vouch, pipe,
                                 self.address)
         with self._lock:
