@@ -72,9 +72,20 @@ def _dispatcher(args: argparse.Namespace) -> int:
     return _serve_until_signal(server, server.target, "dispatcher", args)
 
 
+def use_jemalloc_for_arrow(environ: dict[str, str] | os._Environ = os.environ) -> None:
+    """A worker process reads Parquet with Arrow's jemalloc pool unless its operator chose one
+    (``ARROW_DEFAULT_MEMORY_POOL``; read when pyarrow is first imported, so set first). With
+    Arrow's default, mimalloc, a worker handing a row group out over several answers gave its
+    pages back and faulted them in again as zeroed 2 MiB huge pages: twice the CPU per MB
+    (BENCHMARKS, Data files). Linux only: the pyarrow wheels elsewhere may lack jemalloc."""
+    if sys.platform == "linux":
+        environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "jemalloc")
+
+
 def _worker(args: argparse.Namespace) -> int:
     from clusterwire.data import WorkerConfig, WorkerServer
 
+    use_jemalloc_for_arrow()
     import_modules(args.command, args.imports)
     config = WorkerConfig(
         dispatcher_address=args.dispatcher_address, worker_address=args.worker_address,
