@@ -1,11 +1,13 @@
 """CRC-32C (Castagnoli) and TFRecord's masked form of it.
 
 google-crc32c (``pip install 'clusterwire[data]'``) is Google's C library with the
-SSE4.2 / ARMv8 CRC instructions, as TensorFlow itself uses. Without it a numpy
-fallback computes the same value: the CRC is linear over GF(2), so every byte's
-contribution to a block's CRC is one table lookup (a table per position in the
-block), the block's contributions are XOR-reduced in numpy, and the blocks are
-chained with four more lookups each. Short inputs take the classic byte loop.
+SSE4.2 / ARMv8 CRC instructions, as TensorFlow itself uses (it releases the GIL for
+``bytes`` of 1 MiB or more). Without it a numpy fallback computes the same value: the
+CRC is linear over GF(2), so every byte's contribution to a block's CRC is one table
+lookup (a table per position in the block), the block's contributions are XOR-reduced
+in numpy, and the blocks' CRCs are combined pairwise, a level at a time (carrying a
+register over 2^k blocks of zeros is four table lookups, a table set per level): numpy
+passes only, no Python loop per block. Short inputs take the classic byte loop.
 """
 
 from __future__ import annotations
@@ -59,22 +61,35 @@ def _zero_byte(register: np.ndarray) -> np.ndarray:
 
 
 @functools.cache
-def _position_tables() -> tuple[np.ndarray, list[list[int]]]:
-    """(per-position table, chaining tables).
-
-    The first, (_BLOCK, 256): the raw CRC (zero start, no final inversion) of a block
-    holding only byte b at position j. The second, 4 lists of 256: the register's
-    byte k with value b, carried across a whole block of zeros.
-    """
+def _position_tables() -> np.ndarray:
+    """(_BLOCK, 256): the raw CRC (zero start, no final inversion) of a block holding only
+    byte b at position j."""
     positions = np.empty((_BLOCK, 256), dtype=np.uint32)
     row = _byte_table()
     for j in range(_BLOCK - 1, -1, -1):
         positions[j] = row
         row = _zero_byte(row)
-    chain = np.arange(256, dtype=np.uint32)[None, :] << (8 * np.arange(4, dtype=np.uint32)[:, None])
-    for _ in range(_BLOCK):
-        chain = _zero_byte(chain)
-    return positions, chain.tolist()
+    return positions
+
+
+def _carry(tables: np.ndarray, registers: np.ndarray) -> np.ndarray:
+    """``registers`` carried over the zeros ``tables`` stands for (4 x 256: the register's
+    byte k with value b, carried)."""
+    return (tables[0][registers & 0xFF] ^ tables[1][(registers >> 8) & 0xFF]
+            ^ tables[2][(registers >> 16) & 0xFF] ^ tables[3][registers >> 24])
+
+
+@functools.cache
+def _level_tables(level: int) -> np.ndarray:
+    """The carry tables over 2^level blocks of zeros."""
+    if level == 0:
+        tables = np.arange(256, dtype=np.uint32)[None, :] << (
+            8 * np.arange(4, dtype=np.uint32)[:, None])
+        for _ in range(_BLOCK):
+            tables = _zero_byte(tables)
+        return tables
+    half = _level_tables(level - 1)
+    return _carry(half, half)
 
 
 def _loop_value(data: bytes | bytearray | memoryview) -> int:
@@ -90,19 +105,18 @@ def _numpy_value(data: bytes | bytearray | memoryview) -> int:
     if raw.size < _SHORT:
         return _loop_value(raw.tobytes())
     # The start value ~0 equals XOR-ing 0xFF into the first four bytes with a zero start;
-    # leading zero bytes leave a zero register unchanged, so the front is padded to whole blocks.
-    pad = -raw.size % _BLOCK
-    message = np.zeros(pad + raw.size, dtype=np.uint8)
-    message[pad:] = raw
-    message[pad:pad + 4] ^= 0xFF
-    positions, chain = _position_tables()
-    columns = np.arange(_BLOCK)
-    blocks = message.reshape(-1, _BLOCK)
-    chain0, chain1, chain2, chain3 = chain
-    register = 0
-    for start in range(0, len(blocks), 1024):  # bounds the temporary to 1024 blocks' tables
-        part = np.bitwise_xor.reduce(positions[columns, blocks[start:start + 1024]], axis=1)
-        for block_crc in part.tolist():
-            register = (chain0[register & 0xFF] ^ chain1[(register >> 8) & 0xFF]
-                        ^ chain2[(register >> 16) & 0xFF] ^ chain3[register >> 24] ^ block_crc)
-    return register ^ 0xFFFFFFFF
+    # leading zero bytes leave a zero register unchanged, so the front is padded to a
+    # power of two of whole blocks.
+    blocks = -(-raw.size // _BLOCK)
+    levels = (blocks - 1).bit_length()
+    message = np.zeros((1 << levels) * _BLOCK, dtype=np.uint8)
+    message[message.size - raw.size:] = raw
+    message[message.size - raw.size:message.size - raw.size + 4] ^= 0xFF
+    positions, columns = _position_tables(), np.arange(_BLOCK)
+    rows = message.reshape(-1, _BLOCK)
+    crcs = np.concatenate([  # each block's raw CRC, 1024 blocks at a time (bounded memory)
+        np.bitwise_xor.reduce(positions[columns, rows[start:start + 1024]], axis=1)
+        for start in range(0, len(rows), 1024)])
+    for level in range(levels):  # CRC(A || B) = carry(CRC(A), len(B)) ^ CRC(B)
+        crcs = _carry(_level_tables(level), crcs[0::2]) ^ crcs[1::2]
+    return int(crcs[0]) ^ 0xFFFFFFFF
