@@ -58,3 +58,16 @@ def test_each_open_dataset_is_read_at_most_read_ahead_elements_ahead():
     taken += 2 * _READ_AHEAD
     with lock:
         assert all(count <= taken + _READ_AHEAD for count in produced), produced
+
+
+def test_a_base_exception_in_a_read_reaches_the_consumer():
+    def values():
+        yield np.int64(1)
+        raise KeyboardInterrupt
+
+    dataset = D.range(1).interleave(lambda _: D.from_generator(values), cycle_length=1,
+                                    num_parallel_calls=1)
+    iterator = iter(dataset)
+    assert int(next(iterator)) == 1
+    with pytest.raises(KeyboardInterrupt):
+        next(iterator)

@@ -228,7 +228,7 @@ class _Failed:
 
     __slots__ = ("error", "at_open")
 
-    def __init__(self, error: Exception, at_open: bool):
+    def __init__(self, error: BaseException, at_open: bool):
         self.error, self.at_open = error, at_open
 
 
@@ -288,7 +288,7 @@ class _ParallelCycle:
             if slot.iterator is None:
                 try:
                     slot.iterator = self._open(slot.element)
-                except Exception as err:  # noqa: BLE001 - the consumer raises it in its place
+                except BaseException as err:  # noqa: BLE001 - the consumer raises it in its place
                     failure, ended = _Failed(err, at_open=True), True
                     return
             for _ in range(count):
@@ -299,7 +299,7 @@ class _ParallelCycle:
                         self._changed.notify()
         except StopIteration:
             ended = True
-        except Exception as err:  # noqa: BLE001 - the consumer raises it in its place
+        except BaseException as err:  # noqa: BLE001 - the consumer raises it in its place
             failure = _Failed(err, at_open=False)
         finally:
             with self._changed:
