@@ -188,6 +188,7 @@ def _join(args: argparse.Namespace, config: Any) -> Any:
 
 
 def _status(args: argparse.Namespace) -> int:
+    from clusterwire.membership import MAX_TASKS
     from clusterwire.session import Session
 
     if args.all and args.task:
@@ -198,7 +199,12 @@ def _status(args: argparse.Namespace) -> int:
         if "cluster" in status:
             status["cluster"] = status["cluster"].as_dict()
     print(json.dumps(statuses if args.all else statuses[""], indent=2))
-    return 1 if any("error" in status for status in statuses.values()) else 0
+    left_out = getattr(statuses, "left_out", 0)
+    if left_out:
+        print(f"clusterwire status: the target listed {len(statuses) + left_out} tasks, more "
+              f"than a cluster has ({MAX_TASKS}): the first {len(statuses)} are shown, "
+              f"{left_out} left out", file=sys.stderr)
+    return 1 if left_out or any("error" in status for status in statuses.values()) else 0
 
 
 def _top(args: argparse.Namespace) -> int:
@@ -323,8 +329,10 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("target", help="e.g. grpc://127.0.0.1:2222")
     status.add_argument("--task", help="another task of the cluster, e.g. /job:ps/task:0")
     status.add_argument("--all", action="store_true",
-                        help="every task of the target's cluster, asked concurrently "
-                             "within one --timeout; exits 1 if any did not answer")
+                        help="every task of the target's cluster (as many as a cluster "
+                             "may have, membership's MAX_TASKS), asked concurrently within "
+                             "one --timeout; exits 1 if any did not answer or the target "
+                             "listed more")
     status.add_argument("--timeout", type=float, default=10.0,
                         help="seconds for the answer; with --all, for the whole cluster's "
                              "(default 10)")

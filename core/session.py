@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -10,6 +11,7 @@ from typing import Any
 from clusterwire import barrier, codec, errors, functions
 from clusterwire.addressing import parse_device, split_host_port, split_target
 from clusterwire.cluster_spec import ClusterSpec
+from clusterwire.membership import MAX_TASKS
 from clusterwire.protos.service_pb2 import Request, TaskRef
 from clusterwire.rpc import DEFAULT_TIMEOUT, RequestClient, response_value
 from clusterwire.security import load_security
@@ -20,6 +22,17 @@ _requests = codec.HeaderCache()
 _COORDINATOR_PROBE_S = 1.0
 #: Tasks ``cluster_status`` asks at once.
 _STATUS_PARALLEL = 64
+
+
+
+class ClusterStatus(dict[str, dict[str, Any]]):
+    """``Session.cluster_status``'s answer: each task asked -> its status (or its error),
+    and ``left_out``: how many more tasks the target listed, over ``membership.MAX_TASKS``
+    (not asked)."""
+
+    def __init__(self, statuses: dict[str, dict[str, Any]], left_out: int = 0):
+        super().__init__(statuses)
+        self.left_out = left_out
 
 
 class Session:
@@ -177,7 +190,7 @@ class Session:
         }
 
     def cluster_status(self, timeout: float | None = None,
-                       parallel: int = _STATUS_PARALLEL) -> dict[str, dict[str, Any]]:
+                       parallel: int = _STATUS_PARALLEL) -> ClusterStatus:
         """``status()`` of every task of the target's cluster, ``parallel`` asked at once,
         all within one deadline: ``timeout`` seconds (default: the Session's) for the whole
         call, the target's own status included.
@@ -186,18 +199,23 @@ class Session:
         does not answer by the deadline has ``{"error": "<ErrorClass>: message"}`` instead
         of its status (one not asked before it, a DeadlineExceededError saying so), so one
         task down does not hide the others and a target that stalls every forward costs
-        one ``timeout``, not one per ``parallel`` tasks.
+        one ``timeout``, not one per ``parallel`` tasks. Only the first
+        ``membership.MAX_TASKS`` tasks the target lists are asked (no cluster has more; a
+        hostile target may list as many as fit in a reply): the answer's ``left_out`` says
+        how many more it listed.
         """
         if not isinstance(parallel, int) or isinstance(parallel, bool) or parallel < 1:
             raise errors.InvalidArgumentError(f"parallel must be an int >= 1, got {parallel!r}")
         budget = self._client.timeout if self._timeout(timeout) is None else timeout
         deadline = time.monotonic() + budget
         cluster = self.status(timeout=budget)["cluster"]
-        tasks = [f"/job:{job}/task:{index}" for job in cluster.jobs
-                 for index in cluster.task_indices(job)]
+        listed = (f"/job:{job}/task:{index}" for job in cluster.jobs
+                  for index in cluster.task_indices(job))
+        tasks = list(itertools.islice(listed, MAX_TASKS))
+        left_out = sum(1 for _ in listed)
         unasked = (f"DeadlineExceededError: not asked: the deadline of {budget:g} s for the "
                    f"whole cluster's status passed first ({parallel} tasks asked at a time)")
-        statuses: dict[str, dict[str, Any]] = {task: {"error": unasked} for task in tasks}
+        statuses = ClusterStatus({task: {"error": unasked} for task in tasks}, left_out)
         pending = iter(tasks)
         lock = threading.Lock()
 
