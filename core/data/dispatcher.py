@@ -461,7 +461,8 @@ class DispatchServer:
                 "worker reads which shard.")
         if policy == ShardingPolicy.FILE and not pipe.source.has_files():
             raise errors.InvalidArgumentError(
-                "Sharding policy FILE needs a dataset read from files (Dataset.from_files); "
+                "Sharding policy FILE needs a dataset read from files (Dataset.from_files, "
+                "list_files, TFRecordDataset, from_parquet or from_tar_shards as its source); "
                 "use DATA or FILE_OR_DATA.")
         if request.num_consumers:
             cardinality = pipe.cardinality()

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from clusterwire.data.limits import PipelineLimits, ThreadBudget, refuse_above
+from clusterwire.data.splits import FILE_KINDS, provider
 from clusterwire.errors import InvalidArgumentError
 
 INFINITE = -1
@@ -104,7 +105,8 @@ class Source:
         return self.iterate()
 
     def has_files(self) -> bool:
-        return False
+        """Whether its units are files or parts of one (static FILE sharding's sources)."""
+        return self.split_kind in FILE_KINDS
 
     def split_epochs(self, units: int, epochs: int) -> tuple[int, int]:
         """The (units, epochs) distributed_epoch splits for ``units`` units read ``epochs``
@@ -159,6 +161,10 @@ class SlicesSource(Source):
         for index in indices.tolist():
             yield _map_structure(lambda t, i=index: t[i], self.tensors)
 
+    def select(self, units: np.ndarray) -> SlicesSource:
+        """This source of units ``units`` (an int64 array) only, in that order."""
+        return replace(self, tensors=_map_structure(lambda t: t[units], self.tensors))
+
 
 @dataclass(frozen=True)
 class FilesSource(Source):
@@ -177,8 +183,9 @@ class FilesSource(Source):
                 for line in handle:
                     yield line.rstrip(b"\n").rstrip(b"\r")
 
-    def has_files(self) -> bool:
-        return True
+    def select(self, units: np.ndarray) -> FilesSource:
+        """This source of files ``units`` (an int64 array) only, in that order."""
+        return replace(self, paths=tuple(self.paths[i] for i in units.tolist()))
 
 
 @dataclass(frozen=True)
@@ -577,8 +584,6 @@ class SplitPlan:
 
     def split_units(self, workers: int) -> int:
         """Units per split, for ``workers`` live workers (the source kind's provider)."""
-        from clusterwire.data.splits import provider
-
         return provider(self.kind).units_per_split(self.units, workers, self.align)
 
 

@@ -14,11 +14,18 @@ end)``. The kinds:
 - ``"row_group"`` (``from_parquet``): one Parquet row group per split;
 - ``"record_block"`` (``TFRecordDataset`` with ``index_filenames``): one block of consecutive
   records of one file per split, cut by ``record_blocks`` (about ``RECORD_BLOCK_BYTES``).
+
+The kinds but ``"elements"`` read files: static ``ShardingPolicy.FILE`` (and ``FILE_OR_DATA``)
+gives worker ``k`` of ``n`` the files ``i`` with ``i % n == k`` of its source, as TF's FILE
+auto-sharding does at the source of file names (before ``list_files``' shuffle, which then
+shuffles each worker's files): ``file_shard``. A file's row groups or record blocks go with it;
+a file with none (an empty one) holds no units and is not counted.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -47,6 +54,8 @@ class SplitProvider:
 
 PROVIDERS = {kind: SplitProvider(kind, kind != "elements")
              for kind in ("elements", "file", "row_group", "record_block")}
+#: The source kinds whose units are files or parts of one (what FILE sharding can shard).
+FILE_KINDS = frozenset({"file", "row_group", "record_block"})
 
 
 def provider(kind: str) -> SplitProvider:
@@ -60,3 +69,28 @@ def record_blocks(offsets: np.ndarray, block_bytes: int = RECORD_BLOCK_BYTES) ->
     of the file, so at least one record, about ``block_bytes`` (an int64 array)."""
     window = offsets // block_bytes
     return np.flatnonzero(np.diff(window, prepend=-1)).astype(np.int64)
+
+
+def file_numbers(source: Any) -> np.ndarray | None:
+    """The file (0, 1, ... in the source's order) each unit of ``source`` reads, or None if
+    its units are not files or parts of one (an int64 array)."""
+    kind = source.split_kind
+    if kind == "file":
+        return np.arange(source.units(), dtype=np.int64)
+    if kind == "row_group":  # (names, row group, rows): a file's units start at group 0
+        return np.cumsum(source.tensors[1] == 0, dtype=np.int64) - 1
+    if kind == "record_block":  # (names, first offset, ...): a new name or a new file start
+        names, starts = source.tensors[0], source.tensors[1]
+        first = np.ones(len(names), dtype=bool)
+        first[1:] = (names[1:] != names[:-1]) | (starts[1:] <= starts[:-1])
+        return np.cumsum(first, dtype=np.int64) - 1
+    return None
+
+
+def file_shard(source: Any, index: int, count: int) -> Any:
+    """``source`` restricted to the units of its files ``i`` with ``i % count == index``
+    (static FILE sharding, see the module docstring); None if it does not read files."""
+    numbers = file_numbers(source)
+    if numbers is None:
+        return None
+    return source.select(np.flatnonzero(numbers % count == index))

@@ -58,9 +58,10 @@ from clusterwire.data.limits import ThreadBudget
 from clusterwire.data.modes import COMPRESSION_SNAPPY, ShardingPolicy
 from clusterwire.data.monitoring import Monitoring
 from clusterwire.data.permissions import WorkerPermissions
-from clusterwire.data.pipeline import FilesSource, Pipeline, split_plan
+from clusterwire.data.pipeline import Pipeline, split_plan
 from clusterwire.data.position import check_stream_offset
 from clusterwire.data.rpc import DispatcherClient, serve
+from clusterwire.data.splits import file_shard
 from clusterwire.data.streams import OVER_LIMITS, Stream
 from clusterwire.fair_shares import Displaced, FairShares
 from clusterwire.metrics import REGISTRY, catalog
@@ -603,10 +604,11 @@ class WorkerServer:
             return pipe.run(_until(closed, lambda: pipe.source.read(spec.unit_start,
                                                                      spec.unit_end)), plan.ops)
         policy = ShardingPolicy(spec.sharding_policy)
-        if spec.num_shards and policy in (ShardingPolicy.FILE, ShardingPolicy.FILE_OR_DATA) \
-                and pipe.source.has_files():
-            paths = pipe.source.paths[spec.shard_index::spec.num_shards]  # type: ignore
-            return pipe.run(_until(closed, FilesSource(tuple(paths)).iterate))
+        shard = file_shard(pipe.source, spec.shard_index, spec.num_shards) \
+            if spec.num_shards and policy in (ShardingPolicy.FILE, ShardingPolicy.FILE_OR_DATA) \
+            else None
+        if shard is not None:
+            return pipe.run(_until(closed, shard.iterate))
         run = pipe.run(_until(closed, pipe.source.iterate))
         if spec.num_shards and policy in (ShardingPolicy.DATA, ShardingPolicy.FILE_OR_DATA):
             return itertools.islice(run, spec.shard_index, None, spec.num_shards)
