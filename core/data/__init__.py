@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from clusterwire.data.pipeline import AUTOTUNE
     from clusterwire.data.pipeline import INFINITE as INFINITE_CARDINALITY
     from clusterwire.data.pipeline import UNKNOWN as UNKNOWN_CARDINALITY
+    from clusterwire.data.position import merge_states
     from clusterwire.data.tar_shards import TarShardReader
     from clusterwire.data.tfrecord import TFRecordReader, TFRecordWriter
     from clusterwire.data.worker import WorkerServer
@@ -62,6 +63,7 @@ _EXPORTS = {
     "distribute": ("client", "distribute"),
     "from_dataset_id": ("client", "from_dataset_id"),
     "function": ("permissions", "function"),
+    "merge_states": ("position", "merge_states"),
     "register_dataset": ("client", "register_dataset"),
     "service_status": ("client", "service_status"),
     "TFRecordReader": ("tfrecord", "TFRecordReader"),
@@ -92,6 +94,7 @@ __all__ = [
     "distribute",
     "from_dataset_id",
     "function",
+    "merge_states",
     "register_dataset",
     "service_status",
     "TFRecordReader",

@@ -18,6 +18,7 @@ from typing import Any
 from clusterwire import errors
 from clusterwire.data import compression as compressor
 from clusterwire.data import graph
+from clusterwire.data import position as positions
 from clusterwire.data.dataset import Dataset
 from clusterwire.data.modes import (
     COMPRESSION_AUTO,
@@ -31,7 +32,7 @@ from clusterwire.data.modes import (
     sharding_policy,
 )
 from clusterwire.data.pipeline import Source
-from clusterwire.data.position import Position
+from clusterwire.data.position import JobPosition, Position
 from clusterwire.data.reader import _MAX_ELEMENTS, JobReader, ReadOptions
 from clusterwire.data.rpc import DispatcherClient, parse
 from clusterwire.protos.data_service_pb2 import (
@@ -145,7 +146,7 @@ class ServiceSource(Source):
     """
 
     def __init__(self, service: Any, options: ReadOptions, security: Security,
-                 position: Position | None = None):
+                 position: Position | JobPosition | None = None):
         self._service = service
         self._options = options
         self._security = security
@@ -189,10 +190,12 @@ def from_dataset_id(processing_mode: Any, service: Any, dataset_id: str,
     themselves). ``cross_trainer_cache``: a ``CrossTrainerCache``, to share the job's
     elements with other trainers (see there). An unknown id is a NotFoundError.
     ``config``: security options, as for ``distribute``. ``state`` (a
-    clusterwire addition): a position an iterator's ``state_dict()`` returned; the first
-    iteration resumes from it (see ``clusterwire.data.position``).
+    clusterwire addition): a position an iterator's ``state_dict()`` returned, or the job
+    position ``merge_states`` made of all of a distributed_epoch job's consumers' (any number
+    of new consumers resume from it); the first iteration resumes from it (see
+    ``clusterwire.data.position``).
     """
-    position = None if state is None else Position.from_dict(state)
+    position = None if state is None else positions.load(state)
     del element_spec
     trainer_id = _trainer_id(cross_trainer_cache)
     policy = sharding_policy(processing_mode)
@@ -257,7 +260,7 @@ def distribute(processing_mode: Any, service: Any, job_name: str | None = None,
                                target_workers=target_workers, config=security, state=state)
 
     if state is not None:
-        Position.from_dict(state)  # a malformed position fails here, not at the first read
+        positions.load(state)  # a malformed position fails here, not at the first read
     return apply
 
 

@@ -31,6 +31,7 @@ holds some: those may come back (a consumer stopping early or timing out) and mu
 from __future__ import annotations
 
 import functools
+import hmac
 import threading
 import time
 from dataclasses import dataclass, field
@@ -63,7 +64,7 @@ from clusterwire.data.journal import (
 from clusterwire.data.modes import STATIC_POLICIES, ShardingPolicy, mode_name, policy_of
 from clusterwire.data.monitoring import Monitoring
 from clusterwire.data.pipeline import INFINITE, split_plan
-from clusterwire.data.position import check_split_offset, split_limit
+from clusterwire.data.position import check_split_offset, group_of, merge_id, split_limit
 from clusterwire.data.rpc import serve
 from clusterwire.fair_shares import Displaced
 from clusterwire.metrics import REGISTRY, catalog
@@ -76,6 +77,7 @@ from clusterwire.protos.data_service_pb2 import (
     JournalDataset,
     JournalEntry,
     JournalJob,
+    JournalMerge,
     JournalResume,
     JournalSplit,
     JournalSplitsDone,
@@ -417,7 +419,7 @@ class DispatchServer:
             if request.resume_group:
                 request.job_key = self._resume_wave_key(request)
             job_id = self._state.job_keys.get(request.job_key)
-            if job_id is None and request.resume:
+            if job_id is None and (request.resume or request.merged):
                 raise errors.NotFoundError(
                     f"The job of the saved position ({request.job_key!r}) is gone: it was "
                     "collected after job_gc_timeout_ms, or the dispatcher restarted without "
@@ -432,6 +434,8 @@ class DispatchServer:
                     f"different processing mode {ShardingPolicy(job.info.sharding_policy).name}.")
             if request.resume:
                 self._resume(job, request)
+            elif request.merged:
+                self._merge(job, request)
             job.last_active = time.monotonic()
             response = DataResponse()
             response.job.CopyFrom(job.info)
@@ -498,8 +502,6 @@ class DispatchServer:
         """A consumer restarts from a saved distributed_epoch position (checked here against
         what the job handed it). Call with the lock held."""
         consumer = request.consumer_id
-        base = job.handout_base.get(consumer, 0)
-        handed = len(job.handouts.get(consumer, [])) + base
         if job.info.sharding_policy != ShardingPolicy.DYNAMIC or consumer in job.released \
                 or consumer not in job.resumable:
             why = ("it stopped without keeping its splits (its position was not saved, or it "
@@ -512,25 +514,81 @@ class DispatchServer:
             raise errors.FailedPreconditionError(
                 f"Consumer {consumer!r} of job {job.info.job_id} was resumed again since "
                 "(from a later iterator): this position is superseded.")
-        if not base <= request.handed <= handed:
-            raise errors.FailedPreconditionError(
-                f"The saved position is after hand-out {request.handed} of consumer "
-                f"{consumer!r}, but the job keeps its hand-outs {base} to {handed}: the "
-                "position is too old (or not of this job). Resume from a later one.")
-        kept = {split for split, _ in job.handouts.get(consumer, [])}
-        stray = [s for s in [*(p.split_id for p in request.partial), *request.completed]
-                 if s not in kept]
-        if stray:
-            raise errors.InvalidArgumentError(
-                f"The saved position names split {stray[0]}, which job {job.info.job_id} did "
-                f"not hand to consumer {consumer!r}: the position is not this consumer's.")
-        self._check_offsets(job, consumer, list(request.partial),
-                            {p.split_id: _handed_at(job, consumer, p.split_id)
-                             for p in request.partial})
+        self._check_saved(job, consumer, request.handed, list(request.partial),
+                          list(request.completed))
         self._commit(JournalEntry(resumed=JournalResume(
             job_id=job.info.job_id, consumer_id=consumer, handed=request.handed,
             partial=request.partial, completed=request.completed,
             generation=request.generation)))
+
+    def _check_saved(self, job: Job, consumer: str, handed: int, partial: list[SplitOffset],
+                     completed: list[int]) -> None:
+        """``consumer``'s saved position (after its first ``handed`` hand-outs, ``partial``
+        and ``completed`` splits) is one the job can have given it: its hand-outs from there
+        are kept, it names only splits handed to it, each offset checked (_check_offsets).
+        Call with the lock held."""
+        base = job.handout_base.get(consumer, 0)
+        kept = len(job.handouts.get(consumer, [])) + base
+        if not base <= handed <= kept:
+            raise errors.FailedPreconditionError(
+                f"The saved position is after hand-out {handed} of consumer {consumer!r}, "
+                f"but the job keeps its hand-outs {base} to {kept}: the position is too old "
+                "(or not of this job). Resume from a later one.")
+        splits = {split for split, _ in job.handouts.get(consumer, [])}
+        stray = [s for s in [*(p.split_id for p in partial), *completed] if s not in splits]
+        if stray:
+            raise errors.InvalidArgumentError(
+                f"The saved position names split {stray[0]}, which job {job.info.job_id} did "
+                f"not hand to consumer {consumer!r}: the position is not this consumer's.")
+        self._check_offsets(job, consumer, partial,
+                            {p.split_id: _handed_at(job, consumer, p.split_id) for p in partial})
+
+    def _merge(self, job: Job, request) -> None:
+        """A new consumer resumes the job position merged from the positions of all the
+        job's consumers (``position.merge_states``): the first one to ask has the unread
+        parts of their splits given back to the pool (each position checked as a resume's),
+        the others join. Only positions saved by the job's consumers (who hold its grant:
+        the ``group``) merge. Call with the lock held."""
+        if job.info.sharding_policy != ShardingPolicy.DYNAMIC:
+            raise errors.InvalidArgumentError(
+                f"Job {job.info.job_id} reads in {mode_name(job.info.sharding_policy)} mode: "
+                "only distributed_epoch positions merge.")
+        group = group_of(grants.grant(self._state.grant_key, StreamSpec(
+            job_id=job.info.job_id, dataset_id=job.info.dataset_id, owner=job.info.owner), ""))
+        if not hmac.compare_digest(request.merge_group.encode(), group.encode()):
+            raise errors.PermissionDeniedError(
+                f"The merged position's group is not job {job.info.job_id}'s: only positions "
+                "its own consumers saved merge (or the position is of a dispatcher that lost "
+                "its state). Pass what merge_states() returned, unchanged.")
+        merged = list(request.merged)
+        applied = merge_id(merged)
+        if applied in job.merges:
+            return  # another new consumer of the same merge: it joins
+        names = [p.consumer_id for p in merged]
+        twice = {name for name in names if names.count(name) > 1}
+        if twice:
+            raise errors.InvalidArgumentError(
+                f"The merged position lists consumer {sorted(twice)[0]!r} twice: merge one "
+                "position per consumer, all saved at the same step.")
+        for position in merged:
+            consumer = position.consumer_id
+            if consumer not in job.resumable or consumer in job.released:
+                raise errors.FailedPreconditionError(
+                    f"The merged position names consumer {consumer!r} of job "
+                    f"{job.info.job_id}, which cannot resume: it was resumed from another "
+                    "position (merged or its own) since, its position was never saved, or it "
+                    "was away longer than job_gc_timeout_ms. Merge the positions the job's "
+                    "current consumers saved.")
+            self._check_saved(job, consumer, position.handed, list(position.partial),
+                              list(position.completed))
+        missing = sorted(job.resumable - job.released - set(names))
+        if missing:
+            raise errors.FailedPreconditionError(
+                f"The merged position lacks the position of consumer {missing[0]!r} of job "
+                f"{job.info.job_id} (its position was saved too): merge the positions of all "
+                "the job's consumers, saved at the same step.")
+        self._commit(JournalEntry(merged=JournalMerge(
+            job_id=job.info.job_id, merge_id=applied, consumers=merged)))
 
     def _check_offsets(self, job: Job, consumer: str, offsets: list[SplitOffset],
                        floors: dict[int, int], lower: bool = False) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 from clusterwire.fair_shares import FairShares
 from clusterwire.protos.data_service_pb2 import (
+    ConsumerPosition,
     DatasetDef,
     JobInfo,
     JournalDataset,
@@ -32,6 +33,9 @@ from clusterwire.protos.data_service_pb2 import (
 #: Hand-outs a job remembers per consumer (what a saved position may go back to); a
 #: position saved before the last MAX_HANDOUTS hand-outs cannot be resumed.
 MAX_HANDOUTS = 100_000
+#: Merges of positions a job remembers (position.merge_states): a new consumer passing the
+#: job position of one of the last MAX_MERGES joins the job; of an older one, it is refused.
+MAX_MERGES = 1024
 
 
 @dataclass
@@ -74,6 +78,7 @@ class Job:
     resumable: set[str] = field(default_factory=set)  # saved their position
     dormant: dict[str, float] = field(default_factory=dict)  # resumable, stopped -> since
     generations: dict[str, int] = field(default_factory=dict)  # resumed consumer -> latest
+    merges: dict[str, None] = field(default_factory=dict)  # merge ids applied, oldest first
     splits_handed: int = 0  # hand-outs (a split given back and handed again counts again)
     splits_completed: int = 0
 
@@ -126,6 +131,40 @@ class Job:
         self.released.discard(consumer)
         self.consumers[consumer] = time.monotonic()
         self.generations[consumer] = generation
+
+    def merge(self, merge_id: str, consumers: list[ConsumerPosition]) -> None:
+        """The positions of ``consumers`` were merged (the dispatcher checked them): the
+        splits handed to each after its position (but those it had completed) go back to
+        the pool at their hand-out offsets, its partly read ones at the elements it had
+        returned, and the consumer is done."""
+        for position in consumers:
+            consumer = position.consumer_id
+            base = self.handout_base.get(consumer, 0)
+            completed = set(position.completed)
+            for split_id, offset in self.handouts.get(consumer, [])[position.handed - base:]:
+                if split_id not in completed:
+                    self._give_back(split_id, offset)
+            for at in position.partial:
+                self._give_back(at.split_id, at.offset)
+            for kept in (self.handouts, self.handout_base, self.dormant, self.generations,
+                         self.consumers):
+                kept.pop(consumer, None)
+            self.resumable.discard(consumer)
+            self.released.add(consumer)
+        self.merges[merge_id] = None
+        while len(self.merges) > MAX_MERGES:
+            del self.merges[next(iter(self.merges))]
+
+    def _give_back(self, split_id: int, offset: int) -> None:
+        """Put ``split_id`` in the pool, to be read from ``offset``."""
+        self.assigned.pop(split_id, None)
+        if split_id not in self.pool:
+            self.pool.append(split_id)
+        if offset:
+            self.offsets[split_id] = offset
+        else:
+            self.offsets.pop(split_id, None)
+        self.info.finished = False
 
     @property
     def splits_per_epoch(self) -> int:
@@ -251,6 +290,10 @@ class DispatcherState:
             if job is not None:
                 job.resume(r.consumer_id, r.handed, {p.split_id: p.offset for p in r.partial},
                            set(r.completed), r.generation)
+        elif kind == "merged":
+            job = self.jobs.get(entry.merged.job_id)
+            if job is not None:
+                job.merge(entry.merged.merge_id, list(entry.merged.consumers))
         elif kind == "finished_job":
             job = self.jobs.get(entry.finished_job)
             if job is not None:
@@ -292,6 +335,7 @@ class DispatcherState:
                 job.resumable = set(p.resumable)
                 job.dormant = dict.fromkeys(p.dormant, now)
                 job.splits_handed, job.splits_completed = p.splits_handed, p.splits_completed
+                job.merges = dict.fromkeys(p.merges)
                 for consumer in set(job.assigned.values()) - set(job.dormant):
                     job.consumers.setdefault(consumer, now)  # else never timed out
 
@@ -319,7 +363,8 @@ class DispatcherState:
                     generation=job.generations.get(consumer, 0))
                     for consumer in {*job.handouts, *job.generations}],
                 resumable=sorted(job.resumable), dormant=sorted(job.dormant),
-                splits_handed=job.splits_handed, splits_completed=job.splits_completed)))
+                splits_handed=job.splits_handed, splits_completed=job.splits_completed,
+                merges=list(job.merges))))
         entries.extend(JournalEntry(worker=worker) for worker in self.workers.values())
         return entries
 

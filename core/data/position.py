@@ -19,6 +19,21 @@ It is a small JSON-serialisable dict, saved beside a model checkpoint:
   which only its consumers hold: another client cannot join or block their resume without
   having joined that job.
 
+A job position (``merge_states``) is the positions of all consumers of one distributed_epoch
+job saved at the same step, in one dict that any number of new consumers of the job resume
+from (``JobPosition``): the first of them has the dispatcher give the unread parts of those
+consumers' splits back to the job's pool (the splits handed after each position, at their
+hand-out offsets; the partly read ones at the elements returned); from then on the merged
+consumers are done, and the new ones share the pool and then the splits never handed out,
+as any consumers of the job do. Its size grows with the number of consumers merged times
+the splits each held unfinished (at most ``SLOTS_PER_WORKER`` per worker it read from, plus
+those whose elements it had fetched but not yet returned), each with a vouch of about 150
+bytes; not with the dataset or the elements read. Positions of the other modes do not merge
+(``merge_states`` says why): a parallel_epochs consumer reads every worker's whole copy of
+the data, so there is no epoch shared by the job to divide; round-robin rounds go to
+consumer ``r mod num_consumers`` of a number fixed for the job; a static shard is one
+worker's.
+
 What the service trusts of a position: every nonzero offset in it (a split's in
 distributed_epoch, a worker stream's otherwise) comes with a vouch (``data/vouches.py``): the
 HMAC, under the dispatcher's grant key, by which a worker (or the dispatcher, for the offset a
@@ -29,17 +44,21 @@ only, never below the offset a split was handed at, each offset within its split
 elements only for a vouched offset, only while a reader reads it (``streams.Stream``), and so
 at most what it already produced for that consumer (a round-robin consumer's vouch is of the
 last element it returned from the worker: the skip also passes the other consumers' elements
-of that round). Positions of version 1 carry no vouches and are refused.
+of that round). Positions of version 1 carry no vouches and are refused. A job position's
+offsets are checked the same way, each against the consumer that read it, and its ``group``
+(the digest of the job's grant, saved in every distributed_epoch position) against the job's:
+only positions saved by the job's own consumers merge into one the dispatcher takes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import hashlib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from clusterwire.data import vouches
-from clusterwire.data.modes import ShardingPolicy
+from clusterwire.data.modes import ShardingPolicy, mode_name
 from clusterwire.data.pipeline import (
     Batch,
     Enumerate,
@@ -56,7 +75,7 @@ from clusterwire.data.pipeline import (
     split_plan,
 )
 from clusterwire.errors import InvalidArgumentError, PermissionDeniedError
-from clusterwire.protos.data_service_pb2 import SplitOffset, StreamSpec, Vouch
+from clusterwire.protos.data_service_pb2 import ConsumerPosition, SplitOffset, StreamSpec, Vouch
 
 #: 2: offsets carry vouches (version 1's did not, and are refused).
 VERSION = 2
@@ -97,7 +116,7 @@ class Position:
     consumer_index: int = 0
     num_consumers: int = 0
     finished: bool = False  # the iteration had ended: a resumed one ends at once
-    group: str = ""  # round-robin reads: the digest of the job's grant (see the module doc)
+    group: str = ""  # the digest of the job's grant (distributed_epoch, round-robin reads)
 
     def to_dict(self) -> dict[str, Any]:
         """The position as a JSON-serialisable dict."""
@@ -151,6 +170,158 @@ class Position:
                 group=_typed(state, "group", str) if "group" in state else "")
         except (TypeError, ValueError) as err:  # e.g. a partial entry that is not a pair
             raise InvalidArgumentError(f"Malformed data-service position: {err}.") from None
+
+
+@dataclass(frozen=True)
+class JobPosition:
+    """Where all consumers of one distributed_epoch job were, saved at one step
+    (``merge_states``): any number of new consumers of the job resume from it (see the
+    module doc)."""
+
+    dataset_id: str
+    iteration: int
+    job_key: str
+    group: str
+    consumers: tuple[Position, ...]
+    processing_mode: int = int(ShardingPolicy.DYNAMIC)
+
+    @property
+    def elements(self) -> int:
+        """Elements the merged consumers had returned."""
+        return sum(p.elements for p in self.consumers)
+
+    @property
+    def finished(self) -> bool:
+        """Every merged consumer had seen the iteration end: a resumed one ends at once."""
+        return all(p.finished for p in self.consumers)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The job position as a JSON-serialisable dict."""
+        return {"version": VERSION, "kind": "job", "dataset_id": self.dataset_id,
+                "processing_mode": self.processing_mode, "iteration": self.iteration,
+                "job_key": self.job_key, "group": self.group,
+                "consumers": [{key: value for key, value in p.to_dict().items()
+                               if key in _CONSUMER_KEYS} for p in self.consumers]}
+
+    @classmethod
+    def from_dict(cls, state: Mapping[str, Any]) -> JobPosition:
+        """The job position ``merge_states`` returned; InvalidArgumentError naming what is
+        wrong with anything else."""
+        common = {key: state.get(key) for key in
+                  ("version", "dataset_id", "processing_mode", "iteration", "job_key", "group")}
+        consumers = _typed(state, "consumers", list)
+        if not consumers:
+            raise InvalidArgumentError(
+                "A merged data-service position lists no consumers: pass the dict "
+                "merge_states() returned, unchanged.")
+        positions = []
+        for entry in consumers:
+            if not isinstance(entry, Mapping):
+                raise InvalidArgumentError(
+                    f"A merged data-service position's consumer entry {entry!r} is not a "
+                    "dict: pass the dict merge_states() returned, unchanged.")
+            positions.append(Position.from_dict(
+                {**common, **entry, "streams": {}, "workers": [], "consumer_index": 0,
+                 "num_consumers": 0}))
+        return merge(positions)
+
+    def requests(self) -> list[ConsumerPosition]:
+        """The merged consumers' positions, as the dispatcher takes them."""
+        return [ConsumerPosition(
+            consumer_id=p.consumer_id, handed=p.handed, completed=sorted(p.completed),
+            partial=[SplitOffset(split_id=split, offset=offset.count, vouch=offset.vouch)
+                     for split, offset in sorted(p.partial.items())])
+            for p in self.consumers]
+
+
+#: What a job position keeps of each consumer's position (the rest is the job's).
+_CONSUMER_KEYS = ("consumer_id", "handed", "partial", "completed", "elements", "finished")
+
+
+def load(state: Any) -> Position | JobPosition:
+    """The position ``state_dict()`` or the job position ``merge_states()`` returned (a
+    ``state`` argument); InvalidArgumentError naming what is wrong with anything else."""
+    if isinstance(state, Mapping) and state.get("kind") == "job":
+        if state.get("version") != VERSION:
+            Position.from_dict(state)  # its version error
+        return JobPosition.from_dict(state)
+    return Position.from_dict(state)
+
+
+def merge_states(states: Iterable[Any]) -> dict[str, Any]:
+    """One job position, JSON-serialisable, from the positions ``state_dict()`` returned to
+    all the consumers of one distributed_epoch job at the same step (gathered by the trainer,
+    e.g. with ``torch.distributed.all_gather_object``): any number of new consumers of the
+    job pass it as ``state`` and share the rest of the epoch, every element once over the
+    whole run (see ``clusterwire.data.position``). InvalidArgumentError for positions of
+    other modes (saying why they do not merge), of different jobs, of one consumer twice, or
+    a merged position itself."""
+    return merge(states).to_dict()
+
+
+def merge(states: Iterable[Any]) -> JobPosition:
+    """``merge_states``' job position, as a ``JobPosition``."""
+    positions = []
+    for state in states:
+        if isinstance(state, JobPosition) or (isinstance(state, Mapping)
+                                              and state.get("kind") == "job"):
+            raise InvalidArgumentError(
+                "merge_states takes the positions of single consumers, got a merged one: "
+                "resume from it, and merge the positions its resumed consumers save.")
+        positions.append(state if isinstance(state, Position) else Position.from_dict(state))
+    if not positions:
+        raise InvalidArgumentError(
+            "merge_states needs the positions of all consumers of the job, got none.")
+    first = positions[0]
+    policy = ShardingPolicy(first.processing_mode)
+    if first.num_consumers:
+        raise InvalidArgumentError(
+            "Round-robin positions do not merge: round r goes to consumer r mod "
+            f"num_consumers ({first.num_consumers}, fixed for the job), so the rounds left "
+            "cannot be shared by another number of consumers. Resume the same num_consumers "
+            "together (each from its own position), or start a new iteration with the new "
+            "number.")
+    if policy != ShardingPolicy.DYNAMIC:
+        why = ("each consumer reads every worker's whole copy of the data, so the job has "
+               "no epoch shared by its consumers to divide" if policy == ShardingPolicy.OFF
+               else "each worker's stream is one static shard, read by the consumer it went to")
+        raise InvalidArgumentError(
+            f"{mode_name(policy)} positions do not merge: {why}. Resume each consumer from "
+            "its own position, or read with processing_mode='distributed_epoch', whose "
+            "positions merge for any number of new consumers.")
+    seen: set[str] = set()
+    for position in positions:
+        for key in ("dataset_id", "processing_mode", "iteration", "job_key", "group"):
+            if getattr(position, key) != getattr(first, key):
+                raise InvalidArgumentError(
+                    f"merge_states got positions of different jobs: {key} "
+                    f"{getattr(first, key)!r} and {getattr(position, key)!r}. Merge the "
+                    "positions of the consumers of one job, saved at the same step.")
+        if position.consumer_id in seen:
+            raise InvalidArgumentError(
+                f"merge_states got two positions of consumer {position.consumer_id!r} (saved "
+                "at different steps, or passed twice): merge one position per consumer, "
+                "all saved at the same step.")
+        seen.add(position.consumer_id)
+    if not first.group:
+        raise InvalidArgumentError(
+            "These positions name no group (saved by an earlier clusterwire): the dispatcher "
+            "could not tell they are its job's consumers'. Save them again, then merge.")
+    return JobPosition(first.dataset_id, first.iteration, first.job_key, first.group,
+                       tuple(sorted(positions, key=lambda p: p.consumer_id)))
+
+
+def group_of(grant: bytes) -> str:
+    """The ``group`` of a position: a digest of the job's grant (see the module doc)."""
+    return hashlib.sha256(b"clusterwire round-robin group\x00" + grant).hexdigest()[:32]
+
+
+def merge_id(consumers: Iterable[ConsumerPosition]) -> str:
+    """The dispatcher's name for the merge of ``consumers``' positions (any order)."""
+    digest = hashlib.sha256(b"clusterwire merged positions")
+    for encoded in sorted(c.SerializeToString(deterministic=True) for c in consumers):
+        digest.update(len(encoded).to_bytes(8, "big") + encoded)
+    return digest.hexdigest()[:32]
 
 
 def _typed(state: Mapping[str, Any], key: str, kind: type) -> Any:

@@ -57,7 +57,6 @@ for a consumer's user to take what it fetched).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import itertools
 import logging
 import queue
@@ -76,7 +75,7 @@ from clusterwire import errors
 from clusterwire.addressing import split_host_port
 from clusterwire.data import elements
 from clusterwire.data.modes import STATIC_POLICIES, ShardingPolicy, mode_name
-from clusterwire.data.position import Offset, Position
+from clusterwire.data.position import JobPosition, Offset, Position, group_of
 from clusterwire.data.rpc import DispatcherClient, WorkerChannels
 from clusterwire.data.streams import OVER_LIMITS
 from clusterwire.metrics import REGISTRY, catalog
@@ -251,7 +250,7 @@ class JobReader(Iterator[Any]):
     """
 
     def __init__(self, dispatcher: DispatcherClient, options: ReadOptions, iteration: int,
-                 position: Position | None = None):
+                 position: Position | JobPosition | None = None):
         self._dispatcher = dispatcher
         self._options = options
         self._iteration = iteration
@@ -307,7 +306,9 @@ class JobReader(Iterator[Any]):
         self._waits = _WAITS.track(self) if ENABLED else None
         if position is not None and position.finished:
             _check_resumable(options, position)
-            self._exhausted = position
+            self._exhausted = position if isinstance(position, Position) else Position(
+                position.dataset_id, position.processing_mode, position.iteration,
+                position.job_key, self._consumer, finished=True, group=position.group)
             self._job = JobInfo(sharding_policy=options.policy)
             self._finished = self._released = True
             return
@@ -323,8 +324,8 @@ class JobReader(Iterator[Any]):
                                            name="clusterwire-data-client-heartbeat")
         self._heartbeat.start()
 
-    def _job_request(self, options: ReadOptions, iteration: int, position: Position | None
-                     ) -> GetOrCreateJobRequest:
+    def _job_request(self, options: ReadOptions, iteration: int,
+                     position: Position | JobPosition | None) -> GetOrCreateJobRequest:
         """The job this consumer reads: a new or named one, or the one it resumes."""
         named = options.job_name is not None
         key = f"{options.job_name}/{iteration}" if named else f"anonymous/{self._consumer}"
@@ -335,6 +336,13 @@ class JobReader(Iterator[Any]):
         if position is None:
             return request
         _check_resumable(options, position)
+        if isinstance(position, JobPosition):
+            # A new consumer of the job: the first one has the merged consumers' unread
+            # splits given back to the pool, the others join.
+            request.job_key = position.job_key
+            request.merged.extend(position.requests())
+            request.merge_group = position.group
+            return request
         self._elements = position.elements
         if options.num_consumers:
             # Every consumer resumes from the same round, in the job of the rounds from there,
@@ -407,7 +415,8 @@ class JobReader(Iterator[Any]):
             streams={**self._start_offsets, **streams}, elements=self._elements,
             workers=tuple(workers), consumer_index=self._options.consumer_index or 0,
             num_consumers=self._options.num_consumers, finished=self._returned_all,
-            group=_group(self._job.grant) if self._options.num_consumers else "")
+            group=group_of(self._job.grant)
+            if self._options.num_consumers or policy == ShardingPolicy.DYNAMIC else "")
 
     def keep_splits(self) -> None:
         """distributed_epoch: have the dispatcher keep this consumer's splits for it while it
@@ -1014,12 +1023,7 @@ class JobReader(Iterator[Any]):
             self._start_slots(slots)
 
 
-def _group(grant: bytes) -> str:
-    """A round-robin position's ``group``: a digest of the job's grant (see position.py)."""
-    return hashlib.sha256(b"clusterwire round-robin group\x00" + grant).hexdigest()[:32]
-
-
-def _check_resumable(options: ReadOptions, position: Position) -> None:
+def _check_resumable(options: ReadOptions, position: Position | JobPosition) -> None:
     """InvalidArgumentError unless ``position`` is of a read like the one ``options`` ask."""
     if position.dataset_id != options.dataset_id:
         raise errors.InvalidArgumentError(
@@ -1031,7 +1035,7 @@ def _check_resumable(options: ReadOptions, position: Position) -> None:
             f"The saved position is of a {mode_name(position.processing_mode)} read, this "
             f"read is {mode_name(options.policy)}: resume in the "
             "processing mode the position was saved in.")
-    if (position.consumer_index, position.num_consumers) != (
+    if isinstance(position, Position) and (position.consumer_index, position.num_consumers) != (
             options.consumer_index or 0, options.num_consumers):
         raise errors.InvalidArgumentError(
             f"The saved position is of consumer {position.consumer_index} of "

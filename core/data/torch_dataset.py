@@ -60,6 +60,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from clusterwire import in_process
 from clusterwire.data import graph
+from clusterwire.data import position as positions
 from clusterwire.data.client import (
     check_adapter_dataset,
     check_distribute_arguments,
@@ -68,7 +69,6 @@ from clusterwire.data.client import (
 )
 from clusterwire.data.dataset import Dataset
 from clusterwire.data.elements import NUMERIC_KINDS
-from clusterwire.data.position import Position
 from clusterwire.errors import FailedPreconditionError, InvalidArgumentError
 from clusterwire.private_views import private_view
 from clusterwire.security import Security
@@ -176,7 +176,7 @@ class ServiceDataset(IterableDataset):
                 f"{state_dict!r}.")
         position, job_name = state_dict["position"], state_dict.get("job_name")
         if position is not None:
-            Position.from_dict(position)  # a malformed position fails here
+            positions.load(position)  # a malformed position fails here
         if job_name is not None and not isinstance(job_name, str):
             raise InvalidArgumentError(f"A ServiceDataset state's job_name must be a str, got "
                                        f"{job_name!r}: pass what state_dict() returned.")
