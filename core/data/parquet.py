@@ -163,8 +163,9 @@ class ParquetReader:
         if not per_row:
             yield values
             return
-        for row in range(batch.num_rows):
-            yield {name: column[row] for name, column in values.items()}
+        names = list(values)
+        for row in zip(*values.values(), strict=True):
+            yield dict(zip(names, row, strict=True))
 
     def close(self) -> None:
         """Closes the file; idempotent."""

@@ -80,6 +80,13 @@ def _open(path: str | os.PathLike, mode: str, buffering: int,
             f"TFRecord path {os.fspath(path)!r} is a directory, not a file") from None
 
 
+def open_raw(path: str | os.PathLike, readable_prefixes: Iterable[str] | None = None
+             ) -> BinaryIO:
+    """``path`` opened unbuffered for reading through ``open_readable`` (exact reads at
+    offsets, as random access makes)."""
+    return _open(path, "rb", 0, readable_prefixes)
+
+
 def encode_record(data: bytes | bytearray | memoryview) -> tuple[bytes, bytes]:
     """The framing of one record: (12-byte header, 4-byte footer) around ``data``."""
     length = _LENGTH.pack(memoryview(data).nbytes)
@@ -185,9 +192,41 @@ def read_index(index: str | os.PathLike, *, readable_prefixes: Iterable[str] | N
     """The ``(offset, bytes)`` rows (an int64 array of shape (records, 2)) of a TFRecord
     index; InvalidArgumentError naming the index and line if it is not one (a line not two
     numbers, or records that do not follow each other from offset 0)."""
-    name = os.fspath(index)
     with open_readable(index, readable_prefixes) as file:
-        lines = file.read().split(b"\n")
+        text = file.read()
+    rows = _parse_index(text)
+    return _parse_index_lines(os.fspath(index), text) if rows is None else rows
+
+
+_INDEX_BYTES = b"0123456789 \t\r\n"
+
+
+def _parse_index(text: bytes) -> np.ndarray | None:
+    """The rows of a well-formed index, in numpy passes over its bytes; None if a line is
+    not two numbers or the records do not follow each other (``_parse_index_lines`` then
+    names the line)."""
+    if text.translate(None, _INDEX_BYTES):
+        return None
+    chars = np.frombuffer(text, np.uint8)
+    digit = (chars >= ord("0")) & (chars <= ord("9"))
+    starts = np.flatnonzero(digit & ~np.concatenate(([False], digit[:-1])))
+    newlines = np.flatnonzero(chars == ord("\n"))
+    fields = np.bincount(np.searchsorted(newlines, starts), minlength=len(newlines) + 1)
+    if fields[-1] == 0:  # what follows the last line end is blank
+        fields = fields[:-1]
+    if np.any(fields != 2):
+        return None
+    rows = np.fromstring(text, dtype=np.int64, sep=" ").reshape(-1, 2) if len(fields) else \
+        np.zeros((0, 2), dtype=np.int64)
+    if len(rows) != len(fields) or np.any(rows[:, 1] < _HEADER.size + _FOOTER.size) or (
+            len(rows) and (rows[0, 0] != 0 or np.any(rows[1:, 0] != rows[:-1].sum(axis=1)))):
+        return None
+    return rows
+
+
+def _parse_index_lines(name: str, text: bytes) -> np.ndarray:
+    """``_parse_index`` line by line, naming the first line that is not a record's."""
+    lines = text.split(b"\n")
     if lines and not lines[-1].strip():
         lines.pop()
     rows = np.zeros((len(lines), 2), dtype=np.int64)
@@ -203,6 +242,28 @@ def read_index(index: str | os.PathLike, *, readable_prefixes: Iterable[str] | N
         rows[number] = int(fields[0]), int(fields[1])
         expected = int(fields[0]) + int(fields[1])
     return rows
+
+
+def record_data(path: str, offset: int, frame: bytes | memoryview) -> bytes:
+    """The data of the record framed by ``frame`` (header, data and footer: the bytes its
+    index gives it) at byte ``offset`` of ``path``, both CRCs checked; DataLossError naming
+    the file and offset if it is damaged or is not one record of exactly those bytes."""
+    def damaged(what: str) -> DataLossError:
+        return DataLossError(f"TFRecord file {path!r}: {what} in the record at byte offset "
+                             f"{offset}")
+    size = len(frame)
+    if size < _HEADER.size + _FOOTER.size:
+        raise damaged(f"truncated record ({size} bytes read of at least 16)")
+    length, length_crc = _HEADER.unpack_from(frame)
+    if masked(frame[:8]) != length_crc:
+        raise damaged("corrupt length (CRC-32C mismatch)")
+    if length + _HEADER.size + _FOOTER.size != size:
+        raise damaged(f"a record of {length} + 16 bytes where its index says {size} bytes (is "
+                      "the index this file's?)")
+    data = bytes(frame[_HEADER.size:_HEADER.size + length])
+    if masked(data) != _FOOTER.unpack_from(frame, _HEADER.size + length)[0]:
+        raise damaged("corrupt data (CRC-32C mismatch)")
+    return data
 
 
 def _size(file: BinaryIO) -> int:

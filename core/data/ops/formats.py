@@ -21,7 +21,7 @@ unchecked.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -39,8 +39,14 @@ from clusterwire.data.pipeline import (
     SlicesSource,
     parallelism,
 )
-from clusterwire.data.tfrecord import TFRecordReader, _compression, read_index
-from clusterwire.errors import DataLossError, InvalidArgumentError
+from clusterwire.data.tfrecord import (
+    TFRecordReader,
+    _compression,
+    open_raw,
+    read_index,
+    record_data,
+)
+from clusterwire.errors import DataLossError, InvalidArgumentError, OpError
 
 
 def file_name(value: Any) -> str:
@@ -197,26 +203,100 @@ class TFRecordBlockRead(ReadsFiles):
     def wrap(self, upstream: Factory) -> Factory:
         return lambda: _Cycle(lambda block: _to_end(self._open(block)), upstream(), 1, 1)
 
-    def random_access(self, source: RecordBlocksSource
-                      ) -> tuple[int, Callable[[np.ndarray], Iterator[bytes]]]:
+    def random_access(self, source: RecordBlocksSource) -> tuple[int, _RecordGather]:
         """``global_shuffle``'s view of ``source``: its record count, and what reads records
-        by number (in the order given), each at its offset from its file's index (an index
-        is read once per view, when a record of its file is first asked)."""
-        names, starts, counts, _, index_names = source.tensors
-        indexes: dict[str, np.ndarray] = {}
+        by number (in the order given, see ``_RecordGather``)."""
+        return int(np.sum(source.tensors[2])), _RecordGather(source, self.readable)
 
-        def gather(indices: np.ndarray) -> Iterator[bytes]:
-            for block, within in zip(*_locate(counts, indices), strict=True):
-                index = file_name(index_names[block])
-                if index not in indexes:
-                    indexes[index] = read_index(index, readable_prefixes=self.readable)
-                rows = indexes[index]
-                offset, size = rows[int(np.searchsorted(rows[:, 0], starts[block])) + within]
-                with TFRecordReader(file_name(names[block]), None, int(size),
-                                    start=int(offset), readable_prefixes=self.readable
-                                    ) as reader:
-                    yield next(reader)
-        return int(np.sum(counts)), gather
+
+#: The record bytes a ``_RecordGather`` reads before it hands them out (at least a record).
+GATHER_BYTES = 16 << 20
+#: Records of a file closer than this are read in one read, the bytes between them too.
+_GATHER_GAP = 64 << 10
+
+
+class _RecordGather:
+    """Indexed TFRecord records by number: each file's index read once (with its first
+    record's), each file opened once, for the view's life (``close()``). A call reads up to
+    ``GATHER_BYTES`` of the records asked at a time in file and offset order, nearby ones in
+    one read, and hands them out in the order asked; a record that cannot be read is its
+    error, raised where it comes in that order."""
+
+    def __init__(self, source: RecordBlocksSource, readable: tuple[str, ...] | None):
+        self._names, self._starts, self._counts, _, self._index_names = source.tensors
+        self._readable = readable
+        self._first_row = np.full(len(self._counts), -1, dtype=np.int64)  # in its index
+        self._indexes: dict[bytes, np.ndarray] = {}
+        self._files: dict[bytes, Any] = {}
+
+    def __call__(self, indices: np.ndarray) -> Iterator[bytes]:
+        blocks, within = _locate(self._counts, indices)
+        offsets = np.empty(len(indices), dtype=np.int64)
+        sizes = np.empty(len(indices), dtype=np.int64)
+        index_names = self._index_names[blocks]
+        for index in np.unique(index_names).tolist():
+            rows = self._index(index, blocks[index_names == index])
+            mask = index_names == index
+            taken = rows[self._first_row[blocks[mask]] + within[mask]]
+            offsets[mask], sizes[mask] = taken[:, 0], taken[:, 1]
+        files = self._names[blocks]
+        ends = np.cumsum(sizes)
+        start = 0
+        while start < len(indices):
+            stop = max(start + 1, int(np.searchsorted(
+                ends, ends[start] - sizes[start] + GATHER_BYTES, side="right")))
+            yield from self._read(files[start:stop], offsets[start:stop], sizes[start:stop])
+            start = stop
+
+    def _index(self, index: bytes, blocks: np.ndarray) -> np.ndarray:
+        """The rows of index ``index``, the first rows of ``blocks`` (its blocks) set."""
+        if index not in self._indexes:
+            self._indexes[index] = read_index(file_name(index),
+                                              readable_prefixes=self._readable)
+        rows = self._indexes[index]
+        unset = np.unique(blocks[self._first_row[blocks] < 0])
+        self._first_row[unset] = np.searchsorted(rows[:, 0], self._starts[unset])
+        return rows
+
+    def _read(self, files: np.ndarray, offsets: np.ndarray, sizes: np.ndarray
+              ) -> Iterator[bytes]:
+        order = np.lexsort((offsets, files))
+        files, offsets, sizes = files[order], offsets[order], sizes[order]
+        ends = offsets + sizes
+        new_run = np.ones(len(order), dtype=bool)
+        new_run[1:] = (files[1:] != files[:-1]) | (offsets[1:] > ends[:-1] + _GATHER_GAP)
+        bounds = [*np.flatnonzero(new_run).tolist(), len(order)]
+        out: list[Any] = [None] * len(order)
+        for first, last in zip(bounds[:-1], bounds[1:], strict=True):
+            name = file_name(files[first])
+            try:
+                file = self._file(files[first])
+                base = int(offsets[first])
+                file.seek(base)
+                frames = memoryview(file.read(int(ends[last - 1]) - base))
+                for k in range(first, last):
+                    at = int(offsets[k]) - base
+                    out[order[k]] = record_data(name, int(offsets[k]),
+                                                frames[at:at + int(sizes[k])])
+            except OpError as error:
+                for k in range(first, last):
+                    if out[order[k]] is None:
+                        out[order[k]] = error
+        for record in out:
+            if isinstance(record, OpError):
+                raise record
+            yield record
+
+    def _file(self, name: bytes) -> Any:
+        if name not in self._files:
+            self._files[name] = open_raw(file_name(name), self._readable)
+        return self._files[name]
+
+    def close(self) -> None:
+        """Closes the files the view opened."""
+        for file in self._files.values():
+            file.close()
+        self._files.clear()
 
 
 @register
@@ -239,32 +319,14 @@ class TarShardRead(ReadsFiles):
                     f"Malformed dataset: tar_shards sample_counts {counts!r:.80}.")
             object.__setattr__(self, "sample_counts", tuple(int(c) for c in counts))
 
-    def random_access(self, source: Any
-                      ) -> tuple[int, Callable[[np.ndarray], Iterator[dict[str, Any]]]] | None:
+    def random_access(self, source: Any) -> tuple[int, _SampleGather] | None:
         """``global_shuffle``'s view of the shards: their sample count, and what reads
-        samples by number (in the order given), each from its shard's index (its headers,
-        read once per view, when a sample of it is first asked); None unless counted."""
+        samples by number (in the order given, see ``_SampleGather``); None unless counted."""
         counts = None if self.sample_counts is None else np.array(self.sample_counts)
         names = getattr(source, "tensors", None)
         if counts is None or not isinstance(names, np.ndarray) or len(names) != len(counts):
             return None
-        from clusterwire.data.tar_shards import TarShardReader
-
-        indexes: dict[int, list] = {}
-
-        def gather(indices: np.ndarray) -> Iterator[dict[str, Any]]:
-            for shard, within in zip(*_locate(counts, indices), strict=True):
-                with TarShardReader(file_name(names[shard]),
-                                    readable_prefixes=self.readable) as reader:
-                    if shard not in indexes:
-                        indexes[shard] = reader.index()
-                        if len(indexes[shard]) != counts[shard]:
-                            raise DataLossError(
-                                f"Tar shard {file_name(names[shard])!r} holds "
-                                f"{len(indexes[shard])} samples, {counts[shard]} when the "
-                                "Dataset was built: it changed since.")
-                    yield reader.sample(indexes[shard][within])
-        return int(counts.sum()), gather
+        return int(counts.sum()), _SampleGather(names, counts, self.readable)
 
     def _open(self, name: Any) -> Iterator[Any]:
         from clusterwire.data.tar_shards import TarShardReader
@@ -274,6 +336,46 @@ class TarShardRead(ReadsFiles):
 
     def wrap(self, upstream: Factory) -> Factory:
         return lambda: _Cycle(self._open, upstream(), 1, 1)
+
+
+class _SampleGather:
+    """Tar shard samples by number, each from its shard's index (its headers, read once per
+    view, when a sample of it is first asked); each shard opened once, for the view's life
+    (``close()``)."""
+
+    def __init__(self, names: np.ndarray, counts: np.ndarray,
+                 readable: tuple[str, ...] | None):
+        self._names, self._counts, self._readable = names, counts, readable
+        self._shards: dict[int, tuple[Any, list]] = {}  # shard -> (reader, its index)
+
+    def __call__(self, indices: np.ndarray) -> Iterator[dict[str, Any]]:
+        for shard, within in zip(*_locate(self._counts, indices), strict=True):
+            reader, index = self._shard(int(shard))
+            yield reader.sample(index[within])
+
+    def _shard(self, shard: int) -> tuple[Any, list]:
+        if shard not in self._shards:
+            from clusterwire.data.tar_shards import TarShardReader
+
+            name = file_name(self._names[shard])
+            reader = TarShardReader(name, readable_prefixes=self._readable)
+            try:
+                index = reader.index()
+                if len(index) != self._counts[shard]:
+                    raise DataLossError(
+                        f"Tar shard {name!r} holds {len(index)} samples, "
+                        f"{self._counts[shard]} when the Dataset was built: it changed since.")
+            except BaseException:
+                reader.close()
+                raise
+            self._shards[shard] = reader, index
+        return self._shards[shard]
+
+    def close(self) -> None:
+        """Closes the shards the view opened."""
+        for reader, _ in self._shards.values():
+            reader.close()
+        self._shards.clear()
 
 
 @register
@@ -302,30 +404,57 @@ class ParquetRead(ReadsFiles):
     def wrap(self, upstream: Factory) -> Factory:
         return lambda: _RowGroups(self, upstream())
 
-    def random_access(self, source: RowGroupsSource
-                      ) -> tuple[int, Callable[[np.ndarray], Iterator[dict[str, Any]]]] | None:
+    def random_access(self, source: RowGroupsSource) -> tuple[int, _RowGather] | None:
         """``global_shuffle``'s view of ``source``: its row count, and what reads rows by
-        number (in the order given: each row group they fall in read once per call, its rows
-        taken); None with ``batch_rows``, whose elements are batches."""
+        number (in the order given, see ``_RowGather``); None with ``batch_rows``, whose
+        elements are batches."""
         if self.batch_rows is not None:
             return None
-        from clusterwire.data.parquet import ParquetReader
+        return int(np.sum(source.tensors[2])), _RowGather(self, source)
 
-        names, groups, rows = source.tensors
-        columns = None if self.columns is None else list(self.columns)
 
-        def gather(indices: np.ndarray) -> Iterator[dict[str, Any]]:
-            units, within = _locate(rows, indices)
-            taken: list[Any] = [None] * len(indices)
-            for unit in np.unique(units).tolist():
-                where = np.flatnonzero(units == unit)
-                with ParquetReader(file_name(names[unit]), columns=columns,
-                                   readable_prefixes=self.readable) as reader:
-                    rows_taken = reader.take(int(groups[unit]), within[where])
-                    for place, row in zip(where.tolist(), rows_taken, strict=True):
-                        taken[place] = row
-            return iter(taken)
-        return int(np.sum(rows)), gather
+class _RowGather:
+    """Parquet rows by number: each file opened once, for the view's life (``close()``); a
+    call reads each row group its rows fall in once (the read's columns only), takes its
+    rows and hands them out in the order asked."""
+
+    def __init__(self, read: ParquetRead, source: RowGroupsSource):
+        self._read = read
+        self._names, self._groups, self._rows = source.tensors
+        self._readers: dict[bytes, Any] = {}
+
+    def __call__(self, indices: np.ndarray) -> Iterator[dict[str, Any]]:
+        units, within = _locate(self._rows, indices)
+        # By row group, its rows taken in the order asked: the rows are then made in the
+        # order they are handed out (a sorted take costs more in the reader's memory).
+        order = np.argsort(units, kind="stable")
+        units, within = units[order], within[order]
+        bounds = [*np.flatnonzero(np.diff(units, prepend=-1)).tolist(), len(order)]
+        taken: list[Any] = [None] * len(indices)
+        places = order.tolist()
+        for first, last in zip(bounds[:-1], bounds[1:], strict=True):
+            unit = int(units[first])
+            rows = self._reader(self._names[unit]).take(int(self._groups[unit]),
+                                                        within[first:last])
+            for place, row in zip(places[first:last], rows, strict=True):
+                taken[place] = row
+        return iter(taken)
+
+    def _reader(self, name: bytes) -> Any:
+        if name not in self._readers:
+            from clusterwire.data.parquet import ParquetReader
+
+            columns = self._read.columns
+            self._readers[name] = ParquetReader(
+                file_name(name), columns=None if columns is None else list(columns),
+                readable_prefixes=self._read.readable)
+        return self._readers[name]
+
+    def close(self) -> None:
+        """Closes the files the view opened."""
+        for reader in self._readers.values():
+            reader.close()
+        self._readers.clear()
 
 
 class _RowGroups:

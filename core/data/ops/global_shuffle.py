@@ -130,13 +130,18 @@ class GlobalShuffleSource(Node, Source):
         gather = source.gather if read is None else read.random_access(source)[1]
         permutation, key = None, -1
         position = start
-        while position < end:
-            epoch = position // units
-            stop = min(end, position + _CHUNK, (epoch + 1) * units)
-            wanted = epoch if self.reshuffle_each_iteration else 0
-            if wanted != key:
-                permutation, key = IndexPermutation(units, self.seed, wanted), wanted
-            first = position - epoch * units
-            indices = permutation.apply(np.arange(first, first + stop - position))  # type: ignore
-            yield from gather(indices + offset)
-            position = stop
+        try:
+            while position < end:
+                epoch = position // units
+                stop = min(end, position + _CHUNK, (epoch + 1) * units)
+                wanted = epoch if self.reshuffle_each_iteration else 0
+                if wanted != key:
+                    permutation, key = IndexPermutation(units, self.seed, wanted), wanted
+                first = position - epoch * units
+                indices = permutation.apply(  # type: ignore[union-attr]
+                    np.arange(first, first + stop - position))
+                yield from gather(indices + offset)
+                position = stop
+        finally:
+            if read is not None:  # a file view: its open files
+                gather.close()
