@@ -1,6 +1,6 @@
 """A token holder on another host flooding the data service with entries it *uses*, as a process.
 
-``python cw_data_fair_flood.py jobs|datasets|streams DISPATCHER SECONDS``. Every connection
+``python cw_data_fair_flood.py jobs|datasets|streams|caches DISPATCHER SECONDS``. Every connection
 it makes comes from 127.0.0.2 (through ``Relay``), as from another host: the servers count
 its entries in that peer's share. 4 threads, as fast as the servers answer, for SECONDS or
 until stdin closes:
@@ -8,11 +8,14 @@ until stdin closes:
 * ``jobs``: create anonymous jobs of one dataset and read each (a client heartbeat);
 * ``datasets``: register distinct tiny datasets, and create and read a job on each;
 * ``streams``: open streams on the worker, each of a new anonymous job (so a new consumer
-  id) of an infinite dataset, and read every one again and again.
+  id) of an infinite dataset, and read every one again and again;
+* ``caches``: open the worker's cross-trainer caches, each of a new named job of an infinite
+  dataset read with a trainer id, and read every one again and again.
 
 When the servers refuse a new entry, the thread reads one of its entries instead (round the
 flooder's entries). It prints ``FULL <entries it holds>`` at the first refusal: the table
-(MAX_JOBS, MAX_DATASETS, or the worker's MAX_OPEN_STREAMS) is full and it holds its share.
+(MAX_JOBS, MAX_DATASETS, the worker's MAX_OPEN_STREAMS or its cache slots) is full and it
+holds its share.
 At the end it reads every entry it holds once more and prints a JSON line of counts:
 ``created``, ``refused`` (ResourceExhaustedError of a new entry, by the fair-share rule),
 ``displaced`` (an entry read after it was displaced: the error said so), ``held`` (entries
@@ -35,6 +38,7 @@ from clusterwire.addressing import split_host_port
 from clusterwire.data import dispatcher as dispatcher_module
 from clusterwire.data import graph
 from clusterwire.data import worker as worker_module
+from clusterwire.data.cross_trainer_cache import MAX_CACHED_JOBS
 from clusterwire.data.rpc import DispatcherClient, WorkerChannels
 from clusterwire.protos.data_service_pb2 import (
     ClientHeartbeatRequest,
@@ -101,8 +105,10 @@ class Flooder:
         self.counts: dict = {"created": 0, "refused": 0, "displaced": 0, "other": []}
         self.limit = {"jobs": dispatcher_module.MAX_JOBS,
                       "datasets": dispatcher_module.MAX_DATASETS,
-                      "streams": worker_module.MAX_OPEN_STREAMS}[kind]
+                      "streams": worker_module.MAX_OPEN_STREAMS,
+                      "caches": MAX_CACHED_JOBS}[kind]
         self.dataset_id = ""
+        self.named = kind == "caches"  # a cross-trainer cache is a named job's
         if kind != "datasets":
             pipe = data.Dataset.range(10) if kind == "jobs" else data.Dataset.range(1).repeat()
             self.dataset_id = self._register(pipe)
@@ -117,7 +123,8 @@ class Flooder:
         consumer = f"flood-{self.name}-{n}"
         job = self.dispatcher.call(DataRequest(get_or_create_job=GetOrCreateJobRequest(
             dataset_id=dataset_id, sharding_policy=data.ShardingPolicy.OFF,
-            job_key=f"anonymous/{consumer}", consumer_id=consumer)))[0].job
+            job_key=f"{'named' if self.named else 'anonymous'}/{consumer}", named=self.named,
+            consumer_id=consumer)))[0].job
         return {"job": job, "consumer": consumer, "seq": 0}
 
     def _worker(self, address: str) -> str:
@@ -131,13 +138,14 @@ class Flooder:
     def read(self, entry: dict) -> None:
         """Read ``entry`` once: a job's heartbeat, or a batch of its stream."""
         job = entry["job"]
-        if self.kind != "streams":
+        if self.kind not in ("streams", "caches"):
             self.dispatcher.call(DataRequest(client_heartbeat=ClientHeartbeatRequest(
                 job_id=job.job_id, consumer_id=entry["consumer"])))
             return
         entry["seq"] += 1
         spec = StreamSpec(job_id=job.job_id, dataset_id=job.dataset_id,
-                          sharding_policy=job.sharding_policy, grant=job.grant, owner=job.owner)
+                          sharding_policy=job.sharding_policy, grant=job.grant, owner=job.owner,
+                          trainer_id="flood" if self.named else "")
         self.workers.call("grpc", self._worker(job.workers[0].address), DataRequest(
             get_elements=GetElementsRequest(stream=spec, consumer_id=entry["consumer"],
                                             request_seq=entry["seq"], max_elements=1,

@@ -475,7 +475,7 @@ def test_a_worker_caches_a_bounded_number_of_jobs(service, trainers):
     for job in range(slots):
         assert trainers("Trainer 1", job=f"job {job}").read(1) == [0]
     with pytest.raises(errors.ResourceExhaustedError,
-                       match=f"keeps cross-trainer caches of {slots} jobs"):
+                       match=f"cross-trainer caches is full \\({slots} cached jobs"):
         trainers("Trainer 1", job="one job too many").read(1)
     assert trainers("Trainer 2", job="job 0").read(1) == [0]  # the cached jobs go on
 

@@ -66,7 +66,7 @@ from clusterwire.data.monitoring import Monitoring
 from clusterwire.data.pipeline import INFINITE, split_plan
 from clusterwire.data.position import check_split_offset, group_of, merge_id, split_limit
 from clusterwire.data.rpc import serve
-from clusterwire.fair_shares import Displaced
+from clusterwire.fair_shares import Displaced, FairShares
 from clusterwire.metrics import REGISTRY, catalog
 from clusterwire.metrics.registry import ENABLED, Sample
 from clusterwire.protos.data_service_pb2 import (
@@ -141,6 +141,8 @@ class DispatchServer:
         self._records = 0  # journal records written since the last compaction
         self._state = DispatcherState()
         self._resumed_rounds: dict[str, _ResumeWave] = {}  # round-robin group -> its wave
+        self._wave_shares: FairShares[str] = FairShares()  # the waves' groups by peer
+        self._displaced_waves: Displaced[str] = Displaced(MAX_JOBS)
         # Jobs and datasets displaced from a full table, and why: told at their next use.
         self._displaced_jobs: Displaced[int] = Displaced(MAX_JOBS)
         self._displaced_datasets: Displaced[str] = Displaced(MAX_DATASETS)
@@ -417,7 +419,7 @@ class DispatchServer:
         with self._cond:
             record = self._dataset(request.dataset_id)
             if request.resume_group:
-                request.job_key = self._resume_wave_key(request)
+                request.job_key = self._resume_wave_key(request, peer)
             job_id = self._state.job_keys.get(request.job_key)
             if job_id is None and (request.resume or request.merged):
                 raise errors.NotFoundError(
@@ -608,28 +610,65 @@ class DispatchServer:
                                consumer, at, floors.get(at.split_id, 0),
                                split_limit(pipe.source, ops, end - start), lower)
 
-    def _resume_wave_key(self, request) -> str:
+    def _resume_wave_key(self, request, peer: str) -> str:
         """The job key of a round-robin resume: its wave's. Round-robin consumers of one job
         resume from the same round (else their rounds would be read in different jobs, each
         waiting for the others' positions). A wave ends when every consumer resumed or after
         the client timeout; the next one, at any round, reads a new job (consumers resume
-        again, from a later checkpoint or the same one)."""
+        again, from a later checkpoint or the same one). The waves are a table shared fairly
+        between peers (``_make_room_for_wave``)."""
         group, round_ = request.resume_group, request.resume_round
         now = time.monotonic()
         wave = self._resumed_rounds.get(group)
+        if wave is None and (why := self._displaced_waves.why(group)) is not None:
+            self._displaced_waves.forget(group)  # told once: the group's next wave is new
+            raise errors.ResourceExhaustedError(why)
         retried = wave is not None and request.consumer_id in wave.consumers
-        if wave is None or not retried and (len(wave.consumers) >= request.num_consumers
+        if wave is None or not retried and (wave.complete
                                             or now - wave.started > self._client_timeout):
-            wave = self._resumed_rounds[group] = _ResumeWave(round_, now, time.time_ns())
+            if wave is None:
+                self._make_room_for_wave(peer, now)
+            wave = self._resumed_rounds[group] = _ResumeWave(
+                round_, now, time.time_ns(), request.num_consumers)
+            self._wave_shares.discard(group)  # a new wave counts for its peer, as the newest
+            self._wave_shares.add(group, peer)
         if wave.round != round_:
             raise errors.FailedPreconditionError(
                 f"A consumer of round-robin job {group!r} resumes from round {round_}, another "
                 f"resumed from round {wave.round}: round-robin consumers resume together, "
                 "from positions saved at the same step.")
         wave.consumers.add(request.consumer_id)
-        while len(self._resumed_rounds) > MAX_JOBS:
-            del self._resumed_rounds[next(iter(self._resumed_rounds))]
         return f"{request.job_key}-{wave.serial}"  # after the last '/': not shown in status
+
+    def _make_room_for_wave(self, peer: str, now: float) -> None:
+        """Room for a new resume wave of ``peer`` in a full table (MAX_JOBS waves): waves
+        past the client timeout go (nobody joins them), then by ``fair_shares``' rule
+        (waves every consumer resumed in are those nobody uses), their later consumers told
+        why; ResourceExhaustedError when the rule refuses. Call with the lock held."""
+        waves, shares = self._resumed_rounds, self._wave_shares
+        if len(waves) < MAX_JOBS:
+            return
+        for group in [g for g, w in waves.items() if now - w.started > self._client_timeout]:
+            del waves[group]
+            shares.discard(group)
+        if len(waves) < MAX_JOBS:
+            return
+        limit = f"{MAX_JOBS} waves"
+        room = shares.make_room(peer, len(waves) + 1 - MAX_JOBS,
+                                unused=[g for g in waves if waves[g].complete])
+        if room is None:
+            raise shares.refusal(
+                "This tf.data service dispatcher's table of round-robin resume waves", limit,
+                peer, 1, "A wave goes once all its consumers resumed and another peer needs "
+                f"room, or {self._client_timeout:g} s after it began. Retry later, or resume "
+                "fewer round-robin jobs at once from this peer.")
+        for group in room:
+            if not waves[group].complete:
+                self._displaced_waves.remember(group, shares.displacement(
+                    f"The resume wave of round-robin job {group!r}", "this tf.data service "
+                    "dispatcher's table of round-robin resume waves", limit, group, peer))
+            del waves[group]
+            shares.discard(group)
 
     def _keep_resumable(self, job: Job, consumer: str) -> None:
         """``consumer`` saved its position: from now on its splits stay its own while it is
@@ -842,7 +881,13 @@ class _ResumeWave:
     round: int
     started: float
     serial: int  # in its job's key: unique across dispatcher restarts
+    num_consumers: int
     consumers: set[str] = field(default_factory=set)
+
+    @property
+    def complete(self) -> bool:
+        """Every consumer resumed in it."""
+        return len(self.consumers) >= self.num_consumers
 
 
 def _shutdown(endpoint: Shell, stopping: threading.Event, journal: Journal | None,

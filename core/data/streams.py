@@ -256,6 +256,8 @@ class Stream:
         with self._cond:
             self._touch()
             self._check_open(consumer)
+            # One of the stream's readers (``abandoned``); the cache answers its retries.
+            self._claims.setdefault(consumer, (-1, [], False))
         return self.cache.get(trainer_id, consumer, seq, max_elements, max_bytes, wait)
 
     def _take(self, wait: float) -> tuple[Encoded | None, bool]:

@@ -25,7 +25,9 @@ parallel_epochs job of an infinite dataset, no round-robin reads) are checked wh
 opens; every consumer of a job reads it with a trainer id, or none does. A worker caches as
 many jobs at once as its memory's share for caches holds (``cross_trainer_cache.cache_plan``);
 a cached job nobody read for ``IDLE_CACHE_S`` gives its slot to a job that needs one (its
-cache is dropped; a trainer coming back starts a new window).
+cache is dropped; a trainer coming back starts a new window). While every slot is read, they
+are shared fairly between the peers that opened them (``clusterwire.fair_shares``): a peer
+holding fewer takes the slot of the peer holding the most, whose trainers are told why.
 """
 
 from __future__ import annotations
@@ -472,7 +474,7 @@ class WorkerServer:
             if stream is not None:
                 return stream
             self._check_openable(spec, consumer_id, key)
-            idle_cache = self._cache_slot() if spec.trainer_id else None
+            cache_room = self._cache_room(spec.job_id, peer) if spec.trainer_id else []
             if offset and not (spec.is_split or spec.owner or spec.num_consumers):
                 raise errors.InvalidArgumentError(
                     f"A read of job {spec.job_id}'s shared stream asked to skip {offset} "
@@ -485,8 +487,11 @@ class WorkerServer:
                     f"Attempt {spec.attempt} at split {spec.split_id} was superseded by a "
                     "later one of the same consumer.")
             replaced = self._admit(spec, key, attempts, consumer_id, peer)
-            if idle_cache is not None:
-                replaced.append(self._streams.pop(idle_cache))
+            for cached, why in cache_room:  # the cached jobs it displaces go only now
+                if why is not None:
+                    self._displaced.remember(cached[:3], why)
+                if cached in self._streams:
+                    replaced.append(self._streams.pop(cached))
             # A split's later attempt, or a resumed consumer's stream, skips `offset`.
             opened: list[Stream] = []
             stream = self._streams[key] = Stream(
@@ -499,21 +504,43 @@ class WorkerServer:
             old.close()
         return stream
 
-    def _cache_slot(self) -> tuple | None:
-        """Room for another cached job: None, or the key of the cached job's stream not read
-        for longest if over ``IDLE_CACHE_S`` (to close); else ResourceExhaustedError. Lock
-        held."""
+    def _cache_room(self, job_id: int, peer: str) -> list[tuple[tuple, str | None]]:
+        """The cached jobs' streams a new cached job of ``peer`` takes the slots of (none
+        while a slot is free), each with why for its readers (None: a job nobody read for
+        ``IDLE_CACHE_S``, which goes first, whoever's it is, or one every trainer released;
+        its trainers may open it again); the others by ``fair_shares``' rule (a job every
+        trainer released is one nobody uses), the streams counting for the peers that
+        opened them. ResourceExhaustedError when the rule refuses. Lock held; nothing
+        changes until the caller applies it."""
         cached = [k for k, s in self._streams.items() if s.cache is not None]
-        if len(cached) < self._cache_slots:
-            return None
-        oldest = min(cached, key=lambda k: self._streams[k].last_used)
-        if time.monotonic() - self._streams[oldest].last_used > IDLE_CACHE_S:
-            return oldest
-        raise errors.ResourceExhaustedError(
-            f"This tf.data service worker is {OVER_LIMITS}: it keeps cross-trainer caches of "
-            f"{len(cached)} jobs (of up to {self._cache_bytes} bytes each), its limit; a job "
-            f"nobody reads for {IDLE_CACHE_S:g} s gives its slot up. Retry later, share a "
-            "job_name between the trainers, or add workers.")
+        need = len(cached) + 1 - self._cache_slots
+        if need <= 0:
+            return []
+        now = time.monotonic()
+        idle = sorted((k for k in cached if now - self._streams[k].last_used > IDLE_CACHE_S),
+                      key=lambda k: self._streams[k].last_used)[:need]
+        room: list[tuple[tuple, str | None]] = [(k, None) for k in idle]
+        if len(room) == need:
+            return room
+        shares: FairShares[tuple] = FairShares()
+        for k in cached:  # oldest first: the streams dict is in the order they opened
+            if k not in idle:
+                shares.add(k, self._streams[k].peer)
+        abandoned = sorted((k for k in cached if k not in idle and self._streams[k].abandoned),
+                           key=lambda k: self._streams[k].last_used)
+        limit = (f"{self._cache_slots} cached jobs of up to {self._cache_bytes} bytes each, "
+                 "from its memory")
+        taken = shares.make_room(peer, need - len(room), unused=abandoned)
+        if taken is None:
+            raise shares.refusal(
+                f"This tf.data service worker is {OVER_LIMITS}: its table of cross-trainer "
+                "caches", limit, peer, 1,
+                f"A job nobody reads for {IDLE_CACHE_S:g} s gives its slot up. Retry later "
+                f"(reading job {job_id}), share a job_name between the trainers, or add "
+                "workers.")
+        return room + [(k, None if k in abandoned else shares.displacement(
+            f"The cross-trainer cache of job {k[0]}", "this tf.data service worker's "
+            "table of cross-trainer caches", limit, k, peer)) for k in taken]
 
     @property
     def pipeline_threads(self) -> int:
