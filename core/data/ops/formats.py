@@ -268,20 +268,22 @@ class _RecordGather:
         bounds = [*np.flatnonzero(new_run).tolist(), len(order)]
         out: list[Any] = [None] * len(order)
         for first, last in zip(bounds[:-1], bounds[1:], strict=True):
-            name = file_name(files[first])
+            name, base = file_name(files[first]), int(offsets[first])
             try:
                 file = self._file(files[first])
-                base = int(offsets[first])
                 file.seek(base)
                 frames = memoryview(file.read(int(ends[last - 1]) - base))
-                for k in range(first, last):
-                    at = int(offsets[k]) - base
-                    out[order[k]] = record_data(name, int(offsets[k]),
-                                                frames[at:at + int(sizes[k])])
             except OpError as error:
                 for k in range(first, last):
-                    if out[order[k]] is None:
-                        out[order[k]] = error
+                    out[order[k]] = error
+                continue
+            for k in range(first, last):
+                at = int(offsets[k]) - base
+                try:
+                    out[order[k]] = record_data(name, int(offsets[k]),
+                                                frames[at:at + int(sizes[k])])
+                except DataLossError as error:
+                    out[order[k]] = error
         for record in out:
             if isinstance(record, OpError):
                 raise record
