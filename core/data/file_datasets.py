@@ -45,10 +45,11 @@ def TFRecordDataset(filenames: Any, compression_type: str | None = None,  # noqa
     N (or AUTOTUNE) reads N at once, interleaving their records one at a time in TF's order.
     A damaged record is DataLossError naming the file and offset, where the consumer reads.
 
-    ``index_filenames`` (clusterwire's; uncompressed files named in a list, read one after
-    the other): the files' indexes (``clusterwire.data.tfrecord``'s format), one per file,
-    or True for ``<file>.idx``. They are read here, and distributed_epoch then hands out
-    blocks of records (about ``block_bytes`` each) of one file per split, not whole files.
+    ``index_filenames`` (clusterwire's; uncompressed files named in a list): the files'
+    indexes (``clusterwire.data.tfrecord``'s format), one per file, or True for
+    ``<file>.idx``. They are read here, and distributed_epoch then hands out blocks of records
+    (about ``block_bytes`` each) of one file per split, not whole files (a split's records
+    in file order, whatever ``num_parallel_reads``).
     """
     if index_filenames is not None:
         return _indexed(filenames, compression_type, buffer_size, num_parallel_reads,
@@ -62,12 +63,11 @@ def TFRecordDataset(filenames: Any, compression_type: str | None = None,  # noqa
 def _indexed(filenames: Any, compression_type: str | None, buffer_size: int | None,
              num_parallel_reads: int | None, index_filenames: Any, block_bytes: int
              ) -> Dataset:
-    if isinstance(filenames, Dataset) or compression_type or num_parallel_reads is not None:
+    if isinstance(filenames, Dataset) or compression_type:
         raise InvalidArgumentError(
-            "TFRecordDataset(index_filenames=...) reads uncompressed files named in a list, "
-            "one after the other: give a list of names, compression_type=None and "
-            f"num_parallel_reads=None (got {type(filenames).__name__}, {compression_type!r}, "
-            f"{num_parallel_reads!r}).")
+            "TFRecordDataset(index_filenames=...) reads uncompressed files named in a list: "
+            "give a list of names and compression_type=None (got "
+            f"{type(filenames).__name__}, {compression_type!r}).")
     names = [n.decode() for n in names_array(filenames, "TFRecordDataset")]
     indexes = [index_path(n) for n in names] if index_filenames is True else \
         [n.decode() for n in names_array(index_filenames, "index_filenames")]
@@ -91,7 +91,7 @@ def _indexed(filenames: Any, compression_type: str | None, buffer_size: int | No
     source = RecordBlocksSource((np.array(columns[0], dtype=bytes),
                                  *(np.array(c, dtype=np.int64) for c in columns[1:4]),
                                  np.array(columns[4], dtype=bytes)))
-    return Dataset(source, (TFRecordBlockRead(buffer_size),))
+    return Dataset(source, (TFRecordBlockRead(buffer_size, num_parallel_reads),))
 
 
 def list_files(file_pattern: str | os.PathLike | list, shuffle: bool | None = None,

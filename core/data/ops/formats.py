@@ -21,7 +21,7 @@ unchecked.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -117,9 +117,49 @@ class ReadsFiles(Op, Node):
         return INFINITE if upstream == INFINITE else UNKNOWN
 
 
+class ParallelReads(ReadsFiles):
+    """A read of files one after the other, or ``num_parallel_reads`` at once interleaved a
+    record at a time (TF's order), on threads a worker's budget grants."""
+
+    num_parallel_reads: int | None
+    budget: ThreadBudget | None
+
+    def _check_reads(self) -> None:
+        if self.num_parallel_reads is not None:
+            self._count("num_parallel_reads", "Give a positive int, AUTOTUNE or None.",
+                        allow=(AUTOTUNE,))
+
+    def _cycled(self, open_file: Callable[[Any], Iterator[Any]], upstream: Factory
+                ) -> Factory:
+        """The records of each file ``upstream`` names, ``open_file`` reading one."""
+        reads = self.num_parallel_reads
+        if reads is None:
+            return lambda: _Cycle(open_file, upstream(), 1, 1)
+        cycle = default_cycle_length() if reads == AUTOTUNE else reads
+        budget = self.budget
+
+        def make() -> Iterator[Any]:
+            granted = cycle if budget is None else budget.take(cycle)
+            if not granted:  # the worker's pipeline threads are spent: read in the reader's
+                return _Cycle(open_file, upstream(), cycle, 1)
+            return _ParallelCycle(open_file, upstream(), cycle, 1, granted, True, budget)
+        return make
+
+    def limited(self, limits: PipelineLimits, budget: ThreadBudget) -> Op:
+        if self.num_parallel_reads is None:
+            return self
+        if self.num_parallel_reads == AUTOTUNE:
+            reads = min(default_cycle_length(), limits.max_cycle_length)
+        else:
+            reads = self.num_parallel_reads
+            refuse_cycle(reads, limits.max_cycle_length)
+        reads = parallelism(reads, "TFRecordDataset", reads, limits)
+        return replace(self, num_parallel_reads=reads, budget=budget)  # type: ignore[type-var]
+
+
 @register
 @dataclass(frozen=True)
-class TFRecordRead(ReadsFiles):
+class TFRecordRead(ParallelReads):
     """The records of each file name, as ``tf.data.TFRecordDataset``: one file after the
     other, or ``num_parallel_reads`` files interleaved a record at a time (TF's order)."""
 
@@ -135,54 +175,35 @@ class TFRecordRead(ReadsFiles):
         if self.buffer_size is not None:
             self._count("buffer_size", "Give a number of bytes >= 0, or None for 256 KiB.",
                         minimum=0)
-        if self.num_parallel_reads is not None:
-            self._count("num_parallel_reads", "Give a positive int, AUTOTUNE or None.",
-                        allow=(AUTOTUNE,))
+        self._check_reads()
 
     def _open(self, name: Any) -> Iterator[bytes]:
         return _to_end(TFRecordReader(file_name(name), self.compression_type,
                                       self.buffer_size, readable_prefixes=self.readable))
 
     def wrap(self, upstream: Factory) -> Factory:
-        reads = self.num_parallel_reads
-        if reads is None:
-            return lambda: _Cycle(self._open, upstream(), 1, 1)
-        cycle = default_cycle_length() if reads == AUTOTUNE else reads
-        budget = self.budget
-
-        def make() -> Iterator[Any]:
-            granted = cycle if budget is None else budget.take(cycle)
-            if not granted:  # the worker's pipeline threads are spent: read in the reader's
-                return _Cycle(self._open, upstream(), cycle, 1)
-            return _ParallelCycle(self._open, upstream(), cycle, 1, granted, True, budget)
-        return make
-
-    def limited(self, limits: PipelineLimits, budget: ThreadBudget) -> Op:
-        if self.num_parallel_reads is None:
-            return self
-        if self.num_parallel_reads == AUTOTUNE:
-            reads = min(default_cycle_length(), limits.max_cycle_length)
-        else:
-            reads = self.num_parallel_reads
-            refuse_cycle(reads, limits.max_cycle_length)
-        reads = parallelism(reads, "TFRecordDataset", reads, limits)
-        return replace(self, num_parallel_reads=reads, budget=budget)
+        return self._cycled(self._open, upstream)
 
 
 @register
 @dataclass(frozen=True)
-class TFRecordBlockRead(ReadsFiles):
+class TFRecordBlockRead(ParallelReads):
     """The records of each block of a ``RecordBlocksSource``, read from its first record's
-    offset; a block that does not end where its index said is DataLossError."""
+    offset; a block that does not end where its index said is DataLossError. With
+    ``num_parallel_reads`` the blocks of a file (consecutive in the source) are read as one
+    file, that many files at once in TF's order."""
 
     kind = "tfrecord_block"
     buffer_size: int | None = None
+    num_parallel_reads: int | None = None
     readable: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
+    budget: ThreadBudget | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.buffer_size is not None:
             self._count("buffer_size", "Give a number of bytes >= 0, or None for 256 KiB.",
                         minimum=0)
+        self._check_reads()
 
     def _open(self, block: Any) -> Iterator[bytes]:
         name, start, count, end = file_name(block[0]), int(block[1]), int(block[2]), \
@@ -200,13 +221,34 @@ class TFRecordBlockRead(ReadsFiles):
                     f"{start} and {end}, the file has them up to byte {reader.offset}: the "
                     "index is not this file's (write it again).")
 
+    def _open_file(self, blocks: list[Any]) -> Iterator[bytes]:
+        for block in blocks:
+            yield from self._open(block)
+
     def wrap(self, upstream: Factory) -> Factory:
-        return lambda: _Cycle(lambda block: _to_end(self._open(block)), upstream(), 1, 1)
+        if self.num_parallel_reads is None:
+            return self._cycled(lambda block: _to_end(self._open(block)), upstream)
+        return self._cycled(lambda blocks: _to_end(self._open_file(blocks)),
+                            lambda: _files_of(upstream()))
 
     def random_access(self, source: RecordBlocksSource) -> tuple[int, _RecordGather]:
         """``global_shuffle``'s view of ``source``: its record count, and what reads records
         by number (in the order given, see ``_RecordGather``)."""
         return int(np.sum(source.tensors[2])), _RecordGather(source, self.readable)
+
+
+def _files_of(blocks: Iterator[Any]) -> Iterator[list[Any]]:
+    """The consecutive ``blocks`` of each file, a list per file (a file named again, or a
+    block starting before the one before it, starts a new file)."""
+    group: list[Any] = []
+    for block in blocks:
+        if group and (file_name(block[0]) != file_name(group[-1][0])
+                      or int(block[1]) <= int(group[-1][1])):
+            yield group
+            group = []
+        group.append(block)
+    if group:
+        yield group
 
 
 #: The record bytes a ``_RecordGather`` reads before it hands them out (at least a record).
