@@ -8,6 +8,9 @@
 * The dispatcher's round-robin resume waves (MAX_JOBS of them): a peer starting waves of
   invented groups cannot push out a victim's wave between its consumers' resumes (they would
   read different jobs, each waiting for the other), nor keep the victim from starting one.
+* Reads after the dispatcher removed a job (released, collected, displaced): the worker's
+  stream goes on until its next heartbeat, then is closed, and is never started again (a
+  reader retrying would get its elements a second time).
 """
 
 from __future__ import annotations
@@ -21,14 +24,17 @@ from test_data_fair_shares import FairFlood, timed
 
 from clusterwire import data, errors
 from clusterwire.data import dispatcher as dispatcher_module
-from clusterwire.data import graph
+from clusterwire.data import elements, graph
 from clusterwire.data.config import CROSS_TRAINER_CACHE_SIZE_BYTES
 from clusterwire.data.cross_trainer_cache import cache_plan, machine_memory
-from clusterwire.data.rpc import DispatcherClient
+from clusterwire.data.rpc import DispatcherClient, WorkerChannels
 from clusterwire.protos.data_service_pb2 import (
+    ClientHeartbeatRequest,
     DataRequest,
+    GetElementsRequest,
     GetOrCreateJobRequest,
     RegisterDatasetRequest,
+    StreamSpec,
 )
 from clusterwire.security import Security
 from clusterwire.testing.surfaces import allowed_for
@@ -202,3 +208,59 @@ def _register_as(client: DispatcherClient, dataset: data.Dataset) -> str:
     response, _ = client.call(DataRequest(register_dataset=RegisterDatasetRequest(
         dataset=definition)), buffers)
     return response.register_dataset.dataset_id
+
+
+@pytest.mark.timeout(120)
+def test_a_stream_of_a_removed_job_is_never_started_again():
+    """A consumer reads its anonymous job's stream (range(10**6)), two elements a read; the
+    dispatcher removes the job (its release, as a displacement would) while the worker's
+    stream runs. The consumer reads on as a reader does, retrying a read the worker
+    answers with CancelledError (its stream closed under it): every element it gets is the
+    next one, none twice, until the worker refuses the stream with NotFoundError saying the
+    dispatcher removed the job (at its next heartbeat, here every 0.1 s)."""
+    with data.DispatchServer(port=0) as dispatcher, data.WorkerServer(data.WorkerConfig(
+            dispatcher_address=dispatcher.target.split("://")[1],
+            heartbeat_interval_ms=100)) as worker:
+        address = dispatcher.target.split("://")[1]
+        client = DispatcherClient("grpc", address, 10.0, Security())
+        channels = WorkerChannels(Security())
+        try:
+            dataset_id = data.register_dataset(dispatcher.target, data.Dataset.range(10**6))
+            job = client.call(DataRequest(get_or_create_job=GetOrCreateJobRequest(
+                dataset_id=dataset_id, sharding_policy=data.ShardingPolicy.OFF,
+                job_key="anonymous/reader", consumer_id="reader")))[0].job
+            spec = StreamSpec(job_id=job.job_id, dataset_id=dataset_id, grant=job.grant,
+                              owner=job.owner, sharding_policy=job.sharding_policy)
+            got: list[int] = []
+
+            def read(seq: int) -> list[int]:
+                response, buffers = channels.call("grpc", worker.address, DataRequest(
+                    get_elements=GetElementsRequest(
+                        stream=spec, consumer_id="reader", request_seq=seq, max_elements=2,
+                        wait_seconds=1.0)), 10.0)
+                return [int(x) for x in elements.decode_all(
+                    response.get_elements.elements, buffers)]
+
+            for seq in range(1, 4):
+                got += read(seq)
+            client.call(DataRequest(client_heartbeat=ClientHeartbeatRequest(
+                job_id=job.job_id, consumer_id="reader", release=True)))
+            deadline, retried, seq = time.monotonic() + 30, 0, 4
+            while time.monotonic() < deadline:
+                try:
+                    got += read(seq)
+                    seq += 1
+                except errors.CancelledError:
+                    retried += 1  # the read in flight when the stream closed: asked again
+                except errors.NotFoundError as err:
+                    refused = err.message
+                    break
+            else:
+                raise AssertionError(f"still read {len(got)} elements after 30 s")
+        finally:
+            client.close()
+            channels.close()
+    print(f"\nread {len(got)} elements of the removed job's stream until the worker's next "
+          f"heartbeat ({retried} reads retried), then: {refused[:80]}...")
+    assert got == list(range(len(got))) and len(got) >= 6
+    assert f"Job {job.job_id} is no longer one of the dispatcher's jobs" in refused

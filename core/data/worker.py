@@ -95,6 +95,13 @@ IDLE_SPLIT_STREAM_S = 30.0
 #: (its trainers read every read's wait while they train).
 IDLE_CACHE_S = 10.0
 _FINISHED_STREAM_S = 30.0
+#: Jobs the dispatcher removed that a worker remembers (not to start their streams again).
+REMOVED_JOBS_KEPT = 16_384
+_REMOVED_JOB = (
+    "Job {job} is no longer one of the dispatcher's jobs (it was released, collected after "
+    "job_gc_timeout_ms, or displaced from the dispatcher's full job table: the dispatcher "
+    "says which). This worker does not start its streams again, which would hand out their "
+    "elements a second time: start a new iteration.")
 _MAX_READ_BYTES = 8 << 20  # a read's batch when it names no max_bytes
 _FIRST_REGISTRATION_S = 5.0
 
@@ -196,6 +203,10 @@ class WorkerServer:
         self._evicted: dict[int, float] = {}  # jobs whose abandoned shared stream was closed
         # (job, split or -1, consumer or "") of streams displaced for another peer's, and why
         self._displaced: Displaced[tuple[int, int, str]] = Displaced(16 * MAX_OPEN_STREAMS)
+        # The jobs of the dispatcher's last heartbeat answer, and the jobs it no longer lists
+        # that this worker knew (listed before, or streams it ran): never opened again.
+        self._live_jobs: set[int] = set()
+        self._removed_jobs: Displaced[int] = Displaced(REMOVED_JOBS_KEPT)
         self._datasets: dict[str, Pipeline] = {}
         self._dataset_locks: dict[str, threading.Lock] = {}
         self._stopping = threading.Event()
@@ -277,6 +288,9 @@ class WorkerServer:
         while not self._stopping.is_set():
             request.worker_heartbeat.worker_token = (
                 self._worker_token or worker_auth.local_token(self._dispatcher.address))
+            with self._lock:  # the answer judges these only: later jobs may be unlisted
+                known = {*self._live_jobs, *(key[0] for key in self._streams),
+                         *(key[0] for key in self._released), *self._evicted}
             try:
                 response, _ = self._dispatcher.call(request)
             except errors.CancelledError:
@@ -291,22 +305,29 @@ class WorkerServer:
                 continue
             self._grant_key = response.worker_heartbeat.grant_key
             self._registered.set()
-            self._drop_streams(set(response.worker_heartbeat.live_jobs))
+            self._drop_streams(set(response.worker_heartbeat.live_jobs), known)
             if self._stopping.wait(self._heartbeat_s):
                 return
 
-    def _drop_streams(self, live_jobs: set[int]) -> None:
+    def _drop_streams(self, live_jobs: set[int], known: set[int]) -> None:
+        """Close the streams of the jobs the dispatcher no longer lists among the ``known``
+        ones (those this worker knew when it sent the heartbeat: a job created since is not
+        listed yet), and idle ones; a removed job's streams are never opened again."""
         now = time.monotonic()
+        removed = known - live_jobs
         with self._lock:
+            for job in removed:
+                self._removed_jobs.remember(job, _REMOVED_JOB.format(job=job))
+            self._live_jobs = live_jobs
             dead = [key for key, stream in self._streams.items()
-                    if key[0] not in live_jobs or now - stream.last_used > _IDLE_STREAM_S
+                    if key[0] in removed or now - stream.last_used > _IDLE_STREAM_S
                     or (key[1] >= 0 and stream.finished
                         and now - stream.last_used > _FINISHED_STREAM_S)]
             streams = [self._streams.pop(key) for key in dead]
             self._released = {k: r for k, r in self._released.items()
-                              if k[0] in live_jobs and now - r[1] < _IDLE_STREAM_S}
+                              if k[0] not in removed and now - r[1] < _IDLE_STREAM_S}
             self._evicted = {j: t for j, t in self._evicted.items()
-                             if j in live_jobs and now - t < _IDLE_STREAM_S}
+                             if j not in removed and now - t < _IDLE_STREAM_S}
         for stream in streams:
             stream.close()
         for family in (self._sent, self._sent_bytes):
@@ -555,10 +576,14 @@ class WorkerServer:
 
     def _check_openable(self, spec: StreamSpec, consumer_id: str, key: tuple) -> None:
         """Refuse streams of a released consumer, of a job whose shared stream was evicted,
-        and streams displaced for another peer's; call with the lock held."""
+        of a job the dispatcher removed, and streams displaced for another peer's; call with
+        the lock held."""
         why = self._displaced.why(key[:3])
         if why is not None:
             raise errors.ResourceExhaustedError(why)
+        why = self._removed_jobs.why(spec.job_id)
+        if why is not None:
+            raise errors.NotFoundError(why)
         released = self._released.get(
             (spec.job_id, consumer_id, spec.split_id if spec.is_split else -1))
         if released is not None and spec.attempt <= released[0]:
