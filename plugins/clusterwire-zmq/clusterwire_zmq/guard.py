@@ -13,13 +13,15 @@ most is closed (``clusterwire.pending``), and one still pending after
 message displaces the oldest connection of the peer holding the most when that peer holds
 more than one more than the new one's (``FairConnections``), else it is refused and its
 connection stays pending. The guard also names each admitted connection's peer
-(``Frame.peer``).
+(``Frame.peer``), and shuts down a connection whose bytes libzmq holds past its budget
+(``budget.py``: a multipart message that never ends).
 
 Ordering: libzmq reports a connection's end before its descriptor is reused and its
 acceptance before any of its messages, so draining the events before looking up a
-message's descriptor finds that message's connection. A connection is closed by shutting
-down a duplicate of its descriptor, only once the duplicate shows it is a connection to
-this listener (libzmq may have closed it and reused the number meanwhile).
+message's descriptor finds that message's connection. At its accept the guard keeps a
+duplicate of a connection's descriptor, once the duplicate shows it is a connection to
+this listener (libzmq may have closed it and reused the number meanwhile), until its end
+is reported: it reads the connection's TCP counters and shuts it down through it.
 """
 
 from __future__ import annotations
@@ -29,19 +31,22 @@ import itertools
 import os
 import select
 import socket
+import struct
 import threading
 import time
-from collections.abc import Iterator
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from clusterwire.pending import FairConnections, PendingConnections
 from clusterwire.transport import ListenOptions
+from clusterwire_zmq import wire
+from clusterwire_zmq.budget import CHECK_SECONDS, SLACK_BYTES, Budgeted, wire_bytes
 from clusterwire_zmq.sockets import NOBLOCK, readable
 
 _ACCEPTED, _DISCONNECTED = int(zmq.EVENT_ACCEPTED), int(zmq.EVENT_DISCONNECTED)
 _SRCFD = int(zmq.SRCFD)
+_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: the last close sends RST
 _monitor_ids = itertools.count()
 
 
@@ -63,6 +68,9 @@ class ConnectionGuard:
     def __init__(self, context: zmq.Context, sock: zmq.Socket, options: ListenOptions):
         self._max_connections = options.max_connections
         self._timeout = options.handshake_timeout_seconds
+        # One message in flight (its envelope, buffers and ZMTP frame headers) and the rest.
+        self._budget = (options.max_message_bytes + wire.PART0_OVERHEAD
+                        + 9 * wire.MAX_PARTS + SLACK_BYTES)
         sock.setsockopt(zmq.HANDSHAKE_IVL, max(int(self._timeout * 1000), 1))
         self._events = context.socket(zmq.PAIR)
         self._events.setsockopt(zmq.LINGER, 0)
@@ -76,7 +84,8 @@ class ConnectionGuard:
             options.max_pending_connections, self._timeout)
         self._admitted: dict[int, bytes] = {}  # descriptor -> routing id
         self._shares: FairConnections[int] = FairConnections(self._max_connections)
-        self._peers: dict[int, str] = {}  # descriptor -> peer IP address, from its accept
+        self._conns: dict[int, Budgeted] = {}  # descriptor -> connection, from its accept
+        self._by_ident: dict[bytes, Budgeted] = {}  # routing id -> connection
         self._idents: dict[bytes, str] = {}  # routing id -> peer of admitted connections
         self._ip, self._port = "", 0  # where the socket is bound, set by ``watch``
         self._closed = False
@@ -94,6 +103,22 @@ class ConnectionGuard:
         with self._lock:
             return len(self._admitted)
 
+    def received(self, ident: bytes, parts: list[zmq.Frame]) -> None:
+        """Count message ``parts`` (routing id first, then at least one part) as received
+        from the connection of routing id ``ident``."""
+        conn = self._by_ident.get(ident)  # the common case: no lock
+        if conn is None:
+            with self._lock:
+                if self._closed:
+                    return
+                self._drain()
+                conn = self._conns.get(parts[1].get(_SRCFD))
+                if conn is None:  # gone already
+                    return
+                conn.ident = ident
+                self._by_ident[ident] = conn
+        conn.delivered += wire_bytes(parts)
+
     def admit(self, ident: bytes, part: zmq.Frame) -> str | None:
         """The peer (IP address) of the connection that sent ``part`` if it may be served:
         admitted already, or admitted now as its first message by the rule above; None
@@ -106,9 +131,10 @@ class ConnectionGuard:
                 return _peer_address(part)
             self._drain()
             fd = part.get(_SRCFD)
+            conn = self._conns.get(fd)
             if fd not in self._pending:  # admitted, or gone (unknown): serve it
-                return self._peers.get(fd) or _peer_address(part)
-            peer = self._peers.get(fd, "")
+                return conn.peer if conn is not None and conn.peer else _peer_address(part)
+            peer = conn.peer if conn is not None else ""
             admitted, displaced = self._shares.add(fd, peer)
             if not admitted:
                 return None
@@ -124,13 +150,20 @@ class ConnectionGuard:
         poller = select.poll()
         poller.register(self._events.getsockopt(zmq.FD), select.POLLIN)
         poller.register(self._stop_r, select.POLLIN)
+        next_check = time.monotonic()
         while True:
             with self._lock:
                 if self._closed:
                     return
                 self._drain()
-                self._expire(time.monotonic())
+                now = time.monotonic()
+                self._expire(now)
+                if now >= next_check:
+                    self._check_budgets()
+                    next_check = now + CHECK_SECONDS
                 deadline = self._pending.next_deadline()
+                if self._conns:
+                    deadline = next_check if deadline is None else min(deadline, next_check)
                 wait = None if deadline is None else max(deadline - time.monotonic(), 0)
             poller.poll(None if wait is None else wait * 1000 + 1)
 
@@ -140,57 +173,68 @@ class ConnectionGuard:
             event = parse_monitor_message(self._events.recv_multipart(NOBLOCK))
             fd = int(event["value"])
             if event["event"] == _ACCEPTED:
-                self._peers[fd] = peer = self._peer_ip(fd)
-                evicted = self._pending.add(fd, peer, time.monotonic())
+                conn = self._adopt(fd)
+                if conn is not None:
+                    self._conns[fd] = conn
+                evicted = self._pending.add(fd, conn.peer if conn else "", time.monotonic())
                 if evicted is not None:
                     self._shut_down(evicted)
             else:
                 self._pending.discard(fd)
                 self._shares.discard(fd)
-                self._peers.pop(fd, None)
                 self._idents.pop(self._admitted.pop(fd, b""), None)
+                conn = self._conns.pop(fd, None)
+                if conn is not None:
+                    self._by_ident.pop(conn.ident, None)
+                    conn.sock.close()
+
+    def _check_budgets(self) -> None:
+        """Under the lock: shut down the connections holding more than their budget."""
+        for fd, conn in self._conns.items():
+            try:
+                over = conn.over(self._budget)
+            except OSError:  # shut down already; its end is on the way
+                continue
+            if over:
+                self._shut_down(fd, reset=True)
 
     def _expire(self, now: float) -> None:
         """Under the lock: close the pending connections past their deadline."""
         for fd in self._pending.expire(now):
             self._shut_down(fd)
 
-    def _peer_ip(self, fd: int) -> str:
-        """The IP address of the peer of connection ``fd`` ("" if it is gone already)."""
-        with self._ours(fd) as sock:
-            return sock.getpeername()[0] if sock is not None else ""
+    def _shut_down(self, fd: int, reset: bool = False) -> None:
+        """Shut connection ``fd`` down (libzmq then closes it and reports it gone); with
+        ``reset``, its close resets it: a sender blocked on a full window learns at once."""
+        conn = self._conns.get(fd)
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                if reset:
+                    conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
+                conn.sock.shutdown(socket.SHUT_RDWR)
 
-    def _shut_down(self, fd: int) -> None:
-        """Shut connection ``fd`` down if it is still one to this listener (libzmq then
-        closes it and reports it gone)."""
-        with self._ours(fd) as sock, contextlib.suppress(OSError):
-            if sock is not None:
-                sock.shutdown(socket.SHUT_RDWR)
-
-    @contextlib.contextmanager
-    def _ours(self, fd: int) -> Iterator[socket.socket | None]:
-        """A duplicate of descriptor ``fd`` as a socket if it is still a connection to this
-        listener (libzmq may have closed and reused the number), else None."""
+    def _adopt(self, fd: int) -> Budgeted | None:
+        """Connection ``fd``, through a duplicate of its descriptor, if it is still one to
+        this listener (libzmq may have closed and reused the number), else None."""
         try:
             duplicate = os.dup(fd)
         except OSError:  # closed meanwhile
-            yield None
-            return
+            return None
         try:
             sock = socket.socket(fileno=duplicate)
         except OSError:  # not a socket any more
             os.close(duplicate)
-            yield None
-            return
-        with sock:  # closes the duplicate only
-            try:
-                ip, port = sock.getsockname()[:2]
-                sock.getpeername()
-            except OSError:
-                yield None
-                return
-            ours = port == self._port and (ip == self._ip or self._ip in ("0.0.0.0", "::"))
-            yield sock if ours else None
+            return None
+        try:
+            ip, port = sock.getsockname()[:2]
+            peer = sock.getpeername()[0]
+        except OSError:
+            sock.close()
+            return None
+        if port != self._port or (ip != self._ip and self._ip not in ("0.0.0.0", "::")):
+            sock.close()
+            return None
+        return Budgeted(sock, peer)
 
     def close(self) -> None:
         """Stop the thread and close the monitor's reader (after the monitor is disabled)."""
@@ -200,5 +244,9 @@ class ConnectionGuard:
         if self._thread.ident is not None:
             self._thread.join(10)
         self._events.close(linger=0)
+        for conn in self._conns.values():
+            conn.sock.close()
+        self._conns.clear()
+        self._by_ident.clear()
         for fd in (self._stop_r, self._stop_w):
             os.close(fd)

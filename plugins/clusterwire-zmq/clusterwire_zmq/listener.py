@@ -51,10 +51,12 @@ class ZmqListener(Listener):
             # libzmq drops a peer sending a larger part before allocating it. It hands a
             # multipart message over only once every part arrived and bounds neither their
             # number nor their sum, so it buffers a whole message (of parts each within this
-            # bound, however many) before anything here can look at it; the router then
-            # keeps at most wire.MAX_PARTS of its parts and _serve refuses it unread when
-            # they are too many or too large. Only a token holder gets a message through,
-            # and this plugin's channels never send a frame over the limit WELCOME announced.
+            # bound, however many) before anything here can look at it: the guard shuts
+            # down a connection whose unfinished message grows past its byte budget
+            # (budget.py); the router keeps at most wire.MAX_PARTS of a message's parts and
+            # _serve refuses it unread when they are too many or too large. Only a token
+            # holder gets a message through, and this plugin's channels never send a frame
+            # over the limit WELCOME announced.
             sock.setsockopt(zmq.MAXMSGSIZE, options.max_message_bytes + wire.PART0_OVERHEAD)
             sock.bind(endpoint)
             port = bound_port(sock.getsockopt(zmq.LAST_ENDPOINT))
@@ -198,6 +200,7 @@ class ZmqListener(Listener):
         if len(parts) < 2:
             return  # a routing id without a body: nothing to answer
         ident = parts[0].bytes
+        self._guard.received(ident, parts)
         if len(parts) > self._max_parts or (
                 len(parts) > 2 and sum(map(len, parts[2:])) > self._limit):
             self._router.send([ident, *wire.encode_error(

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import numpy as np
@@ -58,3 +60,55 @@ def free_port() -> int:
 def payload(nbytes: int, seed: int = 0) -> np.ndarray:
     """Deterministic random bytes."""
     return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+_LISTENER = """
+import sys
+from clusterwire.plugins import get_plugin_manager
+from clusterwire.testing.peer import echo_handler
+from clusterwire.transport import ListenOptions
+listener = get_plugin_manager().transport("zmq").listen(
+    "127.0.0.1:0", echo_handler, ListenOptions(max_message_bytes=int(sys.argv[1])))
+listener.start()
+print(listener.address, flush=True)
+sys.stdin.read()
+listener.stop(0)
+"""
+
+
+@contextlib.contextmanager
+def listener_process(max_message_bytes: int) -> Iterator[tuple[subprocess.Popen, str]]:
+    """An echoing zmq listener in a process of its own: ``(process, address)``; it stops
+    when its stdin closes."""
+    process = subprocess.Popen([sys.executable, "-c", _LISTENER, str(max_message_bytes)],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        address = process.stdout.readline().strip()
+        assert address, "the listener process did not start"
+        yield process, address
+    finally:
+        process.stdin.close()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(30)
+
+
+def _status_mib(pid: int, field: str) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError(f"/proc/{pid}/status has no {field}")
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of process ``pid`` now, MiB."""
+    return _status_mib(pid, "VmRSS")
+
+
+def peak_rss_mib(pid: int) -> float:
+    """The most resident memory process ``pid`` ever had, MiB (no peak missed between
+    samples)."""
+    return _status_mib(pid, "VmHWM")

@@ -1,0 +1,105 @@
+"""A token holder speaking raw ZMTP sends part after part of one message and never the last.
+
+libzmq hands nothing over until the last part arrives and bounds only each part, so the
+listener sees no message: before the connection byte budget (budget.py), 300 parts of
+1 MiB grew a listener with a 1 MiB limit by 301 MiB and would have grown it without end.
+Now the guard shuts such a connection down once libzmq holds more than its budget
+(max_message_bytes, the first part's largest envelope and 1 MiB of ZMTP overhead) plus
+what arrives within two of its checks; token holders' calls are served meanwhile.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from clusterwire_zmq import auth, budget, wire
+from zmq_test_support import channel_to, listener_process, peak_rss_mib, rss_mib
+from zmtp_peer import ZmtpPeer
+
+from clusterwire.transport import Frame
+
+pytestmark = pytest.mark.timeout(120)
+_MiB = 1 << 20
+LIMIT = _MiB
+#: Parts a round offers (the listener must cut the connection long before).
+SEND_MIB = 300
+ROUNDS = 8
+#: The stated bound beyond the budget: 2 checks' worth of bytes at up to 3.2 GiB/s.
+OVERSHOOT_MIB = 2 * 3.2 * 1024 * budget.CHECK_SECONDS
+
+
+def _budget_mib(limit: int) -> float:
+    return (limit + wire.PART0_OVERHEAD + 9 * wire.MAX_PARTS + budget.SLACK_BYTES) / _MiB
+
+
+class _Caller(threading.Thread):
+    """A token holder making 8-byte calls until stopped: their latencies and errors."""
+
+    def __init__(self, address: str):
+        super().__init__(daemon=True)
+        self.address = address
+        self.latencies: list[float] = []
+        self.errors: list[Exception] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        value = np.arange(1, dtype=np.int64)
+        with channel_to(self.address) as channel:
+            while not self.stop.is_set():
+                start = time.monotonic()
+                try:
+                    reply = channel.call(Frame(b"8", [value]), timeout=10)
+                    assert bytes(reply.buffers[0]) == value.tobytes()
+                except Exception as err:  # noqa: BLE001  (reported by the test)
+                    self.errors.append(err)
+                    return
+                self.latencies.append(time.monotonic() - start)
+
+
+def _attack(address: str) -> int:
+    """One round: MiB of parts the kernel accepted before the listener cut the connection."""
+    peer = ZmtpPeer(address, auth.USERNAME, auth.NO_TOKEN)
+    blob = bytes(_MiB)
+    sent = 0
+    try:
+        peer.send_part(b"\0" * 40, more=True)
+        while sent < SEND_MIB:
+            peer.send_part(blob, more=True)
+            sent += 1
+    except (BrokenPipeError, ConnectionResetError):
+        return sent
+    finally:
+        peer.close()
+    raise AssertionError(f"the listener took {SEND_MIB} MiB of one unfinished message")
+
+
+def test_a_message_that_never_ends_is_cut_at_the_connection_budget():
+    with listener_process(LIMIT) as (process, address):
+        caller = _Caller(address)
+        caller.start()
+        deadline = time.monotonic() + 30
+        while not caller.latencies and not caller.errors:
+            assert time.monotonic() < deadline, "the token holder's first call never returned"
+            time.sleep(0.01)
+        before = rss_mib(process.pid)
+        try:
+            sent = [_attack(address) for _ in range(ROUNDS)]
+        finally:
+            caller.stop.set()
+            caller.join(30)
+        grown = peak_rss_mib(process.pid) - before
+        bound = _budget_mib(LIMIT) + OVERSHOOT_MIB
+        assert not caller.errors, caller.errors
+        assert grown < bound, f"the listener grew by {grown:.0f} MiB (bound {bound:.0f})"
+        calls = len(caller.latencies)
+        slowest = max(caller.latencies)
+        assert slowest < 1, f"a token holder's 8-byte call took {slowest:.2f} s"
+        with channel_to(address) as channel:
+            assert bytes(channel.call(Frame(b"after", []), timeout=10).header) == b"after"
+        print(f"\n{ROUNDS} rounds of unfinished 1 MiB parts, cut after {min(sent)}-"
+              f"{max(sent)} MiB sent; the listener's peak grew by {grown:.0f} MiB (budget "
+              f"{_budget_mib(LIMIT):.0f} MiB, bound {bound:.0f}); {calls} 8-byte calls "
+              f"meanwhile, slowest {slowest * 1000:.1f} ms")
