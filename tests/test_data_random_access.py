@@ -167,3 +167,38 @@ def test_a_malformed_index_names_its_line(tmp_path, text, line):
     index.write_bytes(text)
     with pytest.raises(InvalidArgumentError, match=rf"bad\.idx', line {line} "):
         tfrecord.read_index(index)
+
+
+def test_shuffled_reads_of_s3_objects_equal_the_local_files(files, monkeypatch):
+    """Indexed TFRecord records, Parquet rows and tar samples read by number from moto's S3
+    (seeks in fsspec files) are the local files' shuffle, element for element."""
+    boto3 = pytest.importorskip("boto3")
+    pytest.importorskip("moto.server")
+    s3fs = pytest.importorskip("s3fs")
+    from aws_moto import moto_endpoint, point_aws_at
+
+    with moto_endpoint() as url:
+        point_aws_at(monkeypatch, url)
+        s3fs.S3FileSystem.clear_instance_cache()
+        client = boto3.client("s3")
+        client.create_bucket(Bucket="shuffled")
+        remote: dict[str, list[str]] = {}
+        for kind, paths in files.items():
+            remote[kind] = [f"s3://shuffled/{os.path.basename(p)}" for p in paths]
+            for path in paths:
+                client.upload_file(path, "shuffled", os.path.basename(path))
+                if kind == "tfrecord":
+                    client.upload_file(path + ".idx", "shuffled", os.path.basename(path) + ".idx")
+        try:
+            for kind in ("tfrecord", "parquet", "tar"):
+                assert [_key(e) for e in shuffled(remote, kind)] == \
+                    [_key(e) for e in shuffled(files, kind)]
+        finally:
+            s3fs.S3FileSystem.clear_instance_cache()
+
+
+def _key(element):
+    if isinstance(element, dict):
+        return repr(sorted((k, np.asarray(v).tolist() if not isinstance(v, bytes) else v)
+                           for k, v in element.items()))
+    return element
