@@ -145,6 +145,23 @@ def test_each_file_is_read_by_the_worker_tf_gives_it_and_every_element_once(
     assert [opened for index in range(workers) for opened in shards[index]] == expected
 
 
+def test_workers_beyond_the_files_read_nothing(files, static_service, monkeypatch):
+    dispatcher, workers = static_service
+    shards: dict[int, set[str]] = {}
+
+    def spy(source, index, count):
+        shard = splits.file_shard(source, index, count)
+        shards[index] = _file_names(shard)
+        return shard
+
+    monkeypatch.setattr(worker_module, "file_shard", spy)
+    dataset = data.Dataset.from_parquet(files["parquet"][:1])  # one file of 1 row group
+    read = [int(e["x"]) for e in dataset.apply(data.distribute(data.ShardingPolicy.FILE,
+                                                                 dispatcher.target))]
+    assert sorted(read) == list(range(5))
+    assert shards == {0: {files["parquet"][0]}, **{k: set() for k in range(1, workers)}}
+
+
 def test_a_worker_reads_its_files_in_tfs_order(files):
     """Worker 1 of 3 reads the records of files 1 and 4, in file order, as TF's did."""
     root = files["root"][0]
