@@ -125,6 +125,14 @@ def test_an_index_of_other_records_is_data_loss_naming_the_file(files, tmp_path)
         list(dataset.global_shuffle(seed=1))
 
 
+def test_an_index_changed_after_the_dataset_was_built_is_data_loss_naming_it(files):
+    dataset = shuffled(files, "tfrecord")
+    index = pathlib.Path(files["tfrecord"][0] + ".idx")
+    index.write_bytes(b"".join(index.read_bytes().splitlines(keepends=True)[:50]))
+    with pytest.raises(DataLossError, match=r"r0\.tfrecord\.idx'.*changed since"):
+        list(dataset)
+
+
 def test_a_gather_reads_at_most_its_bytes_at_a_time(tmp_path, monkeypatch):
     """Records of 1 MiB (over GATHER_BYTES / 4 each) are read a few at a time."""
     path = str(tmp_path / "big.tfrecord")

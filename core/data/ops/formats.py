@@ -277,8 +277,8 @@ class _RecordGather:
         sizes = np.empty(len(indices), dtype=np.int64)
         index_names = self._index_names[blocks]
         for index in np.unique(index_names).tolist():
-            rows = self._index(index, blocks[index_names == index])
             mask = index_names == index
+            rows = self._index(index, blocks[mask])
             taken = rows[self._first_row[blocks[mask]] + within[mask]]
             offsets[mask], sizes[mask] = taken[:, 0], taken[:, 1]
         files = self._names[blocks]
@@ -297,7 +297,14 @@ class _RecordGather:
                                               readable_prefixes=self._readable)
         rows = self._indexes[index]
         unset = np.unique(blocks[self._first_row[blocks] < 0])
-        self._first_row[unset] = np.searchsorted(rows[:, 0], self._starts[unset])
+        first = np.searchsorted(rows[:, 0], self._starts[unset])
+        stop = first + self._counts[unset]
+        if np.any(stop > len(rows)) or np.any(rows[np.minimum(first, len(rows) - 1), 0]
+                                             != self._starts[unset]):
+            raise DataLossError(
+                f"TFRecord index {file_name(index)!r} does not hold the records it held when "
+                "the Dataset was built: it changed since (build the Dataset again).")
+        self._first_row[unset] = first
         return rows
 
     def _read(self, files: np.ndarray, offsets: np.ndarray, sizes: np.ndarray
