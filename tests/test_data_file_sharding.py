@@ -5,8 +5,14 @@ workers: each file read by one worker, the one TF's FILE sharding gives it, ever
 
 from __future__ import annotations
 
+import importlib.util
 import io
+import json
+import os
+import subprocess
+import sys
 import tarfile
+import textwrap
 from collections import Counter, defaultdict
 
 import numpy as np
@@ -190,3 +196,59 @@ def test_file_sharding_refuses_a_source_that_is_not_files(static_service):
                                                            dispatcher.target))
     with pytest.raises(InvalidArgumentError, match="TFRecordDataset, from_parquet"):
         list(dataset)
+
+
+def tf_python() -> str | None:
+    """A Python with TensorFlow: CLUSTERWIRE_TF_PYTHON, or this one if it has it."""
+    configured = os.environ.get("CLUSTERWIRE_TF_PYTHON")
+    if configured:
+        return configured
+    return sys.executable if importlib.util.find_spec("tensorflow") is not None else None
+
+
+TF_SHARDS = textwrap.dedent("""
+    import json, os, sys
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    import tensorflow as tf
+    from tensorflow.python.data.experimental.ops.distribute import _AutoShardDataset
+    names, pattern = json.loads(sys.argv[1]), sys.argv[2]
+    FILE = tf.data.experimental.AutoShardPolicy.FILE
+    pipelines = {
+        "names": lambda: tf.data.TFRecordDataset(names),
+        "list_files": lambda: tf.data.Dataset.list_files(pattern, shuffle=False).interleave(
+            tf.data.TFRecordDataset, cycle_length=1),
+        "shuffled": lambda: tf.data.Dataset.list_files(pattern, seed=5).interleave(
+            tf.data.TFRecordDataset, cycle_length=1)}
+    print(json.dumps({f"{name} {n} {k}": [r.numpy().rstrip(b".").decode()
+                                         for r in _AutoShardDataset(make(), n, k, FILE)]
+                      for name, make in pipelines.items() for n in (2, 3) for k in range(n)}))
+""")
+
+
+@pytest.mark.skipif(tf_python() is None, reason="needs a Python with TensorFlow "
+                    "(CLUSTERWIRE_TF_PYTHON=/path/to/python)")
+def test_the_shards_are_tfs(files):
+    """TF 2.21's FILE auto-sharding of the same files: the records of each worker, in order
+    for the unshuffled pipelines, as a set for list_files' shuffle (its order is TF's RNG)."""
+    root = files["root"][0]
+    done = subprocess.run([tf_python(), "-c", TF_SHARDS, json.dumps(files["tfrecord"]),
+                           f"{root}/f*.tfrecord"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    tf_shards = json.loads(done.stdout.strip().splitlines()[-1])
+    for name, dataset in [("names", data.TFRecordDataset(files["tfrecord"])),
+                          ("list_files", _sources(files)["list_files"]),
+                          ("shuffled", _sources(files)["list_files shuffled"])]:
+        pipeline = dataset._pipeline
+        for workers in (2, 3):
+            for index in range(workers):
+                shard = splits.file_shard(pipeline.source, index, workers)
+                ours = [bytes(r).rstrip(b".").decode()
+                        for r in data.Dataset(shard, pipeline.ops)]
+                theirs = tf_shards[f"{name} {workers} {index}"]
+                if name == "list_files":  # ours interleaves 2 files at a time, TF's 1
+                    ours = [bytes(r).rstrip(b".").decode() for r in data.TFRecordDataset(
+                        [n.decode() for n in shard.tensors.tolist()])]
+                if name == "shuffled":
+                    assert sorted(ours) == sorted(theirs), (name, workers, index)
+                else:
+                    assert ours == theirs, (name, workers, index)
