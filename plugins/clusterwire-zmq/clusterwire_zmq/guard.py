@@ -41,7 +41,7 @@ from zmq.utils.monitor import parse_monitor_message
 from clusterwire.pending import FairConnections, PendingConnections
 from clusterwire.transport import ListenOptions
 from clusterwire_zmq import wire
-from clusterwire_zmq.budget import CHECK_SECONDS, SLACK_BYTES, Budgeted, wire_bytes
+from clusterwire_zmq.budget import SLACK_BYTES, Budgeted, check_interval, wire_bytes
 from clusterwire_zmq.sockets import NOBLOCK, readable
 
 _ACCEPTED, _DISCONNECTED = int(zmq.EVENT_ACCEPTED), int(zmq.EVENT_DISCONNECTED)
@@ -159,8 +159,9 @@ class ConnectionGuard:
                 now = time.monotonic()
                 self._expire(now)
                 if now >= next_check:
+                    cpu = time.thread_time()
                     self._check_budgets()
-                    next_check = now + CHECK_SECONDS
+                    next_check = now + check_interval(time.thread_time() - cpu)
                 deadline = self._pending.next_deadline()
                 if self._conns:
                     deadline = next_check if deadline is None else min(deadline, next_check)

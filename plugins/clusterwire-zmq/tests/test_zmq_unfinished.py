@@ -5,7 +5,8 @@ listener sees no message: before the connection byte budget (budget.py), 300 par
 1 MiB grew a listener with a 1 MiB limit by 301 MiB and would have grown it without end.
 Now the guard shuts such a connection down once libzmq holds more than its budget
 (max_message_bytes, the first part's largest envelope and 1 MiB of ZMTP overhead) plus
-what arrives within two of its checks; token holders' calls are served meanwhile.
+what arrives within two of its checks (every 10 ms, later when the guard's thread waits for
+a CPU); token holders' calls are served meanwhile.
 """
 
 from __future__ import annotations
@@ -16,19 +17,30 @@ import time
 import numpy as np
 import pytest
 from clusterwire_zmq import auth, budget, wire
-from zmq_test_support import channel_to, listener_process, peak_rss_mib, rss_mib
+from zmq_test_support import (
+    channel_to,
+    listener_process,
+    payload,
+    peak_rss_mib,
+    rss_mib,
+    serving,
+)
 from zmtp_peer import ZmtpPeer
 
-from clusterwire.transport import Frame
+from clusterwire.transport import Frame, ListenOptions
 
 pytestmark = pytest.mark.timeout(120)
 _MiB = 1 << 20
 LIMIT = _MiB
 #: Parts a round offers (the listener must cut the connection long before).
-SEND_MIB = 300
+SEND_MIB = 1024
 ROUNDS = 8
-#: The stated bound beyond the budget: 2 checks' worth of bytes at up to 3.2 GiB/s.
-OVERSHOOT_MIB = 2 * 3.2 * 1024 * budget.CHECK_SECONDS
+#: What libzmq may hold beyond the budget: what arrives within two checks. A typical round
+#: (the median) gets two 10 ms checks' worth at up to 3.2 GiB/s; the peak of all rounds
+#: allows a check up to 100 ms late at 1.6 GiB/s (the guard thread waits for a CPU on a
+#: loaded machine: 215 ms once in 80 rounds here, at load 3).
+TYPICAL_OVERSHOOT_MIB = 2 * 3.2 * 1024 * budget.CHECK_SECONDS
+PEAK_OVERSHOOT_MIB = 2 * 1.6 * 1024 * (budget.CHECK_SECONDS + 0.1)
 
 
 def _budget_mib(limit: int) -> float:
@@ -91,8 +103,10 @@ def test_a_message_that_never_ends_is_cut_at_the_connection_budget():
             caller.stop.set()
             caller.join(30)
         grown = peak_rss_mib(process.pid) - before
-        bound = _budget_mib(LIMIT) + OVERSHOOT_MIB
+        typical = sorted(sent)[ROUNDS // 2]
         assert not caller.errors, caller.errors
+        assert typical < _budget_mib(LIMIT) + TYPICAL_OVERSHOOT_MIB, sent
+        bound = _budget_mib(LIMIT) + PEAK_OVERSHOOT_MIB
         assert grown < bound, f"the listener grew by {grown:.0f} MiB (bound {bound:.0f})"
         calls = len(caller.latencies)
         slowest = max(caller.latencies)
@@ -100,6 +114,29 @@ def test_a_message_that_never_ends_is_cut_at_the_connection_budget():
         with channel_to(address) as channel:
             assert bytes(channel.call(Frame(b"after", []), timeout=10).header) == b"after"
         print(f"\n{ROUNDS} rounds of unfinished 1 MiB parts, cut after {min(sent)}-"
-              f"{max(sent)} MiB sent; the listener's peak grew by {grown:.0f} MiB (budget "
+              f"{max(sent)} MiB sent (median {typical}); the listener's peak grew by "
+              f"{grown:.0f} MiB (budget "
               f"{_budget_mib(LIMIT):.0f} MiB, bound {bound:.0f}); {calls} 8-byte calls "
               f"meanwhile, slowest {slowest * 1000:.1f} ms")
+
+
+def test_honest_calls_leave_no_bytes_unaccounted():
+    """The guard counts every byte of the messages a channel sends: after 300 calls of
+    8 bytes to 1 MiB (inline and zero-copy buffers, 2 to 3 parts) what the kernel received
+    and the guard counted differ by the greeting, PLAIN handshake and heartbeats only, so
+    honest connections never drift toward their budget however long they live."""
+    sizes = [8, 1000, 70_000, 1 << 20]
+    unaccounted = []
+    with (serving(options=ListenOptions(max_message_bytes=4 << 20)) as listener,
+          channel_to(listener.address) as channel):
+        for _ in range(3):
+            for index in range(100):
+                size = sizes[index % len(sizes)]
+                buffers = [payload(size, index), payload(size // 3, index)]
+                reply = channel.call(Frame(b"h" * index, buffers), timeout=10)
+                assert len(reply.buffers) == 2
+            (conn,) = listener._guard._conns.values()
+            unaccounted.append(budget.bytes_received(conn.sock) - conn.delivered)
+    assert all(0 < count < 1024 for count in unaccounted), unaccounted
+    print(f"\nunaccounted bytes after 100, 200, 300 calls: {unaccounted}")
+    assert max(unaccounted) - min(unaccounted) < 64, unaccounted
