@@ -654,8 +654,8 @@ class DispatchServer:
         if len(waves) < MAX_JOBS:
             return
         limit = f"{MAX_JOBS} waves"
-        room = shares.make_room(peer, len(waves) + 1 - MAX_JOBS,
-                                unused=[g for g in waves if waves[g].complete])
+        room = shares.make_room(peer, len(waves) + 1 - MAX_JOBS, unused=sorted(
+            (g for g in waves if waves[g].complete), key=lambda g: waves[g].started))
         if room is None:
             raise shares.refusal(
                 "This tf.data service dispatcher's table of round-robin resume waves", limit,
