@@ -574,15 +574,19 @@ class DispatchServer:
                 "position per consumer, all saved at the same step.")
         for position in merged:
             consumer = position.consumer_id
-            if consumer not in job.resumable or consumer in job.released:
+            if consumer in job.resumable and consumer not in job.released:
+                self._check_saved(job, consumer, position.handed, list(position.partial),
+                                  list(position.completed))
+            elif position.partial or position.handed != (
+                    len(job.handouts.get(consumer, [])) + job.handout_base.get(consumer, 0)):
+                # Only a consumer that had all its splits read (its iteration ended before
+                # it saved) gives nothing back without having kept its splits.
                 raise errors.FailedPreconditionError(
                     f"The merged position names consumer {consumer!r} of job "
                     f"{job.info.job_id}, which cannot resume: it was resumed from another "
                     "position (merged or its own) since, its position was never saved, or it "
                     "was away longer than job_gc_timeout_ms. Merge the positions the job's "
                     "current consumers saved.")
-            self._check_saved(job, consumer, position.handed, list(position.partial),
-                              list(position.completed))
         missing = sorted(job.resumable - job.released - set(names))
         if missing:
             raise errors.FailedPreconditionError(
