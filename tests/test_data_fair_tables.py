@@ -34,6 +34,7 @@ from clusterwire.protos.data_service_pb2 import (
     GetElementsRequest,
     GetOrCreateJobRequest,
     RegisterDatasetRequest,
+    ReleaseStreamsRequest,
     StreamSpec,
 )
 from clusterwire.security import Security
@@ -264,3 +265,48 @@ def test_a_stream_of_a_removed_job_is_never_started_again():
           f"heartbeat ({retried} reads retried), then: {refused[:80]}...")
     assert got == list(range(len(got))) and len(got) >= 6
     assert f"Job {job.job_id} is no longer one of the dispatcher's jobs" in refused
+
+
+@pytest.mark.timeout(120)
+def test_a_job_created_while_a_heartbeat_is_answered_keeps_its_stream():
+    """A worker heartbeating without pause (every 1 ms): its answers often list the jobs of
+    a moment before a job was created and its stream opened. 100 anonymous jobs, each read
+    5 times right after its creation, then released: every read gets the next elements (a
+    job the answer could not list yet is not taken for removed: its stream is not closed
+    under its reader, nor refused)."""
+    with data.DispatchServer(port=0) as dispatcher, data.WorkerServer(data.WorkerConfig(
+            dispatcher_address=dispatcher.target.split("://")[1],
+            heartbeat_interval_ms=1)) as worker:
+        client = DispatcherClient("grpc", dispatcher.target.split("://")[1], 10.0, Security())
+        channels = WorkerChannels(Security())
+        failures: list[str] = []
+        try:
+            dataset_id = data.register_dataset(dispatcher.target, data.Dataset.range(10**6))
+            for n in range(100):
+                consumer = f"reader-{n}"
+                job = client.call(DataRequest(get_or_create_job=GetOrCreateJobRequest(
+                    dataset_id=dataset_id, sharding_policy=data.ShardingPolicy.OFF,
+                    job_key=f"anonymous/{consumer}", consumer_id=consumer)))[0].job
+                spec = StreamSpec(job_id=job.job_id, dataset_id=dataset_id, grant=job.grant,
+                                  owner=job.owner, sharding_policy=job.sharding_policy)
+                got: list[int] = []
+                for seq in range(1, 6):
+                    try:
+                        response, buffers = channels.call("grpc", worker.address, DataRequest(
+                            get_elements=GetElementsRequest(
+                                stream=spec, consumer_id=consumer, request_seq=seq,
+                                max_elements=2, wait_seconds=1.0)), 10.0)
+                    except errors.OpError as err:
+                        failures.append(f"job {n} read {seq}: {type(err).__name__}")
+                        break
+                    got += [int(x) for x in elements.decode_all(
+                        response.get_elements.elements, buffers)]
+                if got != list(range(len(got))) or len(got) < 5:
+                    failures.append(f"job {n}: {got}")
+                channels.call("grpc", worker.address, DataRequest(
+                    release_streams=ReleaseStreamsRequest(consumer_id=consumer,
+                                                          streams=[spec])), 10.0)
+        finally:
+            client.close()
+            channels.close()
+    assert failures == [], failures[:10]
