@@ -10,7 +10,8 @@
   read different jobs, each waiting for the other), nor keep the victim from starting one.
 * Reads after the dispatcher removed a job (released, collected, displaced): the worker's
   stream goes on until its next heartbeat, then is closed, and is never started again (a
-  reader retrying would get its elements a second time).
+  reader retrying would get its elements a second time); a job created while a heartbeat
+  is answered is not taken for removed.
 """
 
 from __future__ import annotations
