@@ -27,6 +27,7 @@ is reported: it reads the connection's TCP counters and shuts it down through it
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import os
 import select
@@ -219,7 +220,9 @@ class ConnectionGuard:
         this listener (libzmq may have closed and reused the number), else None."""
         try:
             duplicate = os.dup(fd)
-        except OSError:  # closed meanwhile
+        except OSError as err:  # closed meanwhile, or no descriptor left for the duplicate
+            if err.errno in (errno.EMFILE, errno.ENFILE):
+                self._refuse_unbudgeted(fd)
             return None
         try:
             sock = socket.socket(fileno=duplicate)
@@ -227,15 +230,36 @@ class ConnectionGuard:
             os.close(duplicate)
             return None
         try:
-            ip, port = sock.getsockname()[:2]
             peer = sock.getpeername()[0]
         except OSError:
             sock.close()
             return None
-        if port != self._port or (ip != self._ip and self._ip not in ("0.0.0.0", "::")):
+        if not self._is_ours(sock):
             sock.close()
             return None
         return Budgeted(sock, peer)
+
+    def _is_ours(self, sock: socket.socket) -> bool:
+        try:
+            ip, port = sock.getsockname()[:2]
+        except OSError:
+            return False
+        return port == self._port and (ip == self._ip or self._ip in ("0.0.0.0", "::"))
+
+    def _refuse_unbudgeted(self, fd: int) -> None:
+        """Shut down connection ``fd``, which cannot be budgeted (the process has no
+        descriptor left to duplicate it), through libzmq's own descriptor."""
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            return
+        try:
+            if self._is_ours(sock):
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            sock.detach()  # libzmq's descriptor: never closed here
 
     def close(self) -> None:
         """Stop the thread and close the monitor's reader (after the monitor is disabled)."""

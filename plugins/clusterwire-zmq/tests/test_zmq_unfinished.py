@@ -11,6 +11,7 @@ a CPU); token holders' calls are served meanwhile.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -27,6 +28,7 @@ from zmq_test_support import (
 )
 from zmtp_peer import ZmtpPeer
 
+from clusterwire import errors
 from clusterwire.transport import Frame, ListenOptions
 
 pytestmark = pytest.mark.timeout(120)
@@ -118,6 +120,63 @@ def test_a_message_that_never_ends_is_cut_at_the_connection_budget():
               f"{grown:.0f} MiB (budget "
               f"{_budget_mib(LIMIT):.0f} MiB, bound {bound:.0f}); {calls} 8-byte calls "
               f"meanwhile, slowest {slowest * 1000:.1f} ms")
+
+
+def _descriptors(pid: int) -> tuple[int, int]:
+    """``(open, soft limit)`` of process ``pid``'s descriptors."""
+    with open(f"/proc/{pid}/limits") as limits:
+        soft = next(int(line.split()[3]) for line in limits if line.startswith("Max open files"))
+    return len(os.listdir(f"/proc/{pid}/fd")), soft
+
+
+def _fill(pid: int, address: str) -> tuple[list[ZmtpPeer], int]:
+    """Open connections (two descriptors each in the listener) until at most one descriptor
+    is left; the connections and how many are left."""
+    held: list[ZmtpPeer] = []
+    while True:
+        count, soft = _descriptors(pid)
+        if soft - count <= 1:
+            return held, soft - count
+        held.append(ZmtpPeer(address, auth.USERNAME, auth.NO_TOKEN))
+        deadline = time.monotonic() + 10
+        while _descriptors(pid)[0] < count + 2:  # the guard's duplicate, taken at its accept
+            assert time.monotonic() < deadline, "the guard did not take the duplicate"
+            time.sleep(0.01)
+
+
+def test_a_connection_the_guard_cannot_budget_is_closed():
+    """Each connection holds two descriptors in the listener (libzmq's and the guard's
+    duplicate). When libzmq can accept a connection but the guard finds no descriptor left
+    for its duplicate, the guard closes it: never left unbudgeted (without that, this raw
+    peer's unfinished message grew the listener by 1,024 MiB). Once the others close, a
+    channel is served again. Run with 20 and 21 spare descriptors: at least one leaves
+    exactly one after the connections that fill them."""
+    attacked = 0
+    for spare in (20, 21):
+        with listener_process(LIMIT, spare_descriptors=spare) as (process, address):
+            held, left = _fill(process.pid, address)
+            try:
+                if left == 1:
+                    attacked += 1
+                    before = rss_mib(process.pid)
+                    with pytest.raises(ConnectionError):  # closed in its handshake
+                        _attack(address)
+                    grown = peak_rss_mib(process.pid) - before
+                    assert grown < 16, f"the listener grew by {grown:.0f} MiB"
+            finally:
+                for peer in held:
+                    peer.close()
+            deadline = time.monotonic() + 30
+            while True:  # the closed connections' descriptors are freed soon after
+                try:
+                    with channel_to(address) as channel:
+                        reply = channel.call(Frame(b"back", []), timeout=10)
+                    assert bytes(reply.header) == b"back"
+                    break
+                except errors.OpError:
+                    assert time.monotonic() < deadline, "the listener serves no one"
+                    time.sleep(0.05)
+    assert attacked, "neither run left exactly one descriptor"
 
 
 def test_honest_calls_leave_no_bytes_unaccounted():

@@ -63,13 +63,17 @@ def payload(nbytes: int, seed: int = 0) -> np.ndarray:
 
 
 _LISTENER = """
-import sys
+import os, resource, sys
 from clusterwire.plugins import get_plugin_manager
 from clusterwire.testing.peer import echo_handler
 from clusterwire.transport import ListenOptions
 listener = get_plugin_manager().transport("zmq").listen(
     "127.0.0.1:0", echo_handler, ListenOptions(max_message_bytes=int(sys.argv[1])))
 listener.start()
+if int(sys.argv[2]):
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    spare = len(os.listdir("/proc/self/fd")) + int(sys.argv[2])
+    resource.setrlimit(resource.RLIMIT_NOFILE, (spare, hard))
 print(listener.address, flush=True)
 sys.stdin.read()
 listener.stop(0)
@@ -77,11 +81,14 @@ listener.stop(0)
 
 
 @contextlib.contextmanager
-def listener_process(max_message_bytes: int) -> Iterator[tuple[subprocess.Popen, str]]:
+def listener_process(max_message_bytes: int, spare_descriptors: int = 0
+                     ) -> Iterator[tuple[subprocess.Popen, str]]:
     """An echoing zmq listener in a process of its own: ``(process, address)``; it stops
-    when its stdin closes."""
-    process = subprocess.Popen([sys.executable, "-c", _LISTENER, str(max_message_bytes)],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    when its stdin closes. With ``spare_descriptors``, the process may open only that many
+    descriptors more once the listener runs (RLIMIT_NOFILE)."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", _LISTENER, str(max_message_bytes), str(spare_descriptors)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         address = process.stdout.readline().strip()
         assert address, "the listener process did not start"
