@@ -240,6 +240,7 @@ class ConnectionGuard:
         return Budgeted(sock, peer)
 
     def _is_ours(self, sock: socket.socket) -> bool:
+        """Whether ``sock`` is a connection accepted by this listener's socket."""
         try:
             ip, port = sock.getsockname()[:2]
         except OSError:
@@ -254,10 +255,9 @@ class ConnectionGuard:
         except OSError:
             return
         try:
-            if self._is_ours(sock):
-                sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+            with contextlib.suppress(OSError):
+                if self._is_ours(sock):
+                    sock.shutdown(socket.SHUT_RDWR)
         finally:
             sock.detach()  # libzmq's descriptor: never closed here
 
