@@ -6,7 +6,7 @@ mark in whole messages: a peer that sends part after part and never the last one
 the listener without limit, and nothing the listener receives shows it. The kernel does:
 ``TCP_INFO``'s ``tcpi_bytes_received`` counts a connection's bytes as they arrive. So for
 every connection the guard compares that count with the ZMTP bytes of the messages the
-listener received from it (``delivered``) every ``CHECK_SECONDS``, and shuts down a
+listener received from it (``delivered``) every ``CHECK_SECONDS``, and resets a
 connection whose difference grew by more than ``budget`` bytes since the check after its
 last delivered message.
 
@@ -19,10 +19,11 @@ a second measured at the default interval, counted until the next delivered mess
 the next message's bytes that arrived before it are not counted; libzmq therefore holds
 at most ``budget + 2 x rate x interval`` of one connection's unfinished message, where
 rate is how fast its bytes reach libzmq and interval is ``CHECK_SECONDS``, or longer with
-many connections (``check_interval``). One I/O thread per listener decodes every
-connection's bytes, so over all connections the excess is at most twice what that thread
-decodes in an interval. Bytes counted here are wire bytes: a message of many empty parts
-costs libzmq about 64 bytes a part on top of its 2.
+many connections (``check_interval``), and later when the guard's thread waits for a
+CPU. One I/O thread per listener decodes every connection's bytes, so over all connections
+the excess is at most twice what that thread decodes in an interval. Bytes counted here
+are wire bytes: a message of many empty parts costs libzmq about 64 bytes a part on top
+of its 2.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import socket
 import struct
 from dataclasses import dataclass, field
 
-#: How often the guard compares every connection's bytes, at least.
+#: The shortest interval between two of the guard's comparisons.
 CHECK_SECONDS = 0.01
 #: The guard spends at most this share of a CPU on the checks (a check of 1,000
 #: connections costs 1,000 TCP_INFO reads): their interval grows with their cost.
