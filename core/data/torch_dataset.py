@@ -38,6 +38,16 @@ and yields the service's elements with their numpy arrays and numpy scalars as
   last snapshot). An in-order loader reading distributed_epoch can wait at an epoch's end
   while another loader worker holds the last splits and has more of them left than it reads
   ahead; ``in_order=False`` (below) avoids that wait, without exact checkpoints.
+  **On another world size** (distributed_epoch): ``merge_loader_states`` makes one
+  ``ServiceDataset`` state of the loader states all the trainer's processes saved at one
+  step (each loader worker's position: ``clusterwire.data.merge_states``); loaded into the
+  new ``ServiceDataset`` before its DataLoader is made, it has every loader worker of every
+  new process (any number of each) resume as a new consumer of the job. Do not load the old
+  loaders' own states into the new ones: torchdata restores a loader only with the
+  ``num_workers`` it was saved with. A DataLoader without ``persistent_workers`` hands the
+  dataset, with the state loaded, to the workers of each of its iterators: after the resumed
+  epoch, ``load_state_dict({"position": None, "job_name": None})`` (or read with
+  ``persistent_workers=True``), else the next epoch's workers join the resumed job again.
 * **fork**: gRPC does not survive a fork of a process that has used it. The dataset is
   registered by the process that reads it, so a DataLoader's parent that only builds the
   ``ServiceDataset`` forks its workers safely. A parent that used the service itself (read
@@ -51,7 +61,7 @@ Importing this module imports torch; ``clusterwire.data`` never does.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -69,6 +79,7 @@ from clusterwire.data.client import (
 )
 from clusterwire.data.dataset import Dataset
 from clusterwire.data.elements import NUMERIC_KINDS
+from clusterwire.data.position import merge_states
 from clusterwire.errors import FailedPreconditionError, InvalidArgumentError
 from clusterwire.private_views import private_view
 from clusterwire.security import Security
@@ -215,3 +226,42 @@ class ServiceDataset(IterableDataset):
             return job_name, None, None
         return (job_name, self._consumer_index * info.num_workers + info.id,
                 self._num_consumers * info.num_workers)
+
+
+def merge_loader_states(states: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """One ``ServiceDataset`` state from the states the trainer's processes saved at one
+    step: ``StatefulDataLoader.state_dict()``s (with or without loader workers) or
+    ``ServiceDataset.state_dict()``s, of one distributed_epoch job. ``load_state_dict`` it
+    into the new ``ServiceDataset`` before making its DataLoader: each of its loader workers
+    (in any number of processes) resumes as a new consumer of the job, every element of the
+    epoch once over the run (see the module docstring). Loader workers that had not started
+    reading hold no position and no splits, and are left out. InvalidArgumentError for
+    anything else, and as ``merge_states`` for positions that do not merge."""
+    found = []
+    for state in states:
+        for dataset_state in _dataset_states(state):
+            if dataset_state.get("position") is not None:
+                found.append(dataset_state["position"])
+    return {"position": merge_states(found), "job_name": None}
+
+
+def _dataset_states(state: Any) -> list[Mapping[str, Any]]:
+    """The ServiceDataset states in a loader's state (one per loader worker, or the
+    loader's own without workers) or a ServiceDataset's."""
+    if not isinstance(state, Mapping):
+        raise InvalidArgumentError(
+            f"merge_loader_states takes StatefulDataLoader or ServiceDataset state_dict()s, "
+            f"got {type(state).__name__}.")
+    snapshot = state.get("_snapshot")
+    if isinstance(snapshot, Mapping):
+        workers = snapshot.get("_worker_snapshots") or {}
+        states = [worker.get("dataset_state") for worker in workers.values()
+                  if isinstance(worker, Mapping)]
+    else:
+        states = [state.get("dataset_state", state)]
+    if not all(isinstance(s, Mapping) and "position" in s for s in states):
+        raise InvalidArgumentError(
+            "merge_loader_states got a state without a ServiceDataset's position: pass the "
+            "state_dict()s of StatefulDataLoaders over a ServiceDataset (or of ServiceDatasets), "
+            "unchanged.")
+    return states
