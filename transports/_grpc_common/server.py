@@ -24,6 +24,7 @@ from clusterwire.transports._grpc_common.client import TOKEN_METADATA, message_s
 from clusterwire.transports._grpc_common.door import Door
 from clusterwire.transports._grpc_common.health import SERVICE as HEALTH_SERVICE
 from clusterwire.transports._grpc_common.health import HealthService
+from clusterwire.wrong_protocol import wrong_protocol
 
 _STOP_SLACK_S = 10.0
 _QUOTA_PENDING = 16  # see connection_args
@@ -119,6 +120,24 @@ class _TokenGate(grpc.ServerInterceptor):
         return grpc.stream_unary_rpc_method_handler(refuse)
 
 
+class _OtherProtocol(grpc.GenericRpcHandler):
+    """Answers a call of a method this server does not register (a client of another
+    clusterwire protocol, or no clusterwire client) with ``wrong_protocol``, without reading
+    its request. Registered methods never reach it; with a token, the token gate runs
+    first."""
+
+    def __init__(self, protocol: str):
+        self._message = wrong_protocol(protocol).message
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        message = self._message
+
+        def refuse(requests, context: grpc.ServicerContext):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, message)
+
+        return grpc.stream_unary_rpc_method_handler(refuse)
+
+
 def _opening(handler: grpc.RpcMethodHandler, door: Door) -> grpc.RpcMethodHandler:
     """``handler``, telling ``door`` that its caller's connection is authenticated (the
     token gate let the call in) unless the door counts it already: a call on a connection
@@ -141,6 +160,7 @@ class ControlServer:
     """A gRPC server on its own thread pool (an ``ElasticPool``), bound (with TLS if
     configured) when created.
 
+    ``protocol``: the clusterwire protocol it serves, named to a client of another one.
     ``limits``: the listener's options: its security, the connection limits it enforces
     (see ``connection_args``) and, unless ``max_workers`` is given, its thread count.
     With a token, calls without it are refused before their request is read, and a
@@ -151,7 +171,7 @@ class ControlServer:
 
     def __init__(self, address: str, service: str,
                  handlers: Mapping[str, grpc.RpcMethodHandler], limits: ListenOptions,
-                 name: str, max_workers: int | None = None,
+                 name: str, protocol: str, max_workers: int | None = None,
                  max_receive_bytes: int | None = None):
         security = limits.security
         self._door = Door(limits, name) if security.token else None
@@ -172,6 +192,7 @@ class ControlServer:
         # no per-call Python lookup of the method; clients mark theirs _registered_method.
         self.server.add_registered_method_handlers(service, dict(handlers))
         self.server.add_registered_method_handlers(HEALTH_SERVICE, self.health.handlers())
+        self.server.add_generic_rpc_handlers([_OtherProtocol(protocol)])
         self.address = address  # the contact address (bound port) once bound
         try:
             self.address = bind(self.server, address, security)

@@ -129,7 +129,7 @@ class GrpcListener(Listener):
             "Call": grpc.unary_unary_rpc_method_handler(self._call),
             "Upload": grpc.stream_unary_rpc_method_handler(self._upload),
             "Fetch": grpc.unary_stream_rpc_method_handler(self._fetch),
-        }, options, "grpc", max_receive_bytes=limit)
+        }, options, "grpc", "grpc", max_receive_bytes=limit)
         self._bulk = None
         self._inline_response_bytes = transport.inline_bytes
         if transport.bulk_plane == "tcp" and self._security.tls is None:

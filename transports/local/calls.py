@@ -21,6 +21,7 @@ from clusterwire.security import Security
 from clusterwire.thread_pool import serve_parking
 from clusterwire.transport import ConnectionFailed, Frame, HandshakeFailed
 from clusterwire.transports.local import unix, wire
+from clusterwire.transports.local.probe import other_protocol
 from clusterwire.transports.local.segments import (
     check_descriptors,
     plan_buffers,
@@ -227,7 +228,8 @@ class CallPool:
                     f"Connecting to the grpc+local server at {self._address} took past the "
                     "deadline (its accept queue is full).") from None
             except OSError as err:
-                elsewhere = unix.another_host(self._address)
+                elsewhere = unix.another_host(self._address) or other_protocol(
+                    self._address, self._security, deadline)
                 if elsewhere is not None:
                     raise elsewhere from None
                 raise ConnectionFailed(

@@ -74,6 +74,7 @@ from clusterwire.transports._grpc_common.server import ControlServer
 from clusterwire.transports._grpc_common.status import grpc_error, status_code
 from clusterwire.transports.local import sealed, unix, wire
 from clusterwire.transports.local.calls import CallConnection, CallPool
+from clusterwire.transports.local.probe import other_protocol
 from clusterwire.transports.local.segments import (
     SegmentPeer,
     plan_buffers,
@@ -108,6 +109,7 @@ class LocalListener(Listener):
         self._control = ControlServer(
             address, "clusterwire.Local",
             {"Call": grpc.unary_unary_rpc_method_handler(self._call)}, options, "local",
+            "grpc+local",
             max_receive_bytes=_CONTROL_LIMIT)
         self._address = self._control.address
         self._unix = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -461,7 +463,8 @@ class LocalChannel(Channel):
                     sock.connect(unix.socket_name(self._address))
                 except OSError as err:
                     sock.close()
-                    elsewhere = unix.another_host(self._address)
+                    elsewhere = unix.another_host(self._address) or other_protocol(
+                        self._address, self._security, None)
                     if elsewhere is not None:
                         raise elsewhere from None
                     raise ConnectionFailed(

@@ -120,7 +120,7 @@ class VerbsListener(Listener):
             "Hello": grpc.unary_unary_rpc_method_handler(self._hello),
             "Ping": grpc.unary_unary_rpc_method_handler(self._ping),
             "Bye": grpc.unary_unary_rpc_method_handler(self._bye),
-        }, options, "verbs-control", max_workers=4)
+        }, options, "verbs-control", "grpc+verbs", max_workers=4)
         self._address = self._control.address
         self._endpoints: dict[int, tuple[Any, bytes, str]] = {}  # slot -> endpoint, key, peer
         # The slots by peer (the Hello's IP address), at most max_connections, fairly shared.
