@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import in_process_data_service, wait_for
+from test_data_resume import await_line, start_trainer
 
 from clusterwire import data, errors
 from clusterwire.data.splits import PROVIDERS
@@ -259,3 +260,57 @@ def test_positions_that_do_not_merge_say_why(service):
     with pytest.raises(errors.InvalidArgumentError, match="read is parallel_epochs"):
         iter(data.from_dataset_id("parallel_epochs", service.target, ranks,
                                   state=data.merge_states(states)))
+
+
+def test_sigkilled_trainers_resume_as_another_number_of_processes(processes, tmp_path):
+    """3 trainer processes of one job checkpoint every 50 elements and are SIGKILLed past
+    their checkpoint at 200, with the fault-tolerant dispatcher SIGKILLed and restarted
+    after them; 2 new trainer processes resume from the merged checkpoints."""
+    ft = ["--fault-tolerant-mode", "--work-dir", str(tmp_path / "work")]
+    dispatcher = processes("dispatcher", "--port", "0", *ft)
+    for _ in range(WORKERS):
+        processes("worker", "--dispatcher-address", dispatcher.address,
+                  "--heartbeat-interval-ms", "200")
+    wait_for(lambda: len(data.service_status(dispatcher.target).workers) == WORKERS,
+             timeout=30, what="workers registered")
+    dataset_id = data.register_dataset(dispatcher.target, source(True))
+    old = [str(tmp_path / f"old{i}.json") for i in range(3)]
+    trainers = [start_trainer(dispatcher.target, dataset_id, "distributed_epoch", path,
+                              "--job-name", "ranks", "--every", "50", "--announce", "230")
+                for path in old]
+    try:
+        for trainer in trainers:
+            await_line(trainer, "READ 230", 60)
+    finally:
+        for trainer in trainers:
+            trainer.kill()
+            trainer.communicate(timeout=30)
+    checkpoints = []
+    for path in old:
+        with open(path) as file:
+            checkpoints.append(json.load(file))
+    assert [len(c["seen"]) for c in checkpoints] == [200] * 3
+    port = dispatcher.port
+    dispatcher.kill()
+    dispatcher = processes("dispatcher", "--port", str(port), *ft)
+    merged = data.merge_states([c["state"] for c in checkpoints])
+    new = [str(tmp_path / f"new{i}.json") for i in range(2)]
+    for path in new:
+        with open(path, "w") as file:
+            json.dump({"seen": [], "state": merged}, file)
+    trainers = [start_trainer(dispatcher.target, dataset_id, "distributed_epoch", path,
+                              "--job-name", "ranks", "--every", str(COUNT))
+                for path in new]
+    try:
+        for trainer in trainers:
+            await_line(trainer, "DONE", 120)
+            assert trainer.wait(30) == 0
+    finally:
+        for trainer in trainers:
+            trainer.kill()
+            trainer.communicate(timeout=30)
+    seen = [x for c in checkpoints for x in c["seen"]]
+    for path in new:
+        with open(path) as file:
+            seen += json.load(file)["seen"]
+    assert Counter(seen) == Counter(range(COUNT))
