@@ -785,17 +785,20 @@ class JobReader(Iterator[Any]):
         with self._lock:
             position = self._positions.setdefault(address,
                                                   _StreamPosition(offset, start.vouch))
-        first, received = True, offset
+        # Every read names where this consumer is (``received``, with the service's vouch):
+        # a worker that closed the stream (idle past its timeout) starts it again there.
+        first, received, vouch = True, offset, start.vouch
         while not self._stop.is_set():
             read = self._read_retrying(address, spec, first=first,
-                                       offset=offset if first else 0,
-                                       vouch=start.vouch if first else None)
+                                       offset=received if spec.owner or first else 0,
+                                       vouch=vouch if spec.owner or first else None)
             if read is None:
                 self._drop(address, spec, received)
                 return
             batch, end = read
             first = False
             received += len(batch)
+            vouch = batch.vouch or vouch
             if batch:
                 self._put("batch", batch, position)
             if end:

@@ -102,6 +102,10 @@ _REMOVED_JOB = (
     "job_gc_timeout_ms, or displaced from the dispatcher's full job table: the dispatcher "
     "says which). This worker does not start its streams again, which would hand out their "
     "elements a second time: start a new iteration.")
+_IDLE_SHARED = (
+    "This tf.data service worker closed job {job}'s shared stream after {idle:g} s without a "
+    "read. Its consumers cannot continue it (starting it again would hand out its elements a "
+    "second time): start a new iteration.")
 _MAX_READ_BYTES = 8 << 20  # a read's batch when it names no max_bytes
 _FIRST_REGISTRATION_S = 5.0
 
@@ -207,6 +211,9 @@ class WorkerServer:
         # that this worker knew (listed before, or streams it ran): never opened again.
         self._live_jobs: set[int] = set()
         self._removed_jobs: Displaced[int] = Displaced(REMOVED_JOBS_KEPT)
+        # Jobs whose shared stream was closed idle (an anonymous job's own stream is opened
+        # again where its consumer says it is, with the service's vouch).
+        self._idle_shared: Displaced[int] = Displaced(REMOVED_JOBS_KEPT)
         self._datasets: dict[str, Pipeline] = {}
         self._dataset_locks: dict[str, threading.Lock] = {}
         self._stopping = threading.Event()
@@ -324,6 +331,11 @@ class WorkerServer:
                     or (key[1] >= 0 and stream.finished
                         and now - stream.last_used > _FINISHED_STREAM_S)]
             streams = [self._streams.pop(key) for key in dead]
+            for key, stream in zip(dead, streams, strict=True):
+                if key[1] < 0 and not stream.owner and key[0] not in removed \
+                        and not stream.finished:
+                    self._idle_shared.remember(
+                        key[0], _IDLE_SHARED.format(job=key[0], idle=_IDLE_STREAM_S))
             self._released = {k: r for k, r in self._released.items()
                               if k[0] not in removed and now - r[1] < _IDLE_STREAM_S}
             self._evicted = {j: t for j, t in self._evicted.items()
@@ -584,6 +596,9 @@ class WorkerServer:
         why = self._removed_jobs.why(spec.job_id)
         if why is not None:
             raise errors.NotFoundError(why)
+        why = self._idle_shared.why(spec.job_id) if key[1] < 0 and not spec.owner else None
+        if why is not None:
+            raise errors.FailedPreconditionError(why)
         released = self._released.get(
             (spec.job_id, consumer_id, spec.split_id if spec.is_split else -1))
         if released is not None and spec.attempt <= released[0]:
