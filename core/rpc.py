@@ -18,6 +18,7 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from clusterwire import codec, errors, in_process
+from clusterwire.durations import format_duration
 from clusterwire.plugins import get_plugin_manager
 from clusterwire.protos.service_pb2 import Request, Response
 from clusterwire.security import Security
@@ -85,12 +86,15 @@ class RequestClient:
     """Sends requests to addresses over one protocol, reusing one channel per address.
 
     A server of this process is reached without the transport (``clusterwire.in_process``)
-    unless ``in_process`` is False.
+    unless ``in_process`` is False. ``peer`` names what serves at the addresses in the
+    warning that one is unreachable.
     """
 
     def __init__(self, protocol: str, timeout: float = DEFAULT_TIMEOUT,
-                 security: Security | None = None, in_process: bool = True):
+                 security: Security | None = None, in_process: bool = True,
+                 peer: str = "task"):
         self.protocol = protocol
+        self.peer = peer
         self.timeout = timeout
         self.security = security or Security()
         self.in_process = in_process
@@ -173,11 +177,11 @@ class RequestClient:
                 if remaining <= 0:
                     raise errors.UnavailableError(
                         f"Task at {address} ({self.protocol}) is unavailable after "
-                        f"{budget:.3g} s: {err.message}") from None
+                        f"{format_duration(budget)}: {err.message}") from None
                 if delay == _BACKOFF_START and remaining > _QUIET_RETRY_S:
-                    _LOG.warning("clusterwire: the task at %s (%s) is unreachable (%s); retrying "
-                                 "until the deadline, %.3g s from now.", address,
-                                 self.protocol, err.message, remaining)
+                    _LOG.warning("clusterwire: the %s at %s (%s) is unreachable (%s); retrying "
+                                 "until the deadline, %s from now.", self.peer, address,
+                                 self.protocol, err.message, format_duration(remaining))
                 if self._closing.wait(min(jittered(delay), remaining)):
                     raise errors.CancelledError("This client was closed.") from None
                 delay = min(delay * 2, _BACKOFF_MAX)

@@ -244,6 +244,15 @@ def test_positions_that_do_not_merge_say_why(service):
         data.merge_states([data.merge_states(states)])
     with pytest.raises(errors.InvalidArgumentError, match="got none"):
         data.merge_states([])
+    merged = data.merge_states(states)
+    for bad, match in [({**merged, "consumers": "x"}, "'consumers' must be a list"),
+                       ({**merged, "consumers": []}, "lists no consumers"),
+                       ({**merged, "consumers": [7]}, "consumer entry 7"),
+                       ({**merged, "version": 1}, "version 1"),
+                       ({**merged, "consumers": [{**merged["consumers"][0], "handed": -1}]},
+                        "'handed'")]:
+        with pytest.raises(errors.InvalidArgumentError, match=match):
+            data.distribute("distributed_epoch", service.target, state=bad)
     dataset_id = data.register_dataset(service.target, data.Dataset.range(100))
     parallel = iter(data.from_dataset_id("parallel_epochs", service.target, dataset_id))
     next(parallel)

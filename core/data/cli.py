@@ -2,7 +2,9 @@
 
 Each runs one data-service server as a dedicated process until SIGINT or
 SIGTERM, printing ``CLUSTERWIRE_READY <target>`` on stdout once it serves
-(the worker's target is its worker address).
+(the worker's target is its worker address; a worker prints it once its dispatcher has
+accepted it, saying on stderr meanwhile what it waits for), and a "stopped" line on stderr
+when a signal stopped it.
 """
 
 from __future__ import annotations
@@ -14,14 +16,22 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 from clusterwire import errors
 from clusterwire.data.limits import PipelineLimits
+from clusterwire.durations import format_duration
 from clusterwire.local_cluster import READY_PREFIX, await_ready
 from clusterwire.security import security_fields
+from clusterwire.terminal_text import printable
 
 __all__ = ["READY_PREFIX", "add_commands", "await_ready", "import_modules"]
+
+#: A worker its dispatcher has not accepted says so when ``start()`` returns (after 5 s),
+#: again this long later, then at doubling intervals up to WAITING_REPORT_MAX_S.
+WAITING_REPORT_FIRST_S = 10.0
+WAITING_REPORT_MAX_S = 600.0
 
 
 def import_modules(command: str, modules: list[str]) -> None:
@@ -38,19 +48,34 @@ def import_modules(command: str, modules: list[str]) -> None:
                              "PYTHONPATH)") from None
 
 
-def _serve_until_signal(server: Any, target: str, what: str, args: argparse.Namespace) -> int:
+def _stop_on_signals(server: Any, args: argparse.Namespace) -> threading.Event:
+    """SIGINT and SIGTERM stop ``server`` (within ``--grace``); the event says one came."""
+    signalled = threading.Event()
+
     def on_signal(_signum: int, _frame: Any) -> None:
+        signalled.set()
         threading.Thread(target=server.stop, args=(args.grace,), daemon=True).start()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    return signalled
+
+
+def _serve_until_signal(server: Any, target: str, what: str, args: argparse.Namespace) -> int:
     print(f"{READY_PREFIX}{target}", flush=True)
     if not args.quiet:
         metrics = f", metrics at {server.metrics_url}" if server.metrics_url else ""
         print(f"clusterwire: tf.data service {what} serving at {target}{metrics}",
               file=sys.stderr, flush=True)
     server.join()
+    _say_stopped(target, what, args)
     return 0
+
+
+def _say_stopped(target: str, what: str, args: argparse.Namespace) -> None:
+    if not args.quiet:
+        print(f"clusterwire: tf.data service {what} at {target} stopped", file=sys.stderr,
+              flush=True)
 
 
 def _dispatcher(args: argparse.Namespace) -> int:
@@ -66,6 +91,7 @@ def _dispatcher(args: argparse.Namespace) -> int:
         allow_cloudpickle=args.allow_cloudpickle, bind_address=args.bind_address,
         worker_token_file=args.worker_token_file, **_metrics(args), **_security(args))
     server = DispatchServer(config=config)
+    _stop_on_signals(server, args)
     report = server.journal_report
     if report.message:
         print(f"clusterwire dispatcher: {report.message}", file=sys.stderr, flush=True)
@@ -98,8 +124,36 @@ def _worker(args: argparse.Namespace) -> int:
         cross_trainer_cache_size_bytes=args.cross_trainer_cache_size_bytes,
         worker_token_file=args.worker_token_file, pipeline_limits=_pipeline_limits(args),
         **_metrics(args), **_security(args))
-    server = WorkerServer(config=config)
-    return _serve_until_signal(server, f"{config.protocol}://{server.address}", "worker", args)
+    server = WorkerServer(config=config, start=False)
+    target = f"{config.protocol}://{server.address}"
+    signalled = _stop_on_signals(server, args)
+    started = time.monotonic()
+    server.start()
+    if not _await_dispatcher(server, target, config.dispatcher_address, started, signalled):
+        server.join()
+        _say_stopped(target, "worker", args)
+        return 0
+    return _serve_until_signal(server, target, "worker", args)
+
+
+def _await_dispatcher(server: Any, target: str, dispatcher: str, started: float,
+                      signalled: threading.Event) -> bool:
+    """Wait until the dispatcher accepts the worker (True), saying on stderr every so often
+    (at first after ``start()``'s wait, then at doubling intervals up to
+    WAITING_REPORT_MAX_S) what it waits for and why; False if a signal stopped it first."""
+    interval = WAITING_REPORT_FIRST_S
+    while not server.registered:
+        if signalled.is_set():
+            return False
+        problem = server.registration_problem or "no answer yet"
+        print(f"clusterwire: tf.data service worker {target} is waiting for its dispatcher at "
+              f"{printable(dispatcher)} ({format_duration(time.monotonic() - started)} so "
+              f"far): {printable(problem)}. It serves no elements until the dispatcher "
+              "accepts it, and keeps trying.", file=sys.stderr, flush=True)
+        if server.wait_registered(interval):
+            break
+        interval = min(interval * 2, WAITING_REPORT_MAX_S)
+    return not signalled.is_set()
 
 
 def _pipeline_limits(args: argparse.Namespace) -> dict[str, int]:

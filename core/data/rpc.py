@@ -88,16 +88,18 @@ class DispatcherClient:
         self.timeout = timeout
         self.security = security
         self._call_timeout = call_timeout
-        self._client = RequestClient(protocol, timeout=timeout, security=security)
+        self._client = RequestClient(protocol, timeout=timeout, security=security,
+                                     peer="tf.data service dispatcher")
 
-    def call(self, request: DataRequest, buffers: Sequence[Any] = ()
+    def call(self, request: DataRequest, buffers: Sequence[Any] = (), retry: bool = True
              ) -> tuple[DataResponse, list[Any]]:
-        """Send ``request``; return the response and its buffers."""
+        """Send ``request``; return the response and its buffers. Without ``retry``, an
+        unreachable dispatcher is an UnavailableError at once."""
         try:
             reply = self._client.send_frame(
                 self.address, Frame(request.SerializeToString(), list(buffers)),
                 f"data.{request.WhichOneof('kind')}", idempotent=True,
-                attempt_timeout=self._call_timeout)
+                attempt_timeout=self._call_timeout, retry=retry)
         except errors.UnavailableError as err:
             raise errors.UnavailableError(
                 f"tf.data service dispatcher: {err.message}") from None

@@ -108,6 +108,7 @@ _IDLE_SHARED = (
     "second time): start a new iteration.")
 _MAX_READ_BYTES = 8 << 20  # a read's batch when it names no max_bytes
 _FIRST_REGISTRATION_S = 5.0
+_STOP_CHECK_S = 1.0  # how often wait_registered looks whether the worker was stopped
 
 log = logging.getLogger("clusterwire")
 
@@ -220,6 +221,7 @@ class WorkerServer:
         self._stopped = threading.Event()
         self._started = False
         self._registered = threading.Event()
+        self._registration_problem: str | None = None  # why the last attempt failed
         self._grant_key = b""  # from the dispatcher's heartbeat answers
         self._heartbeats = threading.Thread(target=self._heartbeat_loop, daemon=True,
                                             name="clusterwire-data-heartbeat")
@@ -255,7 +257,8 @@ class WorkerServer:
         return self._monitoring.url
 
     def start(self) -> None:
-        """Serve and register with the dispatcher (waits briefly for the registration)."""
+        """Serve and register with the dispatcher (waits up to 5 s for the registration;
+        the worker keeps trying after that, as TF's does: ``wait_registered``)."""
         with self._lock:
             if self._stopped.is_set():
                 raise errors.FailedPreconditionError("This worker was stopped.")
@@ -273,6 +276,32 @@ class WorkerServer:
         Signal handlers (Ctrl-C) still run promptly while the main thread waits here.
         """
         return wait_event(self._stopped, timeout)
+
+    @property
+    def registered(self) -> bool:
+        """Whether the dispatcher has accepted this worker (clients get elements only then)."""
+        return self._registered.is_set()
+
+    @property
+    def registration_problem(self) -> str | None:
+        """Why the dispatcher has not accepted this worker yet (the last attempt's error:
+        unreachable, refused, a wrong worker token...); None once registered or before the
+        first attempt ended."""
+        return None if self._registered.is_set() else self._registration_problem
+
+    def wait_registered(self, timeout: float | None = None) -> bool:
+        """Block until the dispatcher has accepted this worker (True), the worker is stopped
+        or ``timeout`` passes (False). Signal handlers still run while the main thread
+        waits here."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._stopping.is_set():
+            left = _STOP_CHECK_S if deadline is None else min(
+                _STOP_CHECK_S, deadline - time.monotonic())
+            if left <= 0:
+                break
+            if wait_event(self._registered, left):
+                return True
+        return self._registered.is_set()
 
     def stop(self, grace: float | None = None) -> None:
         """Stop serving, stop every pipeline and free the port (idempotent)."""
@@ -298,11 +327,16 @@ class WorkerServer:
             with self._lock:  # the answer judges these only: later jobs may be unlisted
                 known = {*self._live_jobs, *(key[0] for key in self._streams),
                          *(key[0] for key in self._released), *self._evicted}
+            registered = self._registered.is_set()
             try:
-                response, _ = self._dispatcher.call(request)
+                # Until registered, each attempt fails at once with its reason (said by
+                # registration_problem), not after dispatcher_timeout_ms of retries.
+                response, _ = self._dispatcher.call(request, retry=registered)
             except errors.CancelledError:
                 return
             except errors.OpError as err:
+                if not registered:
+                    self._registration_problem = err.message
                 if isinstance(err, errors.PermissionDeniedError) and not refused:
                     refused = True  # said once; the operator may still fix the dispatcher
                     log.error("clusterwire: tf.data service worker %s: %s", self._info.address,
