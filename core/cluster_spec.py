@@ -9,8 +9,9 @@ rule for rule, with these deliberate differences, each a fix of a TF bug:
 * A task index must be an int or a string of digits (TF calls ``int()`` on it,
   so ``1.7`` silently became ``1``); anything else raises TypeError.
 * A job name must look like a TF device-name component
-  (``[A-Za-z][A-Za-z0-9_]*``): TF accepts ``"a/b"`` and then cannot parse its
-  own device strings.
+  (``[A-Za-z][A-Za-z0-9_]*``), or be empty: TF accepts ``"a/b"`` and then cannot
+  parse its own device strings. The empty name is accepted as TF accepts it (TF's
+  GCEClusterResolver with ``task_type=""`` returns a cluster of that job).
 * ``job_tasks`` of an empty job returns ``[]`` (TF raises from ``max()``).
 """
 
@@ -23,7 +24,7 @@ from clusterwire.addressing import split_host_port
 from clusterwire.errors import InvalidArgumentError
 from clusterwire.protos.cluster_pb2 import ClusterDef
 
-_JOB_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
+_JOB_NAME = re.compile(r"^([A-Za-z][A-Za-z0-9_]*)?$")
 _TYPE_ERROR = (
     "`cluster` must be a dictionary mapping one or more job names to lists of network "
     "addresses, or a `ClusterDef` protocol buffer"
@@ -38,7 +39,7 @@ def _job_name(name) -> str:
     if not _JOB_NAME.match(name):
         raise ValueError(
             f"Invalid job name {name!r}: use letters, digits and '_', starting with a letter "
-            "(e.g. 'worker', 'ps').")
+            "(e.g. 'worker', 'ps'), or the empty name.")
     return name
 
 

@@ -2,10 +2,11 @@
 
 TensorFlow's resolver (same arguments, ``instanceGroups.listInstances`` with
 body ``{"instanceState": "RUNNING"}`` and every page followed, then
-``instances.get`` for each member's first internal IP), with these fixes:
+``instances.get`` for each member's first internal IP, the ``"ip:port"`` list
+sorted as strings as TF's ``worker_list.sort()`` does, so task indices agree with
+TF's: ``10.0.0.10`` comes before ``10.0.0.9``, and an instance's index follows its
+IP, not its name; any ``task_type`` names the job, ``""`` too), with these fixes:
 
-* Addresses are ordered by instance name (TF sorts ``"ip:port"`` strings, so
-  ``10.0.0.10`` came before ``10.0.0.9`` and a task's index changed with its IP).
 * The group is passed as ``instanceGroup`` (TF passes ``instanceGroups``, which
   the discovery client rejects), and a page without ``items`` is an empty page
   (TF raises KeyError).
@@ -113,10 +114,11 @@ class GCEClusterResolver(OwnTaskResolver):
                                                 previous_response=response)
         if not names:
             raise errors.NotFoundError(f"Instance group {group} has no RUNNING instance.")
-        return sorted(names)
+        return names
 
     def cluster_spec(self) -> ClusterSpec:
-        """``{task_type: ["internal_ip:port", ...]}`` in instance-name order (queried each call)."""
+        """``{task_type: ["internal_ip:port", ...]}``, the addresses sorted as strings, as in
+        TF (queried each call)."""
         addresses = []
         for name in self._member_names():
             instance = self._execute(
@@ -130,7 +132,7 @@ class GCEClusterResolver(OwnTaskResolver):
                     f"Instance {name} has no internal IP (networkInterfaces[0].networkIP)."
                 ) from None
             addresses.append(f"{ip}:{self._port}")
-        return ClusterSpec({self._task_type: addresses})
+        return ClusterSpec({self._task_type: sorted(addresses)})
 
 
 @hookimpl

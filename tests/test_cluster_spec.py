@@ -106,10 +106,16 @@ def test_non_string_job_name_raises_type_error():
         ClusterSpec({1: ["a:1"]})
 
 
-@pytest.mark.parametrize("name", ["", "a/b", "1worker", "job:x"])
+@pytest.mark.parametrize("name", ["a/b", "1worker", "job:x", " ", "_x"])
 def test_invalid_job_name_raises_value_error(name):
     with pytest.raises(ValueError, match="Invalid job name"):
         ClusterSpec({name: ["a:1"]})
+
+
+def test_the_empty_job_name_is_accepted_as_in_tf():
+    spec = ClusterSpec({"": ["a:1", "b:2"]})
+    assert spec.jobs == [""] and spec.task_address("", 1) == "b:2"
+    assert ClusterSpec(spec.as_cluster_def()) == spec
 
 
 @pytest.mark.parametrize("address", ["", "host", "host:", "host:-1", "host:99999", "[::1",

@@ -39,22 +39,23 @@ def resolver(fake, group="workers", **kwargs):
                               client_options={"api_endpoint": fake.api_endpoint}, **kwargs)
 
 
-def test_running_instances_in_name_order_across_pages(fake):
+def test_running_instances_sorted_as_tf_sorts_them_across_pages(fake):
     gce = resolver(fake)
     spec = gce.cluster_spec()
-    assert spec.as_dict() == {"worker": ["10.0.0.9:8470", "10.0.0.10:8470", "10.0.0.2:8470",
-                                         "10.0.0.3:8470"]}
+    # TF's worker_list.sort(): "ip:port" strings, so 10.0.0.10 before 10.0.0.2 and 10.0.0.9
+    assert spec.as_dict() == {"worker": ["10.0.0.10:8470", "10.0.0.2:8470", "10.0.0.3:8470",
+                                         "10.0.0.9:8470"]}
     lists = [r for r in fake.requests if r[1].endswith("/listInstances")]
     assert len(lists) == 2  # 4 RUNNING members, 2 per page: nextPageToken was followed
     assert lists[0][2]["instanceState"] == "RUNNING" and lists[1][2]["pageToken"] == "2"
-    assert gce.master() == "grpc://10.0.0.9:8470"
-    assert gce.master("worker", 3, rpc_layer="grpc+verbs") == "grpc+verbs://10.0.0.3:8470"
+    assert gce.master() == "grpc://10.0.0.10:8470"
+    assert gce.master("worker", 3, rpc_layer="grpc+verbs") == "grpc+verbs://10.0.0.9:8470"
     assert (gce.task_type, gce.task_id, gce.environment) == ("worker", 0, "")
 
 
 def test_cluster_is_queried_again_on_every_call(fake):
     gce = resolver(fake, task_type="ps", task_id=1, rpc_layer=None)
-    assert gce.master() == "10.0.0.10:8470"
+    assert gce.master() == "10.0.0.2:8470"
     fake.add_group(P, Z, "workers", {"worker-0": ("RUNNING", "10.0.0.1")})
     assert gce.cluster_spec().as_dict() == {"ps": ["10.0.0.1:8470"]}
 
@@ -64,7 +65,14 @@ def test_task_type_is_fixed_task_id_is_not(fake):
     with pytest.raises(RuntimeError, match="cannot reset the task_type"):
         gce.task_type = "ps"
     gce.task_id = 2
-    assert gce.master() == "grpc://10.0.0.2:8470"
+    assert gce.master() == "grpc://10.0.0.3:8470"
+
+
+def test_an_empty_task_type_names_the_job_as_in_tf(fake):
+    gce = resolver(fake, task_type="", task_id=1)
+    assert gce.cluster_spec().as_dict() == {"": ["10.0.0.10:8470", "10.0.0.2:8470",
+                                                 "10.0.0.3:8470", "10.0.0.9:8470"]}
+    assert gce.task_type == "" and gce.master() == "grpc://10.0.0.2:8470"
 
 
 def test_registered_as_gce_plugin(fake):
