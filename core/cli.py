@@ -13,6 +13,7 @@ from typing import Any
 from clusterwire import errors
 from clusterwire.addressing import is_loopback  # noqa: F401 - re-exported for the CLI's users
 from clusterwire.protos.tensorflow_server_pb2 import ServerOptions
+from clusterwire.security_flags import add_security_arguments, security_options
 from clusterwire.terminal_text import LOG_CHARS, printable
 
 
@@ -188,13 +189,29 @@ def _join(args: argparse.Namespace, config: Any) -> Any:
 
 
 def _status(args: argparse.Namespace) -> int:
+    from clusterwire.addressing import split_target
     from clusterwire.membership import MAX_TASKS
+    from clusterwire.security import load_security
+    from clusterwire.server_kind import TASK, first_failure, wrong_kind
     from clusterwire.session import Session
 
     if args.all and args.task:
         raise SystemExit("clusterwire status: give --task or --all, not both")
-    with Session(args.target, timeout=args.timeout) as session:
-        statuses = session.cluster_status() if args.all else {"": session.status(task=args.task)}
+    options = security_options(args)
+    try:
+        with Session(args.target, config=options, timeout=args.timeout) as session:
+            statuses = (session.cluster_status() if args.all
+                        else {"": session.status(task=args.task)})
+    except errors.OpError as err:
+        protocol, address = split_target(args.target)
+        better = first_failure(
+            "status", err.error_code, f"The task at {args.target}",
+            f"{type(err).__name__}: {err.message}",
+            lambda: None if args.task else wrong_kind(
+                protocol, address, load_security(options), args.timeout, TASK))
+        if better is None:
+            raise
+        raise better from None
     for status in statuses.values():
         if "cluster" in status:
             status["cluster"] = status["cluster"].as_dict()
@@ -229,10 +246,14 @@ def _top(args: argparse.Namespace) -> int:
     # The table shows which tasks are unreachable; the client's retry warnings on stderr
     # would only scroll it.
     logging.getLogger("clusterwire").addHandler(logging.NullHandler())
+    from clusterwire.security import load_security
+
     timeout = args.interval if args.timeout is None else args.timeout
-    view = (top.task_view(args.target, args.interval, timeout) if args.target is not None
+    security = load_security(security_options(args))
+    view = (top.task_view(args.target, args.interval, timeout, security)
+            if args.target is not None
             else top.data_view(args.dispatcher, args.protocol or "grpc", args.interval,
-                               timeout))
+                               timeout, security))
     return top.run(view, args.interval, args.once)
 
 
@@ -336,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--timeout", type=float, default=10.0,
                         help="seconds for the answer; with --all, for the whole cluster's "
                              "(default 10)")
+    add_security_arguments(status, server=False)
     status.set_defaults(run=_status)
 
     top = commands.add_parser(
@@ -366,6 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--once", action="store_true",
                      help="print one table (two snapshots --interval apart, for the rates) and "
                           "exit: 0 if every server answered, else 1")
+    add_security_arguments(top, server=False)
     top.set_defaults(run=_top)
 
     plugins = commands.add_parser("plugins", help="list installed transports and resolvers")

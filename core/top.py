@@ -33,6 +33,14 @@ from clusterwire.protos.data_service_pb2 import DataRequest, DataServiceStatus, 
 from clusterwire.protos.service_pb2 import MetricSample, Request, TaskStatus
 from clusterwire.rpc import RequestClient, parse_response, raise_for_status
 from clusterwire.security import Security, load_security
+from clusterwire.server_kind import (
+    DISPATCHER,
+    TASK,
+    WORKER,
+    first_failure,
+    wrong_kind,
+    wrong_kind_error,
+)
 from clusterwire.terminal_text import MAX_CHARS, printable
 from clusterwire.transport import Frame
 
@@ -63,6 +71,8 @@ class TaskSnapshot:
     #: It answered that it is stopping (its drain refuses new requests).
     draining: bool = False
     error: str = ""
+    #: The error's code (clusterwire.errors), when there was one.
+    code: int = 0
     #: Bytes of this status request and of its response: the task counts them (received,
     #: sent) by its next answer.
     request_bytes: int = 0
@@ -175,8 +185,9 @@ class TaskPoller:
         protocol, self._target_address = split_target(target)
         self.target = target
         self._timeout = timeout
-        self._client = RequestClient(protocol, timeout=timeout,
-                                     security=security or load_security())
+        self._protocol = protocol
+        self._security = security or load_security()
+        self._client = RequestClient(protocol, timeout=timeout, security=self._security)
         self._pool = ThreadPoolExecutor(MAX_SERVERS, thread_name_prefix="clusterwire-top")
         self._own: str | None = None  # the target's task
         self._tasks: list[tuple[str, str]] = []  # (task, address) asked, in the cluster's order
@@ -200,7 +211,8 @@ class TaskPoller:
             raise_for_status(response)
         except errors.OpError as err:
             return TaskSnapshot(task, address, time.monotonic(),
-                                error=f"{type(err).__name__}: {err.message}")
+                                error=f"{type(err).__name__}: {err.message}",
+                                code=err.error_code)
         return TaskSnapshot(task, address, at, response.task_status,
                             request_bytes=len(_STATUS_REQUEST),
                             response_bytes=len(frame.header) + frame.payload_bytes)
@@ -230,9 +242,14 @@ class TaskPoller:
         if self._own is None:
             first = self._ask(self.target, self._target_address)
             if first.status is None:
-                raise errors.UnavailableError(
-                    f"The task at {self.target} did not answer its status request: "
-                    f"{first.error}. Is a task serving there? (--timeout gives it longer.)")
+                raise first_failure("top", first.code, f"The task at {self.target}",
+                                    first.error, lambda: wrong_kind(
+                                        self._protocol, self._target_address,
+                                        self._security, self._timeout, TASK)) or (
+                    errors.UnavailableError(
+                        f"The task at {self.target} did not answer its status request: "
+                        f"{first.error}. Is a task serving there? (--timeout gives it "
+                        "longer.)"))
             try:
                 self._learn(first.status)
             except (ValueError, TypeError) as err:
@@ -268,6 +285,8 @@ class DataServerSnapshot:
     at: float  # time.monotonic() when the answer arrived
     status: DataServiceStatus | None = None
     error: str = ""
+    #: The error's code (clusterwire.errors), when there was one.
+    code: int = 0
 
 
 @dataclass(frozen=True)
@@ -389,8 +408,8 @@ class DataPoller:
             protocol, address = parse_service(address)
         self.address, self.protocol = address, protocol
         self._timeout = timeout
-        self._client = RequestClient(protocol, timeout=timeout,
-                                     security=security or load_security())
+        self._security = security or load_security()
+        self._client = RequestClient(protocol, timeout=timeout, security=self._security)
         self._pool = ThreadPoolExecutor(MAX_SERVERS, thread_name_prefix="clusterwire-top")
         self._known: dict[str, None] = {}  # the worker addresses top asks, in order
         self._workers: list[str] = []  # asked, as the dispatcher last listed them
@@ -410,13 +429,16 @@ class DataPoller:
             status = parse(frame).status_report
         except errors.OpError as err:
             return DataServerSnapshot(address, time.monotonic(),
-                                      error=f"{type(err).__name__}: {err.message}")
+                                      error=f"{type(err).__name__}: {err.message}",
+                                      code=err.error_code)
         return DataServerSnapshot(address, time.monotonic(), status)
 
     def poll(self) -> DataSnapshot:
         """The dispatcher's answer, then its workers'. The first poll raises
         UnavailableError if the dispatcher does not answer."""
         dispatcher = self._ask(self.address)
+        if dispatcher.status is not None and dispatcher.status.kind == WORKER:
+            raise wrong_kind_error(self.protocol, self.address, WORKER)
         if dispatcher.status is not None:
             listed = [w.address for w in dispatcher.status.workers]
             for worker in listed:
@@ -426,10 +448,13 @@ class DataPoller:
             self._workers = [worker for worker in listed if worker in self._known]
             self._answered = True
         elif not self._answered:
-            raise errors.UnavailableError(
-                f"The dispatcher at {self.address} ({self.protocol}) did not "
-                f"answer its status request: {dispatcher.error}. Is it serving there, over "
-                "this --protocol? (--timeout gives it longer.)")
+            server = f"The dispatcher at {self.address} ({self.protocol})"
+            raise first_failure(
+                "top", dispatcher.code, server, dispatcher.error,
+                lambda: wrong_kind(self.protocol, self.address, self._security, self._timeout,
+                                   DISPATCHER)) or errors.UnavailableError(
+                f"{server} did not answer its status request: {dispatcher.error}. Is it "
+                "serving there, over this --protocol? (--timeout gives it longer.)")
         return DataSnapshot(dispatcher, tuple(self._pool.map(self._ask, self._workers)))
 
     def close(self) -> None:
