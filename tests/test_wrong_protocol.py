@@ -72,3 +72,18 @@ def test_a_grpc_local_client_still_retries_a_port_where_nothing_listens():
         with pytest.raises(errors.UnavailableError) as raised:
             session.status()
     assert "cannot reach a grpc+local server" in raised.value.message
+
+
+def test_a_grpc_peer_that_is_no_clusterwire_client_is_told_the_protocol_served():
+    import grpc
+
+    server = _server("grpc+local")
+    address = server.target.split("://")[1]
+    try:
+        with grpc.insecure_channel(address) as channel:
+            with pytest.raises(grpc.RpcError) as raised:
+                channel.unary_unary("/some.Other/Service")(b"hello", timeout=DEADLINE_S)
+    finally:
+        server.stop()
+    assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert raised.value.details().startswith("This server serves grpc+local, not the protocol")
