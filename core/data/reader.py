@@ -120,6 +120,7 @@ _RELEASE_TIMEOUT_S = 15.0
 _RELEASE_WAIT_S = 2.0
 _WORKER_FAILURES = (errors.UnavailableError, errors.DeadlineExceededError, errors.CancelledError)
 _END = object()
+_CLOSED = object()  # wakes a __next__ waiting when close() comes from another thread
 # Threads decoding (decompressing) received batches while the readers fetch the next ones.
 _DECODERS = 2
 
@@ -458,6 +459,8 @@ class JobReader(Iterator[Any]):
             if self._finished:
                 raise StopIteration
             kind, payload, position, vouch = self._queue.get()
+            if kind is _CLOSED:
+                continue
             if kind is _END:
                 self._finish()
                 raise StopIteration
@@ -521,6 +524,8 @@ class JobReader(Iterator[Any]):
             unfinished = [SplitOffset(split_id=s.split_id, offset=s.consumed, vouch=s.vouch)
                           for s in self._held.values()]
             streams = {a: list(specs.values()) for a, specs in self._opened.items() if specs}
+        with contextlib.suppress(queue.Full):  # full: __next__ is not waiting
+            self._queue.put_nowait((_CLOSED, None, None, None))
         self._decoder.shutdown(wait=False, cancel_futures=True)
         request = DataRequest(client_heartbeat=ClientHeartbeatRequest(
             job_id=self._job.job_id, consumer_id=self._consumer, finished=finished,
