@@ -88,11 +88,15 @@ def first_failure(tool: str, code: int, server: str, error: str,
                   found_there: Callable[[], errors.OpError | None]) -> errors.OpError | None:
     """What ``tool`` says when its first request to ``server`` failed with ``code``
     (``error``: that failure as text), when it knows better than the failure itself: an
-    authentication failure as one (the tool's security flags fix it), a request of the other
-    service as what serves there instead (``found_there``); else None."""
+    authentication failure as one (the tool's security flags fix it), a refusal that names
+    its fix (a listener of another protocol, a grpc+local task of another host) as it is, a
+    request of the other service as what serves there instead (``found_there``); else
+    None."""
     if code in (errors.UNAUTHENTICATED, errors.PERMISSION_DENIED):
         return errors.error_from_code(code, (
             f"{server} refused {tool}'s credentials: {error}. Give {tool} the cluster's: "
             "--auth-token-file, --tls-ca-file (and --tls-cert-file/--tls-key-file for "
             "mutual TLS)."))
+    if code == errors.FAILED_PRECONDITION:
+        return errors.FailedPreconditionError(f"{server}: {error.partition(': ')[2]}")
     return found_there() if code in OTHER_SERVICE_CODES else None

@@ -162,3 +162,16 @@ def test_the_tools_take_the_tls_flags(tmp_path):
         top = clusterwire("top", "--once", target, "--interval", "0.2", "--timeout", "10",
                           *flags)
         assert top.returncode == 0, top.stderr
+
+
+def test_the_tools_pass_on_a_wrong_protocol_answer_with_the_target(servers):
+    address = servers["task"]
+    for args in (("status", f"grpc+local://{address}"),
+                 ("top", "--once", f"grpc+local://{address}"),
+                 ("top", "--once", "--dispatcher", servers["dispatcher"], "--protocol",
+                  "grpc+local")):
+        stderr = _fails_with(clusterwire(*args, "--timeout", "10"),
+                             ": FailedPreconditionError: The ",
+                             ": This server serves grpc, not the protocol of this call: use "
+                             "grpc://HOST:PORT as the target.")
+        assert "serving there" not in stderr
