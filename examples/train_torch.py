@@ -1,7 +1,11 @@
 """Train a small PyTorch model on batches from clusterwire's data service.
 
+    pip install torch --index-url https://download.pytorch.org/whl/cpu   # the CPU build
     pip install 'clusterwire[torch]'
     python examples/train_torch.py [--epochs 5]
+
+PyTorch's CPU build (about 190 MB) is all this needs: a plain ``pip install torch`` on Linux
+takes a CUDA build of several GB.
 
 A dispatcher and two workers start as processes of their own on 127.0.0.1 (in production:
 ``clusterwire dispatcher`` and ``clusterwire worker`` on the input hosts), the workers serving

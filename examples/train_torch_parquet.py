@@ -1,5 +1,6 @@
 """Train a small PyTorch model from Parquet files, read through clusterwire's data service.
 
+    pip install torch --index-url https://download.pytorch.org/whl/cpu   # the CPU build
     pip install 'clusterwire[torch,parquet]'
     python examples/train_torch_parquet.py [--epochs 5]
 

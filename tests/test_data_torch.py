@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Iterator
 
 import cw_data_functions as fns
+import cw_install_hints as install
 import numpy as np
 import pytest
 from conftest import in_process_data_service, read_together
@@ -21,9 +22,7 @@ from cw_data_procs import ServerProcess
 from clusterwire import data, errors
 from clusterwire.plugins import get_plugin_manager
 
-torch = pytest.importorskip(
-    "torch", reason="PyTorch is not installed (pip install 'clusterwire[torch]'; CI installs "
-    "the CPU build)")
+torch = pytest.importorskip("torch", reason=f"PyTorch is not installed ({install.TORCH})")
 from torch.utils.data import DataLoader  # noqa: E402
 
 from clusterwire.data.torch_dataset import ServiceDataset, to_torch  # noqa: E402

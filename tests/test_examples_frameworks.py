@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import cw_install_hints as install
 import pytest
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples")
@@ -18,7 +19,7 @@ EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examp
                                              ("train_jax.py", "jax")])
 def test_example_trains_to_an_ok_verdict(script, library):
     if importlib.util.find_spec(library) is None:
-        pytest.skip(f"{library} is not installed (pip install 'clusterwire[{library}]')")
+        pytest.skip(f"{library} is not installed ({install.BY_LIBRARY[library]})")
     result = subprocess.run([sys.executable, os.path.join(EXAMPLES, script), "--epochs", "3"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr

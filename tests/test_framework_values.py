@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import cw_install_hints as install
 import numpy as np
 import pytest
 
@@ -11,7 +12,7 @@ from clusterwire.errors import InvalidArgumentError
 
 
 def _torch():
-    return pytest.importorskip("torch", reason="pip install 'clusterwire[torch]' (CI installs it)")
+    return pytest.importorskip("torch", reason=f"PyTorch is not installed ({install.TORCH})")
 
 
 @clusterwire.remote(name="tests.framework_values.describe")
@@ -65,7 +66,7 @@ def test_other_objects_are_still_refused():
 
 
 def test_a_cpu_jax_array_arrives_as_the_numpy_array_of_its_values(server):
-    jnp = pytest.importorskip("jax.numpy", reason="pip install 'clusterwire[jax]' (CI installs it)")
+    jnp = pytest.importorskip("jax.numpy", reason=f"JAX is not installed ({install.JAX})")
     array = jnp.arange(6, dtype=jnp.float32).reshape(2, 3)
     with Session(server.target, in_process=False) as session:
         session.put("j", array)
