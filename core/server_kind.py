@@ -17,6 +17,7 @@ from clusterwire.protos.service_pb2 import Request
 from clusterwire.rpc import RequestClient, parse_response, raise_for_status
 from clusterwire.security import Security
 from clusterwire.transport import Frame
+from clusterwire.wrong_protocol import is_wrong_protocol
 
 TASK, DISPATCHER, WORKER = "task", "dispatcher", "worker"
 #: Error codes a server answers a request of the other service with.
@@ -97,6 +98,7 @@ def first_failure(tool: str, code: int, server: str, error: str,
             f"{server} refused {tool}'s credentials: {error}. Give {tool} the cluster's: "
             "--auth-token-file, --tls-ca-file (and --tls-cert-file/--tls-key-file for "
             "mutual TLS)."))
-    if code == errors.FAILED_PRECONDITION:
-        return errors.FailedPreconditionError(f"{server}: {error.partition(': ')[2]}")
+    message = error.partition(": ")[2]
+    if code == errors.FAILED_PRECONDITION or is_wrong_protocol(message):
+        return errors.error_from_code(code, f"{server}: {message}")
     return found_there() if code in OTHER_SERVICE_CODES else None

@@ -7,17 +7,27 @@ use, nothing more (a peer without the cluster token learns only the protocol's n
 from __future__ import annotations
 
 from clusterwire import errors
+from clusterwire.transport import HandshakeFailed
 
 
-def wrong_protocol(served: str) -> errors.FailedPreconditionError:
-    """The error for a call of another protocol to a listener serving ``served``."""
-    return errors.FailedPreconditionError(
+def wrong_protocol(served: str) -> errors.UnimplementedError:
+    """The error for a call of another protocol to a listener serving ``served``:
+    UnimplementedError, what gRPC answers a method a server does not serve."""
+    return errors.UnimplementedError(
         f"This server serves {served}, not the protocol of this call: use "
         f"{served}://HOST:PORT as the target.")
 
 
-def is_wrong_protocol(err: errors.OpError) -> bool:
-    """Whether ``err`` is a listener's ``wrong_protocol`` answer."""
-    return (isinstance(err, errors.FailedPreconditionError)
-            and err.message.startswith("This server serves ")
-            and "not the protocol of this call" in err.message)
+def not_spoken(spoken: str, address: str, detail: str) -> HandshakeFailed:
+    """The error of a client whose peer at ``address`` answered in something other than
+    ``spoken`` (a listener of another protocol that cannot say so in it, e.g. ``zmq``):
+    not retried, as no retry can change it."""
+    return HandshakeFailed(
+        f"{address} does not speak {spoken} ({detail}): it serves another protocol (e.g. "
+        "zmq) or is no clusterwire server; check the target's protocol (`clusterwire "
+        "plugins` lists them).")
+
+
+def is_wrong_protocol(message: str) -> bool:
+    """Whether ``message`` is a listener's ``wrong_protocol`` answer."""
+    return message.startswith("This server serves ") and "not the protocol of this call" in message

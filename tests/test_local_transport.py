@@ -14,7 +14,7 @@ import pytest
 from conftest import child_env
 
 from clusterwire import Server, Session
-from clusterwire.errors import FailedPreconditionError, UnavailableError
+from clusterwire.errors import UnavailableError, UnimplementedError
 from clusterwire.local_cluster import LocalCluster
 from clusterwire.transports.local import sealed, wire
 
@@ -170,7 +170,7 @@ def test_a_server_of_another_protocol_is_a_clear_error():
     with Server({"w": ["127.0.0.1:0"]}, protocol="grpc") as plain:
         address = plain.target.split("://")[1]
         with Session(f"grpc+local://{address}", timeout=1) as session:
-            with pytest.raises(FailedPreconditionError,
+            with pytest.raises(UnimplementedError,
                                match=r"serves grpc, not the protocol .* use grpc://"):
                 session.get("x")
 

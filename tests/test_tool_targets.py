@@ -171,7 +171,7 @@ def test_the_tools_pass_on_a_wrong_protocol_answer_with_the_target(servers):
                  ("top", "--once", "--dispatcher", servers["dispatcher"], "--protocol",
                   "grpc+local")):
         stderr = _fails_with(clusterwire(*args, "--timeout", "10"),
-                             ": FailedPreconditionError: The ",
+                             ": UnimplementedError: The ",
                              ": This server serves grpc, not the protocol of this call: use "
                              "grpc://HOST:PORT as the target.")
         assert "serving there" not in stderr

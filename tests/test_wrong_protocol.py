@@ -34,7 +34,7 @@ def test_a_client_of_another_protocol_is_told_the_protocol_served_at_once(served
         with Session(f"{used}://127.0.0.1:{port}", timeout=DEADLINE_S,
                      in_process=False) as session:
             started = time.monotonic()
-            with pytest.raises(errors.FailedPreconditionError) as raised:
+            with pytest.raises(errors.UnimplementedError) as raised:
                 session.status()
             took = time.monotonic() - started
     finally:
@@ -58,7 +58,7 @@ def test_a_tokenless_client_of_another_protocol_learns_only_that_it_needs_the_to
         assert "grpc+local" not in raised.value.message
         with Session(f"grpc://127.0.0.1:{port}", config={"auth_token_file": str(token)},
                      timeout=DEADLINE_S, in_process=False) as member:
-            with pytest.raises(errors.FailedPreconditionError, match="serves grpc\\+local"):
+            with pytest.raises(errors.UnimplementedError, match="serves grpc\\+local"):
                 member.status()
     finally:
         server.stop()
@@ -85,5 +85,42 @@ def test_a_grpc_peer_that_is_no_clusterwire_client_is_told_the_protocol_served()
                 channel.unary_unary("/some.Other/Service")(b"hello", timeout=DEADLINE_S)
     finally:
         server.stop()
-    assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert raised.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert raised.value.details().startswith("This server serves grpc+local, not the protocol")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("clusterwire_zmq") is None,
+                    reason="the zmq plugin is not installed: pip install plugins/clusterwire-zmq")
+@pytest.mark.parametrize("used", ["grpc", "grpc+local"])
+def test_a_grpc_client_at_a_zmq_task_is_told_at_once_the_port_speaks_no_grpc(used):
+    server = _server("zmq")
+    port = server.target.rsplit(":", 1)[1]
+    try:
+        with Session(f"{used}://127.0.0.1:{port}", timeout=DEADLINE_S,
+                     in_process=False) as session:
+            started = time.monotonic()
+            with pytest.raises(errors.UnavailableError) as raised:
+                session.status()
+            took = time.monotonic() - started
+    finally:
+        server.stop()
+    assert f"127.0.0.1:{port} does not speak gRPC" in raised.value.message
+    assert "check the target's protocol" in raised.value.message
+    assert took < DEADLINE_S / 3, f"answered after {took:.1f} s: retried"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("clusterwire_zmq") is None,
+                    reason="the zmq plugin is not installed: pip install plugins/clusterwire-zmq")
+def test_a_zmq_client_at_a_grpc_task_fails_at_once():
+    server = _server("grpc")
+    port = server.target.rsplit(":", 1)[1]
+    try:
+        with Session(f"zmq://127.0.0.1:{port}", timeout=DEADLINE_S,
+                     in_process=False) as session:
+            started = time.monotonic()
+            with pytest.raises(errors.UnavailableError, match="not a clusterwire zmq listener"):
+                session.status()
+            took = time.monotonic() - started
+    finally:
+        server.stop()
+    assert took < DEADLINE_S / 3, f"answered after {took:.1f} s: retried"

@@ -17,6 +17,7 @@ import grpc
 
 from clusterwire import errors
 from clusterwire.addressing import join_host_port, split_host_port
+from clusterwire.bind_probe import why_unbindable
 from clusterwire.security import Security
 from clusterwire.thread_pool import ElasticPool
 from clusterwire.transport import ListenOptions
@@ -51,6 +52,7 @@ def bind(server: grpc.Server, address: str, security: Security) -> str:
     except RuntimeError as err:
         port, reason = 0, str(err)
     if not port:
+        reason = why_unbindable(address) or reason
         raise errors.UnavailableError(
             f"Could not bind {address} ({reason}). Choose a free port, or port 0 to let the "
             "system pick one, and a host name of this machine.")
@@ -133,7 +135,7 @@ class _OtherProtocol(grpc.GenericRpcHandler):
         message = self._message
 
         def refuse(requests, context: grpc.ServicerContext):
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, message)
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, message)
 
         return grpc.stream_unary_rpc_method_handler(refuse)
 

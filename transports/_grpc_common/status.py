@@ -8,6 +8,7 @@ from clusterwire import errors
 from clusterwire.addressing import split_host_port
 from clusterwire.security import Security
 from clusterwire.transport import ConnectionFailed, HandshakeFailed
+from clusterwire.wrong_protocol import not_spoken
 
 
 def grpc_error(err: grpc.RpcError, address: str,
@@ -40,6 +41,8 @@ def grpc_error(err: grpc.RpcError, address: str,
                 f"{address} closed the connection at once: it holds its max_connections, or "
                 "it requires TLS, or a client certificate, that this client does not present "
                 "(then set tls_ca_file, and tls_cert_file/tls_key_file for mutual TLS).")
+        if "failed parsing http/2" in lowered:
+            return not_spoken("gRPC", address, "it answered the HTTP/2 preface with other bytes")
         return ConnectionFailed(f"cannot connect to {address}: {details}")
     return errors.error_from_code(code.value[0], details)
 

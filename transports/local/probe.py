@@ -15,6 +15,7 @@ import grpc
 
 from clusterwire import errors
 from clusterwire.security import Security
+from clusterwire.transport import HandshakeFailed
 from clusterwire.transports._grpc_common.client import open_channel, token_metadata
 from clusterwire.transports._grpc_common.status import grpc_error
 from clusterwire.wrong_protocol import is_wrong_protocol
@@ -27,7 +28,8 @@ _METHOD = "/clusterwire.Local/Call"
 def other_protocol(address: str, security: Security,
                    deadline: float | None) -> errors.OpError | None:
     """The wrong-protocol error the gRPC listener at ``address`` answers a grpc+local call
-    with, or None (nothing listens there, it is a grpc+local server, or no answer in time)."""
+    with, or the handshake failure of a port that speaks no gRPC (a ``zmq`` task); None if
+    nothing listens there, it is a grpc+local server, or no answer came in time."""
     timeout = PROBE_TIMEOUT_S if deadline is None else min(
         PROBE_TIMEOUT_S, deadline - time.monotonic())
     if timeout <= 0:
@@ -37,7 +39,9 @@ def other_protocol(address: str, security: Security,
         channel.unary_unary(_METHOD)(b"", timeout=timeout, metadata=token_metadata(security))
     except grpc.RpcError as err:
         answer = grpc_error(err, address, security)
-        return answer if is_wrong_protocol(answer) else None
+        # A handshake failure: the port holds a server, but none a grpc+local client speaks to.
+        return (answer if is_wrong_protocol(answer.message) or isinstance(answer, HandshakeFailed)
+                else None)
     finally:
         channel.close()
     return None
