@@ -22,6 +22,7 @@ COUNT = 4000
 
 
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")  # torchdata 0.11's own call
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker")  # on 2 cores
 def test_loader_worker_positions_of_two_ranks_resume_on_three_loader_workers():
     """2 ranks x 2 loader workers (4 consumers of one job: the ranks' loaders seeded alike)
     save at step 5 and stop; 1 rank x 3 loader workers reads the rest."""
