@@ -19,7 +19,11 @@ from conftest import in_process_data_service, wait_for
 from test_data_resume import await_line, start_trainer
 
 from clusterwire import data, errors
+from clusterwire.data import position
+from clusterwire.data.rpc import DispatcherClient
 from clusterwire.data.splits import PROVIDERS
+from clusterwire.protos.data_service_pb2 import DataRequest, GetOrCreateJobRequest
+from clusterwire.security import Security
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -232,6 +236,26 @@ def test_a_merged_position_is_applied_once(service):
     again = {**merged, "consumers": merged["consumers"][:2]}  # another merge of them
     with pytest.raises(errors.FailedPreconditionError, match="cannot resume"):
         reader(service.target, dataset_id, "ranks", state=again)
+
+
+def test_a_raw_merge_naming_a_consumer_twice_is_refused(service):
+    """merge_states refuses it in the client; a client speaking the protocol itself is
+    refused by the dispatcher."""
+    dataset_id, before, states = saved_positions(service)
+    merged = position.merge(states)
+    twice = merged.requests()
+    twice.append(twice[0])
+    client = DispatcherClient("grpc", service.target.split("://")[1], 10.0, Security())
+    try:
+        with pytest.raises(errors.InvalidArgumentError, match="twice"):
+            client.call(DataRequest(get_or_create_job=GetOrCreateJobRequest(
+                dataset_id=dataset_id, sharding_policy=data.ShardingPolicy.DYNAMIC,
+                job_key=merged.job_key, consumer_id="raw", merged=twice,
+                merge_group=merged.group)))
+    finally:
+        client.close()
+    after = read_each([reader(service.target, dataset_id, "ranks", state=merged.to_dict())])
+    assert_whole_epoch(before, after, shuffled=False)
 
 
 def test_positions_that_do_not_merge_say_why(service):

@@ -34,6 +34,7 @@ import functools
 import hmac
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -566,12 +567,12 @@ class DispatchServer:
         applied = merge_id(merged)
         if applied in job.merges:
             return  # another new consumer of the same merge: it joins
-        names = [p.consumer_id for p in merged]
-        twice = {name for name in names if names.count(name) > 1}
+        names = Counter(p.consumer_id for p in merged)
+        twice = sorted(name for name, count in names.items() if count > 1)
         if twice:
             raise errors.InvalidArgumentError(
-                f"The merged position lists consumer {sorted(twice)[0]!r} twice: merge one "
-                "position per consumer, all saved at the same step.")
+                f"The merged position lists consumer {twice[0]!r} twice: merge one position "
+                "per consumer, all saved at the same step.")
         for position in merged:
             consumer = position.consumer_id
             if consumer in job.resumable and consumer not in job.released:
