@@ -10,7 +10,7 @@ import sys
 import threading
 from typing import Any
 
-from clusterwire import errors
+from clusterwire import __version__, errors
 from clusterwire.addressing import is_loopback  # noqa: F401 - re-exported for the CLI's users
 from clusterwire.protos.tensorflow_server_pb2 import ServerOptions
 from clusterwire.security_flags import add_security_arguments, security_options
@@ -162,6 +162,9 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"clusterwire: serving /job:{sd.job_name}/task:{sd.task_index} at "
               f"{server.target}{metrics}", file=sys.stderr, flush=True)
     server.join()
+    if not args.quiet:
+        print(f"clusterwire: /job:{sd.job_name}/task:{sd.task_index} at {server.target} "
+              "stopped", file=sys.stderr, flush=True)
     return 0
 
 
@@ -302,6 +305,16 @@ def _demo(args: argparse.Namespace) -> int:
                     chaos=args.chaos)
 
 
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" to an option's help where X is a value: not after a flag, nor
+    after an option whose help says its default itself (its default None: not given)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``clusterwire`` command."""
     from clusterwire.data.cli import add_commands, add_metrics_arguments
@@ -311,6 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run and inspect clusterwire clusters: serve a task, resolve a cluster, "
                     "ask tasks for their status, list plugins, run the demo, serve the data "
                     "service's dispatcher and workers. `clusterwire COMMAND --help` for one.")
+    parser.add_argument("--version", action="version",
+                        version=f"clusterwire {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run one task of a cluster until SIGINT/SIGTERM")
@@ -399,12 +414,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a linear model parameter-server style on a local cluster (1 ps and "
                     "--workers workers, each its own process); print progress, what moved, and "
                     "a verdict; exit 1 unless the loss fell 100x and every process stopped "
-                    "cleanly.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    "cleanly.", formatter_class=_DefaultsHelp)
     demo.add_argument("--protocol", default="grpc",
                       help="transport protocol (see `clusterwire plugins`)")
     demo.add_argument("--steps", type=int, default=60,
                       help="training steps of each worker (the ps counts steps x workers)")
-    demo.add_argument("--workers", type=int, help="worker tasks beside the ps (default 2)")
+    demo.add_argument("--workers", type=int, help="worker tasks beside the ps (default: 2)")
     demo.add_argument("--chaos", action="store_true",
                       help="SIGKILL a worker a third of the way through, restart it on the same "
                            "port, and check the ps kept its state")

@@ -121,6 +121,10 @@ def run_elastic_demo(protocol: str = "grpc", steps: int = 60, dim: int = 2048,
                  f"every {_HEARTBEAT['membership_heartbeat_seconds']:g} s: "
                  f"{cluster.cluster_spec}")
         watch = MembershipWatch(session, out)
+        say(out, f"  membership: starts at version {watch.version}" + (
+            " (version 0 is the cluster each task was started with, every port 0; telling "
+            "the tasks each other's bound ports made the next)" if watch.version else
+            " (the cluster each task was started with)"))
         session.call(ps_init, dim, _MAX_WORKERS)
         shards = [shard(), shard()]
         initial_loss = float(np.mean(shards[0][1] ** 2))

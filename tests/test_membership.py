@@ -309,6 +309,7 @@ def test_the_elastic_demo_says_each_membership_change_and_passes():
                              "--steps", "40"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
+    assert lines[1].startswith("  membership: starts at version 1 (version 0 is the cluster ")
     changes = [line.strip() for line in lines if line.startswith("  membership: version")]
     assert changes == [
         "membership: version 1 -> 2; joined /job:worker/task:2, /job:worker/task:3; 4 workers",
