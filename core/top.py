@@ -238,7 +238,8 @@ class TaskPoller:
     def poll(self) -> list[TaskSnapshot]:
         """One answer (or failure) of every task asked, in the cluster's order. The first
         poll asks the target for its cluster first: UnavailableError if it does not
-        answer, InternalError if its cluster is invalid."""
+        answer, InternalError if its cluster is invalid, and ``server_kind.first_failure``'s
+        error for refused credentials, another protocol or another kind of server."""
         if self._own is None:
             first = self._ask(self.target, self._target_address)
             if first.status is None:
@@ -435,7 +436,8 @@ class DataPoller:
 
     def poll(self) -> DataSnapshot:
         """The dispatcher's answer, then its workers'. The first poll raises
-        UnavailableError if the dispatcher does not answer."""
+        UnavailableError if the dispatcher does not answer (``server_kind.first_failure``'s
+        error when it says why); any poll InvalidArgumentError if a worker answers."""
         dispatcher = self._ask(self.address)
         if dispatcher.status is not None and dispatcher.status.kind == WORKER:
             raise wrong_kind_error(self.protocol, self.address, WORKER)
