@@ -87,7 +87,8 @@ class RequestClient:
 
     A server of this process is reached without the transport (``clusterwire.in_process``)
     unless ``in_process`` is False. ``peer`` names what serves at the addresses in the
-    warning that one is unreachable.
+    warning that one is unreachable and in the UnavailableError ("Task at HOST:PORT ...", or
+    "The tf.data service dispatcher at HOST:PORT ...").
     """
 
     def __init__(self, protocol: str, timeout: float = DEFAULT_TIMEOUT,
@@ -95,6 +96,7 @@ class RequestClient:
                  peer: str = "task"):
         self.protocol = protocol
         self.peer = peer
+        self._subject = "Task" if peer == "task" else f"The {peer}"
         self.timeout = timeout
         self.security = security or Security()
         self.in_process = in_process
@@ -172,11 +174,12 @@ class RequestClient:
                 remaining = deadline - time.monotonic()
                 if not retryable:
                     raise errors.UnavailableError(
-                        f"Task at {address} ({self.protocol}) is unavailable: {err.message}"
+                        f"{self._subject} at {address} ({self.protocol}) is unavailable: "
+                        f"{err.message}"
                     ) from None
                 if remaining <= 0:
                     raise errors.UnavailableError(
-                        f"Task at {address} ({self.protocol}) is unavailable after "
+                        f"{self._subject} at {address} ({self.protocol}) is unavailable after "
                         f"{format_duration(budget)}: {err.message}") from None
                 if delay == _BACKOFF_START and remaining > _QUIET_RETRY_S:
                     _LOG.warning("clusterwire: the %s at %s (%s) is unreachable (%s); retrying "

@@ -95,14 +95,10 @@ class DispatcherClient:
              ) -> tuple[DataResponse, list[Any]]:
         """Send ``request``; return the response and its buffers. Without ``retry``, an
         unreachable dispatcher is an UnavailableError at once."""
-        try:
-            reply = self._client.send_frame(
-                self.address, Frame(request.SerializeToString(), list(buffers)),
-                f"data.{request.WhichOneof('kind')}", idempotent=True,
-                attempt_timeout=self._call_timeout, retry=retry)
-        except errors.UnavailableError as err:
-            raise errors.UnavailableError(
-                f"tf.data service dispatcher: {err.message}") from None
+        reply = self._client.send_frame(
+            self.address, Frame(request.SerializeToString(), list(buffers)),
+            f"data.{request.WhichOneof('kind')}", idempotent=True,
+            attempt_timeout=self._call_timeout, retry=retry)
         return parse(reply), list(reply.buffers)
 
     def close(self) -> None:
