@@ -84,5 +84,12 @@ def make_server_def(server_or_cluster_def: Any, job_name: str | None = None,
         server_def.protocol = protocol or DEFAULT_PROTOCOL
     if not server_def.protocol:
         server_def.protocol = DEFAULT_PROTOCOL
+    if not server_def.job_name:
+        # A cluster may name a job "" (TF's GCE resolver with task_type=""), but its tasks'
+        # device names (/job:/task:0) do not parse: TF aborts the process on them.
+        raise InvalidArgumentError(
+            "A server needs a job name: its task's device names (/job:NAME/task:I) do not "
+            "parse with an empty one (TensorFlow aborts on them). Name the job (e.g. "
+            "GCEClusterResolver(..., task_type=\"worker\")) or pass job_name=.")
     _merge_config(server_def, config)
     return server_def

@@ -118,6 +118,15 @@ def test_the_empty_job_name_is_accepted_as_in_tf():
     assert ClusterSpec(spec.as_cluster_def()) == spec
 
 
+def test_no_server_serves_a_job_with_the_empty_name():
+    from clusterwire import Server
+    from clusterwire.errors import InvalidArgumentError
+
+    # TF aborts the process here (Invalid device name: /job:/replica:0/task:0/device:CPU:0)
+    with pytest.raises(InvalidArgumentError, match="A server needs a job name"):
+        Server({"": ["127.0.0.1:0"]})
+
+
 @pytest.mark.parametrize("address", ["", "host", "host:", "host:-1", "host:99999", "[::1",
                                      "::1:80", ":80", "host:8x"])
 def test_empty_or_malformed_address_raises_value_error_naming_it(address):
