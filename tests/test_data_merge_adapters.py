@@ -11,7 +11,7 @@ import pytest
 from conftest import in_process_data_service, read_together
 from test_data_torch import CONTEXT, data_service_processes, stateful_loader
 
-from clusterwire import data
+from clusterwire import data, errors
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed")
 from clusterwire.data.torch_dataset import ServiceDataset, merge_loader_states  # noqa: E402
@@ -25,7 +25,7 @@ COUNT = 4000
 @pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker")  # on 2 cores
 def test_loader_worker_positions_of_two_ranks_resume_on_three_loader_workers():
     """2 ranks x 2 loader workers (4 consumers of one job: the ranks' loaders seeded alike)
-    save at step 5 and stop; 1 rank x 3 loader workers reads the rest."""
+    save at step 5 and stop; 1 rank x 3 loader workers reads the rest, then a whole epoch."""
 
     def dataset(**options) -> ServiceDataset:
         return ServiceDataset(data.Dataset.range(COUNT), "distributed_epoch",
@@ -46,14 +46,22 @@ def test_loader_worker_positions_of_two_ranks_resume_on_three_loader_workers():
         for it in iterators:
             next(it), next(it)  # read after the checkpoint: read again after the resume
         del iterators, loaders  # the trainers stop (their loader workers exit)
-        merged = merge_loader_states(states)
-        assert len(merged["position"]["consumers"]) == 4
+        merged = merge_loader_states(states, num_workers=3)
+        assert len(merged["_snapshot"]["_worker_snapshots"]) == 3
         resumed = dataset()
-        resumed.load_state_dict(merged)
-        loader = torch.utils.data.DataLoader(resumed, batch_size=10, num_workers=3,
-                                             multiprocessing_context=CONTEXT,
-                                             in_order=False, timeout=30)
+        loader = stateful_loader(resumed, batch_size=10, num_workers=3,
+                                 multiprocessing_context=CONTEXT, in_order=False)
+        loader.load_state_dict(merged)
         rest = [int(x) for batch in loader for x in batch]
+        # The next epoch is a whole new one (torchdata gave the state to one epoch only).
+        assert sorted(int(x) for batch in loader for x in batch) == list(range(COUNT))
+        # The merged ServiceDataset state, loaded into the dataset itself, would reach
+        # every epoch's loader workers: refused in them.
+        resumed.load_state_dict(merge_loader_states(states))
+        refused = torch.utils.data.DataLoader(resumed, num_workers=1, timeout=30,
+                                              multiprocessing_context=CONTEXT)
+        with pytest.raises(errors.FailedPreconditionError, match="every epoch"):
+            next(iter(refused))
     assert Counter(before + rest) == Counter(range(COUNT))
 
 

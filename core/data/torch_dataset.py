@@ -38,16 +38,16 @@ and yields the service's elements with their numpy arrays and numpy scalars as
   last snapshot). An in-order loader reading distributed_epoch can wait at an epoch's end
   while another loader worker holds the last splits and has more of them left than it reads
   ahead; ``in_order=False`` (below) avoids that wait, without exact checkpoints.
-  **On another world size** (distributed_epoch): ``merge_loader_states`` makes one
-  ``ServiceDataset`` state of the loader states all the trainer's processes saved at one
-  step (each loader worker's position: ``clusterwire.data.merge_states``); loaded into the
-  new ``ServiceDataset`` before its DataLoader is made, it has every loader worker of every
-  new process (any number of each) resume as a new consumer of the job. Do not load the old
-  loaders' own states into the new ones: torchdata restores a loader only with the
-  ``num_workers`` it was saved with. A DataLoader without ``persistent_workers`` hands the
-  dataset, with the state loaded, to the workers of each of its iterators: after the resumed
-  epoch, ``load_state_dict({"position": None, "job_name": None})`` (or read with
-  ``persistent_workers=True``), else the next epoch's workers join the resumed job again.
+  **On another world size** (distributed_epoch): ``merge_loader_states(states,
+  num_workers=V)`` merges the loader states all the trainer's processes saved at one step
+  (each loader worker's position: ``clusterwire.data.merge_states``) into the state of a
+  ``StatefulDataLoader`` of V loader workers: each new process's loader ``load_state_dict``s
+  it, and every loader worker of every new process (any number of each) resumes as a new
+  consumer of the job, for the next epoch only (torchdata's rule). The old loaders' own
+  states do not load into loaders of another ``num_workers`` (torchdata's check). Without
+  ``num_workers`` it is a ``ServiceDataset`` state, for reading without loader workers;
+  loaded into a ``ServiceDataset`` read by loader workers it is refused
+  (``FailedPreconditionError``): the DataLoader would hand it to every epoch's workers.
 * **fork**: gRPC does not survive a fork of a process that has used it. The dataset is
   registered by the process that reads it, so a DataLoader's parent that only builds the
   ``ServiceDataset`` forks its workers safely. A parent that used the service itself (read
@@ -147,6 +147,9 @@ class ServiceDataset(IterableDataset):
         self._iterator: Iterator[Any] | None = None  # the running iteration's reader
         self._resume: dict[str, Any] | None = None  # load_state_dict's position
         self._resume_job: str | None = None  # and the job it names (loader workers' jobs)
+        # A job position loaded here, outside a loader worker: a DataLoader without
+        # persistent workers would hand it to the workers of every epoch.
+        self._merged_here = False
 
     def __getstate__(self) -> dict[str, Any]:
         # A loader worker started by spawn or forkserver makes its own readers.
@@ -154,6 +157,14 @@ class ServiceDataset(IterableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         consumer = self._consumer()
+        if self._merged_here and get_worker_info() is not None:
+            raise FailedPreconditionError(
+                "A merged position (merge_loader_states) was loaded into the ServiceDataset "
+                "itself, which hands it to the loader workers of every epoch (the next "
+                "epochs' workers would join the resumed job and read nothing). Load "
+                "merge_loader_states(states, num_workers=N) into the StatefulDataLoader "
+                "instead (its load_state_dict): torchdata gives it to the next epoch's "
+                "workers only.")
         resuming = self._resume is not None or self._resume_job is not None
         if self._resume_job is not None:
             consumer = (self._resume_job, *consumer[1:])
@@ -161,6 +172,7 @@ class ServiceDataset(IterableDataset):
         if reader is None or resuming:
             reader = self._readers[consumer] = self._reader(*consumer, state=self._resume)
             self._resume = self._resume_job = None
+            self._merged_here = False
         self._iterator = iterator = iter(reader)
         for element in iterator:
             yield to_torch(element)
@@ -186,12 +198,13 @@ class ServiceDataset(IterableDataset):
                 f"ServiceDataset.load_state_dict takes what state_dict() returned, got "
                 f"{state_dict!r}.")
         position, job_name = state_dict["position"], state_dict.get("job_name")
-        if position is not None:
-            positions.load(position)  # a malformed position fails here
+        merged = position is not None and isinstance(positions.load(position),
+                                                      positions.JobPosition)
         if job_name is not None and not isinstance(job_name, str):
             raise InvalidArgumentError(f"A ServiceDataset state's job_name must be a str, got "
                                        f"{job_name!r}: pass what state_dict() returned.")
         self._resume, self._resume_job, self._iterator = position, job_name, None
+        self._merged_here = merged and get_worker_info() is None
 
     def _reader(self, job_name: str | None, consumer_index: int | None,
                 num_consumers: int | None, state: Mapping[str, Any] | None = None
@@ -228,21 +241,55 @@ class ServiceDataset(IterableDataset):
                 self._num_consumers * info.num_workers)
 
 
-def merge_loader_states(states: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    """One ``ServiceDataset`` state from the states the trainer's processes saved at one
-    step: ``StatefulDataLoader.state_dict()``s (with or without loader workers) or
-    ``ServiceDataset.state_dict()``s, of one distributed_epoch job. ``load_state_dict`` it
-    into the new ``ServiceDataset`` before making its DataLoader: each of its loader workers
-    (in any number of processes) resumes as a new consumer of the job, every element of the
-    epoch once over the run (see the module docstring). Loader workers that had not started
-    reading hold no position and no splits, and are left out. InvalidArgumentError for
-    anything else, and as ``merge_states`` for positions that do not merge."""
+def merge_loader_states(states: Iterable[Mapping[str, Any]], num_workers: int | None = None
+                        ) -> dict[str, Any]:
+    """One state from the states the trainer's processes saved at one step:
+    ``StatefulDataLoader.state_dict()``s (with or without loader workers) or
+    ``ServiceDataset.state_dict()``s, of one distributed_epoch job (see the module
+    docstring). Every new consumer resumes as a new consumer of the job, every element of
+    the epoch once over the run. Loader workers that had not started reading hold no
+    position and no splits, and are left out.
+
+    ``num_workers`` (the new loader's, at least 1): the state of a ``StatefulDataLoader``
+    of that many loader workers, for its ``load_state_dict`` (torchdata gives it to the
+    next epoch's workers only); its format is taken from a loader state among ``states``
+    saved with loader workers. Without it: a ``ServiceDataset`` state, for reading without
+    loader workers. InvalidArgumentError for anything else, and as ``merge_states`` for
+    positions that do not merge."""
+    states = list(states)
     found = []
     for state in states:
         for dataset_state in _dataset_states(state):
             if dataset_state.get("position") is not None:
                 found.append(dataset_state["position"])
-    return {"position": merge_states(found), "job_name": None}
+    merged = {"position": merge_states(found), "job_name": None}
+    if num_workers is None:
+        return merged
+    if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
+        raise InvalidArgumentError(
+            f"merge_loader_states' num_workers must be the new loader's number of loader "
+            f"workers (at least 1), got {num_workers!r}; without loader workers, leave it "
+            "out and load the state into the ServiceDataset.")
+    template = next((s for s in states if isinstance(s.get("_snapshot"), Mapping)
+                     and s["_snapshot"].get("_worker_snapshots")), None)
+    if template is None:
+        raise InvalidArgumentError(
+            "merge_loader_states(..., num_workers=N) takes torchdata's loader state format "
+            "from a StatefulDataLoader state saved with loader workers, and none of these "
+            "states is one: pass such states, or load the merged state into a loader "
+            "without loader workers.")
+    snapshot = template["_snapshot"]
+    worker = next(iter(snapshot["_worker_snapshots"].values()))
+    fresh = {**worker.get("fetcher_state", {}), "fetcher_ended": False,
+             "dataset_iter_state": None}
+    # No steps since the snapshot: torchdata would skip that many batches on resume (the
+    # positions are the snapshot's; what was yielded after them is read again).
+    return {**template, "_steps_since_snapshot": 0, "_snapshot": {
+        **snapshot, "_last_yielded_worker_id": num_workers - 1,
+        "_main_snapshot": {**snapshot["_main_snapshot"], "_num_workers": num_workers},
+        "_worker_snapshots": {f"worker_{i}": {**worker, "worker_id": i,
+                                              "dataset_state": merged, "fetcher_state": fresh}
+                              for i in range(num_workers)}}}
 
 
 def _dataset_states(state: Any) -> list[Mapping[str, Any]]:
