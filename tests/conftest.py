@@ -42,6 +42,21 @@ def free_ports(count: int) -> list[int]:
             probe.close()
 
 
+def end_child(process: subprocess.Popen, timeout: float = 30.0) -> None:
+    """End a child told to stop by the end of its stdin: close it, wait up to ``timeout``
+    seconds, then kill it; its stdout is closed too."""
+    with contextlib.suppress(OSError):
+        if process.stdin:
+            process.stdin.close()
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout)
+    if process.stdout:
+        process.stdout.close()
+
+
 def fresh_python(code: str, timeout: float = 60.0) -> str:
     """What ``code`` prints run in a fresh interpreter (where what an import pulls in shows);
     a non-zero exit fails the test with its stderr."""
@@ -106,8 +121,9 @@ def processes():
     """Start data-service server processes with ``start(...)``; each is killed at the end."""
     started: list[ServerProcess] = []
 
-    def start(command: str, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
-        started.append(ServerProcess(command, *args, env=env))
+    def start(command: str, *args: str, env: dict[str, str] | None = None,
+              ready: bool = True) -> ServerProcess:
+        started.append(ServerProcess(command, *args, env=env, ready=ready))
         return started[-1]
 
     yield start

@@ -18,11 +18,12 @@ WORKER_TOKEN_ENV = {worker_auth.ENV: secrets.token_hex(32)}
 
 
 class ServerProcess:
-    """One server process; ``target`` is read from its ready line. Dispatchers and workers
-    get WORKER_TOKEN_ENV (``env`` may override it)."""
+    """One server process; ``target`` is read from its ready line (not waited for, and
+    empty, with ``ready=False``: a worker that its dispatcher does not accept never prints
+    it). Dispatchers and workers get WORKER_TOKEN_ENV (``env`` may override it)."""
 
     def __init__(self, command: str, *args: str, env: dict[str, str] | None = None,
-                 timeout: float = 30.0):
+                 timeout: float = 30.0, ready: bool = True):
         path = os.environ.get("PYTHONPATH", "")
         child_env = {**os.environ, "PYTHONPATH": TESTS_DIR + (os.pathsep + path if path else ""),
                      **WORKER_TOKEN_ENV, **(env or {})}
@@ -30,9 +31,10 @@ class ServerProcess:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "clusterwire", command, *args, "--quiet"],
             stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=child_env)
-        self.target = self._await_ready(timeout)
-        self.address = self.target.split("://", 1)[1]
-        self.port = int(self.address.rsplit(":", 1)[1])
+        self.target = self._await_ready(timeout) if ready else ""
+        if ready:
+            self.address = self.target.split("://", 1)[1]
+            self.port = int(self.address.rsplit(":", 1)[1])
 
     def _await_ready(self, timeout: float) -> str:
         target = await_ready(self.process, timeout)

@@ -111,10 +111,11 @@ def test_a_client_cannot_register_a_worker_nor_learn_the_grant_key(processes, ro
 @pytest.mark.timeout(60)
 def test_a_dispatcher_without_a_worker_token_registers_no_remote_worker(processes):
     """Default deny: the dispatcher made its own token, which a worker process lacks; the
-    worker says why on stderr and the dispatcher lists no worker."""
+    worker says why on stderr (it never says it is ready) and the dispatcher lists no
+    worker."""
     dispatcher = processes("dispatcher", env={worker_auth.ENV: ""})
     worker = processes("worker", "--dispatcher-address", dispatcher.address,
-                       "--heartbeat-interval-ms", "100")
+                       "--heartbeat-interval-ms", "100", ready=False)
     said = "did not present this dispatcher's worker token"
     deadline = time.monotonic() + 30
     while said not in worker.stderr() and time.monotonic() < deadline:

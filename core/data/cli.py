@@ -148,7 +148,7 @@ def _await_dispatcher(server: Any, target: str, dispatcher: str, started: float,
         problem = server.registration_problem or "no answer yet"
         print(f"clusterwire: tf.data service worker {target} is waiting for its dispatcher at "
               f"{printable(dispatcher)} ({format_duration(time.monotonic() - started)} so "
-              f"far): {printable(problem)}. It serves no elements until the dispatcher "
+              f"far): {printable(problem).rstrip('.')}. It serves no elements until the dispatcher "
               "accepts it, and keeps trying.", file=sys.stderr, flush=True)
         if server.wait_registered(interval):
             break
