@@ -49,6 +49,7 @@ from clusterwire.protos.data_service_pb2 import (
     StreamSpec,
 )
 from clusterwire.security import Security
+from clusterwire.testing.child import run_threads
 
 _THREADS = 4
 #: The address the flood's connections come from (another host's, on loopback).
@@ -220,16 +221,7 @@ class Flooder:
 
 def main(kind: str, address: str, seconds: float) -> None:
     flooder = Flooder(kind, address)
-    stop = threading.Event()
-    threads = [threading.Thread(target=flooder.run, args=(stop,), daemon=True)
-               for _ in range(_THREADS)]
-    for thread in threads:
-        thread.start()
-    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-    stop.wait(seconds)
-    stop.set()
-    for thread in threads:
-        thread.join()
+    run_threads(flooder.run, _THREADS, seconds)
     flooder.check()
     flooder.dispatcher.close()
     flooder.workers.close()

@@ -24,13 +24,13 @@ from clusterwire.protos.data_service_pb2 import (
     RegisterDatasetRequest,
 )
 from clusterwire.security import Security
+from clusterwire.testing.child import run_threads
 
 _THREADS = 4
 
 
 def main(kind: str, address: str, seconds: float) -> None:
     client = DispatcherClient("grpc", address, 10.0, Security())
-    stop = threading.Event()
     counts = {"created": 0, "refused": 0}
     lock = threading.Lock()
     serial = itertools.count()
@@ -50,7 +50,7 @@ def main(kind: str, address: str, seconds: float) -> None:
         definition, buffers = graph.to_def(data.Dataset.range(n + 1).pipeline)
         return DataRequest(register_dataset=RegisterDatasetRequest(dataset=definition)), buffers
 
-    def flood() -> None:
+    def flood(stop: threading.Event) -> None:
         while not stop.is_set():
             n = next(serial)
             try:
@@ -63,14 +63,7 @@ def main(kind: str, address: str, seconds: float) -> None:
                 if key == "created" and counts["created"] == limit:
                     print("FULL", flush=True)
 
-    threads = [threading.Thread(target=flood, daemon=True) for _ in range(_THREADS)]
-    for thread in threads:
-        thread.start()
-    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-    stop.wait(seconds)
-    stop.set()
-    for thread in threads:
-        thread.join()
+    run_threads(flood, _THREADS, seconds)
     client.close()
     print(json.dumps(counts), flush=True)
 

@@ -46,6 +46,7 @@ from clusterwire.protos.service_pb2 import (
     TaskStatus,
     UnreachablePeer,
 )
+from clusterwire.testing.child import stop_on_stdin_close
 from clusterwire.transport import Frame, ListenOptions
 
 #: Window title (OSC 0), clear screen (CSI 2J), a link (OSC 8), rich markup, a bidi
@@ -126,7 +127,7 @@ def main(argv: list[str]) -> int:
     listener.start()
     own.append(listener.address)
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+    stop_on_stdin_close(stop)
     print(f"{READY_PREFIX}{listener.address}", flush=True)
     stop.wait()
     listener.stop(0)

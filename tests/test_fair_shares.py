@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from conftest import TESTS_DIR, wait_for
+from conftest import TESTS_DIR, end_child, wait_for
 from cw_data_procs import ServerProcess
 
 from clusterwire import Session, errors
@@ -221,14 +221,7 @@ class Hog:
         return json.loads(line)
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.process.stdin.close()
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(30)
-        self.process.stdout.close()
+        end_child(self.process)
 
 
 @pytest.mark.timeout(180)
@@ -330,13 +323,7 @@ def test_grpc_local_connections_of_one_user_leave_another_user_its_calls():
         print(f"\nuid 65534 holding grpc+local's max_connections ({limit}): 5 new root "
               f"channels' 8-byte calls took {min(took) * 1000:.1f}-{max(took) * 1000:.1f} ms")
     finally:
-        hog.stdin.close()
-        try:
-            hog.wait(30)
-        except subprocess.TimeoutExpired:
-            hog.kill()
-            hog.wait(30)
-        hog.stdout.close()
+        end_child(hog)
         listener.stop(0)
 
 

@@ -20,7 +20,7 @@ import threading
 import time
 
 import pytest
-from conftest import TESTS_DIR, child_env, in_process_data_service
+from conftest import TESTS_DIR, child_env, end_child, in_process_data_service
 from cw_hostile_server import HOSTILE, HUGE, PREFIXED
 from test_top import Tmux, wait_for_screen
 
@@ -128,12 +128,7 @@ def hostile_server(kind: str, tmp_path, listed: list[str] = (), rotate: int = 0)
         assert address is not None, "the hostile server did not start"
         yield address
     finally:
-        process.stdin.close()
-        try:
-            process.wait(20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(20)
+        end_child(process, 20)
 
 
 def clusterwire(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -16,6 +16,7 @@ import numpy as np
 
 from clusterwire.local_cluster import READY_PREFIX
 from clusterwire.plugins import get_plugin_manager
+from clusterwire.testing.child import stop_on_stdin_close
 from clusterwire.transport import Frame, ListenOptions
 
 #: Request headers with a special meaning to ``echo_handler``; anything else is echoed.
@@ -48,7 +49,7 @@ def main(argv: list[str]) -> int:
     listener.start()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+    stop_on_stdin_close(stop)
     print(f"{READY_PREFIX}{listener.address}", flush=True)
     stop.wait()
     listener.stop(0)
