@@ -22,6 +22,8 @@ _requests = codec.HeaderCache()
 _COORDINATOR_PROBE_S = 1.0
 #: Tasks ``cluster_status`` asks at once.
 _STATUS_PARALLEL = 64
+#: Of a forwarded status' deadline, what is kept for the target's answer to come back.
+_REPLY_ALLOWANCE_S = 1.0
 
 
 
@@ -165,7 +167,13 @@ class Session:
         within the last minute and has not reached since (task, address, ``last_failure`` as
         Unix seconds, error); ``membership_version`` and, with heartbeats, ``peers`` (task,
         address, ``last_seen`` as Unix seconds or 0, ``down``: see clusterwire.membership)."""
-        response, _ = self._send(self._request("status", task), (), timeout)
+        request = self._request("status", task)
+        if task is not None:
+            # The target forwards it: bounded so the target's own answer (naming the task
+            # that did not answer) arrives before this call's deadline.
+            budget = self._client.timeout if self._timeout(timeout) is None else timeout
+            request.timeout_seconds = budget - min(budget / 4, _REPLY_ALLOWANCE_S)
+        response, _ = self._send(request, (), timeout)
         status = response.task_status
         return {
             "job": status.task.job,
@@ -196,8 +204,10 @@ class Session:
         call, the target's own status included.
 
         Keys are the tasks (``"/job:worker/task:3"``) in the cluster's order. A task that
-        does not answer by the deadline has ``{"error": "<ErrorClass>: message"}`` instead
-        of its status (one not asked before it, a DeadlineExceededError saying so), so one
+        does not answer by the deadline has ``{"error": "<ErrorClass>: message", "address":
+        its address in the cluster}`` instead of its status (the target's error when it
+        could not reach the task, e.g. UnavailableError naming the task's address; one not
+        asked before the deadline, a DeadlineExceededError saying so), so one
         task down does not hide the others and a target that stalls every forward costs
         one ``timeout``, not one per ``parallel`` tasks. Only the first
         ``membership.MAX_TASKS`` tasks the target lists are asked (no cluster has more; a
@@ -215,7 +225,10 @@ class Session:
         left_out = sum(1 for _ in listed)
         unasked = (f"DeadlineExceededError: not asked: the deadline of {budget:g} s for the "
                    f"whole cluster's status passed first ({parallel} tasks asked at a time)")
-        statuses = ClusterStatus({task: {"error": unasked} for task in tasks}, left_out)
+        addresses = {f"/job:{job}/task:{index}": address
+                     for (job, index), address in cluster.task_addresses().items()}
+        statuses = ClusterStatus({task: {"error": unasked, "address": addresses[task]}
+                                  for task in tasks}, left_out)
         pending = iter(tasks)
         lock = threading.Lock()
 
@@ -228,7 +241,8 @@ class Session:
                 try:
                     statuses[task] = self.status(task=task, timeout=left)
                 except errors.OpError as err:
-                    statuses[task] = {"error": f"{type(err).__name__}: {err.message}"}
+                    statuses[task] = {"error": f"{type(err).__name__}: {err.message}",
+                                      "address": addresses[task]}
 
         askers = [threading.Thread(target=ask, name="clusterwire-status", daemon=True)
                   for _ in range(min(parallel, len(tasks)))]
@@ -259,14 +273,18 @@ class Session:
         """Arrive at barrier ``name`` as ``task`` (default: the target's task).
 
         Returns once every task of that task's job has arrived at ``name``;
-        DeadlineExceededError (naming the missing tasks) after ``timeout``.
+        DeadlineExceededError (naming the missing tasks) after ``timeout`` seconds of
+        waiting. As in TF (``RunOptions.timeout_in_ms`` over the session's
+        ``operation_timeout_in_ms``), the call's ``timeout`` applies when given, even one
+        longer than the Session's; else the Session's ``timeout``. Reaching the task (retried
+        while it is unreachable) and its answer have the Session's timeout on top.
         A barrier name can be reused: each release starts a new round.
         """
         request = Request(method="barrier", name=self._check_name(name))
         arriving = parse_device(task) if task is not None else None
         if arriving is not None:
             request.from_task.CopyFrom(TaskRef(job=arriving[0], index=arriving[1]))
-        wait = DEFAULT_TIMEOUT if timeout is None else timeout
+        wait = self._client.timeout if timeout is None else timeout
         request.timeout_seconds = self._timeout(wait)
         address, own = self._barrier_route(arriving, min(wait, _COORDINATOR_PROBE_S))
         if address != self._address and own is not None:
