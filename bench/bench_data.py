@@ -51,7 +51,8 @@ sys.path.insert(0, HERE)
 import _data_workload  # noqa: E402
 
 from clusterwire.data import worker_auth  # noqa: E402
-from clusterwire.data.cli import READY_PREFIX, await_ready  # noqa: E402
+from clusterwire.data.cli import await_ready  # noqa: E402
+from clusterwire.ready_line import say_ready  # noqa: E402
 
 WORKLOADS = {"2 KiB": ("fill_2k", 256, 20000), "1 MiB": ("fill_1m", 131072, 1000)}
 MODES = ("parallel_epochs", "distributed_epoch")
@@ -375,11 +376,11 @@ def _tf_server(role: str, argv: list[str]) -> int:
     service = tf.data.experimental.service
     if role == "_tf_dispatcher":
         server = service.DispatchServer()
-        print(f"{READY_PREFIX}{server.target}", flush=True)
+        say_ready(server.target)
     else:
         address = argv[0].split("://")[1]
         server = service.WorkerServer(service.WorkerConfig(dispatcher_address=address))
-        print(f"{READY_PREFIX}{address}", flush=True)
+        say_ready(address)
     server.join()
     return 0
 

@@ -121,7 +121,7 @@ def _with_membership_changes(config: Any) -> dict:
 
 def _serve(args: argparse.Namespace) -> int:
     from clusterwire.data.cli import import_modules
-    from clusterwire.local_cluster import READY_PREFIX
+    from clusterwire.ready_line import say_ready
     from clusterwire.server import Server
 
     import_modules("serve", args.imports)
@@ -156,7 +156,7 @@ def _serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     sd = server.server_def
-    print(f"{READY_PREFIX}{server.target}", flush=True)
+    say_ready(server.target)
     if not args.quiet:
         metrics = f", metrics at {server.metrics_url}" if server.metrics_url else ""
         print(f"clusterwire: serving /job:{sd.job_name}/task:{sd.task_index} at "
@@ -197,6 +197,7 @@ def _status(args: argparse.Namespace) -> int:
     from clusterwire.security import load_security
     from clusterwire.server_kind import TASK, first_failure, wrong_kind
     from clusterwire.session import Session
+    from clusterwire.status_text import summary, task_line
 
     if args.all and args.task:
         raise SystemExit("clusterwire status: give --task or --all, not both")
@@ -215,10 +216,15 @@ def _status(args: argparse.Namespace) -> int:
         if better is None:
             raise
         raise better from None
-    for status in statuses.values():
-        if "cluster" in status:
-            status["cluster"] = status["cluster"].as_dict()
-    print(json.dumps(statuses if args.all else statuses[""], indent=2))
+    if args.json:
+        for status in statuses.values():
+            if "cluster" in status:
+                status["cluster"] = status["cluster"].as_dict()
+        print(json.dumps(statuses if args.all else statuses[""], indent=2))
+    elif args.all:
+        print("\n".join(task_line(task, status) for task, status in statuses.items()))
+    else:
+        print("\n".join(summary(statuses[""])))
     left_out = getattr(statuses, "left_out", 0)
     if left_out:
         print(f"clusterwire status: the target listed {len(statuses) + left_out} tasks, more "
@@ -361,7 +367,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_resolver_args(resolve, required=True)
     resolve.set_defaults(run=_resolve)
 
-    status = commands.add_parser("status", help="print a task's status as JSON")
+    status = commands.add_parser(
+        "status", help="summarise a task's status (--json: the whole status document)",
+        description="Print a task's status: a short summary (task, address, state, "
+                    "protocol, membership version and size, requests served and failed, "
+                    "store), or with --all one line per task (a task that did not answer: "
+                    "its address and why). --json prints the whole status document, for "
+                    "scripts.")
     status.add_argument("target", help="e.g. grpc://127.0.0.1:2222")
     status.add_argument("--task", help="another task of the cluster, e.g. /job:ps/task:0")
     status.add_argument("--all", action="store_true",
@@ -369,6 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "may have, membership's MAX_TASKS), asked concurrently within "
                              "one --timeout; exits 1 if any did not answer or the target "
                              "listed more")
+    status.add_argument("--json", action="store_true",
+                        help="print the whole status as JSON (with --all: task -> status, "
+                             "or {\"error\", \"address\"} for a task that did not answer)")
     status.add_argument("--timeout", type=float, default=10.0,
                         help="seconds for the answer; with --all, for the whole cluster's "
                              "(default 10)")

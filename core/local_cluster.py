@@ -32,11 +32,11 @@ from typing import Any
 from clusterwire import errors
 from clusterwire.cluster_spec import ClusterSpec
 from clusterwire.plugins import PluginManager, get_plugin_manager
+from clusterwire.ready_line import READY_PREFIX
 from clusterwire.security import security_fields
 from clusterwire.session import Session
 from clusterwire.task_launcher import TaskLauncher, TaskProcess
 
-READY_PREFIX = "CLUSTERWIRE_READY "
 #: Lines of a failed task's stderr quoted in the error.
 _QUOTED_LINES = 20
 

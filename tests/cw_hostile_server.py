@@ -27,7 +27,6 @@ import sys
 import threading
 
 from clusterwire import errors
-from clusterwire.local_cluster import READY_PREFIX
 from clusterwire.plugins import get_plugin_manager
 from clusterwire.protos.cluster_pb2 import ClusterDef, JobDef
 from clusterwire.protos.data_service_pb2 import (
@@ -46,6 +45,7 @@ from clusterwire.protos.service_pb2 import (
     TaskStatus,
     UnreachablePeer,
 )
+from clusterwire.ready_line import say_ready
 from clusterwire.testing.child import stop_on_stdin_close
 from clusterwire.transport import Frame, ListenOptions
 
@@ -128,7 +128,7 @@ def main(argv: list[str]) -> int:
     own.append(listener.address)
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     stop_on_stdin_close(stop)
-    print(f"{READY_PREFIX}{listener.address}", flush=True)
+    say_ready(listener.address)
     stop.wait()
     listener.stop(0)
     failing.stop(0)

@@ -22,7 +22,8 @@ from typing import Any
 from clusterwire import errors
 from clusterwire.data.limits import PipelineLimits
 from clusterwire.durations import format_duration
-from clusterwire.local_cluster import READY_PREFIX, await_ready
+from clusterwire.local_cluster import await_ready
+from clusterwire.ready_line import READY_PREFIX, say_ready
 from clusterwire.security import security_fields
 from clusterwire.terminal_text import printable
 
@@ -62,7 +63,7 @@ def _stop_on_signals(server: Any, args: argparse.Namespace) -> threading.Event:
 
 
 def _serve_until_signal(server: Any, target: str, what: str, args: argparse.Namespace) -> int:
-    print(f"{READY_PREFIX}{target}", flush=True)
+    say_ready(target)
     if not args.quiet:
         metrics = f", metrics at {server.metrics_url}" if server.metrics_url else ""
         print(f"clusterwire: tf.data service {what} serving at {target}{metrics}",

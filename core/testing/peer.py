@@ -14,8 +14,8 @@ import time
 
 import numpy as np
 
-from clusterwire.local_cluster import READY_PREFIX
 from clusterwire.plugins import get_plugin_manager
+from clusterwire.ready_line import say_ready
 from clusterwire.testing.child import stop_on_stdin_close
 from clusterwire.transport import Frame, ListenOptions
 
@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     stop_on_stdin_close(stop)
-    print(f"{READY_PREFIX}{listener.address}", flush=True)
+    say_ready(listener.address)
     stop.wait()
     listener.stop(0)
     return 0
