@@ -309,6 +309,10 @@ class ClusterService:
         timeout = None
         if request.method == "barrier" and request.timeout_seconds:
             timeout = request.timeout_seconds + self._peers.timeout
+        elif request.method == "status" and request.timeout_seconds > 0:
+            # The caller's budget (Session.status): a task that does not answer is named
+            # in this task's error before the caller's own deadline passes.
+            timeout = min(request.timeout_seconds, self._peers.timeout)
         left = in_process.time_left()  # a caller of this process waits for this long
         if left is not None:
             timeout = min(timeout or self._peers.timeout, left)

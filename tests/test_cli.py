@@ -50,7 +50,7 @@ def test_serve_runs_until_a_signal_then_stops_cleanly(serving, signum):
 
 def test_status_prints_json(serving):
     _, target = serving
-    result = clusterwire("status", target)
+    result = clusterwire("status", target, "--json")
     assert result.returncode == 0, result.stderr
     status = json.loads(result.stdout)
     assert status["job"] == "worker" and status["target"] == target
@@ -59,7 +59,7 @@ def test_status_prints_json(serving):
 
 def test_status_all_prints_every_task_of_the_cluster(serving):
     _, target = serving
-    result = clusterwire("status", target, "--all")
+    result = clusterwire("status", target, "--all", "--json")
     assert result.returncode == 0, result.stderr
     statuses = json.loads(result.stdout)
     assert list(statuses) == ["/job:worker/task:0"]

@@ -19,7 +19,7 @@ def test_status_all_prints_at_most_max_tasks_and_says_how_many_it_left_out(tmp_p
     listed = [f"127.0.0.1:{20000 + i % 40000}" for i in range(20_000)]
     with hostile_server("task", tmp_path, listed) as address:
         started = time.monotonic()
-        result = clusterwire("status", "--all", f"grpc://{address}", "--timeout", "30",
+        result = clusterwire("status", "--all", "--json", f"grpc://{address}", "--timeout", "30",
                              timeout=120)
         elapsed = time.monotonic() - started
     assert result.returncode == 1, result.stderr

@@ -205,8 +205,9 @@ def test_a_real_dispatcher_with_markup_job_names(tmp_path):
 
 def test_status_prints_hostile_strings_as_ascii_json_and_loses_nothing(tmp_path):
     with hostile_server("task", tmp_path) as address:
-        one = clusterwire("status", f"grpc://{address}", "--timeout", "10")
-        every = clusterwire("status", "--all", f"grpc://{address}", "--timeout", "10")
+        one = clusterwire("status", "--json", f"grpc://{address}", "--timeout", "10")
+        every = clusterwire("status", "--all", "--json", f"grpc://{address}", "--timeout",
+                            "10")
     assert one.returncode == 0, one.stderr
     # ensure_ascii: every byte is printable ASCII or a newline.
     for output in (one.stdout, every.stdout):
@@ -217,8 +218,27 @@ def test_status_prints_hostile_strings_as_ascii_json_and_loses_nothing(tmp_path)
     assert status["unreachable_peers"][0]["error"] == HOSTILE + HUGE
     assert "\\u001b]0;pwned\\u0007" in one.stdout.decode()  # readable
     assert every.returncode == 1
-    assert all(entry == {"error": f"InternalError: {HOSTILE}"}
+    assert all(entry["error"] == f"InternalError: {HOSTILE}"
                for entry in json.loads(every.stdout).values())
+
+
+def test_status_summary_of_a_hostile_task_is_escaped(tmp_path):
+    """The human summary (the default) prints the hostile names, addresses and errors
+    through printable: no control reaches the terminal, each is shown escaped."""
+    with hostile_server("task", tmp_path) as address:
+        one = clusterwire("status", f"grpc://{address}", "--timeout", "10")
+        every = clusterwire("status", "--all", f"grpc://{address}", "--timeout", "10")
+    assert one.returncode == 0, one.stderr
+    for output in (one.stdout, every.stdout, every.stderr):
+        assert raw_controls(output) == set()
+    out = one.stdout.decode()
+    assert f"task        /job:{SHOWN}/task:" in out and f"address     {SHOWN}" in out
+    assert f"unreachable /job:{SHOWN}/task:7 at " in out
+    assert every.returncode == 1
+    lines = every.stdout.decode().splitlines()
+    assert lines and all(line.startswith("task /job:") and
+                         line.endswith(f"did not answer: InternalError: {SHOWN}")
+                         for line in lines), lines
 
 
 def test_status_all_has_one_deadline_against_a_target_that_stalls_every_forward(tmp_path):
@@ -228,7 +248,8 @@ def test_status_all_has_one_deadline_against_a_target_that_stalls_every_forward(
     listed = [f"127.0.0.1:{port}" for port in range(20000, 20200)]
     with hostile_server("stalling", tmp_path, listed) as address:
         started = time.monotonic()
-        result = clusterwire("status", "--all", f"grpc://{address}", "--timeout", "2")
+        result = clusterwire("status", "--all", "--json", f"grpc://{address}", "--timeout",
+                             "2")
         elapsed = time.monotonic() - started
     assert result.returncode == 1, result.stderr
     statuses = json.loads(result.stdout)

@@ -136,7 +136,7 @@ def test_the_tools_take_the_token_and_say_when_it_is_refused(tmp_path):
                     f"refused {tool[0]}'s credentials", "Missing or wrong cluster token",
                     "--auth-token-file")
                 assert "Is a task serving there?" not in stderr
-        status = clusterwire("status", target, "--auth-token-file", str(token))
+        status = clusterwire("status", target, "--json", "--auth-token-file", str(token))
         assert status.returncode == 0, status.stderr
         assert '"job": "worker"' in status.stdout
         top = clusterwire("top", "--once", target, "--interval", "0.2", "--timeout", "10",
