@@ -8,6 +8,7 @@ Everything crosses real processes and the chosen protocol.
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import time
@@ -63,16 +64,20 @@ def ps_progress() -> dict[str, Any]:
 
 
 @remote
-def worker_train(own_target: str, steps: int, learning_rate: float, worker: int) -> None:
-    """Run ``steps`` pull/compute/push rounds on this worker's shard."""
+def worker_train(own_target: str, steps: int, learning_rate: float, worker: int) -> np.ndarray:
+    """Run ``steps`` pull/compute/push rounds on this worker's shard; each one's seconds."""
+    times = np.empty(steps)
     with Session(own_target) as session:
         features, labels = session.get("features"), session.get("labels")
-        for _ in range(steps):
+        for step in range(steps):
+            started = time.perf_counter()
             weights = session.call(ps_pull, task=PS)
             error = features @ weights - labels
             gradient = features.T @ error / len(labels)
             session.call(ps_push, gradient, float(np.mean(error ** 2)), learning_rate, worker,
                          task=PS)
+            times[step] = time.perf_counter() - started
+    return times
 
 
 def run_demo(protocol: str = "grpc", steps: int = 60, workers: int = 2, dim: int = 2048,
@@ -108,23 +113,27 @@ def run_demo(protocol: str = "grpc", steps: int = 60, workers: int = 2, dim: int
             print(f"shards uploaded: {uploaded / 1e6:.1f} MB in {upload_s:.2f} s = "
                   f"{uploaded / upload_s / 1e6:.1f} MB/s", file=out, flush=True)
             t0 = time.perf_counter()
-            _train(session, cluster, steps, chaos, shards, out)
+            step_times = _train(session, cluster, steps, chaos, shards, out)
             train_s = time.perf_counter() - t0
             progress = session.call(ps_progress)
             weights = session.call(ps_pull)
     stopped = {f"/job:{job}/task:{i}": cluster.process(job, i).poll()
                for job, count in (("ps", 1), ("worker", workers)) for i in range(count)}
-    step, loss, moved = progress["step"], progress["loss"], progress["moved"]
-    print(f"training: {step} steps, {moved / 1e6:.1f} MB of weights pulled and gradients "
-          f"pushed in {train_s:.2f} s = {moved / train_s / 1e6:.1f} MB/s", file=out, flush=True)
+    step, loss = progress["step"], progress["loss"]
+    median, p90 = np.percentile(step_times, [50, 90]) * 1e3
+    # A step moves dim float32s each way: its time is round trips, not bandwidth.
+    print(f"training: {step} steps in {train_s:.2f} s = {step / train_s:.1f} steps/s over "
+          f"{workers} workers; a step (pull {dim * 4 / 1e3:.1f} KB of weights, compute, push "
+          f"the gradient) takes {median:.1f} ms median, {p90:.1f} ms p90", file=out, flush=True)
     print(f"final loss {loss:.3e} (initial {initial_loss:.4f})", file=out, flush=True)
-    return _verdict(initial_loss, loss, step, steps * workers, weights, stopped, out)
+    return _verdict(initial_loss, loss, step, steps, workers, weights, stopped, out)
 
 
-def _verdict(initial_loss: float, loss: float, step: int, total: int, weights: np.ndarray,
-             stopped: dict[str, int | None], out) -> int:
+def _verdict(initial_loss: float, loss: float, step: int, steps: int, workers: int,
+             weights: np.ndarray, stopped: dict[str, int | None], out) -> int:
     """Print one line saying whether the job did what it should; its exit status."""
-    factor, failures = training_failures(initial_loss, loss, weights, stopped)
+    total = steps * workers
+    factor, failures = training_failures(initial_loss, loss, steps, weights, stopped)
     if step != total:
         failures.append(f"{step} of {total} steps ran")
     return say_verdict(failures, f"the loss fell {factor:.3g}x (>= {LOSS_FACTOR}x), "
@@ -132,20 +141,34 @@ def _verdict(initial_loss: float, loss: float, step: int, total: int, weights: n
                        "cleanly", out)
 
 
-def training_failures(initial_loss: float, loss: float, weights: np.ndarray,
+def training_failures(initial_loss: float, loss: float, steps: int, weights: np.ndarray,
                       stopped: dict[str, int | None]) -> tuple[float, list[str]]:
     """How much the loss fell, and what every demo's run must not have: a loss that did not
-    fall ``LOSS_FACTOR``x, weights not finite, a process that did not stop cleanly."""
+    fall ``LOSS_FACTOR``x (one that fell, but too little in ``steps`` steps a worker, says
+    to raise ``--steps``), weights not finite, a process that did not stop cleanly."""
     factor = initial_loss / loss if loss > 0 else float("inf")
     failures = []
     if not (np.isfinite(loss) and factor >= LOSS_FACTOR):
-        failures.append(f"the loss fell {factor:.3g}x, not the {LOSS_FACTOR}x expected")
+        failure = f"the loss fell {factor:.3g}x, not the {LOSS_FACTOR}x expected"
+        # The loss a push reports is of the weights it pulled, on its worker's shard: after
+        # one step it is about the initial loss; a loss that diverged has grown far more.
+        if np.isfinite(loss) and factor > 0.5:
+            rate = f"; about {_steps_for(factor, steps)} at this rate" if factor > 1.1 else ""
+            failure += (f", too few steps for it: raise --steps (this run: {steps} a "
+                        f"worker{rate})")
+        failures.append(failure)
     if not np.isfinite(weights).all():
         failures.append("the weights are not finite")
     unclean = {task: code for task, code in stopped.items() if code != 0}
     if unclean:
         failures.append(f"processes did not stop cleanly (exit status): {unclean}")
     return factor, failures
+
+
+def _steps_for(factor: float, steps: int) -> int:
+    """Steps a worker that would make the loss fall ``LOSS_FACTOR``x if it kept falling as
+    it did (``factor``x in ``steps``), with a fifth more as a margin."""
+    return math.ceil(1.2 * steps * math.log(LOSS_FACTOR) / math.log(factor))
 
 
 def say_verdict(failures: list[str], ok: str, out) -> int:
@@ -165,10 +188,10 @@ def _send_shard(session: Session, index: int, shard: tuple[np.ndarray, np.ndarra
     return shard[0].nbytes + shard[1].nbytes
 
 
-def _train(session: Session, cluster, steps: int, chaos: bool, shards, out) -> None:
+def _train(session: Session, cluster, steps: int, chaos: bool, shards, out) -> np.ndarray:
     """Run every worker's training loop, printing progress when the step moves; with
     ``chaos``, kill the last worker a third of the way in, restart it and let it train its
-    remaining steps."""
+    remaining steps. Returns the seconds of every step of the runs that finished."""
     from clusterwire.errors import UnavailableError
 
     workers = len(shards)
@@ -178,6 +201,7 @@ def _train(session: Session, cluster, steps: int, chaos: bool, shards, out) -> N
         return pool.submit(session.call, worker_train, cluster.target("worker", index), count,
                            0.4, index, task=f"/job:worker/task:{index}", timeout=600)
 
+    times = []
     with ThreadPoolExecutor(workers) as pool:
         runs = {i: launch(pool, i, steps) for i in range(workers)}
         victim = workers - 1 if chaos else None
@@ -197,7 +221,7 @@ def _train(session: Session, cluster, steps: int, chaos: bool, shards, out) -> N
                     runs[index] = launch(pool, index, left)
                     victim = None
                 else:
-                    run.result()
+                    times.append(run.result())
             if progress["step"] > shown:
                 shown = progress["step"]
                 print(f"  step {shown:4d}/{total}  loss {progress['loss']:.3e}", file=out,
@@ -211,3 +235,4 @@ def _train(session: Session, cluster, steps: int, chaos: bool, shards, out) -> N
                       f"{cluster.target('worker', victim)} in "
                       f"{time.perf_counter() - killed:.2f} s with an empty store; the ps kept "
                       f"its weights and step", file=out, flush=True)
+    return np.concatenate(times)

@@ -195,7 +195,7 @@ def _wait_down(session: Session, task: str, timeout: float = 30.0) -> None:
 def _verdict(initial_loss: float, loss: float, counts: list[int], steps_of: list[int],
              survivors: list[int], steps: int, weights: np.ndarray,
              stopped: dict[str, int | None], out: Any) -> int:
-    factor, failures = training_failures(initial_loss, loss, weights, stopped)
+    factor, failures = training_failures(initial_loss, loss, steps, weights, stopped)
     if [c for i, c in enumerate(counts) if i == 0 or c != counts[i - 1]] != [2, 4, 3]:
         failures.append(f"the workers went {' -> '.join(map(str, counts))}, not 2 -> 4 -> 3")
     short = {i: steps_of[i] for i in survivors if steps_of[i] != steps}

@@ -132,9 +132,10 @@ def test_demo_trains_and_reports_what_it_measured(tmp_path):
     # The upload (2 workers x 6144 x 2048 float32 features + labels) is reported apart ...
     upload = next(line for line in lines if line.startswith("shards uploaded:"))
     assert upload.startswith(f"shards uploaded: {2 * 6144 * 2049 * 4 / 1e6:.1f} MB in ")
-    # ... from the training window: per step, 2048 float32 weights pulled and a gradient pushed.
+    # ... from the training window, reported in steps: each pulls 2048 float32 weights.
     training = next(line for line in lines if line.startswith("training:"))
-    assert training.startswith(f"training: 60 steps, {60 * 2 * 2048 * 4 / 1e6:.1f} MB of ")
+    assert training.startswith("training: 60 steps in ") and "MB/s" not in training
+    assert "pull 8.2 KB of weights" in training
     steps = [int(line.split()[1].split("/")[0]) for line in lines if line.startswith("  step")]
     assert steps == sorted(set(steps)) and steps[0] > 0 and steps[-1] == 60
     assert lines[-1].startswith("verdict: OK: the loss fell ")
@@ -145,11 +146,11 @@ def test_demo_fails_with_a_verdict_when_the_loss_does_not_fall(tmp_path):
     from clusterwire import demo
 
     out = io.StringIO()
-    status = demo._verdict(1.0, 0.5, 10, 10, np.zeros(3), {"/job:ps/task:0": 0}, out)
+    status = demo._verdict(1.0, 0.5, 10, 5, 2, np.zeros(3), {"/job:ps/task:0": 0}, out)
     assert status == 1
     assert out.getvalue().startswith("verdict: FAILED: the loss fell 2x, not the 100x expected")
     out = io.StringIO()
-    assert demo._verdict(1.0, 1e-3, 9, 10, np.zeros(3), {"/job:ps/task:0": -9}, out) == 1
+    assert demo._verdict(1.0, 1e-3, 9, 5, 2, np.zeros(3), {"/job:ps/task:0": -9}, out) == 1
     assert "9 of 10 steps ran" in out.getvalue()
     assert "did not stop cleanly (exit status): {'/job:ps/task:0': -9}" in out.getvalue()
 
