@@ -309,10 +309,13 @@ class WorkerRow:
     elements_per_s: float | None
     element_bytes_per_s: float | None
     buffered_elements: int | None
+    #: Open streams (not yet handed out completely): what the worker's limit counts.
     streams: int | None
     requests_per_s: float | None
     errors_per_s: float | None
     error: str
+    #: Finished streams the worker still keeps for their consumers' last reads.
+    finished_streams: int | None = None
 
 
 @dataclass(frozen=True)
@@ -363,6 +366,7 @@ def worker_rows(previous: DataSnapshot | None, current: DataSnapshot) -> list[Wo
         old = before.get(snapshot.address)
         buffered = _gauge(status.metrics, catalog.DATA_BUFFERED.name)
         streams = _gauge(status.metrics, catalog.DATA_STREAMS.name)
+        finished = _gauge(status.metrics, catalog.DATA_FINISHED_STREAMS.name)
         rows.append(WorkerRow(
             snapshot.address,
             DRAINING if _gauge(status.metrics, catalog.SERVING.name) == 0 else SERVING, age,
@@ -372,7 +376,8 @@ def worker_rows(previous: DataSnapshot | None, current: DataSnapshot) -> list[Wo
             None if streams is None else int(streams),
             _rate(old, snapshot, lambda m: total(m, catalog.REQUESTS.name), own=1),
             _rate(old, snapshot, lambda m: total(m, catalog.REQUESTS.name)
-                  - total(m, catalog.REQUESTS.name, code="OK")), ""))
+                  - total(m, catalog.REQUESTS.name, code="OK")), "",
+            None if finished is None else int(finished)))
     return rows
 
 
@@ -539,8 +544,8 @@ def worker_table(rows: Sequence[WorkerRow], title: str) -> Any:
     table = Table(title=_text(title, MAX_CHARS), title_justify="left", caption_justify="left")
     for name in ("WORKER", "HEALTH"):
         table.add_column(name, no_wrap=True)
-    for name in ("HEARTBEAT AGE", "ELEMENTS/S", "BYTES/S", "BUFFERED", "STREAMS", "REQ/S",
-                 "ERR/S"):
+    for name in ("HEARTBEAT AGE", "ELEMENTS/S", "BYTES/S", "BUFFERED", "OPEN STREAMS",
+                 "FINISHED STREAMS", "REQ/S", "ERR/S"):
         table.add_column(name, justify="right", no_wrap=True)
     for row in rows:
         age = row.heartbeat_age_seconds
@@ -549,6 +554,7 @@ def worker_table(rows: Sequence[WorkerRow], title: str) -> Any:
                       format_rate(row.elements_per_s),
                       format_bytes(row.element_bytes_per_s, "/s"),
                       _count(row.buffered_elements), _count(row.streams),
+                      _count(row.finished_streams),
                       format_rate(row.requests_per_s), format_rate(row.errors_per_s))
     table.caption = _caption([(row.address, row.error) for row in rows if row.error])
     return table

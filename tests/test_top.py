@@ -399,13 +399,14 @@ def test_dispatcher_view_of_a_loaded_data_service():
             workers = [cells(out, w.address) for w in
                        data.service_status(address).workers]
             for row in workers:
-                assert row[1] == "serving" and row[2].endswith(" s") and row[6] == "1"
-                assert float(row[3]) >= 0 and row[4].endswith("/s") and float(row[7]) >= 0
-                assert row[8] == "0.0"
+                # One open stream, none finished.
+                assert row[1] == "serving" and row[2].endswith(" s") and row[6:8] == ["1", "0"]
+                assert float(row[3]) >= 0 and row[4].endswith("/s") and float(row[8]) >= 0
+                assert row[9] == "0.0"
             # One worker may answer no read in an interval (the consumer's buffer is full of
             # the other's batches), the two together do.
             assert sum(float(row[3]) for row in workers) > 0
-            assert sum(float(row[7]) for row in workers) > 0
+            assert sum(float(row[8]) for row in workers) > 0
             [job] = [line for line in out.splitlines() if "│ top " in line]
             job_cells = [c.strip() for c in job.split("│")[1:-1]]
             assert job_cells[1:5] == ["top", "parallel_epochs", "running", "1"]

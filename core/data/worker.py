@@ -769,6 +769,8 @@ def _samples(server: str, streams: dict[Any, Stream], lock: threading.Lock) -> l
     """The worker's stream gauges (a registry source; it must not hold the WorkerServer,
     whose collection stops it)."""
     with lock:
-        running = list(streams.values())
-    return [Sample(catalog.DATA_BUFFERED, (server,), sum(s.buffered for s in running)),
-            Sample(catalog.DATA_STREAMS, (server,), len(running))]
+        kept = list(streams.values())
+    finished = sum(s.finished for s in kept)
+    return [Sample(catalog.DATA_BUFFERED, (server,), sum(s.buffered for s in kept)),
+            Sample(catalog.DATA_STREAMS, (server,), len(kept) - finished),
+            Sample(catalog.DATA_FINISHED_STREAMS, (server,), finished)]

@@ -117,7 +117,12 @@ DATA_BUFFERED = _metric(
     "Elements produced and waiting for their consumers (the worker's queue depth).")
 DATA_STREAMS = _metric(
     "clusterwire_data_streams", "gauge", ("server",), "worker",
-    "Element streams (a job's pipeline on this worker) open now.")
+    "Element streams (a job's pipeline on this worker) open now: not yet produced and handed "
+    "out completely; what the worker's limit of open streams counts (README: Reliability).")
+DATA_FINISHED_STREAMS = _metric(
+    "clusterwire_data_finished_streams", "gauge", ("server",), "worker",
+    "Finished element streams (produced and handed out completely) the worker still keeps for "
+    "their consumers' last reads; not counted against its limit of open streams.")
 
 # -- data service: the training process -------------------------------------------------
 DATA_CONSUMER_WAIT = _metric(
@@ -130,7 +135,7 @@ CATALOG: tuple[Metric, ...] = (
     STORE_BYTES, STORE_TENSORS, FORWARDED, BARRIER_WAITS, PEER_FAILURES, UNREACHABLE_PEERS,
     DATA_WORKERS, DATA_HEARTBEATS, DATA_JOBS, DATA_SPLITS_HANDED, DATA_SPLITS_DONE,
     DATA_JOURNAL_BYTES, DATA_ELEMENTS, DATA_ELEMENT_BYTES, DATA_BUFFERED, DATA_STREAMS,
-    DATA_CONSUMER_WAIT,
+    DATA_FINISHED_STREAMS, DATA_CONSUMER_WAIT,
 )
 
 
