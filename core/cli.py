@@ -369,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = commands.add_parser(
         "status", help="summarise a task's status (--json: the whole status document)",
-        description="Print a task's status: a short summary (task, address, state, "
+        description="Print a task's status: a short summary (task, address, state and uptime, "
                     "protocol, membership version and size, requests served and failed, "
                     "store), or with --all one line per task (a task that did not answer: "
                     "its address and why). --json prints the whole status document, for "

@@ -4,9 +4,11 @@ through ``clusterwire.terminal_text.printable``; ``status --json`` prints the wh
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
+from clusterwire.durations import format_duration
 from clusterwire.metrics import catalog
 from clusterwire.terminal_text import printable
 
@@ -27,8 +29,14 @@ def _bytes(value: float) -> str:
 
 
 def state(status: Mapping[str, Any]) -> str:
-    """"serving", or "draining" when its serving gauge says it is stopping."""
-    return "draining" if _metric(status, catalog.SERVING.name) == 0 else "serving"
+    """"serving", or "draining" when its serving gauge says it is stopping; and for how
+    long it has served, by its start time (``clusterwire_start_time_seconds``) and this
+    machine's clock."""
+    serving = "draining" if _metric(status, catalog.SERVING.name) == 0 else "serving"
+    started = _metric(status, catalog.START_TIME.name)
+    if started is None:
+        return serving
+    return f"{serving}, up {format_duration(max(time.time() - started, 0.0))}"
 
 
 def _requests(status: Mapping[str, Any]) -> str:

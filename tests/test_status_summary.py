@@ -5,6 +5,7 @@ why (not the target's address and a deadline)."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 
@@ -36,8 +37,9 @@ def test_status_prints_a_summary_and_json_on_request():
         server.stop()
     assert summary.returncode == 0, summary.stderr
     lines = summary.stdout.decode().splitlines()
-    assert lines[:3] == ["task        /job:worker/task:0", f"address     {server.target}",
-                         "state       serving"]
+    assert lines[:2] == ["task        /job:worker/task:0", f"address     {server.target}"]
+    # Its start time, by its clock, is in its status: up for the seconds this test took.
+    assert re.fullmatch(r"state       serving, up \d+(\.\d+)? s", lines[2]), lines[2]
     assert lines[3].startswith("protocol    grpc (clusterwire ")
     assert lines[4] == "membership  version 0, 1 tasks (worker: 1)"
     # put and get, one failed; this status request is neither counted nor in flight.
@@ -65,8 +67,8 @@ def test_status_all_names_the_task_that_did_not_answer_its_address_and_why():
         server.stop()
     assert result.returncode == 1, result.stderr
     live, failed = result.stdout.decode().splitlines()
-    assert live.startswith(f"/job:worker/task:0  {server.target}  serving  membership "
-                           "version 0, 2 tasks (worker: 2)  ")
+    assert live.startswith(f"/job:worker/task:0  {server.target}  serving, up ")
+    assert "  membership version 0, 2 tasks (worker: 2)  " in live
     assert failed.startswith(f"task /job:worker/task:1 at {dead} did not answer: "
                              f"UnavailableError: Task at {dead} (grpc) is unavailable"), failed
     assert "Connection refused" in failed and server.target.split("//")[1] not in failed

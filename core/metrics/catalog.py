@@ -62,6 +62,10 @@ CONNECTIONS = _metric(
 SERVING = _metric(
     "clusterwire_serving", "gauge", ("server",), "every server",
     "1 while the server accepts work, 0 from the moment it drains.")
+START_TIME = _metric(
+    "clusterwire_start_time_seconds", "gauge", ("server",), "every server",
+    "When the server started listening, in Unix seconds by its clock (its uptime is the time "
+    "since).")
 
 # -- task servers -------------------------------------------------------------------------
 STORE_BYTES = _metric(
@@ -132,7 +136,8 @@ DATA_CONSUMER_WAIT = _metric(
 
 CATALOG: tuple[Metric, ...] = (
     REQUESTS, REQUEST_SECONDS, RECEIVED_BYTES, SENT_BYTES, IN_FLIGHT, CONNECTIONS, SERVING,
-    STORE_BYTES, STORE_TENSORS, FORWARDED, BARRIER_WAITS, PEER_FAILURES, UNREACHABLE_PEERS,
+    START_TIME, STORE_BYTES, STORE_TENSORS, FORWARDED, BARRIER_WAITS, PEER_FAILURES,
+    UNREACHABLE_PEERS,
     DATA_WORKERS, DATA_HEARTBEATS, DATA_JOBS, DATA_SPLITS_HANDED, DATA_SPLITS_DONE,
     DATA_JOURNAL_BYTES, DATA_ELEMENTS, DATA_ELEMENT_BYTES, DATA_BUFFERED, DATA_STREAMS,
     DATA_FINISHED_STREAMS, DATA_CONSUMER_WAIT,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from time import perf_counter
@@ -93,6 +94,7 @@ class RequestStats:
         self._lock = lock
         self._in_flight, self._serving, self._connections = in_flight, serving, connections
         self._cells = RequestCells(_BOUNDS, _CODES)
+        self._started = time.time()
         #: ``record(method, code, started, request, response)``: count a request that came
         #: through the transport (see ``PythonRequestCells``); it runs for every such request.
         self.record = self._cells.record
@@ -125,6 +127,7 @@ class RequestStats:
         yield Sample(catalog.SENT_BYTES, (server, transport), sent)
         yield Sample(catalog.IN_FLIGHT, (server,), in_flight)
         yield Sample(catalog.SERVING, (server,), 1 if self._serving() else 0)
+        yield Sample(catalog.START_TIME, (server,), self._started)
         connections = self._connections()
         if connections is not None:
             yield Sample(catalog.CONNECTIONS, (server, transport), connections)
