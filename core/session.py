@@ -166,7 +166,11 @@ class Session:
         as NAME_count and NAME_sum); ``unreachable_peers``, the peer tasks it could not reach
         within the last minute and has not reached since (task, address, ``last_failure`` as
         Unix seconds, error); ``membership_version`` and, with heartbeats, ``peers`` (task,
-        address, ``last_seen`` as Unix seconds or 0, ``down``: see clusterwire.membership)."""
+        address, ``last_seen`` as Unix seconds or 0, ``down``: see clusterwire.membership).
+
+        The target forwards a status for another task within this call's deadline (less
+        a moment for its answer to return), so a task it cannot reach is named in its
+        error, e.g. ``UnavailableError: Task at HOST:PORT ...``."""
         request = self._request("status", task)
         if task is not None:
             # The target forwards it: bounded so the target's own answer (naming the task
