@@ -11,6 +11,7 @@ from typing import Any
 from clusterwire.durations import format_duration
 from clusterwire.metrics import catalog
 from clusterwire.terminal_text import printable
+from clusterwire.top import format_bytes
 
 
 def _metric(status: Mapping[str, Any], name: str, **labels: str) -> float | None:
@@ -18,14 +19,6 @@ def _metric(status: Mapping[str, Any], name: str, **labels: str) -> float | None
     values = [m["value"] for m in status["metrics"] if m["name"] == name
               and all(m["labels"].get(k) == v for k, v in labels.items())]
     return sum(values) if values else None
-
-
-def _bytes(value: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
 
 
 def state(status: Mapping[str, Any]) -> str:
@@ -72,7 +65,7 @@ def summary(status: Mapping[str, Any]) -> list[str]:
     stored = _metric(status, catalog.STORE_TENSORS.name)
     if stored is not None:
         lines.append(f"store       {stored:.0f} tensors, "
-                     f"{_bytes(_metric(status, catalog.STORE_BYTES.name) or 0)}")
+                     f"{format_bytes(_metric(status, catalog.STORE_BYTES.name) or 0)}")
     down = [p for p in status["peers"] if p["down"]]
     if down:
         lines.append("peers down  " + ", ".join(
