@@ -132,14 +132,8 @@ class ParquetReader:
             raise OutOfRangeError(
                 f"Parquet file {self._path!r} has {count} row groups; row groups "
                 f"[{start}, {stop}) are out of range.")
-        pa, _ = _pyarrow()
         for index in range(start, stop):
-            try:
-                table = self._parquet.read_row_group(index, columns=self.columns)
-            except (OSError, pa.ArrowException) as error:
-                raise DataLossError(
-                    f"Parquet file {self._path!r}: row group {index} cannot be read: "
-                    f"{error}") from None
+            table = self._row_group(index)
             for batch in table.to_batches(max_chunksize=self._batch_rows):
                 yield from self._elements(batch)
 
@@ -147,14 +141,19 @@ class ParquetReader:
         """The elements (one row each) of rows ``rows`` (an int64 array) of row group
         ``group``, in that order: ``global_shuffle``'s random access."""
         pa, _ = _pyarrow()
+        for batch in self._row_group(group).take(pa.array(rows)).to_batches():
+            yield from self._elements(batch)
+
+    def _row_group(self, index: int) -> Any:
+        """Row group ``index`` as a pyarrow Table of ``columns``; DataLossError naming the
+        file and the row group if it cannot be read."""
+        pa, _ = _pyarrow()
         try:
-            table = self._parquet.read_row_group(group, columns=self.columns)
+            return self._parquet.read_row_group(index, columns=self.columns)
         except (OSError, pa.ArrowException) as error:
             raise DataLossError(
-                f"Parquet file {self._path!r}: row group {group} cannot be read: "
+                f"Parquet file {self._path!r}: row group {index} cannot be read: "
                 f"{error}") from None
-        for batch in table.take(pa.array(rows)).to_batches():
-            yield from self._elements(batch)
 
     def _elements(self, batch: Any) -> Iterator[dict[str, Any]]:
         per_row = self._batch_rows is None
