@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import in_process_data_service, wait_for
-from test_data_resume import await_line, start_trainer
+from test_data_resume import run_trainers, start_trainer
 
 from clusterwire import data, errors
 from clusterwire.data import position
@@ -311,13 +311,7 @@ def test_sigkilled_trainers_resume_as_another_number_of_processes(processes, tmp
     trainers = [start_trainer(dispatcher.target, dataset_id, "distributed_epoch", path,
                               "--job-name", "ranks", "--every", "50", "--announce", "230")
                 for path in old]
-    try:
-        for trainer in trainers:
-            await_line(trainer, "READ 230", 60)
-    finally:
-        for trainer in trainers:
-            trainer.kill()
-            trainer.communicate(timeout=30)
+    run_trainers(trainers, "READ 230", 60)
     checkpoints = []
     for path in old:
         with open(path) as file:
@@ -334,14 +328,7 @@ def test_sigkilled_trainers_resume_as_another_number_of_processes(processes, tmp
     trainers = [start_trainer(dispatcher.target, dataset_id, "distributed_epoch", path,
                               "--job-name", "ranks", "--every", str(COUNT))
                 for path in new]
-    try:
-        for trainer in trainers:
-            await_line(trainer, "DONE", 120)
-            assert trainer.wait(30) == 0
-    finally:
-        for trainer in trainers:
-            trainer.kill()
-            trainer.communicate(timeout=30)
+    run_trainers(trainers, "DONE", 120, exits=True)
     seen = [x for c in checkpoints for x in c["seen"]]
     for path in new:
         with open(path) as file:

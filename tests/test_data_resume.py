@@ -246,6 +246,21 @@ def await_line(process: subprocess.Popen, wanted: str, timeout: float) -> None:
     raise AssertionError(f"no {wanted!r} from the trainer: {process.communicate()[1][-2000:]}")
 
 
+def run_trainers(trainers: list[subprocess.Popen], until: str, timeout: float,
+                 exits: bool = False) -> None:
+    """Wait for each trainer's ``until`` line (and, with ``exits``, its exit status 0), then
+    kill and reap them all, whatever happened."""
+    try:
+        for trainer in trainers:
+            await_line(trainer, until, timeout)
+            if exits:
+                assert trainer.wait(30) == 0
+    finally:
+        for trainer in trainers:
+            trainer.kill()
+            trainer.communicate(timeout=30)
+
+
 def kill_and_resume(target_of, dataset_id: str, mode: str, checkpoints: list[str],
                     between=lambda: None, extra=lambda i: ()) -> list[list[int]]:
     """Trainers (one per checkpoint file) read, checkpointing every 50 elements, and are
@@ -253,13 +268,7 @@ def kill_and_resume(target_of, dataset_id: str, mode: str, checkpoints: list[str
     trainers = [start_trainer(target_of(), dataset_id, mode, path, "--every", "50",
                               "--announce", "230", *extra(i))
                 for i, path in enumerate(checkpoints)]
-    try:
-        for trainer in trainers:
-            await_line(trainer, "READ 230", 60)
-    finally:
-        for trainer in trainers:
-            trainer.kill()
-            trainer.communicate(timeout=30)
+    run_trainers(trainers, "READ 230", 60)
     for path in checkpoints:
         with open(path) as file:
             saved = json.load(file)
@@ -267,14 +276,7 @@ def kill_and_resume(target_of, dataset_id: str, mode: str, checkpoints: list[str
     between()
     trainers = [start_trainer(target_of(), dataset_id, mode, path, *extra(i))
                 for i, path in enumerate(checkpoints)]
-    try:
-        for trainer in trainers:
-            await_line(trainer, "DONE", 60)
-            assert trainer.wait(30) == 0
-    finally:
-        for trainer in trainers:
-            trainer.kill()
-            trainer.communicate(timeout=30)
+    run_trainers(trainers, "DONE", 60, exits=True)
     seen = []
     for path in checkpoints:
         with open(path) as file:
