@@ -69,10 +69,23 @@ class Relay:
 
     def _accept(self) -> None:
         while True:
-            client, _ = self._listener.accept()
-            upstream = socket.create_connection(self._target, source_address=(SOURCE, 0))
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            try:
+                upstream = socket.create_connection(self._target, source_address=(SOURCE, 0))
+            except OSError:
+                client.close()  # the target is gone: so is the relayed connection
+                continue
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=_pump, args=(a, b), daemon=True).start()
+
+    def close(self) -> None:
+        """Accept no more connections (relayed ones end when either side closes)."""
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
 
 
 def _pump(source: socket.socket, sink: socket.socket) -> None:

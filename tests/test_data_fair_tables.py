@@ -137,7 +137,8 @@ def test_a_peer_starting_resume_waves_cannot_push_out_or_lock_out_a_victims(proc
     dispatcher = processes("dispatcher")
     processes("worker", "--dispatcher-address", dispatcher.address)
     victim = DispatcherClient("grpc", dispatcher.address, 10.0, Security())
-    flooder = DispatcherClient("grpc", Relay(dispatcher.address).address, 10.0, Security())
+    relay = Relay(dispatcher.address)
+    flooder = DispatcherClient("grpc", relay.address, 10.0, Security())
     counts = {"kept": 0, "refused": 0, "other": []}
     lock = threading.Lock()
     try:
@@ -192,6 +193,7 @@ def test_a_peer_starting_resume_waves_cannot_push_out_or_lock_out_a_victims(proc
     finally:
         victim.close()
         flooder.close()
+        relay.close()
     print(f"\nresume-wave flood from 127.0.0.2 ({flood_s:.1f} s): {counts}; victim's "
           f"slowest before {before}, during {during}")
     assert second == first  # the victim's consumers read one job
