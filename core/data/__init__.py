@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from clusterwire.data.pipeline import INFINITE as INFINITE_CARDINALITY
     from clusterwire.data.pipeline import UNKNOWN as UNKNOWN_CARDINALITY
     from clusterwire.data.position import merge_states
+    from clusterwire.data.provenance import replay
     from clusterwire.data.tar_shards import TarShardReader
     from clusterwire.data.tfrecord import TFRecordReader, TFRecordWriter
     from clusterwire.data.worker import WorkerServer
@@ -64,6 +65,7 @@ _EXPORTS = {
     "from_dataset_id": ("client", "from_dataset_id"),
     "function": ("permissions", "function"),
     "merge_states": ("position", "merge_states"),
+    "replay": ("provenance", "replay"),
     "register_dataset": ("client", "register_dataset"),
     "service_status": ("client", "service_status"),
     "TFRecordReader": ("tfrecord", "TFRecordReader"),
@@ -95,6 +97,7 @@ __all__ = [
     "from_dataset_id",
     "function",
     "merge_states",
+    "replay",
     "register_dataset",
     "service_status",
     "TFRecordReader",

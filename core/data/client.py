@@ -17,17 +17,19 @@ from typing import Any
 
 from clusterwire import errors
 from clusterwire.data import compression as compressor
-from clusterwire.data import graph
+from clusterwire.data import graph, provenance
 from clusterwire.data import position as positions
 from clusterwire.data.dataset import Dataset
 from clusterwire.data.modes import (
     COMPRESSION_AUTO,
     COMPRESSION_SNAPPY,
+    ShardingPolicy,
     check_consumers,
     check_job_name,
     check_max_outstanding,
     check_target_workers,
     compression_name,
+    mode_name,
     parse_service,
     sharding_policy,
 )
@@ -80,6 +82,10 @@ def register_dataset(service: Any, dataset: Dataset, compression: str | None = "
         compressor.require()
     if not isinstance(dataset, Dataset):
         raise TypeError(f"`dataset` must be a clusterwire.data.Dataset, got {dataset!r}")
+    if isinstance(dataset.pipeline.source, provenance.TaggedSource):
+        raise errors.InvalidArgumentError(
+            "A dataset of with_element_ids() is for local iteration: register the dataset "
+            "without it and read it with element_ids=True (distribute / from_dataset_id).")
     if dataset_id is not None and (not isinstance(dataset_id, str) or not dataset_id):
         raise ValueError(f"`dataset_id` must be a non-empty string, got {dataset_id!r}")
     definition, buffers = graph.to_def(dataset.pipeline)
@@ -183,7 +189,8 @@ def from_dataset_id(processing_mode: Any, service: Any, dataset_id: str,
                     cross_trainer_cache: Any = None,
                     target_workers: str = "AUTO", *,
                     config: Mapping[str, Any] | Security | None = None,
-                    state: Mapping[str, Any] | None = None) -> Dataset:
+                    state: Mapping[str, Any] | None = None,
+                    element_ids: bool = False) -> Dataset:
     """A dataset reading the registered dataset ``dataset_id`` through the service.
 
     ``element_spec`` is accepted for TF compatibility (clusterwire elements describe
@@ -193,12 +200,17 @@ def from_dataset_id(processing_mode: Any, service: Any, dataset_id: str,
     clusterwire addition): a position an iterator's ``state_dict()`` returned, or the job
     position ``merge_states`` made of all of a distributed_epoch job's consumers' (any number
     of new consumers resume from it); the first iteration resumes from it (see
-    ``clusterwire.data.position``).
+    ``clusterwire.data.position``). ``element_ids`` (also a clusterwire addition): yield
+    ``(id, element)`` pairs, the id of each source element (a batch: the list of its rows')
+    the same however many workers and consumers read the epoch (see
+    ``clusterwire.data.provenance``; a pipeline through which ids are not defined fails the
+    first read with an InvalidArgumentError naming the transformation).
     """
     position = None if state is None else positions.load(state)
     del element_spec
     trainer_id = _trainer_id(cross_trainer_cache)
     policy = sharding_policy(processing_mode)
+    _check_element_ids(element_ids, policy)
     job_name = check_job_name(job_name)
     consumers = check_consumers(job_name, consumer_index, num_consumers)
     outstanding = check_max_outstanding(max_outstanding_requests)
@@ -220,8 +232,20 @@ def from_dataset_id(processing_mode: Any, service: Any, dataset_id: str,
         consumer_index=consumer_index, num_consumers=consumers,
         max_elements=min(outstanding or _MAX_ELEMENTS, _MAX_ELEMENTS),
         data_transfer_protocol=data_transfer_protocol, compression=accepted,
-        target_workers=target, trainer_id=trainer_id)
+        target_workers=target, trainer_id=trainer_id, element_ids=element_ids)
     return Dataset(ServiceSource(service, options, security, position))
+
+
+def _check_element_ids(element_ids: Any, policy: ShardingPolicy) -> None:
+    """``element_ids`` must be a bool, and not of a static FILE shard."""
+    if not isinstance(element_ids, bool):
+        raise TypeError(f"`element_ids` must be a bool, got {element_ids!r:.80}")
+    if element_ids and policy in (ShardingPolicy.FILE, ShardingPolicy.FILE_OR_DATA):
+        raise errors.InvalidArgumentError(
+            f"element_ids are not defined for {mode_name(policy)} reads: a worker's file "
+            "shard numbers its own files, not the dataset's. Read with "
+            "processing_mode='distributed_epoch' (every element once, each with its id), "
+            "'parallel_epochs' or ShardingPolicy.DATA.")
 
 
 def distribute(processing_mode: Any, service: Any, job_name: str | None = None,
@@ -230,7 +254,8 @@ def distribute(processing_mode: Any, service: Any, job_name: str | None = None,
                data_transfer_protocol: str | None = None, compression: str | None = "AUTO",
                cross_trainer_cache: Any = None, target_workers: str = "AUTO", *,
                config: Mapping[str, Any] | Security | None = None,
-               state: Mapping[str, Any] | None = None) -> Callable[[Dataset], Dataset]:
+               state: Mapping[str, Any] | None = None,
+               element_ids: bool = False) -> Callable[[Dataset], Dataset]:
     """A transformation for ``Dataset.apply`` that reads the dataset through the service.
 
     ``processing_mode``: "parallel_epochs" (every worker produces the whole
@@ -241,23 +266,28 @@ def distribute(processing_mode: Any, service: Any, job_name: str | None = None,
     (tls_ca_file, tls_cert_file, tls_key_file, auth_token_file), over the
     ``CLUSTERWIRE_*`` environment and plugins.toml's ``[security]``. ``state`` (also a
     clusterwire addition): resume the first iteration from a saved position, as in
-    ``from_dataset_id``.
+    ``from_dataset_id``. ``element_ids``: yield ``(id, element)`` pairs, as in
+    ``from_dataset_id``; a dataset through which ids are not defined is refused here.
     """
     _trainer_id(cross_trainer_cache)
     policy = sharding_policy(processing_mode)
+    _check_element_ids(element_ids, policy)
     job_name = check_distribute_arguments(processing_mode, service, job_name, consumer_index,
                                           num_consumers, max_outstanding_requests,
                                           target_workers, compression)
     security = _security(config)
 
     def apply(dataset: Dataset) -> Dataset:
+        if element_ids and isinstance(dataset, Dataset):
+            provenance.check(dataset.pipeline)
         dataset_id = register_dataset(service, dataset, compression, config=security)
         return from_dataset_id(policy, service, dataset_id, job_name=job_name,
                                consumer_index=consumer_index, num_consumers=num_consumers,
                                max_outstanding_requests=max_outstanding_requests,
                                data_transfer_protocol=data_transfer_protocol,
                                cross_trainer_cache=cross_trainer_cache,
-                               target_workers=target_workers, config=security, state=state)
+                               target_workers=target_workers, config=security, state=state,
+                               element_ids=element_ids)
 
     if state is not None:
         positions.load(state)  # a malformed position fails here, not at the first read

@@ -417,6 +417,15 @@ class Dataset:
         """Leave out the elements whose making raised (logging them with ``log_warning``)."""
         return self._with(stateful.IgnoreErrors(bool(log_warning)))
 
+    def with_element_ids(self) -> Dataset:
+        """``(id, element)`` pairs, locally: each element with the stable id of its source
+        element (a batch: the list of its rows'), the ids ``distribute(...,
+        element_ids=True)`` gives (see ``clusterwire.data.provenance``); InvalidArgumentError
+        naming a transformation through which ids are not defined."""
+        from clusterwire.data import provenance
+        pipe = provenance.with_public_ids(self._pipeline)
+        return Dataset(pipe.source, pipe.ops)
+
     def apply(self, transformation_func: Callable[[Dataset], Dataset]) -> Dataset:
         """``transformation_func(self)``, e.g. ``apply(distribute(...))``."""
         result = transformation_func(self)

@@ -143,3 +143,8 @@ def refuse_cycle(value: int, limit: int) -> None:
             f"of {limit} open Datasets (WorkerConfig pipeline_limits max_cycle_length). Give "
             "a smaller cycle_length (the order of the elements depends on it, so the worker "
             "does not clamp it), or raise max_cycle_length on the workers.")
+
+
+#: Element ids a data-service position may skip (``merge_states(..., skip_ids=...)``): the
+#: consumers that resume from it hold them as a set, and every later position carries them.
+MAX_SKIP_IDS = 65_536

@@ -57,7 +57,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from clusterwire.data import vouches
+from clusterwire.data import provenance, vouches
+from clusterwire.data.limits import MAX_SKIP_IDS
 from clusterwire.data.modes import ShardingPolicy, mode_name
 from clusterwire.data.pipeline import (
     Batch,
@@ -74,7 +75,11 @@ from clusterwire.data.pipeline import (
     Take,
     split_plan,
 )
-from clusterwire.errors import InvalidArgumentError, PermissionDeniedError
+from clusterwire.errors import (
+    InvalidArgumentError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+)
 from clusterwire.protos.data_service_pb2 import ConsumerPosition, SplitOffset, StreamSpec, Vouch
 
 #: 2: offsets carry vouches (version 1's did not, and are refused).
@@ -117,6 +122,7 @@ class Position:
     num_consumers: int = 0
     finished: bool = False  # the iteration had ended: a resumed one ends at once
     group: str = ""  # the digest of the job's grant (distributed_epoch, round-robin reads)
+    skip: tuple[int, ...] = ()  # element ids its reads leave out (``merge_states``' skip_ids)
 
     def to_dict(self) -> dict[str, Any]:
         """The position as a JSON-serialisable dict."""
@@ -131,7 +137,7 @@ class Position:
                             for worker, offset in sorted(self.streams.items())},
                 "elements": self.elements, "workers": list(self.workers),
                 "consumer_index": self.consumer_index, "num_consumers": self.num_consumers,
-                "finished": self.finished, "group": self.group}
+                "finished": self.finished, "group": self.group, "skip": list(self.skip)}
 
     @classmethod
     def from_dict(cls, state: Any) -> Position:
@@ -167,7 +173,8 @@ class Position:
                 consumer_index=_count(state, "consumer_index"),
                 num_consumers=_count(state, "num_consumers"),
                 finished=_typed(state, "finished", bool),
-                group=_typed(state, "group", str) if "group" in state else "")
+                group=_typed(state, "group", str) if "group" in state else "",
+                skip=saved_skip(state.get("skip", [])))
         except (TypeError, ValueError) as err:  # e.g. a partial entry that is not a pair
             raise InvalidArgumentError(f"Malformed data-service position: {err}.") from None
 
@@ -184,6 +191,7 @@ class JobPosition:
     group: str
     consumers: tuple[Position, ...]
     processing_mode: int = int(ShardingPolicy.DYNAMIC)
+    skip: tuple[int, ...] = ()  # element ids the resumed consumers leave out
 
     @property
     def elements(self) -> int:
@@ -199,7 +207,7 @@ class JobPosition:
         """The job position as a JSON-serialisable dict."""
         return {"version": VERSION, "kind": "job", "dataset_id": self.dataset_id,
                 "processing_mode": self.processing_mode, "iteration": self.iteration,
-                "job_key": self.job_key, "group": self.group,
+                "job_key": self.job_key, "group": self.group, "skip": list(self.skip),
                 "consumers": [{key: value for key, value in p.to_dict().items()
                                if key in _CONSUMER_KEYS} for p in self.consumers]}
 
@@ -223,7 +231,7 @@ class JobPosition:
             positions.append(Position.from_dict(
                 {**common, **entry, "streams": {}, "workers": [], "consumer_index": 0,
                  "num_consumers": 0}))
-        return merge(positions)
+        return merge(positions, saved_skip(state.get("skip", [])))
 
     def requests(self) -> list[ConsumerPosition]:
         """The merged consumers' positions, as the dispatcher takes them."""
@@ -248,18 +256,27 @@ def load(state: Any) -> Position | JobPosition:
     return Position.from_dict(state)
 
 
-def merge_states(states: Iterable[Any]) -> dict[str, Any]:
+def merge_states(states: Iterable[Any], skip_ids: Any = None) -> dict[str, Any]:
     """One job position, JSON-serialisable, from the positions ``state_dict()`` returned to
     all the consumers of one distributed_epoch job at the same step (gathered by the trainer,
     e.g. with ``torch.distributed.all_gather_object``): any number of new consumers of the
     job pass it as ``state`` and share the rest of the epoch, every element once over the
     whole run (see ``clusterwire.data.position``). InvalidArgumentError for positions of
     other modes (saying why they do not merge), of different jobs, of one consumer twice, or
-    a merged position itself."""
-    return merge(states).to_dict()
+    a merged position itself.
+
+    ``skip_ids``: element ids (as a read with ``element_ids`` yielded them: ints, a batch's
+    list) the resumed consumers leave out, e.g. those of the batches of steps k..k+n after a
+    loss spike: those elements are never returned, the rest of the epoch still once. The
+    consumers read their elements with ids and drop these (a batch the rows named, and the
+    batch if it loses them all); the dispatcher and workers never see the list, so it acts
+    on the job's own elements only. Every later position of the job carries them. At most
+    ``limits.MAX_SKIP_IDS`` ids, with those the positions carry already
+    (ResourceExhaustedError beyond)."""
+    return merge(states, skip_ids).to_dict()
 
 
-def merge(states: Iterable[Any]) -> JobPosition:
+def merge(states: Iterable[Any], skip_ids: Any = None) -> JobPosition:
     """``merge_states``' job position, as a ``JobPosition``."""
     positions = []
     for state in states:
@@ -307,8 +324,30 @@ def merge(states: Iterable[Any]) -> JobPosition:
         raise InvalidArgumentError(
             "These positions name no group (saved by an earlier clusterwire): the dispatcher "
             "could not tell they are its job's consumers'. Save them again, then merge.")
+    skip = {i for p in positions for i in p.skip}
+    skip.update(provenance.flatten([] if skip_ids is None else skip_ids, "skip_ids"))
     return JobPosition(first.dataset_id, first.iteration, first.job_key, first.group,
-                       tuple(sorted(positions, key=lambda p: p.consumer_id)))
+                       tuple(sorted(positions, key=lambda p: p.consumer_id)),
+                       skip=_bounded(sorted(skip)))
+
+
+def saved_skip(saved: Any) -> tuple[int, ...]:
+    """The ``skip`` ids a saved position holds (a list of ids, at most ``MAX_SKIP_IDS``)."""
+    if not isinstance(saved, list):
+        raise InvalidArgumentError(
+            f"Data-service position key 'skip' must be a list of element ids, got "
+            f"{saved!r:.80}: pass the dict state_dict() or merge_states() returned, unchanged.")
+    _bounded(saved)
+    ids = _bounded(provenance.flatten(saved, "Data-service position key 'skip'"))
+    return tuple(sorted(set(ids)))
+
+
+def _bounded(ids: list[Any]) -> tuple[Any, ...]:
+    if len(ids) > MAX_SKIP_IDS:
+        raise ResourceExhaustedError(
+            f"A position may skip at most {MAX_SKIP_IDS} element ids, got {len(ids)}: skip "
+            "fewer steps at once (or leave the rest of a bad stretch with a new iteration).")
+    return tuple(ids)
 
 
 def group_of(grant: bytes) -> str:

@@ -73,7 +73,7 @@ from typing import Any
 
 from clusterwire import errors
 from clusterwire.addressing import split_host_port
-from clusterwire.data import elements
+from clusterwire.data import elements, provenance
 from clusterwire.data.modes import STATIC_POLICIES, ShardingPolicy, mode_name
 from clusterwire.data.position import JobPosition, Offset, Position, group_of
 from clusterwire.data.rpc import DispatcherClient, WorkerChannels
@@ -139,6 +139,7 @@ class ReadOptions:
     compression: str  # what this client accepts: "", "auto" or "snappy"
     target_workers: str
     trainer_id: str = ""  # reads through the workers' cross-trainer caches as this trainer
+    element_ids: bool = False  # yields (id, element) pairs (data/provenance.py)
 
 
 @dataclass
@@ -305,11 +306,16 @@ class JobReader(Iterator[Any]):
         self._exhausted: Position | None = None  # resumed after the end: this position
         self._returned_all = False  # the iteration ended (not stopped early)
         self._waits = _WAITS.track(self) if ENABLED else None
+        # Element ids the position leaves out: read with ids, dropped in __next__.
+        self._skip = position.skip if position is not None else ()
+        self._publish = (provenance.Publisher(frozenset(self._skip), options.element_ids)
+                         if options.element_ids or self._skip else None)
         if position is not None and position.finished:
             _check_resumable(options, position)
             self._exhausted = position if isinstance(position, Position) else Position(
                 position.dataset_id, position.processing_mode, position.iteration,
-                position.job_key, self._consumer, finished=True, group=position.group)
+                position.job_key, self._consumer, finished=True, group=position.group,
+                skip=position.skip)
             self._job = JobInfo(sharding_policy=options.policy)
             self._finished = self._released = True
             return
@@ -417,7 +423,8 @@ class JobReader(Iterator[Any]):
             workers=tuple(workers), consumer_index=self._options.consumer_index or 0,
             num_consumers=self._options.num_consumers, finished=self._returned_all,
             group=group_of(self._job.grant)
-            if self._options.num_consumers or policy == ShardingPolicy.DYNAMIC else "")
+            if self._options.num_consumers or policy == ShardingPolicy.DYNAMIC else "",
+            skip=self._skip)
 
     def keep_splits(self) -> None:
         """distributed_epoch: have the dispatcher keep this consumer's splits for it while it
@@ -455,6 +462,19 @@ class JobReader(Iterator[Any]):
 
     def __next__(self) -> Any:
         started = perf_counter()
+        element = self._next_element()
+        while self._publish is not None:
+            element = self._publish(element)
+            if element is not provenance.DROPPED:
+                break
+            element = self._next_element()  # a skipped one: returned as far as positions go
+        self._elements += 1
+        if self._waits is not None:
+            self._waits.observe(perf_counter() - started)
+        return element
+
+    def _next_element(self) -> Any:
+        """The next element received, counted as returned in the position."""
         while not self._batch:
             if self._finished:
                 raise StopIteration
@@ -475,7 +495,6 @@ class JobReader(Iterator[Any]):
             self._batch.extend(decoded)
             if position is not None and decoded:
                 self._credits.append([position, len(decoded), vouch])
-        self._elements += 1
         if self._credits:
             credit = self._credits[0]
             credit[0].consumed += 1
@@ -486,8 +505,6 @@ class JobReader(Iterator[Any]):
                 if isinstance(credit[0], _Split):
                     with self._lock:
                         self._split_returned(credit[0])
-        if self._waits is not None:
-            self._waits.observe(perf_counter() - started)
         return self._batch.popleft()
 
     def _finish(self) -> None:
@@ -772,7 +789,8 @@ class JobReader(Iterator[Any]):
         return StreamSpec(job_id=self._job.job_id, dataset_id=self._job.dataset_id,
                           sharding_policy=self._job.sharding_policy,
                           compression=self._compression(), grant=self._job.grant,
-                          owner=self._job.owner, trainer_id=self._options.trainer_id)
+                          owner=self._job.owner, trainer_id=self._options.trainer_id,
+                          element_ids=self._publish is not None)
 
     def _compression(self) -> str:
         wanted, registered = self._options.compression, self._job.compression

@@ -63,15 +63,18 @@ class Stream:
 
     def __init__(self, elements: Iterator[Any], encode: Callable[[Any], Encoded],
                  max_bytes: int = MAX_BUFFERED_BYTES, max_elements: int = MAX_BUFFERED_ELEMENTS,
-                 cache_bytes: int = 0, skip: int = 0, owner: str = "", peer: str = ""):
+                 cache_bytes: int = 0, skip: int = 0, owner: str = "", peer: str = "",
+                 element_ids: bool = False):
         """With ``cache_bytes``, trainers read it through a cross-trainer cache of that many
         bytes (``fetch_cached``), which takes its elements one at a time. ``skip``: elements
         to pass over first, while a reader reads (a resumed position's). ``owner``: the
         consumer whose stream it is (a split's, an anonymous job's), counted in its share of
         the worker's streams; empty for a stream its job's consumers share. ``peer``: the peer
         whose read opened it (``Frame.peer``), counted in that peer's fair share of the
-        worker's streams (``clusterwire.fair_shares``)."""
+        worker's streams (``clusterwire.fair_shares``). ``element_ids``: its elements are
+        ``(id, element)`` pairs (``clusterwire.data.provenance``)."""
         self.owner = owner
+        self.element_ids = element_ids
         self.peer = peer
         self.skip = skip  # where its first element stands in the pipeline's output
         self.cache = CrossTrainerCache(self._take, cache_bytes) if cache_bytes else None

@@ -43,7 +43,7 @@ from typing import Any
 from clusterwire import errors
 from clusterwire.addressing import split_host_port, split_target
 from clusterwire.at_exit import stop_at_exit
-from clusterwire.data import compression, elements, grants, graph, vouches, worker_auth
+from clusterwire.data import compression, elements, grants, graph, provenance, vouches, worker_auth
 from clusterwire.data.config import (
     CROSS_TRAINER_CACHE_SIZE_BYTES,
     DISPATCHER_TIMEOUT_MS,
@@ -469,6 +469,12 @@ class WorkerServer:
         if stream is None:
             stream = self._open(spec, read.offset, key, read.consumer_id, peer,
                                 read.vouch if read.HasField("vouch") else None)
+        if stream.element_ids != spec.element_ids:
+            raise errors.InvalidArgumentError(
+                f"Job {spec.job_id}'s stream on this worker is read "
+                f"{'with' if stream.element_ids else 'without'} element ids, this read asks "
+                f"{'with' if spec.element_ids else 'without'}: every consumer of a named job "
+                "passes the same element_ids (use another job_name for the other kind).")
         if stream.cache is not None or spec.trainer_id:
             taken, end = self._read_cached(stream, read), False
         elif spec.num_consumers:
@@ -533,6 +539,8 @@ class WorkerServer:
         pipe = self._pipeline(spec.dataset_id)
         if spec.trainer_id:
             _check_cross_trainer_cache(spec, pipe)
+        if spec.element_ids:
+            provenance.check(pipe)
         if offset or spec.handed_at:
             check_stream_offset(self._grant_key, spec, consumer_id, offset, vouch, pipe,
                                 self.address)
@@ -565,7 +573,8 @@ class WorkerServer:
                 self._elements(pipe, spec, lambda: bool(opened) and opened[0].closed),
                 lambda e: elements.encode(e, mode),
                 cache_bytes=self._cache_bytes if spec.trainer_id else 0, skip=offset,
-                owner=consumer_id if spec.is_split or spec.owner else "", peer=peer)
+                owner=consumer_id if spec.is_split or spec.owner else "", peer=peer,
+                element_ids=spec.element_ids)
             opened.append(stream)
         for old in replaced:
             old.close()
@@ -700,6 +709,8 @@ class WorkerServer:
         """The stream's pipeline run; its source ends once ``closed()``, so a pipeline that
         computes without producing (a huge ``skip``, a filter keeping nothing) stops with
         its stream."""
+        if spec.element_ids:
+            pipe = provenance.tagged(pipe)
         if spec.is_split:
             plan = split_plan(pipe)
             return pipe.run(_until(closed, lambda: pipe.source.read(spec.unit_start,

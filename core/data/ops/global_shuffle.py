@@ -111,17 +111,38 @@ class GlobalShuffleSource(Node, Source):
         return units * epochs, 1
 
     def iterate(self) -> Iterator[Any]:
+        return self.read(*self.epoch_window())
+
+    def epoch_window(self) -> tuple[int, int]:
+        """The shuffled positions of the next local iteration's epoch (see ``read``)."""
         epoch = next(self._epochs) if self.reshuffle_each_iteration else 0  # type: ignore
         units = self.units()
-        return self.read(epoch * units, (epoch + 1) * units)
+        return epoch * units, (epoch + 1) * units
+
+    @property
+    def index_window(self) -> tuple[int, int]:
+        """(first index, count) of the input's elements it reads (after take and skip)."""
+        return self._window  # type: ignore[attr-defined]
+
+    @property
+    def reads_files(self) -> bool:
+        """Its input is a file format's random-access view, not a range or slices."""
+        return self._read is not None  # type: ignore[attr-defined]
+
+    @property
+    def elementwise_ops(self) -> tuple[Any, ...]:
+        """The input's ``map`` and ``prefetch``, run on the shuffled elements."""
+        return self._ops  # type: ignore[attr-defined]
 
     def read(self, start: int, end: int) -> Iterator[Any]:
         """The elements at shuffled positions ``[start, end)`` (past ``units()``: of the
         later epochs, see the module docstring)."""
-        return self.inputs[0].run(source=lambda: self._gathered(start, end),
+        return self.inputs[0].run(source=lambda: self.gathered(start, end),
                                   ops=self._ops)  # type: ignore[attr-defined]
 
-    def _gathered(self, start: int, end: int) -> Iterator[Any]:
+    def gathered(self, start: int, end: int, with_ids: bool = False) -> Iterator[Any]:
+        """The input's source elements at shuffled positions ``[start, end)``; ``with_ids``:
+        as ``(input index, element)`` pairs (``clusterwire.data.provenance``)."""
         offset, units = self._window  # type: ignore[attr-defined]
         if units == 0:
             return
@@ -140,7 +161,9 @@ class GlobalShuffleSource(Node, Source):
                 first = position - epoch * units
                 indices = permutation.apply(  # type: ignore[union-attr]
                     np.arange(first, first + stop - position))
-                yield from gather(indices + offset)
+                chosen = indices + offset
+                yield from (zip(chosen, gather(chosen), strict=True) if with_ids
+                            else gather(chosen))
                 position = stop
         finally:
             if read is not None:  # a file view: its open files
