@@ -26,6 +26,10 @@ and numpy scalars as ``jax.Array``s (``to_jax``), for a training loop.
   cast in the pipeline. Tuples, lists and dicts keep their structure (dicts as jax pytrees:
   keys sorted); bytes, str, Python numbers and arrays of other dtypes stay as they are.
 
+With ``element_ids=True`` it yields ``(ids, element)``: the provenance id of each element
+(a batch: the list of its rows' ids) as Python ints and lists, beside the placed element
+(see ``clusterwire.data.provenance``).
+
 An iterator reads one pass (one job, as one iteration of ``distribute``'s dataset); make a
 new one per epoch. ``close()`` (or leaving a ``with`` block) releases its job early.
 Importing this module imports jax; ``clusterwire.data`` never does.
@@ -102,7 +106,8 @@ class JaxIterator(Iterator[Any]):
     id ``register_dataset`` returned. The positional and ``config`` arguments are
     ``distribute``'s, with its checks and errors. ``sharding`` or ``device``: where elements
     go (default: jax's default device); ``prefetch``: how many elements are placed ahead of
-    the one returned. See the module docstring for placement, prefetch and copies.
+    the one returned; ``element_ids``: yield ``(ids, element)`` pairs (as ``distribute``'s).
+    See the module docstring for placement, prefetch and copies.
     """
 
     def __init__(self, dataset: Dataset | str, processing_mode: Any, service: Any,
@@ -114,7 +119,7 @@ class JaxIterator(Iterator[Any]):
                  config: Mapping[str, Any] | Security | None = None,
                  sharding: jax.sharding.Sharding | None = None,
                  device: jax.Device | None = None, prefetch: int = 2,
-                 state: Mapping[str, Any] | None = None):
+                 state: Mapping[str, Any] | None = None, element_ids: bool = False):
         job_name = check_distribute_arguments(
             processing_mode, service, job_name, consumer_index, num_consumers,
             max_outstanding_requests, target_workers, compression)
@@ -128,7 +133,8 @@ class JaxIterator(Iterator[Any]):
             consumer_index=consumer_index, num_consumers=num_consumers,
             max_outstanding_requests=max_outstanding_requests,
             data_transfer_protocol=data_transfer_protocol, target_workers=target_workers,
-            config=config, state=state))
+            config=config, state=state, element_ids=element_ids))
+        self._element_ids = element_ids
         self._source: Iterator[Any] | None = self._reader
         # Placed elements pulled ahead, each beside the reader's position after it (None:
         # this read has no position; _no_position says why).
@@ -144,7 +150,9 @@ class JaxIterator(Iterator[Any]):
         while self._source is not None and len(self._queue) <= self._prefetch:
             try:
                 element = next(self._source)
-                self._queue.append((to_jax(element, self._placement), self._reader_position()))
+                placed = ((element[0], to_jax(element[1], self._placement))
+                          if self._element_ids else to_jax(element, self._placement))
+                self._queue.append((placed, self._reader_position()))
             except StopIteration:
                 self._source = None
             except Exception as err:  # raised once the elements pulled before it are taken

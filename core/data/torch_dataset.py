@@ -55,6 +55,12 @@ and yields the service's elements with their numpy arrays and numpy scalars as
   ``multiprocessing_context="forkserver"`` (or "spawn"); a loader worker forked from a
   process running servers says so.
 
+* **Provenance**: ``ServiceDataset(..., element_ids=True)`` yields ``(ids, element)``, the
+  provenance id of each element (a service-side batch: the list of its rows' ids) as Python
+  ints and lists beside the tensors (``clusterwire.data.provenance``); a loader
+  ``batch_size`` collates them as any ints. ``merge_loader_states(..., skip_ids=ids)``
+  leaves the elements of those ids out of the resumed epoch (``merge_states``).
+
 Importing this module imports torch; ``clusterwire.data`` never does.
 """
 
@@ -69,7 +75,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from clusterwire import in_process
-from clusterwire.data import graph
+from clusterwire.data import graph, provenance
 from clusterwire.data import position as positions
 from clusterwire.data.client import (
     check_adapter_dataset,
@@ -118,8 +124,9 @@ class ServiceDataset(IterableDataset):
 
     ``dataset``: a ``clusterwire.data.Dataset`` (registered with the dispatcher by the
     process that reads it) or the id ``register_dataset`` returned. The other arguments are
-    ``distribute``'s, with its checks and errors. See the module docstring for copies and
-    DataLoader workers.
+    ``distribute``'s, with its checks and errors; ``element_ids``: yield ``(ids, element)``
+    pairs (as ``distribute``'s). See the module docstring for copies and DataLoader
+    workers.
     """
 
     def __init__(self, dataset: Dataset | str, processing_mode: Any, service: Any,
@@ -128,7 +135,8 @@ class ServiceDataset(IterableDataset):
                  max_outstanding_requests: int | None = None,
                  data_transfer_protocol: str | None = None, compression: str | None = "AUTO",
                  target_workers: str = "AUTO", *,
-                 config: Mapping[str, Any] | Security | None = None):
+                 config: Mapping[str, Any] | Security | None = None,
+                 element_ids: bool = False):
         super().__init__()
         self._job_name = check_distribute_arguments(
             processing_mode, service, job_name, consumer_index, num_consumers,
@@ -136,12 +144,15 @@ class ServiceDataset(IterableDataset):
         check_adapter_dataset(dataset, "ServiceDataset")
         if isinstance(dataset, Dataset):  # registered later, by the reading process:
             graph.to_def(dataset.pipeline)  # what cannot be sent to workers fails here
+            if element_ids:
+                provenance.check(dataset.pipeline)
         self._dataset, self._compression = dataset, compression
         self._consumer_index, self._num_consumers = consumer_index, num_consumers
         self._read = {"processing_mode": processing_mode, "service": service,
                       "max_outstanding_requests": max_outstanding_requests,
                       "data_transfer_protocol": data_transfer_protocol,
-                      "target_workers": target_workers, "config": config}
+                      "target_workers": target_workers, "config": config,
+                      "element_ids": element_ids}
         self._private_name = f"torch-{secrets.token_hex(8)}"
         self._readers: dict[tuple[Any, ...], Dataset] = {}
         self._iterator: Iterator[Any] | None = None  # the running iteration's reader
@@ -174,8 +185,12 @@ class ServiceDataset(IterableDataset):
             self._resume = self._resume_job = None
             self._merged_here = False
         self._iterator = iterator = iter(reader)
-        for element in iterator:
-            yield to_torch(element)
+        if self._read["element_ids"]:
+            for ids, element in iterator:
+                yield ids, to_torch(element)
+        else:
+            for element in iterator:
+                yield to_torch(element)
 
     def state_dict(self) -> dict[str, Any]:
         """The position of this process's iteration (a loader worker's own, inside a
@@ -241,8 +256,8 @@ class ServiceDataset(IterableDataset):
                 self._num_consumers * info.num_workers)
 
 
-def merge_loader_states(states: Iterable[Mapping[str, Any]], num_workers: int | None = None
-                        ) -> dict[str, Any]:
+def merge_loader_states(states: Iterable[Mapping[str, Any]], num_workers: int | None = None,
+                        skip_ids: Any = None) -> dict[str, Any]:
     """One state from the states the trainer's processes saved at one step:
     ``StatefulDataLoader.state_dict()``s (with or without loader workers) or
     ``ServiceDataset.state_dict()``s, of one distributed_epoch job (see the module
@@ -254,7 +269,9 @@ def merge_loader_states(states: Iterable[Mapping[str, Any]], num_workers: int | 
     of that many loader workers, for its ``load_state_dict`` (torchdata gives it to the
     next epoch's workers only); its format is taken from a loader state among ``states``
     saved with loader workers. Without it: a ``ServiceDataset`` state, for reading without
-    loader workers. InvalidArgumentError for anything else, and as ``merge_states`` for
+    loader workers. ``skip_ids``: element ids the resumed consumers leave out, as
+    ``merge_states``' (e.g. the ids a ``ServiceDataset(..., element_ids=True)`` yielded for
+    the steps to drop). InvalidArgumentError for anything else, and as ``merge_states`` for
     positions that do not merge."""
     states = list(states)
     found = []
@@ -262,7 +279,7 @@ def merge_loader_states(states: Iterable[Mapping[str, Any]], num_workers: int | 
         for dataset_state in _dataset_states(state):
             if dataset_state.get("position") is not None:
                 found.append(dataset_state["position"])
-    merged = {"position": merge_states(found), "job_name": None}
+    merged = {"position": merge_states(found, skip_ids), "job_name": None}
     if num_workers is None:
         return merged
     if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
