@@ -330,3 +330,10 @@ def test_skip_ids_are_bounded_and_checked(service):
         data.from_dataset_id("distributed_epoch", service.target, dataset_id,
                              job_name="skip-bounds",
                              state={**merged, "skip": list(range(MAX_SKIP_IDS + 1))})
+    single = iter(data.from_dataset_id("parallel_epochs", service.target, dataset_id))
+    next(single)
+    state = single.state_dict()
+    single.close()
+    with pytest.raises(errors.InvalidArgumentError, match="Only distributed_epoch positions"):
+        data.from_dataset_id("parallel_epochs", service.target, dataset_id,
+                             state={**state, "skip": [1]})

@@ -34,6 +34,13 @@ the data, so there is no epoch shared by the job to divide; round-robin rounds g
 consumer ``r mod num_consumers`` of a number fixed for the job; a static shard is one
 worker's.
 
+A job position may also name element ids (``merge_states(..., skip_ids=...)``, at most
+``limits.MAX_SKIP_IDS``) that its new consumers leave out: they read the job's elements with
+their provenance ids (``data/provenance.py``) and drop those (a batch the rows named; the
+batch when it loses them all), counting them as returned, and every position they save
+carries the ids on. The list never reaches the dispatcher or the workers: it needs no vouch
+(it is the trainer's own choice) and can drop only elements the consumer was handed.
+
 What the service trusts of a position: every nonzero offset in it (a split's in
 distributed_epoch, a worker stream's otherwise) comes with a vouch (``data/vouches.py``): the
 HMAC, under the dispatcher's grant key, by which a worker (or the dispatcher, for the offset a
@@ -155,7 +162,7 @@ class Position:
                 f"{VERSION}{unsigned}: save the position with this clusterwire, or start "
                 "the iteration anew.")
         try:
-            return cls(
+            position = cls(
                 dataset_id=_typed(state, "dataset_id", str),
                 processing_mode=_policy(state),
                 iteration=_count(state, "iteration"),
@@ -177,6 +184,13 @@ class Position:
                 skip=saved_skip(state.get("skip", [])))
         except (TypeError, ValueError) as err:  # e.g. a partial entry that is not a pair
             raise InvalidArgumentError(f"Malformed data-service position: {err}.") from None
+        if position.skip and (position.processing_mode != ShardingPolicy.DYNAMIC
+                              or position.num_consumers):
+            raise InvalidArgumentError(
+                "Only distributed_epoch positions skip element ids (merge_states' skip_ids): "
+                "a skipped element of another mode would shift the positions its consumers "
+                "count. Pass the dict state_dict() returned, unchanged.")
+        return position
 
 
 @dataclass(frozen=True)
