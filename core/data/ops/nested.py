@@ -3,6 +3,7 @@ function returns a Dataset per input element."""
 
 from __future__ import annotations
 
+import bisect
 import os
 import threading
 from collections import deque
@@ -31,6 +32,12 @@ from clusterwire.errors import InvalidArgumentError
 #: Elements read ahead of the consumer per open Dataset of a parallel interleave, whatever
 #: the ``block_length``, so memory stays bounded.
 _READ_AHEAD = 8
+#: Bytes of elements a read thread of a parallel interleave holds ahead of the consumer,
+#: over all its open Datasets (a read gives at least one element). The consumer's thread
+#: frees what a read thread allocated: once a thread's glibc arena has more than its trim
+#: threshold free at the top (twice the largest block allocated by mmap and freed), glibc
+#: returns it to the kernel and the next elements fault every page in again.
+_READ_AHEAD_BYTES = 1 << 20
 
 _ENDED = object()  # what a drained slot whose Dataset has ended gives
 _ANY = object()  # the consumer of a non-deterministic interleave waits for any slot
@@ -234,29 +241,60 @@ class _Failed:
 
 class _Slot:
     """One open Dataset of a parallel interleave: the elements read ahead of the consumer
-    (a ``_Failed`` last if the read stopped at an error), whether a read of it is under way
-    on the pool, and whether it has ended. Guarded by its cycle's condition."""
+    (a ``_Failed`` last if the read stopped at an error), its read thread (``lane``), whether
+    a read of it is queued or under way, and whether it has ended. Guarded by its cycle's
+    condition."""
 
-    __slots__ = ("element", "iterator", "buffer", "reading", "failed", "ended")
+    __slots__ = ("element", "lane", "iterator", "buffer", "reading", "failed", "ended")
 
-    def __init__(self, element: Any):
+    def __init__(self, element: Any, lane: int):
         self.element = element  # the input element whose Dataset this is
+        self.lane = lane
         self.iterator: Iterator[Any] | None = None  # opened by the first read
         self.buffer: deque[Any] = deque()
         self.reading = self.failed = self.ended = False
 
 
+class _Lane:
+    """One read thread of a parallel interleave: the slots whose index is its own modulo
+    the threads are read on it, one read at a time; ``held``: the bytes of the elements it
+    read that the consumer has not taken."""
+
+    __slots__ = ("pool", "held", "busy")
+
+    def __init__(self) -> None:
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="clusterwire-interleave")
+        self.held = 0
+        self.busy = False  # a read task is queued or running
+
+
+def _nbytes(element: Any) -> int:
+    """The bytes of ``element``'s bytes and array leaves (other leaves count nothing)."""
+    if isinstance(element, (bytes, bytearray)):
+        return len(element)
+    if isinstance(element, np.ndarray):
+        return element.nbytes
+    if isinstance(element, (tuple, list)):
+        return sum(_nbytes(leaf) for leaf in element)
+    if isinstance(element, dict):
+        return sum(_nbytes(leaf) for leaf in element.values())
+    return 0
+
+
 class _ParallelCycle:
-    """The open Datasets of a parallel interleave, each read ahead on the pool into its own
-    buffer, up to ``_READ_AHEAD`` elements (a read task streams them in one by one and
-    ends there, so a pool thread serves every open Dataset in turn and the consumer pays a
-    hand-off per ``_READ_AHEAD / 2`` elements, not per element). The consumer takes them
-    in TF's cycle order (``deterministic``) or from whichever Dataset has elements ready.
-    An ended Dataset's place goes to the next input element when the consumer finds it
-    drained (TF's cycle gives it that element when it comes back). A failed read fails one
-    ``next`` in its place after the elements read before it, and the Dataset is read again
-    (a generator that raised then ends), as in TF; nothing is read past a failure before
-    the consumer took it. Its ``threads`` go back to ``budget`` when it ends or is dropped."""
+    """The open Datasets of a parallel interleave, read ahead on ``threads`` read threads
+    (lanes) into a buffer each, up to ``_READ_AHEAD`` elements. Each open Dataset is read on
+    one lane (its slot's index modulo the threads), and a lane reads for its Datasets in
+    the order the consumer comes to them, while it holds less than ``_READ_AHEAD_BYTES``
+    the consumer has not taken (the Dataset the consumer waits for is read regardless). A
+    read task streams elements in and ends there, so the consumer pays a hand-off per
+    element only for elements of about ``_READ_AHEAD_BYTES``. The consumer takes them in
+    TF's cycle order (``deterministic``) or from whichever Dataset has elements ready. An
+    ended Dataset's place goes to the next input element when the consumer finds it drained
+    (TF's cycle gives it that element when it comes back). A failed read fails one ``next``
+    in its place after the elements read before it, and the Dataset is read again (a
+    generator that raised then ends), as in TF; nothing is read past a failure before the
+    consumer took it. Its ``threads`` go back to ``budget`` when it ends or is dropped."""
 
     def __init__(self, open_: Callable[[Any], Iterator[Any]], inputs: Iterator[Any],
                  cycle: int, block_length: int, threads: int, deterministic: bool,
@@ -264,11 +302,13 @@ class _ParallelCycle:
         self._budget, self._threads = budget, threads
         self._open, self._inputs, self._block_length = open_, inputs, block_length
         self._deterministic = deterministic
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="clusterwire-interleave")
+        self._lanes = [_Lane() for _ in range(threads)]
+        self._lane_slots = [list(range(lane, cycle, threads)) for lane in range(threads)]
         self._changed = threading.Condition()  # a read added an element, or finished
         # What the consumer waits for: a slot, _ANY slot, or None. A read wakes it only for
         # that (the consumer wakes once per element it needs, not for every element read).
         self._awaited: _Slot | object | None = None
+        self._closed = False
         self._slots: list[_Slot | None] = [None] * cycle
         self._index = 0
         self._left = block_length  # elements left in the current slot's block
@@ -280,9 +320,16 @@ class _ParallelCycle:
     def __iter__(self) -> Iterator[Any]:
         return self
 
-    def _read(self, slot: _Slot, count: int) -> None:
-        """Up to ``count`` more elements of ``slot``'s Dataset (opened first) into its
-        buffer, on a pool thread."""
+    def _more(self, slot: _Slot, lane: _Lane) -> bool:
+        """Whether ``slot``'s read goes on after an element (under the lock): not when the
+        buffer or the lane is full, nor when the consumer waits for another of the lane's."""
+        awaited = self._awaited
+        return (len(slot.buffer) < _READ_AHEAD and lane.held < _READ_AHEAD_BYTES
+                and not (isinstance(awaited, _Slot) and awaited is not slot
+                         and awaited.lane == slot.lane))
+
+    def _read(self, slot: _Slot, lane: _Lane) -> None:
+        """More elements of ``slot``'s Dataset (opened first) into its buffer, on its lane."""
         failure, ended = None, False
         try:
             if slot.iterator is None:
@@ -291,12 +338,16 @@ class _ParallelCycle:
                 except BaseException as err:  # noqa: BLE001 - the consumer raises it in its place
                     failure, ended = _Failed(err, at_open=True), True
                     return
-            for _ in range(count):
+            more = True
+            while more:
                 element = next(slot.iterator)
+                size = _nbytes(element)
                 with self._changed:
                     slot.buffer.append(element)
+                    lane.held += size
                     if self._awaited in (slot, _ANY):
                         self._changed.notify()
+                    more = self._more(slot, lane)
         except StopIteration:
             ended = True
         except BaseException as err:  # noqa: BLE001 - the consumer raises it in its place
@@ -307,16 +358,29 @@ class _ParallelCycle:
                     slot.buffer.append(failure)
                     slot.failed = True
                 slot.ended = slot.ended or ended
-                slot.reading = False
+                slot.reading = lane.busy = False
                 if self._awaited in (slot, _ANY):
                     self._changed.notify()
+                self._feed(slot.lane)
 
-    def _submit(self, slot: _Slot) -> None:
-        """Start a read of ``slot`` if it has room for half its read-ahead (under the lock)."""
-        if slot.reading or slot.ended or slot.failed or len(slot.buffer) > _READ_AHEAD // 2:
+    def _feed(self, number: int) -> None:
+        """Start lane ``number``'s next read if it is idle (under the lock): of the first of
+        its Datasets the consumer comes to from the current slot on that it waits for (empty), or
+        that has room while the lane holds less than ``_READ_AHEAD_BYTES``."""
+        lane = self._lanes[number]
+        if lane.busy or self._closed:
             return
-        slot.reading = True
-        self._pool.submit(self._read, slot, _READ_AHEAD - len(slot.buffer))
+        indices = self._lane_slots[number]
+        first = bisect.bisect_left(indices, self._index)
+        for index in indices[first:] + indices[:first]:
+            slot = self._slots[index]
+            if slot is None or slot.ended or slot.failed:
+                continue
+            if (slot is self._awaited and not slot.buffer) or (
+                    lane.held < _READ_AHEAD_BYTES and len(slot.buffer) <= _READ_AHEAD // 2):
+                slot.reading = lane.busy = True
+                lane.pool.submit(self._read, slot, lane)
+                return
 
     def _fill(self, index: int) -> bool:
         """Open the next input's Dataset in slot ``index``; False if the input has ended."""
@@ -328,9 +392,9 @@ class _ParallelCycle:
         except StopIteration:
             self._inputs_left = False
             return False
-        slot = self._slots[index] = _Slot(element)
         with self._changed:
-            self._submit(slot)
+            self._slots[index] = _Slot(element, index % len(self._lanes))
+            self._feed(index % len(self._lanes))
         return True
 
     def _advance(self) -> None:
@@ -338,15 +402,16 @@ class _ParallelCycle:
         self._left = self._block_length
 
     def _pick_ready(self) -> None:
-        """Move to a slot with something for the consumer (the current one first), waiting
-        for a read if none has: ``deterministic=False``, a switch starts a new block."""
+        """Move to a slot with something for the consumer (an element, an error, or its end;
+        the current one first), waiting for a read if none has: ``deterministic=False``, a
+        switch starts a new block."""
         count = len(self._slots)
         with self._changed:
             while True:
                 for step in range(count):
                     index = (self._index + step) % count
                     slot = self._slots[index]
-                    if slot is not None and (slot.buffer or not slot.reading):
+                    if slot is not None and (slot.buffer or slot.ended):
                         if step:
                             self._index, self._left = index, self._block_length
                         return
@@ -361,15 +426,21 @@ class _ParallelCycle:
             while not slot.buffer:
                 if slot.ended:
                     return _ENDED
-                self._submit(slot)
                 self._awaited = slot
+                self._feed(slot.lane)
                 self._changed.wait()
                 self._awaited = None
             item = slot.buffer.popleft()
             if isinstance(item, _Failed):
                 slot.failed = False
-            self._submit(slot)
+            else:
+                self._lanes[slot.lane].held -= _nbytes(item)
             return item
+
+    def _taken(self, slot: _Slot) -> None:
+        """Start the next read of ``slot``'s lane, the consumer having moved on."""
+        with self._changed:
+            self._feed(slot.lane)
 
     def __next__(self) -> Any:
         while True:
@@ -392,8 +463,10 @@ class _ParallelCycle:
                 # failed to open as an element of the block, and finds it ended on its next visit.
                 if item.at_open:
                     self._count_one()
+                self._taken(slot)
                 raise item.error
             self._count_one()
+            self._taken(slot)
             return item
 
     def _count_one(self) -> None:
@@ -403,11 +476,14 @@ class _ParallelCycle:
             self._advance()
 
     def _close(self, cancel: bool) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=cancel)
+        with self._changed:
+            self._closed = True
+        for lane in self._lanes:
+            lane.pool.shutdown(wait=False, cancel_futures=cancel)
         budget, self._budget = self._budget, None
         if budget is not None:
             budget.give(self._threads)
 
     def __del__(self) -> None:
-        if hasattr(self, "_pool"):
+        if hasattr(self, "_lanes"):
             self._close(cancel=True)
