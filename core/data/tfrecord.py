@@ -281,11 +281,20 @@ def _size(file: BinaryIO) -> int:
 
 
 class _PlainSource:
-    """Exact reads from an uncompressed file."""
+    """Exact reads from an uncompressed file, ``chunk`` bytes read at a time for small reads
+    (0: each read as asked). A read of ``chunk`` bytes or more that the buffer does not
+    start goes straight from the file into its own bytes, and the read after it fills the
+    buffer with just a footer and the next header: large records are read with no copy, as
+    many at once as there are threads reading (a copy out of the buffer would hold the GIL)."""
 
-    def __init__(self, file: BinaryIO, start: int = 0):
+    def __init__(self, file: BinaryIO, chunk: int, start: int = 0):
         self._file = file
-        self._unread = _size(file) - start
+        self._chunk = chunk
+        self._unread = _size(file) - start  # bytes of the file not yet returned by read
+        self._unfetched = self._unread  # bytes of the file not yet read from it
+        self._buffer = b""
+        self._pos = 0  # bytes of _buffer already returned
+        self._after_large = False  # the last read from the file was a large one
         if start:
             file.seek(start)
 
@@ -293,13 +302,34 @@ class _PlainSource:
         """Bytes left in the file."""
         return self._unread
 
-    def read(self, n: int) -> bytes:
-        data = self._file.read(n)
+    def _read_file(self, n: int) -> bytes:
+        n = min(n, self._unfetched)
+        data = self._file.read(n) if n else b""
         while len(data) < n:  # an unbuffered read may come back short
             more = self._file.read(n - len(data))
             if not more:
                 break
             data += more
+        self._unfetched -= len(data)
+        return data
+
+    def read(self, n: int) -> bytes:
+        buffered = len(self._buffer) - self._pos
+        if n <= buffered:
+            data = self._buffer[self._pos:self._pos + n]
+            self._pos += n
+        elif n - buffered >= self._chunk:
+            data = self._read_file(n - buffered)
+            if buffered:
+                data = self._buffer[self._pos:] + data
+            self._buffer, self._pos, self._after_large = b"", 0, True
+        else:
+            head = self._buffer[self._pos:]
+            refill = _HEADER.size + _FOOTER.size if self._after_large else self._chunk
+            self._buffer = self._read_file(max(refill, n - buffered))
+            self._pos = min(n - buffered, len(self._buffer))
+            self._after_large = False
+            data = head + self._buffer[:self._pos] if head else self._buffer[:self._pos]
         self._unread -= len(data)
         return data
 
@@ -420,11 +450,12 @@ class TFRecordReader:
                 f"buffer_size={buffer_size!r}: give a number of bytes >= 0, or None for "
                 f"{DEFAULT_BUFFER_SIZE}")
         self._path = os.fspath(path)
+        # Both sources read buffer_size bytes at a time themselves.
+        self._file = _open(path, "rb", 0, readable_prefixes)
         if compression is None:
-            self._file = _open(path, "rb", buffer_size, readable_prefixes)
-            self._source: _PlainSource | _InflatingSource = _PlainSource(self._file, start)
-        else:  # the inflater reads buffer_size bytes at a time itself
-            self._file = _open(path, "rb", 0, readable_prefixes)
+            self._source: _PlainSource | _InflatingSource = _PlainSource(
+                self._file, buffer_size, start)
+        else:
             self._source = _InflatingSource(self._file, compression, buffer_size, self._path)
         self.offset = start
         self._error: DataLossError | None = None
