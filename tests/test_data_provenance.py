@@ -183,6 +183,22 @@ def test_tfrecord_ids_are_file_and_record(service, tfrecords, reads):
         data.replay(make(), [2 * provenance.FILE_STRIDE + 40])
 
 
+def test_text_line_ids_are_file_and_line(service, files):
+    names = []
+    for file, count in enumerate((3, 5)):
+        name = files / f"lines-{file}.txt"
+        name.write_text("".join(f"{file}/{line}\n" for line in range(count)))
+        names.append(str(name))
+    pairs = [pair for read in read_all(consumers(service, data.Dataset.from_files(names), 2,
+                                                 "lines")) for pair in read]
+    assert sorted(raw for raw, _ in pairs) == [
+        f * provenance.FILE_STRIDE + r for f, count in enumerate((3, 5)) for r in range(count)]
+    for raw, element in pairs:
+        assert element == "{}/{}".format(*provenance.file_record(raw)).encode()
+    assert data.replay(data.Dataset.from_files(names), [provenance.FILE_STRIDE + 4, 0]) == [
+        (provenance.FILE_STRIDE + 4, b"1/4"), (0, b"0/0")]
+
+
 # ---- what is refused ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("make,op", [

@@ -134,7 +134,7 @@ def flatten(ids: Any, what: str = "ids") -> list[int]:
     stack = [ids]
     while stack:
         item = stack.pop()
-        if isinstance(item, (list, tuple, np.ndarray)):
+        if isinstance(item, (list, tuple, range, np.ndarray)):
             stack.extend(reversed(list(item)))
         elif isinstance(item, (int, np.integer)) and not isinstance(item, bool) \
                 and 0 <= item < 2 ** 63:
@@ -152,19 +152,22 @@ class Publisher:
     then hand on ``(id, element)`` with a public id, or the element alone."""
 
     def __init__(self, skip: frozenset[int], with_ids: bool):
-        self._skip = np.fromiter(skip, dtype=np.int64, count=len(skip))
+        self._skip = skip
+        self._sorted = np.sort(np.fromiter(skip, dtype=np.int64, count=len(skip)))
         self._with_ids = with_ids
 
     def __call__(self, pair: Any) -> Any:
         """The element to return for ``pair``, or ``DROPPED``."""
         raw, element = pair
-        if self._skip.size:
+        if self._skip:
             ids = np.asarray(raw)
-            skipped = np.isin(ids, self._skip)
             if ids.ndim == 0:
-                if skipped:
+                if int(ids) in self._skip:
                     return DROPPED
             else:
+                # Membership by binary search: np.isin would sort the skip list per element.
+                at = np.minimum(np.searchsorted(self._sorted, ids), len(self._sorted) - 1)
+                skipped = self._sorted[at] == ids
                 rows = ~skipped.reshape(len(ids), -1).all(axis=1)
                 if not rows.any():
                     return DROPPED
