@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from conftest import in_process_data_service
+from conftest import in_process_data_service, wait_for
 
 from clusterwire import data, errors
 from clusterwire.data import provenance
@@ -322,6 +322,36 @@ def test_skip_ids_leave_the_spike_out_and_the_rest_arrives_once(service):
         assert element.tolist() == raw
     partial = [(raw, element) for raw, element in middle + rest if raw == spike[0][0][BATCH // 2:]]
     assert len(partial) == 1, "the half-skipped batch arrives with its other rows"
+
+
+def test_skip_ids_hold_across_a_sigkilled_dispatcher(processes, tmp_path):
+    """Save, SIGKILL the fault-tolerant dispatcher, restart it on its port, resume 2 -> 3
+    with skip ids: the epoch minus the skipped ids, once (the list lives in the consumers)."""
+    ft = ["--fault-tolerant-mode", "--work-dir", str(tmp_path / "work")]
+    dispatcher = processes("dispatcher", "--port", "0", *ft)
+    for _ in range(2):
+        processes("worker", "--dispatcher-address", dispatcher.address,
+                  "--heartbeat-interval-ms", "200")
+    wait_for(lambda: len(data.service_status(dispatcher.target).workers) == 2,
+             timeout=30, what="workers registered")
+    dataset_id = data.register_dataset(dispatcher.target,
+                                       data.Dataset.range(COUNT).global_shuffle(seed=4)
+                                       .batch(BATCH))
+    old = [iter(data.from_dataset_id("distributed_epoch", dispatcher.target, dataset_id,
+                                     job_name="ranks", element_ids=True,
+                                     max_outstanding_requests=1)) for _ in range(2)]
+    before, states, spike = save_with_spike(old)
+    merged = data.merge_states(states, skip_ids=[raw for raw, _ in spike])
+    port = dispatcher.port
+    dispatcher.kill()
+    dispatcher = processes("dispatcher", "--port", str(port), *ft)
+    rest = [pair for read in read_all([
+        iter(data.from_dataset_id("distributed_epoch", dispatcher.target, dataset_id,
+                                  job_name="ranks", element_ids=True, state=merged))
+        for _ in range(3)]) for pair in read]
+    skipped = set(provenance.flatten([raw for raw, _ in spike]))
+    assert len(skipped) == len(spike) * BATCH
+    assert Counter(rows(before + rest)) == Counter(set(range(COUNT)) - skipped)
 
 
 def test_skip_ids_are_bounded_and_checked(service):

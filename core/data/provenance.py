@@ -100,7 +100,8 @@ _SOURCES_WITHOUT_IDS = (
 def not_defined(what: str, why: str) -> InvalidArgumentError:
     """The error of a pipeline through which ``element_ids`` are not defined."""
     return InvalidArgumentError(
-        f"element_ids are not defined through {what}: {why}. Ids are defined for the "
+        f"element_ids (asked for with element_ids=True, or by a position's skip ids) are not "
+        f"defined through {what}: {why}. Ids are defined for the "
         f"elements of {_SOURCES_WITHOUT_IDS}, through map, filter, batch, padded_batch, "
         "shuffle, take, skip, shard, repeat, prefetch, enumerate, unbatch, ignore_errors, "
         "take_while and cache() in memory (see clusterwire.data.provenance). Read without "
