@@ -296,22 +296,44 @@ def _threads(pattern: str) -> tuple[int, float]:
     return sum(totals), min(firsts)
 
 
-def _interleave_rows(pattern: str, runs: int) -> list[str]:
-    """c): the local interleave, sequential and with 2 and 8 parallel calls."""
-    sequential = _rates(*_time(
-        lambda: _record_bytes(_tfrecord_pipeline(pattern, FILES, None)), runs))
-    rows = [_row(f"c) local interleave(cycle_length={FILES}), num_parallel_calls=None",
-                 sequential)]
-    rows.append(_row("c) 2 plain threads reading 4 files each (TFRecordReader, no interleave):"
-                     " what the machine gives", _rates(*_time(lambda: _threads(pattern), runs)),
-                     sequential))
+def _interleave_rows(pattern: str, runs: int) -> tuple[list[str], list[str]]:
+    """c): the local interleave, sequential and with 2 and 8 parallel calls, and 2 plain
+    threads, in alternation: 1 warm-up round, then ``runs`` rounds that read once in each way,
+    so that the load of the machine meets them alike. The table's rows, and a line per
+    parallel read with its ratio to the sequential read of the same round, round by round."""
+    reads: dict[str, Callable[[], tuple[int, float]]] = {
+        "c) local interleave(cycle_length=8), num_parallel_calls=None":
+            lambda: _record_bytes(_tfrecord_pipeline(pattern, FILES, None)),
+        "c) 2 plain threads reading 4 files each (TFRecordReader, no interleave): what the "
+        "machine gives": lambda: _threads(pattern)}
     for calls in (2, FILES):
-        result = _time(lambda c=calls: _record_bytes(_tfrecord_pipeline(pattern, FILES, c)),
-                       runs)
-        rows.append(_row(f"c) local interleave(cycle_length={FILES}), "
-                         f"num_parallel_calls={calls}", _rates(*result), sequential,
-                         TARGETS["c"]))
-    return rows
+        reads[f"c) local interleave(cycle_length={FILES}), num_parallel_calls={calls}"] = \
+            lambda c=calls: _record_bytes(_tfrecord_pipeline(pattern, FILES, c))
+    results = {name: (read(), []) for name, read in reads.items()}
+    for _ in range(runs):
+        for name, read in reads.items():
+            cpu = _cpu_seconds()
+            start = time.perf_counter()
+            total, first = read()
+            results[name][1].append(
+                (time.perf_counter() - start, first - start, _cpu_seconds() - cpu))
+            if total != results[name][0][0]:
+                raise RuntimeError(f"{name}: a read gave {total} bytes, the warm-up "
+                                   f"{results[name][0][0]}")
+    names = list(reads)
+    sequential = _rates(results[names[0]][0][0], results[names[0]][1])
+    rows = [_row(names[0], sequential)]
+    rounds = []
+    for name in names[1:]:
+        (total, _), times = results[name]
+        rows.append(_row(name, _rates(total, times), sequential,
+                         None if "plain threads" in name else TARGETS["c"]))
+        ratios = [base[0] / run[0] for base, run in
+                  zip(results[names[0]][1], times, strict=True)]
+        rounds.append(f"{name[3:]}: {', '.join(f'{r:.2f}x' for r in ratios)} (min "
+                      f"{min(ratios):.2f}x, median {statistics.median(ratios):.2f}x, max "
+                      f"{max(ratios):.2f}x)")
+    return rows, rounds
 
 
 def main() -> int:
@@ -353,8 +375,10 @@ def main() -> int:
                         f"b) clusterwire service from_parquet(batch_rows={batch}), over "
                         f"{local or 'grpc'}", _rates(*result), base,
                         TARGETS["b"] if batch == BATCH_ROWS else None))
+        rounds: list[str] = []
         if "c" in parts:
-            rows += _interleave_rows(pattern, args.runs)
+            interleave_rows, rounds = _interleave_rows(pattern, args.runs)
+            rows += interleave_rows
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
     print(f"TFRecord: {FILES} files x {args.records_per_file} x 1 MiB ({tf_bytes / 1e6:,.0f} "
           f"MB); Parquet: {PARQUET_FILES} files x "
@@ -363,6 +387,9 @@ def main() -> int:
     print("| read | best MB/s | median MB/s | first element s | MB/s after it | CPU ms/MB "
           "| ratio (medians) | target |\n|---|---:|---:|---:|---:|---:|---:|---|")
     print("\n".join(rows))
+    if rounds:
+        print("\nc) each round's ratio to the sequential read of the same round:")
+        print("\n".join(f"- {line}" for line in rounds))
     return 0
 
 

@@ -1,5 +1,6 @@
-"""A parallel interleave's read-ahead: elements reach the consumer as they are read, and
-each open Dataset is read at most ``_READ_AHEAD`` elements ahead of the consumer."""
+"""A parallel interleave's read-ahead: elements reach the consumer as they are read, each
+open Dataset is read at most ``_READ_AHEAD`` elements ahead of the consumer, on one thread,
+and a thread holds about ``_READ_AHEAD_BYTES`` of elements ahead over its Datasets."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from conftest import wait_for
 
 from clusterwire import data
-from clusterwire.data.ops.nested import _READ_AHEAD
+from clusterwire.data.ops.nested import _READ_AHEAD, _READ_AHEAD_BYTES
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -71,3 +72,49 @@ def test_a_base_exception_in_a_read_reaches_the_consumer():
     assert int(next(iterator)) == 1
     with pytest.raises(KeyboardInterrupt):
         next(iterator)
+
+
+def test_each_open_dataset_is_read_on_one_thread_of_num_parallel_calls():
+    readers: dict[int, set[int]] = {}
+    lock = threading.Lock()
+
+    def values(index):
+        for value in range(20):
+            with lock:
+                readers.setdefault(index, set()).add(threading.get_ident())
+            yield np.int64(index * 100 + value)
+
+    dataset = D.range(6).interleave(
+        lambda index: D.from_generator(values, args=(int(index),)), cycle_length=3,
+        num_parallel_calls=2)
+    got = [int(x) for x in dataset]
+    # TF's order: 3 Datasets open at once, one element each in turn, then the next 3.
+    assert got == [i * 100 + v for group in ((0, 1, 2), (3, 4, 5)) for v in range(20)
+                   for i in group]
+    assert all(len(threads) == 1 for threads in readers.values()), readers
+    assert len(set().union(*readers.values())) == 2
+
+
+def test_a_read_thread_holds_about_read_ahead_bytes_ahead_over_its_datasets():
+    size = _READ_AHEAD_BYTES // 4
+    produced = [0, 0]
+    lock = threading.Lock()
+
+    def endless(index):
+        while True:
+            with lock:
+                produced[index] += 1
+            yield b"x" * size
+
+    # One thread reads both Datasets: together it holds _READ_AHEAD_BYTES, and a read that
+    # starts below it gives one more element.
+    dataset = D.range(2).interleave(
+        lambda index: D.from_generator(endless, args=(int(index),)), cycle_length=2,
+        num_parallel_calls=1)
+    iterator = iter(dataset)
+    held = _READ_AHEAD_BYTES // size + 1
+    for taken in range(1, 4 * held):
+        assert len(next(iterator)) == size
+        wait_for(lambda t=taken: sum(produced) >= t + held - 1, what="the read ahead")
+        with lock:
+            assert sum(produced) <= taken + held, (taken, produced)
