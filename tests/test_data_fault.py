@@ -228,13 +228,16 @@ class Stall:
         self.resume()
 
 
-def spy(monkeypatch, name: str) -> list:
-    """Record (first argument, time) of each call of ``JobReader.<name>``."""
+def spy(monkeypatch, name: str, then=None) -> list:
+    """Record (first argument, time) of each call of ``JobReader.<name>``; ``then(first
+    argument)`` is called before the method (on the reader's thread)."""
     calls: list = []
     original = getattr(reader.JobReader, name)
 
     def recorded(self, *args):
         calls.append((args[0], time.monotonic()))
+        if then is not None:
+            then(args[0])
         return original(self, *args)
 
     monkeypatch.setattr(reader.JobReader, name, recorded)
@@ -256,27 +259,59 @@ def read_with_stall(ds, victim: ServerProcess, after: int, seconds: float | None
     return seen, stall
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("workers", [1, 2])
 def test_distributed_epoch_waits_out_a_stalled_worker_and_uses_it_again(processes, monkeypatch,
                                                                        workers):
     """The issue: one worker stopped for longer than a read's timeout left the consumer
     blocked for good. Its splits now wait for it (or move to the other worker), it is probed
-    until it answers, and then reads splits again: every element exactly once."""
+    until it answers, and then reads splits again: every element exactly once.
+
+    The victim is resumed once its reads timed out, and the other worker is held from then
+    until the victim reads a split again: splits are left for it however fast the other
+    worker reads (on a busy machine it used to finish them all first)."""
     monkeypatch.setattr(reader, "_READ_WAIT_S", 0.2)
     monkeypatch.setattr(reader, "_READ_TIMEOUT_S", 2.0)
-    orphaned, placed = spy(monkeypatch, "_orphan"), spy(monkeypatch, "_read_split")
     dispatcher = processes("dispatcher", "--port", "0")
     servers = [processes("worker", *worker_args(dispatcher), env={"CW_DATA_SLOW_S": "0.0005"})
                for _ in range(workers)]
-    count = 20_000
+    victim = f"localhost:{servers[0].port}"
+    lock, stalled, held, resumed_at = threading.Lock(), [], [], []
+
+    def orphaned_one(address: str) -> None:
+        with lock:
+            if address == victim and stalled and not resumed_at:
+                held.extend(Stall(server, None) for server in servers[1:])
+                resumed_at.append(time.monotonic())
+                stalled[0].resume()
+
+    def placed_one(address: str) -> None:
+        with lock:
+            if address == victim and resumed_at:
+                for stall in held:
+                    stall.resume()
+
+    orphaned = spy(monkeypatch, "_orphan", orphaned_one)
+    placed = spy(monkeypatch, "_read_split", placed_one)
+    # With another worker, more than it reads while the victim's reads time out (its 2 slots
+    # read at most 2 x 2,000 elements a second, slow_identity sleeping 0.5 ms each).
+    count = 20_000 if workers > 1 else 4_000
     ds = data.Dataset.range(count).map(fns.slow_identity).apply(
         data.distribute("distributed_epoch", dispatcher.target))
-    seen, stall = read_with_stall(ds, servers[0], after=500, seconds=4.0)
+    seen = []
+    try:
+        for element in ds:
+            seen.append(int(element))
+            if len(seen) == 500:
+                with lock:
+                    stalled.append(Stall(servers[0], None))
+    finally:
+        with lock:
+            for stall in stalled + held:
+                stall.close()
     assert Counter(seen) == Counter(range(count))
-    victim = f"localhost:{servers[0].port}"
     assert victim in {address for address, _ in orphaned}  # its reads did time out
-    assert any(address == victim and when > stall.resumes_at for address, when in placed)
+    assert any(address == victim and when > resumed_at[0] for address, when in placed)
 
 
 @pytest.mark.timeout(60)
