@@ -13,6 +13,7 @@ import itertools
 import socket
 import threading
 import time
+from collections import deque
 from typing import TYPE_CHECKING, NoReturn
 
 from clusterwire import errors
@@ -21,6 +22,7 @@ from clusterwire.security import Security
 from clusterwire.thread_pool import serve_parking
 from clusterwire.transport import ConnectionFailed, Frame, HandshakeFailed
 from clusterwire.transports.local import unix, wire
+from clusterwire.transports.local.pool import ReplyPool
 from clusterwire.transports.local.probe import other_protocol
 from clusterwire.transports.local.segments import (
     check_descriptors,
@@ -47,6 +49,7 @@ class CallConnection:
         self._listener = listener
         self._lock = threading.Lock()  # one answer per call
         self._packet_limit = unix.packet_limit(sock)
+        self._pool = ReplyPool(listener.reply_pool_bytes)
         self.call_id = 0  # the call read last
         self.busy = False  # running a call (under the listener's lock)
         self._answered = True
@@ -64,7 +67,8 @@ class CallConnection:
             while True:
                 try:
                     op, ident, body, fds = unix.read_message(
-                        self.sock, idle_timeout=listener.idle_timeout)
+                        self.sock, idle_timeout=listener.idle_timeout,
+                        on_release=self._pool.release)
                 except (unix.Garbage, unix.Closed, OSError):
                     return
                 if op != unix.CONTROL:  # READY or ERROR: a client never sends them
@@ -106,7 +110,8 @@ class CallConnection:
                 response = listener.handler(Frame(control.header, buffers, peer=self.peer))
             finally:
                 listener.slots.release()
-            views, kinds, places, out = plan_buffers(response.buffers, listener.segment_bytes)
+            views, kinds, places, out = plan_buffers(response.buffers, listener.segment_bytes,
+                                                     self._pool.pack)
             try:
                 return (wire.LAYOUT.encode((0, ident), response.header, views, kinds, places),
                         out, 0, "")
@@ -149,10 +154,12 @@ class CallConnection:
         self.close()
 
     def close(self) -> None:
-        """Shut the connection down (wakes its thread); the listener forgets it."""
+        """Shut the connection down (wakes its thread); the listener forgets it, and its
+        reply segments are closed."""
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self._listener.forget(self)
+        self._pool.close()
         if threading.current_thread() is self._thread:
             self.sock.close()
 
@@ -161,13 +168,25 @@ class ClientConnection:
     """A channel's call connection: used by one call at a time, idle in the channel's pool
     between calls."""
 
-    __slots__ = ("sock", "packet_limit", "idle_since", "receive_timeout")
+    __slots__ = ("sock", "packet_limit", "idle_since", "receive_timeout", "released")
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.packet_limit = unix.packet_limit(sock)
         self.idle_since = 0.0
         self.receive_timeout = 0.0  # SO_RCVTIMEO in seconds (0: none)
+        #: Inodes of the listener's reusable segments no longer mapped here, to name in a
+        #: RELEASE before the next call (appended by finalizers, from any thread).
+        self.released: deque[int] = deque()
+
+    def send_released(self, deadline: float | None) -> None:
+        """Tell the listener which of its reply segments this process released."""
+        if self.released:
+            inodes = []
+            with contextlib.suppress(IndexError):  # emptied by another thread meanwhile
+                while self.released:
+                    inodes.append(self.released.popleft())
+            unix.send_releases(self.sock, inodes, deadline)
 
     def arm(self, deadline: float | None) -> None:
         """Set the receive timeout so a wait for the answer returns by ``deadline`` (None:
@@ -331,6 +350,7 @@ class CallPool:
                     self._put_back(connection)
                     raise
                 try:
+                    connection.send_released(deadline)
                     unix.send_message(connection.sock, ident, message, fds,
                                       connection.packet_limit, deadline)
                     break
@@ -391,7 +411,8 @@ class CallPool:
             self._discard(connection)
             raise
         self._put_back(connection)
-        return Frame(control.header, received_buffers(control, fds))
+        return Frame(control.header,
+                     received_buffers(control, fds, connection.released.append))
 
     def close(self) -> None:
         """Close every connection: calls waiting on one end with CancelledError."""

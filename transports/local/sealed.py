@@ -5,6 +5,11 @@ once and then sealed against writes, shrinking and growing, so a receiver may
 map it and use it in place, and no side can change the other's data. The
 kernel frees it when the last descriptor and mapping are gone, including when
 a process is SIGKILLed.
+
+A *reusable* segment (``create_reusable``, a listener's reply pool: ``pool``) is sealed
+against future writes instead: only the mapping its creator made before sealing can
+write it, so its receiver can neither write it nor change its size, and the creator
+refills it once the receiver released its views (``open_segment``'s ``release``).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import mmap
 import os
 import resource
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -21,6 +27,10 @@ import numpy as np
 from clusterwire.errors import InvalidArgumentError
 
 _SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+#: Linux's F_SEAL_FUTURE_WRITE (5.1; not in Python 3.11's fcntl): no new writable shared
+#: mapping nor write(), while the writable mappings made before it stay.
+F_SEAL_FUTURE_WRITE = 0x0010
+_REUSABLE_SEALS = F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 def raise_fd_limit() -> None:
@@ -53,6 +63,37 @@ class SealedMapping(mmap.mmap):
         return memoryview(self.private)[offset:offset + nbytes]
 
 
+class LeasedMapping(mmap.mmap):
+    """A read-only mapping of a reusable segment its sender refills once this process no
+    longer maps it: not immutable (the core copies what it must keep) and never re-sent
+    by descriptor (``locate`` ignores it). ``lease`` is alive while this mapping or its
+    private mapping is; its end tells the sender (``open_segment``'s ``release``)."""
+
+    fd: int
+    lease: object
+    private: mmap.mmap | None = None
+
+    def clusterwire_private_map(self, offset: int, nbytes: int) -> memoryview:
+        """As ``SealedMapping.clusterwire_private_map``; the private mapping keeps the lease
+        (the segment is not refilled while a view of it lives)."""
+        if self.private is None:
+            private = _PrivateMapping(self.fd, len(self), mmap.MAP_PRIVATE,
+                                      mmap.PROT_READ | mmap.PROT_WRITE)
+            private.lease = self.lease
+            self.private = private
+        return memoryview(self.private)[offset:offset + nbytes]
+
+
+class _PrivateMapping(mmap.mmap):
+    lease: object
+
+
+class _Lease:
+    """What a leased segment's views keep alive (see ``LeasedMapping``)."""
+
+    __slots__ = ("__weakref__",)
+
+
 ALIGNMENT = 64
 
 
@@ -82,24 +123,52 @@ def create_packed(views: list[memoryview]) -> tuple[int, list[int]]:
     return fd, offsets
 
 
-def open_segment(fd: int) -> np.ndarray:
+def create_reusable(size: int) -> tuple[int, mmap.mmap]:
+    """A new reusable segment of ``size`` bytes: (descriptor, the creator's writable mapping),
+    sealed against later writes by anyone else (see the module docstring)."""
+    fd = os.memfd_create("clusterwire-pool", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _REUSABLE_SEALS)
+        except BaseException:
+            mapping.close()
+            raise
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, mapping
+
+
+def open_segment(fd: int, release: Callable[[int], None] | None = None) -> np.ndarray:
     """Map a received segment read-only as a uint8 array; takes ownership of ``fd``.
 
     Refuses a descriptor that is not a fully sealed memfd segment: a sender
-    could otherwise change the data after handing it over.
+    could otherwise change the data after handing it over. With ``release``, a reusable
+    segment (sealed against future writes, ``create_reusable``) is accepted too, in a
+    ``LeasedMapping``: ``release(inode)`` is called once nothing maps it here any more.
     """
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        size = os.fstat(fd).st_size
+        status = os.fstat(fd)
     except OSError as err:
         os.close(fd)
         raise InvalidArgumentError(f"Received descriptor is not a memfd segment: {err}") from None
-    if seals & _SEALS != _SEALS:
+    size, leased = status.st_size, seals & _SEALS != _SEALS
+    if leased and (release is None or seals & _REUSABLE_SEALS != _REUSABLE_SEALS):
         os.close(fd)
         raise InvalidArgumentError("Received segment is not sealed against writes.")
     if size == 0:
         os.close(fd)
         return np.empty(0, np.uint8)
+    if leased:
+        leased_mapping = LeasedMapping(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        leased_mapping.fd = fd
+        leased_mapping.lease = _Lease()
+        weakref.finalize(leased_mapping.lease, release, status.st_ino)
+        weakref.finalize(leased_mapping, os.close, fd)
+        return np.frombuffer(leased_mapping, np.uint8)
     mapping = SealedMapping(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
     mapping.fd = fd
     array = np.frombuffer(mapping, np.uint8)

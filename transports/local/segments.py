@@ -131,7 +131,9 @@ class SegmentPeer:
             on_close(self)
 
 
-def plan_buffers(buffers: Sequence[Any], threshold: int
+def plan_buffers(buffers: Sequence[Any], threshold: int,
+                 pack: Callable[[list[memoryview]], tuple[int, list[int]]]
+                 = sealed.create_packed
                  ) -> tuple[list[memoryview], list[int], list[tuple[int, int]] | None,
                             list[int]]:
     """How a frame's buffers travel: (views, kinds, (segment, offset) places, descriptors).
@@ -139,7 +141,8 @@ def plan_buffers(buffers: Sequence[Any], threshold: int
     Small buffers go inline (``inline_kinds``: under ``threshold`` bytes, within the
     inline budget). A buffer lying in a segment received
     earlier is re-sent by that segment's descriptor; the other bulk buffers are packed
-    into one new sealed segment. The caller owns (and closes) the descriptors.
+    into one segment by ``pack`` (a new sealed one; a listener's replies: its connection's
+    ``pool.ReplyPool.pack``). The caller owns (and closes) the descriptors.
     """
     views = [memoryview(b).cast("B") for b in buffers]
     kinds = inline_kinds(views, threshold)
@@ -165,7 +168,7 @@ def plan_buffers(buffers: Sequence[Any], threshold: int
                 fds.append(os.dup(mapping.fd))
             places.append((segments[id(mapping)], offset))
         if to_pack:
-            fd, offsets = sealed.create_packed([views[i] for i in to_pack])
+            fd, offsets = pack([views[i] for i in to_pack])
             fds.append(fd)
             for index, offset in zip(to_pack, offsets, strict=True):
                 places[index] = (len(fds) - 1, offset)
@@ -183,10 +186,13 @@ def check_descriptors(control: Envelope, fds: Sequence[int]) -> None:
             f"{wire.segments(control)}.")
 
 
-def received_buffers(control: Envelope, fds: list[int]) -> list[Any]:
+def received_buffers(control: Envelope, fds: list[int],
+                     release: Callable[[int], None] | None = None) -> list[Any]:
     """The buffers of a control message: inline slices and views of mapped segments.
 
-    Takes ``fds`` (each one mapped and closed; on failure the rest are closed).
+    Takes ``fds`` (each one mapped and closed; on failure the rest are closed). With
+    ``release`` (a client's replies), reusable segments are accepted too, and ``release``
+    is called with each one's inode once nothing maps it (``sealed.open_segment``).
     """
     if not control.places and not fds:  # every buffer inline
         inline = control.inline.toreadonly()
@@ -200,7 +206,7 @@ def received_buffers(control: Envelope, fds: list[int]) -> list[Any]:
     segments = []
     try:
         while fds:
-            segments.append(sealed.open_segment(fds.pop(0)))
+            segments.append(sealed.open_segment(fds.pop(0), release))
     except BaseException:
         unix.close_all(fds)
         raise

@@ -29,7 +29,8 @@
 The wire format (both connection kinds) is described in ``wire``. Received buffers
 are read-only; ``.copy()`` an array to modify it. Options (plugins.toml
 ``[options."grpc+local"]``): ``segment_bytes`` (buffers from this size on travel as
-segments; default 64 KiB).
+segments; default 64 KiB); ``reply_pool_bytes`` (the reusable reply segments a call
+connection keeps, ``pool``; default 64 MiB, 0: a fresh sealed segment for every reply).
 
 Modules: this one holds the listener, the channel and the transport; ``calls`` the
 call connections (both ends); ``segments`` the data plane (which buffers travel in
@@ -166,6 +167,11 @@ class LocalListener(Listener):
     @property
     def segment_bytes(self) -> int:
         return self._transport.segment_bytes
+
+    @property
+    def reply_pool_bytes(self) -> int:
+        """The most bytes of reusable reply segments one call connection keeps."""
+        return self._transport.reply_pool_bytes
 
     def begin(self, connection: CallConnection) -> bool:
         """``connection`` starts running a call; False (not to run) once stopping."""
@@ -558,6 +564,8 @@ class LocalTransport(Transport):
     def __init__(self, options: Mapping[str, Any] | None = None):
         reader = OptionReader(self.protocol, options)
         self.segment_bytes = reader.positive("segment_bytes", 64 << 10, integer=True)
+        self.reply_pool_bytes = reader.number("reply_pool_bytes", 64 << 20, 0, 1 << 40,
+                                              integer=True)
         reader.finish()
         sealed.raise_fd_limit()
 
@@ -582,4 +590,5 @@ class LocalTransport(Transport):
     def info(self) -> dict[str, str]:
         return {"control": "unix seqpacket call connections (grpc unary under TLS)",
                 "data": "in-process hand-off / sealed memfd segments",
-                "segment_bytes": str(self.segment_bytes)}
+                "segment_bytes": str(self.segment_bytes),
+                "reply_pool_bytes": str(self.reply_pool_bytes)}

@@ -16,7 +16,7 @@ import select
 import socket
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from clusterwire import errors
@@ -209,8 +209,11 @@ def _receive(sock: socket.socket, deadline: float | None = None,
 
 
 def read_message(sock: socket.socket, deadline: float | None = None,
-                 idle_timeout: float | None = None) -> tuple[int, int, Any, list[int]]:
-    """Read one message of a call connection, with the SEGMENTS messages before it.
+                 idle_timeout: float | None = None,
+                 on_release: Callable[[list[int]], None] | None = None
+                 ) -> tuple[int, int, Any, list[int]]:
+    """Read one message of a call connection, with the SEGMENTS messages before it (and,
+    with ``on_release``, the listener's side, the RELEASE messages: given to it).
 
     Returns (op, id, body, descriptors): op READY; ERROR with body (code, text); or
     ``CONTROL``, body the control message (bytes, or a view of the sealed segment an
@@ -246,6 +249,12 @@ def read_message(sock: socket.socket, deadline: float | None = None,
             if count != len(fds) or len(held) > MAX_HELD_FDS:
                 raise Garbage("descriptors other than declared")
             if op == wire.SEGMENTS:
+                continue
+            if op == wire.RELEASE and on_release is not None and not fds:
+                try:
+                    on_release(wire.decode_release(payload))
+                except errors.InvalidArgumentError:
+                    raise Garbage("malformed release message") from None
                 continue
             if op == wire.INDIRECT and fds:
                 try:
@@ -320,6 +329,15 @@ def send_message(sock: socket.socket, ident: int, message: bytes, fds: Sequence[
                   deadline)
     finally:
         os.close(fd)
+
+
+def send_releases(sock: socket.socket, inodes: Sequence[int],
+                  deadline: float | None) -> None:
+    """Send RELEASE messages naming ``inodes`` (reusable segments no longer mapped here),
+    waiting for room until ``deadline`` as ``_send_one``."""
+    for start in range(0, len(inodes), wire.MAX_RELEASES):
+        _send_one(sock, wire.encode_release(list(inodes[start:start + wire.MAX_RELEASES])),
+                  [], deadline)
 
 
 def send_error(sock: socket.socket, ident: int, code: int, text: str) -> None:

@@ -31,7 +31,11 @@ A connection's first message says what it is for:
                 or ERROR (id = the call's id)
 
   A message's descriptors are those of the SEGMENTS messages before it (same id, in
-  order; only needed past ``MAX_FDS_PER_MESSAGE``) followed by its own. A control
+  order; only needed past ``MAX_FDS_PER_MESSAGE``) followed by its own. A reply's bulk
+  buffers may lie in a *reusable* segment of the connection's pool (``pool``: sealed
+  against future writes; the listener refills it once released): before a later call the
+  client sends ``RELEASE`` (id 0, no descriptors, payload = the inodes u64 of the
+  segments it no longer maps, at most ``MAX_RELEASES``); the listener reads it on. A control
   message longer than ``MAX_PACKET`` travels as ``INDIRECT``: payload = its length
   u64, and its first attached descriptor is a sealed segment holding it.
   ``ERROR``: payload = a clusterwire error code u32 and a UTF-8 message. The
@@ -55,8 +59,8 @@ LAYOUT = Layout(b"CWL1", "grpc+local", "QQ", "IQ")
 _UNIX = struct.Struct("<4sBQI")
 _ERROR = struct.Struct("<I")
 _LENGTH = struct.Struct("<Q")
-HELLO, SEGMENTS, CALLS, READY, ERROR, INDIRECT = 1, 2, 3, 4, 5, 6
-_OPS = frozenset((HELLO, SEGMENTS, CALLS, READY, ERROR, INDIRECT))
+HELLO, SEGMENTS, CALLS, READY, ERROR, INDIRECT, RELEASE = 1, 2, 3, 4, 5, 6, 7
+_OPS = frozenset((HELLO, SEGMENTS, CALLS, READY, ERROR, INDIRECT, RELEASE))
 MAX_FDS_PER_MESSAGE = 250  # below the kernel's SCM_MAX_FD (253)
 #: The largest message on a call connection (larger control messages travel INDIRECT); far
 #: below the socket buffers (SO_SNDBUF, 208 KiB by default), which bound a SEQPACKET message.
@@ -110,6 +114,18 @@ def encode_indirect(ident: int, count: int, length: int) -> bytes:
     return encode_unix(INDIRECT, ident, count, _LENGTH.pack(length))
 
 
+def encode_release(inodes: list[int]) -> bytes:
+    """A RELEASE message naming ``inodes`` (at most ``MAX_RELEASES``)."""
+    return encode_unix(RELEASE, 0, 0, struct.pack(f"<{len(inodes)}Q", *inodes))
+
+
+def decode_release(payload: bytes) -> list[int]:
+    """The inodes a RELEASE message's payload names."""
+    if len(payload) % _LENGTH.size or not payload:
+        raise InvalidArgumentError("Malformed unix-socket release message.")
+    return list(struct.unpack(f"<{len(payload) // _LENGTH.size}Q", payload))
+
+
 def indirect_length(payload: bytes) -> int:
     """The control message length an INDIRECT message's payload declares."""
     if len(payload) != _LENGTH.size:
@@ -118,3 +134,5 @@ def indirect_length(payload: bytes) -> int:
 
 
 MAX_UNIX_MESSAGE = _UNIX.size + 4096
+#: The most inodes one RELEASE message names (its payload fits ``MAX_UNIX_MESSAGE``).
+MAX_RELEASES = 4096 // _LENGTH.size
