@@ -288,7 +288,8 @@ class _ParallelCycle:
     the order the consumer comes to them, while it holds less than ``_READ_AHEAD_BYTES``
     the consumer has not taken (the Dataset the consumer waits for is read regardless). A
     read task streams elements in and ends there, so the consumer pays a hand-off per
-    element only for elements of about ``_READ_AHEAD_BYTES``. The consumer takes them in
+    element only when the bytes bind first (elements of ``_READ_AHEAD_BYTES /
+    _READ_AHEAD`` or more), else one per half a buffer. The consumer takes them in
     TF's cycle order (``deterministic``) or from whichever Dataset has elements ready. An
     ended Dataset's place goes to the next input element when the consumer finds it drained
     (TF's cycle gives it that element when it comes back). A failed read fails one ``next``
