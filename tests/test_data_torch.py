@@ -5,6 +5,7 @@ this process (whose loader workers must be spawned)."""
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import subprocess
 import sys
 import types
@@ -33,6 +34,9 @@ LOCAL = "grpc+local" in get_plugin_manager().protocols()
 # its loader workers start from a fork server (the module docstring's rule). The default fork
 # is tested in a trainer process of its own.
 CONTEXT = "forkserver"
+# A trainer script's fork server imports the script (its __main__), torch with it; pytest's
+# would not, and each loader worker would import torch anew (seconds on a loaded machine).
+multiprocessing.set_forkserver_preload(["torch"])
 TRAINER = """
 import sys
 from torch.utils.data import DataLoader
