@@ -105,8 +105,11 @@ def test_a_task_restarted_on_a_new_address_is_reached_there():
         try:
             moved = again.target.split("://")[1]
             assert moved != full["w"][2]
-            wait_for(lambda: servers[0].cluster_spec.task_address("w", 2) == moved,
-                     what="task 0 learning task 2's new address")
+            # Task 1 forwards the get below: it must have learnt the address too (on a loaded
+            # machine it did a heartbeat after task 0).
+            wait_for(lambda: all(s.cluster_spec.task_address("w", 2) == moved
+                                 for s in servers[:2]),
+                     what="tasks 0 and 1 learning task 2's new address")
             again_session = clusterwire.Session(again.target)
             again_session.put("here", np.ones(3))
             np.testing.assert_array_equal(
