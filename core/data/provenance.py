@@ -92,17 +92,17 @@ _UNDEFINED: dict[type, str] = {
     nested.Interleave: ("its elements come from the datasets its function returns (read "
                         "TFRecord files with TFRecordDataset(names, num_parallel_reads=N))"),
 }
-_SOURCES_WITHOUT_IDS = (
+_SOURCES_WITH_IDS = (
     "range, from_tensor_slices, global_shuffle of those, from_files and TFRecordDataset on "
     "a list of file names")
 
 
-def not_defined(what: str, why: str) -> InvalidArgumentError:
+def _not_defined(what: str, why: str) -> InvalidArgumentError:
     """The error of a pipeline through which ``element_ids`` are not defined."""
     return InvalidArgumentError(
         f"element_ids (asked for with element_ids=True, or by a position's skip ids) are not "
         f"defined through {what}: {why}. Ids are defined for the "
-        f"elements of {_SOURCES_WITHOUT_IDS}, through map, filter, batch, padded_batch, "
+        f"elements of {_SOURCES_WITH_IDS}, through map, filter, batch, padded_batch, "
         "shuffle, take, skip, shard, repeat, prefetch, enumerate, unbatch, ignore_errors, "
         "take_while and cache() in memory (see clusterwire.data.provenance). Read without "
         "element_ids, or move the transformation after distribute().")
@@ -294,7 +294,7 @@ class _TaggedUnbatch(Unbatch):
         def run() -> Iterator[Any]:
             for raw, element in upstream():
                 if np.ndim(raw) == 0:
-                    raise not_defined("unbatch of an element that is not a batch",
+                    raise _not_defined("unbatch of an element that is not a batch",
                                       "its rows would share one id")
                 for index in range(len(raw)):
                     yield raw[index], _map_structure(lambda t, i=index: t[i], element)
@@ -329,14 +329,14 @@ def _check_source(pipe: Pipeline) -> None:
         inner = source.inputs[0]
         if source.reads_files or not isinstance(inner.source, (RangeSource, SlicesSource)) \
                 or isinstance(inner.source, formats.FileNamesSource):
-            raise not_defined(
+            raise _not_defined(
                 "global_shuffle of a file read", "its records are numbered across files, "
                 "not by file and record")
         return
     if isinstance(source, formats.FileNamesSource):
         if not pipe.ops or not isinstance(pipe.ops[0], formats.TFRecordRead):
             what = _name(pipe.ops[0]) if pipe.ops else "a dataset of file names"
-            raise not_defined(f"{what} of file names",
+            raise _not_defined(f"{what} of file names",
                               "ids number records of TFRecordDataset(names)")
         return
     if isinstance(source, (formats.RowGroupsSource, formats.RecordBlocksSource)) or not \
@@ -345,7 +345,7 @@ def _check_source(pipe: Pipeline) -> None:
                if isinstance(source, (GeneratorSource, sources.CounterSource,
                                       sources.TensorsSource))
                else "its elements are not numbered by file and record")
-        raise not_defined(f"the source {_name(source)}", why)
+        raise _not_defined(f"the source {_name(source)}", why)
 
 
 def _tag_op(op: Op) -> Op:
@@ -369,7 +369,7 @@ def _tag_op(op: Op) -> Op:
     if why is None:
         why = ("its file would hold elements with ids" if isinstance(op, stateful.Cache)
                else "it is not one of the transformations ids pass through")
-    raise not_defined(_name(op), why)
+    raise _not_defined(_name(op), why)
 
 
 def tagged(pipe: Pipeline) -> Pipeline:
