@@ -65,9 +65,13 @@ class SealedMapping(mmap.mmap):
 
 class LeasedMapping(mmap.mmap):
     """A read-only mapping of a reusable segment its sender refills once this process no
-    longer maps it: not immutable (the core copies what it must keep) and never re-sent
-    by descriptor (``locate`` ignores it). ``lease`` is alive while this mapping or its
-    private mapping is; its end tells the sender (``open_segment``'s ``release``)."""
+    longer maps it. ``lease`` is alive while this mapping or its private mapping is; its
+    end tells the sender (``open_segment``'s ``release``). Never re-sent by descriptor
+    (``locate`` ignores it): another process's mapping would outlive the lease."""
+
+    #: Nobody writes it while a view of it lives here (the sender waits for the release),
+    #: so the core may share it within this process.
+    clusterwire_immutable = True
 
     fd: int
     lease: object
