@@ -12,7 +12,9 @@ are not defined, and bad ids, are refused with errors naming them."""
 
 from __future__ import annotations
 
+import io
 import json
+import tarfile
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -197,6 +199,27 @@ def test_text_line_ids_are_file_and_line(service, files):
         assert element == "{}/{}".format(*provenance.file_record(raw)).encode()
     assert data.replay(data.Dataset.from_files(names), [provenance.FILE_STRIDE + 4, 0]) == [
         (provenance.FILE_STRIDE + 4, b"1/4"), (0, b"0/0")]
+
+
+def test_tar_shard_sample_ids_are_shard_and_sample(service, files):
+    names = []
+    for shard, count in enumerate((4, 6)):
+        name = files / f"shard-{shard}.tar"
+        with tarfile.open(name, "w") as tar:
+            for sample in range(count):
+                body = f"{shard}.{sample}".encode()
+                info = tarfile.TarInfo(f"s{sample:04d}.txt")
+                info.size = len(body)
+                tar.addfile(info, io.BytesIO(body))
+        names.append(str(name))
+    pairs = [pair for read in read_all(consumers(service, data.Dataset.from_tar_shards(names),
+                                                 2, "tar")) for pair in read]
+    assert sorted(raw for raw, _ in pairs) == [
+        f * provenance.FILE_STRIDE + r for f, count in enumerate((4, 6)) for r in range(count)]
+    for raw, sample in pairs:
+        assert sample["txt"] == "{}.{}".format(*provenance.file_record(raw)).encode()
+    wanted = provenance.FILE_STRIDE + 5
+    assert data.replay(data.Dataset.from_tar_shards(names), [wanted])[0][1]["txt"] == b"1.5"
 
 
 # ---- what is refused ---------------------------------------------------------------------------

@@ -8,8 +8,9 @@ consumers read the epoch and however its splits were handed out.
 * ``range``, ``from_tensor_slices``: the element's index in the source (``0 .. n - 1``), an int.
 * ``global_shuffle`` of those: the index of the element in its input (the id travels with
   the element; the permutation does not change it).
-* ``from_files`` (lines) and ``TFRecordDataset`` on a list of names (records): file index
-  ``f`` (in the list given) and record (line) ``r`` within the file, packed in one int
+* ``from_files`` (lines), ``TFRecordDataset`` on a list of names (records) and
+  ``from_tar_shards`` (samples), not shuffled by ``global_shuffle``: file index ``f`` (in
+  the list given) and record (line, sample) ``r`` within the file, packed in one int
   ``f * FILE_STRIDE + r`` (``file_record`` unpacks it): at most ``MAX_FILES`` files of at
   most ``FILE_STRIDE`` records each.
 * ``batch`` / ``padded_batch``: the list of its rows' ids (a batch of batches: a list of lists).
@@ -20,8 +21,8 @@ repetition repeats the ids), ``prefetch``, ``cache()`` in memory, ``ignore_error
 ``enumerate`` (the index joins the element, the id stays), ``unbatch`` (each row gets its own
 id from the batch's list). Where an id is not defined, ``element_ids`` is refused with an
 InvalidArgumentError naming the transformation (``_UNDEFINED`` says why for each); so is a
-source without ids (``from_generator``, ``zip``, ``counter``, Parquet, tar shards, indexed
-TFRecord blocks...).
+source without ids (``from_generator``, ``zip``, ``counter``, Parquet, indexed TFRecord
+blocks, ``global_shuffle`` of a file read...).
 
 On the wire an element with its id is the pair ``(id, element)``, encoded as one element
 (the id a small int64 scalar or array beside the element's buffers): the worker runs the
@@ -93,8 +94,8 @@ _UNDEFINED: dict[type, str] = {
                         "TFRecord files with TFRecordDataset(names, num_parallel_reads=N))"),
 }
 _SOURCES_WITH_IDS = (
-    "range, from_tensor_slices, global_shuffle of those, from_files and TFRecordDataset on "
-    "a list of file names")
+    "range, from_tensor_slices, global_shuffle of those, from_files, from_tar_shards and "
+    "TFRecordDataset on a list of file names")
 
 
 def _not_defined(what: str, why: str) -> InvalidArgumentError:
@@ -247,15 +248,24 @@ def _numbered(element: Any, open_file: Callable[[Any], Iterator[Any]]) -> Iterat
         yield np.int64(base + record), value
 
 
+#: The reads of a dataset of file names whose records have ids (file, record).
+_FILE_READS = (formats.TFRecordRead, formats.TarShardRead)
+
+
 @dataclass(frozen=True)
 class _TaggedRead(Op):
-    """A TFRecordDataset read of ``(file id, name)`` pairs: its records with their ids."""
+    """A file read (``_FILE_READS``) of ``(file id, name)`` pairs: its records with ids."""
 
-    read: formats.TFRecordRead
+    read: formats.TFRecordRead | formats.TarShardRead
 
     def wrap(self, upstream: Factory) -> Factory:
         read = self.read
-        return read._cycled(lambda element: _numbered(element, read._open), upstream)
+
+        def numbered(element: Any) -> Iterator[Any]:
+            return _numbered(element, read._open)
+        if isinstance(read, formats.TFRecordRead):
+            return read._cycled(numbered, upstream)
+        return lambda: nested._Cycle(numbered, upstream(), 1, 1)
 
     def cardinality(self, upstream: int) -> int:
         return self.read.cardinality(upstream)
@@ -295,7 +305,7 @@ class _TaggedUnbatch(Unbatch):
             for raw, element in upstream():
                 if np.ndim(raw) == 0:
                     raise _not_defined("unbatch of an element that is not a batch",
-                                      "its rows would share one id")
+                                       "its rows would share one id")
                 for index in range(len(raw)):
                     yield raw[index], _map_structure(lambda t, i=index: t[i], element)
         return run
@@ -334,10 +344,10 @@ def _check_source(pipe: Pipeline) -> None:
                 "not by file and record")
         return
     if isinstance(source, formats.FileNamesSource):
-        if not pipe.ops or not isinstance(pipe.ops[0], formats.TFRecordRead):
+        if not pipe.ops or not isinstance(pipe.ops[0], _FILE_READS):
             what = _name(pipe.ops[0]) if pipe.ops else "a dataset of file names"
-            raise _not_defined(f"{what} of file names",
-                              "ids number records of TFRecordDataset(names)")
+            raise _not_defined(f"{what} of file names", "ids number the records of "
+                               "TFRecordDataset(names) and the samples of from_tar_shards")
         return
     if isinstance(source, (formats.RowGroupsSource, formats.RecordBlocksSource)) or not \
             isinstance(source, (RangeSource, SlicesSource, FilesSource)):
@@ -469,7 +479,7 @@ def _origin(pipe: Pipeline) -> tuple[_Origin, tuple[Op, ...]]:
                        f"the {count} elements global_shuffle reads from index {offset}"), \
             pipe.ops
     if isinstance(source, formats.FileNamesSource):
-        read: formats.TFRecordRead = pipe.ops[0]  # type: ignore[assignment]
+        read: formats.TFRecordRead | formats.TarShardRead = pipe.ops[0]  # type: ignore
         names = source.tensors
         return _files(len(names), lambda f: read._open(names[f])), pipe.ops[1:]
     if isinstance(source, FilesSource):
