@@ -50,15 +50,18 @@ def distributed(dataset, mode, target, **kwargs):
 # A named distributed_epoch job's split streams are closed like an anonymous job's.
 @pytest.mark.parametrize("mode,job_name", [(mode, None) for mode in MODES]
                          + [("parallel_epochs", "loop")])
-def test_seventy_early_stopped_iterations_leave_the_worker_serving(service, monkeypatch,
-                                                                   mode, job_name):
+def test_early_stopped_iterations_past_the_stream_table_leave_the_worker_serving(
+        service, monkeypatch, mode, job_name):
     """The issue's reproduction: before, iteration 64 (parallel_epochs) or 33
-    (distributed_epoch) was refused. A refusal is not waited out here (_BUSY_S is short):
-    each stop must have released its streams by the time close() returns."""
+    (distributed_epoch) of 70 was refused by a worker's table of 64 streams. Here the table
+    holds 8 and 12 iterations run: the same rule, at a sixth of the iterations. A refusal is
+    not waited out (_BUSY_S is short): each stop must have released its streams by the time
+    close() returns."""
     monkeypatch.setattr(reader, "_BUSY_S", 0.2)
+    monkeypatch.setattr(worker, "MAX_OPEN_STREAMS", 8)
     dispatcher, _ = service
     ds = distributed(data.Dataset.range(10 ** 6), mode, dispatcher.target, job_name=job_name)
-    for _ in range(70):
+    for _ in range(12):
         assert len(list(ds.take(1))) == 1
     iterator = iter(ds)
     next(iterator)
