@@ -1,35 +1,50 @@
-"""Read throughput of Parquet numeric columns: clusterwire's ParquetReader against pyarrow's.
+"""Read throughput of Parquet numeric columns: clusterwire against pyarrow in the client.
 
-    python bench/bench_parquet.py [--rows 8000000] [--row-group-rows 1000000] [--runs 5]
+    python bench/bench_parquet.py [--parts local,service] [--runs 5] [--rounds 7]
 
-Writes one file of ``--rows`` rows (4 int64 and 4 float64 columns, random, uncompressed
-and snappy-compressed) in a temporary folder, reads it once to warm the page cache, then
-times, in one run, each reader over the whole file (best and median of ``--runs``):
+MB/s are 10^6 bytes of column data (8 bytes a value) per second; page cache warm.
+
+``local``: one file of ``--rows`` rows (4 int64 and 4 float64 columns, random, uncompressed
+and snappy-compressed), each reader over the whole file (best and median of ``--runs``):
 
 * baseline: ``pyarrow.parquet.read_table(path)`` then ``to_numpy()`` of each column chunk;
 * clusterwire ``ParquetReader(path, batch_rows=...)`` over every row group, each element
   a dict of numpy arrays (views of Arrow's buffers);
 * the same reader on one element per row, on the first 200,000 rows only (per-row cost).
 
-MB/s are 10^6 bytes of column data (8 bytes a value) per second.
+``service`` (issue 30's target, >= 0.7x): 4 uncompressed files of 2,000,000 rows (row groups
+of 500,000 rows; bench_data_files.py's b), read whole ``--rounds`` times, the reads of a round
+back to back in a rotating order so that load shifts hit each alike: pyarrow's ``read_table``
+in this process, and ``from_parquet(paths, batch_rows=65536)`` in ``distributed_epoch``
+through a ``LocalDataService`` (2 workers) over ``grpc+local``, twice: with the transport's
+reply pool (default) and without it (``reply_pool_bytes = 0``: a fresh sealed segment per
+reply, as before the pool). Each service read opens its connections anew (as an epoch
+does). Per round: the ratio of each service read's MB/s to pyarrow's of that round; the
+median, lowest and highest; and CPU ms per MB of every process of the read (this one and the
+services' dispatchers and workers, the idle service's heartbeats included).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from _machine import cpu_model
 
+from clusterwire import data
 from clusterwire.data.parquet import ParquetReader
 
 _COLUMNS = 8
+SERVICE_FILES, SERVICE_ROWS, SERVICE_GROUP_ROWS, SERVICE_BATCH_ROWS = 4, 2_000_000, 500_000, 65536
+TARGET = 0.7
 
 
 def _write(path: str, rows: int, row_group_rows: int, compression: str) -> int:
@@ -78,33 +93,139 @@ def _time(fn, runs: int) -> tuple[float, float]:
     return min(times), statistics.median(times)
 
 
+def _cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process and its live children, from /proc."""
+    user, system = os.times()[:2]
+    total = user + system
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/children") as kids:
+            for pid in kids.read().split():
+                with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+                    total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def _pyarrow_files(paths: list[str]) -> int:
+    return sum(_pyarrow(path) for path in paths) * 8
+
+
+def _through(paths: list[str], target: str) -> int:
+    dataset = data.Dataset.from_parquet(paths, batch_rows=SERVICE_BATCH_ROWS).apply(
+        data.distribute("distributed_epoch", target, data_transfer_protocol="grpc+local"))
+    return sum(array.nbytes for element in dataset for array in element.values())
+
+
+@contextlib.contextmanager
+def _service(folder: str, pool: bool) -> Iterator[str]:
+    """A LocalDataService over grpc+local (with the reply pool, or reply_pool_bytes = 0)."""
+    saved = os.environ.get("CLUSTERWIRE_PLUGINS")
+    if not pool:  # the workers read their transport options from this file
+        config = os.path.join(folder, "no-pool.toml")
+        with open(config, "w") as handle:
+            handle.write('[options."grpc+local"]\nreply_pool_bytes = 0\n')
+        os.environ["CLUSTERWIRE_PLUGINS"] = config
+    try:
+        service = data.LocalDataService(2, "grpc+local", readable_dirs=[folder])
+    finally:
+        if saved is None:
+            os.environ.pop("CLUSTERWIRE_PLUGINS", None)
+        else:
+            os.environ["CLUSTERWIRE_PLUGINS"] = saved
+    with service:
+        yield service.target
+
+
+def _service_rounds(folder: str, rounds: int) -> None:
+    """The ``service`` part (see the module docstring)."""
+    rng = np.random.default_rng(1)
+    paths = []
+    for index in range(SERVICE_FILES):
+        columns = {f"i{k}": rng.integers(0, 1 << 40, SERVICE_ROWS) for k in range(4)}
+        columns.update({f"f{k}": rng.random(SERVICE_ROWS) for k in range(4)})
+        paths.append(os.path.join(folder, f"service-{index}.parquet"))
+        pq.write_table(pa.table(columns), paths[-1], row_group_size=SERVICE_GROUP_ROWS,
+                       compression="none")
+    nbytes = SERVICE_FILES * SERVICE_ROWS * _COLUMNS * 8
+    with _service(folder, pool=True) as pooled, _service(folder, pool=False) as fresh:
+        reads: dict[str, Callable[[], int]] = {
+            "pyarrow.parquet.read_table in the client": lambda: _pyarrow_files(paths),
+            "service, reply pool (default)": lambda: _through(paths, pooled),
+            "service, reply_pool_bytes = 0": lambda: _through(paths, fresh),
+        }
+        for read in reads.values():  # warm-up: page cache, workers' imports
+            assert read() == nbytes
+        names = list(reads)
+        rates: dict[str, list[float]] = {name: [] for name in names}
+        cpu: dict[str, list[float]] = {name: [] for name in names}
+        print(f"\nservice: {SERVICE_FILES} files x {SERVICE_ROWS:,} rows x {_COLUMNS} columns "
+              f"({nbytes / 1e6:,.0f} MB), row groups of {SERVICE_GROUP_ROWS:,}, batch_rows="
+              f"{SERVICE_BATCH_ROWS}; load average {os.getloadavg()[0]:.1f} at the start")
+        for round_index in range(rounds):
+            order = names[round_index % 3:] + names[:round_index % 3]
+            for name in order:
+                start_cpu, start = _cpu_seconds(), time.perf_counter()
+                if reads[name]() != nbytes:
+                    raise RuntimeError(f"{name} read other than {nbytes} bytes")
+                rates[name].append(nbytes / (time.perf_counter() - start) / 1e6)
+                cpu[name].append((_cpu_seconds() - start_cpu) / nbytes * 1e9)
+            base = rates[names[0]][-1]
+            print(f"  round {round_index + 1}: " + ", ".join(
+                f"{rates[n][-1]:,.0f} MB/s" + ("" if n == names[0] else
+                                               f" ({rates[n][-1] / base:.2f}x)")
+                for n in names) + f"; load {os.getloadavg()[0]:.1f}", flush=True)
+    print("\n| read | median MB/s | CPU ms/MB (median) | ratio to pyarrow: median (lowest-"
+          "highest) | target |\n|---|---:|---:|---:|---|")
+    for name in names:
+        ratios = [ours / base for ours, base in zip(rates[name], rates[names[0]],
+                                                    strict=True)]
+        cells = "| | |" if name == names[0] else (
+            f"| {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}x) | "
+            f">= {TARGET}x: {'met' if statistics.median(ratios) >= TARGET else 'NOT met'} |")
+        print(f"| {name} | {statistics.median(rates[name]):,.0f} | "
+              f"{statistics.median(cpu[name]):.2f} {cells}")
+
+
+def _local(folder: str, args: argparse.Namespace) -> None:
+    """The ``local`` part (see the module docstring)."""
+    for compression in ("none", "snappy"):
+        path = os.path.join(folder, f"bench-{compression}.parquet")
+        nbytes = _write(path, args.rows, args.row_group_rows, compression)
+        _pyarrow(path)  # page cache
+        print(f"\n{args.rows} rows x {_COLUMNS} numeric columns, compression={compression}, "
+              f"{nbytes / 1e6:.0f} MB of values, {os.path.getsize(path) / 1e6:.0f} MB file")
+        base_best, base_median = _time(lambda p=path: _pyarrow(p), args.runs)
+        ours_best, ours_median = _time(
+            lambda p=path: _clusterwire(p, args.batch_rows), args.runs)
+        for name, best, median in (
+                ("pyarrow.parquet.read_table", base_best, base_median),
+                (f"ParquetReader(batch_rows={args.batch_rows})", ours_best, ours_median)):
+            print(f"  {name:<40} {nbytes / best / 1e6:8.0f} MB/s best, "
+                  f"{nbytes / median / 1e6:8.0f} MB/s median")
+        print(f"  ratio (best): {base_best / ours_best:.2f}x of pyarrow")
+        per_row = min(200_000, args.rows)
+        best, _ = _time(lambda p=path, n=per_row: _per_row(p, n), max(1, args.runs // 2))
+        print(f"  ParquetReader one row per element: {per_row / best:,.0f} rows/s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default="local,service")
     parser.add_argument("--rows", type=int, default=8_000_000)
     parser.add_argument("--row-group-rows", type=int, default=1_000_000)
     parser.add_argument("--batch-rows", type=int, default=65536)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
-    print(f"machine: {cpu_model()}, {os.cpu_count()} cpus; pyarrow {pa.__version__}")
+    print(f"machine: {cpu_model()}, {os.cpu_count()} cpus; pyarrow {pa.__version__}; "
+          f"{time.strftime('%Y-%m-%d %H:%M %Z')}")
+    parts = set(args.parts.split(","))
     with tempfile.TemporaryDirectory() as folder:
-        for compression in ("none", "snappy"):
-            path = os.path.join(folder, f"bench-{compression}.parquet")
-            nbytes = _write(path, args.rows, args.row_group_rows, compression)
-            _pyarrow(path)  # page cache
-            print(f"\n{args.rows} rows x {_COLUMNS} numeric columns, compression={compression}, "
-                  f"{nbytes / 1e6:.0f} MB of values, {os.path.getsize(path) / 1e6:.0f} MB file")
-            base_best, base_median = _time(lambda p=path: _pyarrow(p), args.runs)
-            ours_best, ours_median = _time(
-                lambda p=path: _clusterwire(p, args.batch_rows), args.runs)
-            for name, best, median in (
-                    ("pyarrow.parquet.read_table", base_best, base_median),
-                    (f"ParquetReader(batch_rows={args.batch_rows})", ours_best, ours_median)):
-                print(f"  {name:<40} {nbytes / best / 1e6:8.0f} MB/s best, "
-                      f"{nbytes / median / 1e6:8.0f} MB/s median")
-            print(f"  ratio (best): {base_best / ours_best:.2f}x of pyarrow")
-            per_row = min(200_000, args.rows)
-            best, _ = _time(lambda p=path, n=per_row: _per_row(p, n), max(1, args.runs // 2))
-            print(f"  ParquetReader one row per element: {per_row / best:,.0f} rows/s")
+        if "local" in parts:
+            _local(folder, args)
+        if "service" in parts:
+            _service_rounds(folder, args.rounds)
 
 
 if __name__ == "__main__":
