@@ -126,7 +126,7 @@ def test_a_shared_parallel_epochs_job_keeps_serving_the_second_consumer(service)
     """The worker's stream is shared: the first consumer's stop does not close it. Each
     element goes to one consumer; the first loses only what it had buffered."""
     dispatcher, _ = service
-    count = 5000
+    count = 1000
 
     def consumer():
         return iter(distributed(data.Dataset.range(count), "parallel_epochs",
