@@ -157,7 +157,7 @@ def test_a_reply_segment_is_not_re_sent_by_descriptor(serve):
 
 def test_a_listener_refuses_a_reusable_segment_in_a_request(serve):
     listener, _ = serve()
-    fd, writable = sealed.create_reusable(MiB)
+    fd, writable = sealed.create_reusable(MiB, [], [])
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sock.settimeout(10)
     try:

@@ -33,8 +33,8 @@ _GRANULE = 1 << 20
 class _Segment:
     __slots__ = ("fd", "mapping", "array", "size")
 
-    def __init__(self, size: int):
-        self.fd, self.mapping = sealed.create_reusable(size)
+    def __init__(self, size: int, views: list[memoryview], offsets: list[int]):
+        self.fd, self.mapping = sealed.create_reusable(size, views, offsets)
         self.array = np.frombuffer(self.mapping, np.uint8)
         self.size = size
 
@@ -60,47 +60,49 @@ class ReplyPool:
     def pack(self, views: Sequence[memoryview]) -> tuple[int, list[int]]:
         """``views`` copied into one segment: (a descriptor of it for the caller to send and
         close, each view's offset), like ``sealed.create_packed``."""
+        views = list(views)
         offsets, total = sealed.packed_layout([view.nbytes for view in views])
         with self._lock:  # close() from another thread waits for the copy
-            found = self._take(total)
-            if found is not None:
-                inode, segment = found
-                try:
-                    for view, start in zip(views, offsets, strict=True):
-                        segment.array[start:start + view.nbytes] = np.frombuffer(view,
-                                                                                 np.uint8)
-                    fd = os.dup(segment.fd)
-                except BaseException:
-                    self._free[inode] = self._used.pop(inode)
-                    raise
+            segment = self._reuse(total, views, offsets) or self._new(total, views, offsets)
+            if segment is not None:
                 self.reused += 1
-                return fd, offsets
+                return os.dup(segment.fd), offsets
         self.fresh += 1
-        return sealed.create_packed(list(views))
+        return sealed.create_packed(views)
 
-    def _take(self, total: int) -> tuple[int, _Segment] | None:
-        """A free segment of at least ``total`` bytes (the smallest), or a new one if the
-        limit allows (closing free ones to make room), marked in use; None if none."""
-        if self._closed:
-            return None
+    def _reuse(self, total: int, views: list[memoryview], offsets: list[int]
+               ) -> _Segment | None:
+        """The smallest free segment of at least ``total`` bytes, filled with ``views`` and
+        marked in use; None if none."""
         fitting = [(s.size, inode) for inode, s in self._free.items() if s.size >= total]
-        if fitting:
-            inode = min(fitting)[1]
-            segment = self._free.pop(inode)
-        else:
-            size = -(-total // _GRANULE) * _GRANULE
-            while self._bytes + size > self._limit and self._free:
-                largest = max(self._free, key=lambda i: self._free[i].size)
-                evicted = self._free.pop(largest)
-                self._bytes -= evicted.size
-                evicted.close()
-            if self._bytes + size > self._limit:
-                return None
-            segment = _Segment(size)
-            inode = os.fstat(segment.fd).st_ino
-            self._bytes += size
+        if self._closed or not fitting:
+            return None
+        inode = min(fitting)[1]
+        segment = self._free.pop(inode)
         self._used[inode] = segment
-        return inode, segment
+        try:
+            for view, start in zip(views, offsets, strict=True):
+                segment.array[start:start + view.nbytes] = np.frombuffer(view, np.uint8)
+        except BaseException:
+            self._free[inode] = self._used.pop(inode)
+            raise
+        return segment
+
+    def _new(self, total: int, views: list[memoryview], offsets: list[int]
+             ) -> _Segment | None:
+        """A new segment holding ``views``, marked in use, if the limit allows (closing free
+        ones to make room); None if not."""
+        size = -(-total // _GRANULE) * _GRANULE
+        while self._bytes + size > self._limit and self._free:
+            largest = max(self._free, key=lambda i: self._free[i].size)
+            self._bytes -= self._free[largest].size
+            self._free.pop(largest).close()
+        if self._closed or self._bytes + size > self._limit:
+            return None
+        segment = _Segment(size, views, offsets)
+        self._used[os.fstat(segment.fd).st_ino] = segment
+        self._bytes += size
+        return segment
 
     def release(self, inodes: Sequence[int]) -> None:
         """The client no longer maps these segments: they may be filled again (inodes not in

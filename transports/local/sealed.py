@@ -115,11 +115,7 @@ def create_packed(views: list[memoryview]) -> tuple[int, list[int]]:
     offsets, total = packed_layout([view.nbytes for view in views])
     fd = os.memfd_create("clusterwire", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        os.ftruncate(fd, total)
-        for view, start in zip(views, offsets, strict=True):
-            written = 0
-            while written < view.nbytes:
-                written += os.pwrite(fd, view[written:], start + written)
+        _fill(fd, total, views, offsets)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
     except BaseException:
         os.close(fd)
@@ -127,13 +123,26 @@ def create_packed(views: list[memoryview]) -> tuple[int, list[int]]:
     return fd, offsets
 
 
-def create_reusable(size: int) -> tuple[int, mmap.mmap]:
-    """A new reusable segment of ``size`` bytes: (descriptor, the creator's writable mapping),
-    sealed against later writes by anyone else (see the module docstring)."""
+def _fill(fd: int, size: int, views: list[memoryview], offsets: list[int]) -> None:
+    """Size a new memfd and write ``views`` at ``offsets`` (write() allocates its pages
+    without first zeroing them, as a fault of a mapping would)."""
+    os.ftruncate(fd, size)
+    for view, start in zip(views, offsets, strict=True):
+        written = 0
+        while written < view.nbytes:
+            written += os.pwrite(fd, view[written:], start + written)
+
+
+def create_reusable(size: int, views: list[memoryview], offsets: list[int]
+                    ) -> tuple[int, mmap.mmap]:
+    """A new reusable segment of ``size`` bytes holding ``views`` at ``offsets``: (descriptor,
+    the creator's writable mapping, its pages mapped already), sealed against later writes by
+    anyone else (see the module docstring)."""
     fd = os.memfd_create("clusterwire-pool", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        os.ftruncate(fd, size)
-        mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        _fill(fd, size, views, offsets)
+        mapping = mmap.mmap(fd, size, mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                            mmap.PROT_READ | mmap.PROT_WRITE)
         try:
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _REUSABLE_SEALS)
         except BaseException:
