@@ -9,14 +9,14 @@ consumers are threads of this process, each with its own iterator. The dataset i
 splits of its own when it saves. Per round:
 
 1. baseline: ``--new`` consumers start a fresh job at once (a barrier); each one's time from
-   its ``iter(from_dataset_id(...))`` to its first element;
+   its ``iter(from_dataset_id(...))`` to its first element, and to ``iter()``'s return;
 2. ``--old`` consumers of another job each read ``--take`` elements and save their position
    (``state_dict()``, through JSON as a checkpoint), then stop; ``merge_states`` merges the
    positions (its time, and the merged position's size: bytes of its JSON, beside the sum of
    the single positions');
 3. ``--new`` consumers start at once from the merged position: each one's time to its first
    element (the first of them has the dispatcher check every merged offset's vouch and give
-   the unread parts back to the job).
+   the unread parts back to the job), and to its job request's answer (``iter()``).
 
 Medians over the consumers of a round (and the max), then the median over ``--runs`` rounds.
 Every process started here is stopped at the end, also on error.
@@ -43,29 +43,33 @@ COUNT = 2 ** 20
 MODE = "distributed_epoch"
 
 
-def first_elements(count: int, make: Callable[[], Any]) -> list[float]:
+def first_elements(count: int, make: Callable[[], Any]) -> tuple[list[float], list[float]]:
     """``count`` consumers made by ``make`` start together; each one's seconds from its
-    start to its first element. The consumers are closed after."""
+    start to its first element, and to its ``iter()``'s return (the dispatcher's answer to
+    its job request: the merge, for the first resumed consumer). The consumers are closed
+    after."""
     barrier = threading.Barrier(count)
     iterators: list[Any] = []
     lock = threading.Lock()
 
-    def run() -> float:
+    def run() -> tuple[float, float]:
         barrier.wait(60)
         started = time.perf_counter()
         iterator = iter(make())
+        joined = time.perf_counter() - started
         with lock:
             iterators.append(iterator)
         next(iterator)
-        return time.perf_counter() - started
+        return time.perf_counter() - started, joined
 
     try:
         with ThreadPoolExecutor(count) as pool:
-            return [future.result(120) for future in [pool.submit(run)
-                                                      for _ in range(count)]]
+            results = [future.result(120) for future in [pool.submit(run)
+                                                         for _ in range(count)]]
     finally:
         for iterator in iterators:
             iterator.close()
+    return [first for first, _ in results], [joined for _, joined in results]
 
 
 def saved_positions(target: str, dataset_id: str, job_name: str, count: int, take: int
@@ -90,15 +94,16 @@ def saved_positions(target: str, dataset_id: str, job_name: str, count: int, tak
 
 def one_round(target: str, dataset_id: str, args: argparse.Namespace, index: int
               ) -> dict[str, Any]:
-    fresh = first_elements(args.new, lambda: data.from_dataset_id(
+    fresh, fresh_job = first_elements(args.new, lambda: data.from_dataset_id(
         MODE, target, dataset_id, job_name=f"fresh-{index}"))
     states = saved_positions(target, dataset_id, f"saved-{index}", args.old, args.take)
     started = time.perf_counter()
     merged = json.loads(json.dumps(data.merge_states(states)))
     merge_s = time.perf_counter() - started
-    resumed = first_elements(args.new, lambda: data.from_dataset_id(
+    resumed, resumed_job = first_elements(args.new, lambda: data.from_dataset_id(
         MODE, target, dataset_id, job_name=f"resumed-{index}", state=merged))
-    return {"fresh": fresh, "resumed": resumed, "merge_s": merge_s,
+    return {"fresh": fresh, "resumed": resumed, "fresh_job": fresh_job,
+            "resumed_job": resumed_job, "merge_s": merge_s,
             "merged_bytes": len(json.dumps(merged)),
             "single_bytes": sum(len(json.dumps(state)) for state in states),
             "partial": sum(len(c["partial"]) for c in merged["consumers"])}
@@ -129,12 +134,14 @@ def main() -> None:
     def median(key: str, of: Callable[[list[float]], float]) -> float:
         return statistics.median(of(r[key]) for r in rounds) * 1e3
 
-    print("| time to first element, ms | median over consumers | max over consumers | "
-          "each round's median / max |")
+    print("| ms | median over consumers | max over consumers | each round's median / max |")
     print("|---|---:|---:|---|")
-    for key, what in (("fresh", f"fresh job, {args.new} consumers (baseline)"),
-                      ("resumed", f"resumed from {args.old} merged positions, {args.new} "
-                                  "consumers")):
+    fresh, resumed = (f"fresh job, {args.new} consumers (baseline)",
+                      f"resumed from {args.old} merged positions, {args.new} consumers")
+    for key, what in (("fresh", f"first element: {fresh}"),
+                      ("resumed", f"first element: {resumed}"),
+                      ("fresh_job", f"job request (iter()): {fresh}"),
+                      ("resumed_job", f"job request (iter()): {resumed}")):
         per_round = ", ".join(f"{statistics.median(r[key]) * 1e3:.0f} / "
                               f"{max(r[key]) * 1e3:.0f}" for r in rounds)
         print(f"| {what} | {median(key, statistics.median):.0f} | {median(key, max):.0f} | "
