@@ -360,7 +360,8 @@ class BlackHoles:
     def _accept(self) -> None:
         while not self._stop.is_set():
             for key, _ in self._selector.select(0.1):
-                with contextlib.suppress(BlockingIOError):
+                # Nothing to accept, or a connection reset before it was taken (top exited).
+                with contextlib.suppress(OSError):
                     self._held.append(key.fileobj.accept()[0])
                     self.connected[key.data] = self.connected.get(key.data, 0) + 1
 
