@@ -76,6 +76,7 @@ def join_group(store_port: int, rank: int, world: int) -> None:
 
 
 def service_dataset(args: argparse.Namespace) -> ServiceDataset:
+    """The run's dataset, read through the service (each loader worker a consumer)."""
     return ServiceDataset(args.dataset_id, "distributed_epoch", args.target,
                           job_name="elastic", data_transfer_protocol=args.protocol,
                           # One element a read: a consumer holds few more than its loader
@@ -85,6 +86,7 @@ def service_dataset(args: argparse.Namespace) -> ServiceDataset:
 
 
 def new_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A 2-layer MLP for the synthetic task, and its optimizer."""
     torch.manual_seed(0)  # every rank starts from the same weights
     model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 64), torch.nn.ReLU(),
                                 torch.nn.Linear(64, CLASSES))
