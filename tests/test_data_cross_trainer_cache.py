@@ -20,6 +20,7 @@ import pytest
 
 from clusterwire import data, errors
 from clusterwire.data import elements
+from clusterwire.data import worker as worker_module
 from clusterwire.data.config import CROSS_TRAINER_CACHE_SIZE_BYTES
 from clusterwire.data.cross_trainer_cache import (
     MAX_CACHED_JOBS,
@@ -27,10 +28,8 @@ from clusterwire.data.cross_trainer_cache import (
     CrossTrainerCache,
     cache_plan,
     element_bytes,
-    machine_memory,
 )
 from clusterwire.data.rpc import DispatcherClient, WorkerChannels
-from clusterwire.data.worker import IDLE_CACHE_S
 from clusterwire.protos.data_service_pb2 import (
     DataRequest,
     GetElementsRequest,
@@ -494,31 +493,32 @@ def test_the_default_cache_and_its_slots_scale_with_the_worker_memory():
     assert cache_plan(0, 1 << 20, tf_default) == (32 << 10, 4)
 
 
-def test_a_cached_job_nobody_reads_gives_its_slot_up(processes):
-    """Every slot of a worker process (default size) held by jobs read once and then left:
-    another trainer gets its first element once they have not been read for IDLE_CACHE_S
-    (they held the slots for 5 minutes before), and a trainer of a job whose cache went reads
-    on from a new window."""
-    dispatcher = processes("dispatcher")
-    worker = processes("worker", "--dispatcher-address", dispatcher.address)
-    slots = cache_plan(0, machine_memory(), CROSS_TRAINER_CACHE_SIZE_BYTES)[1]
+def test_a_cached_job_nobody_reads_gives_its_slot_up(monkeypatch):
+    """Every slot of a worker (default size) held by jobs read once and then left: another
+    trainer gets its first element once they have not been read for IDLE_CACHE_S (they held
+    the slots for 5 minutes before), and a trainer of a job whose cache went reads on from a
+    new window. IDLE_CACHE_S is 3 s here (10 s by default)."""
+    monkeypatch.setattr(worker_module, "IDLE_CACHE_S", 3.0)
+    idle_s = worker_module.IDLE_CACHE_S
     idle = []
-    try:
-        for job in range(slots):
-            dataset_id = data.register_dataset(dispatcher.target, INFINITE, compression=None)
-            idle.append(Trainer(dispatcher, worker, dataset_id, "Trainer 1", f"job {job}"))
-            if job == 0:
-                oldest_read = time.monotonic()  # the worker notes the read after this
-            assert idle[-1].read(1) == [0]
-        last_read = time.monotonic()
-        newcomer = iter(distributed(dispatcher, trainer="Trainer 2", job_name="newcomer"))
-        assert int(next(newcomer)) == 0
-        admitted = time.monotonic()
-        newcomer.close()
-        # Refused while every cached job was read within IDLE_CACHE_S, admitted soon after.
-        assert admitted - oldest_read > IDLE_CACHE_S, admitted - oldest_read
-        assert admitted - last_read < IDLE_CACHE_S + 15, admitted - last_read
-        assert idle[0].read(1) == [0]  # the oldest job's cache went: a new window
-    finally:
-        for trainer in idle:
-            trainer.close()
+    with cluster(None) as (dispatcher, worker):
+        try:
+            for job in range(worker.cross_trainer_cache_slots):
+                dataset_id = data.register_dataset(dispatcher.target, INFINITE,
+                                                   compression=None)
+                idle.append(Trainer(dispatcher, worker, dataset_id, "Trainer 1", f"job {job}"))
+                if job == 0:
+                    oldest_read = time.monotonic()  # the worker notes the read after this
+                assert idle[-1].read(1) == [0]
+            last_read = time.monotonic()
+            newcomer = iter(distributed(dispatcher, trainer="Trainer 2", job_name="newcomer"))
+            assert int(next(newcomer)) == 0
+            admitted = time.monotonic()
+            newcomer.close()
+            # Refused while every cached job was read within IDLE_CACHE_S, admitted soon after.
+            assert admitted - oldest_read > idle_s, admitted - oldest_read
+            assert admitted - last_read < idle_s + 15, admitted - last_read
+            assert idle[0].read(1) == [0]  # the oldest job's cache went: a new window
+        finally:
+            for trainer in idle:
+                trainer.close()
