@@ -74,6 +74,7 @@ class LeasedMapping(mmap.mmap):
     clusterwire_immutable = True
 
     fd: int
+    address: int  # where the mapping starts in this process's memory
     lease: object
     private: mmap.mmap | None = None
 
@@ -181,7 +182,9 @@ def open_segment(fd: int, release: Callable[[int], None] | None = None) -> np.nd
         leased_mapping.lease = _Lease()
         weakref.finalize(leased_mapping.lease, release, status.st_ino)
         weakref.finalize(leased_mapping, os.close, fd)
-        return np.frombuffer(leased_mapping, np.uint8)
+        array = np.frombuffer(leased_mapping, np.uint8)
+        leased_mapping.address = array.__array_interface__["data"][0]
+        return array
     mapping = SealedMapping(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
     mapping.fd = fd
     array = np.frombuffer(mapping, np.uint8)
