@@ -222,6 +222,37 @@ def test_tar_shard_sample_ids_are_shard_and_sample(service, files):
     assert data.replay(data.Dataset.from_tar_shards(names), [wanted])[0][1]["txt"] == b"1.5"
 
 
+@pytest.mark.parametrize("batch_rows", [None, 3])
+def test_parquet_row_ids_are_file_and_row(service, files, batch_rows):
+    pq = pytest.importorskip("pyarrow.parquet", reason="pip install 'clusterwire[parquet]'")
+    pa = pytest.importorskip("pyarrow")
+    names = []
+    for file, count in enumerate((10, 7)):
+        name = files / f"part-{file}.parquet"
+        pq.write_table(pa.table({"v": [file * 1000 + row for row in range(count)]}), name,
+                       row_group_size=4)
+        names.append(str(name))
+    dataset = data.Dataset.from_parquet(names, batch_rows=batch_rows)
+    pairs = [pair for read in read_all(consumers(service, dataset, 2, f"parquet-{batch_rows}"))
+             for pair in read]
+    expected = [f * provenance.FILE_STRIDE + r for f, count in enumerate((10, 7))
+                for r in range(count)]
+    assert Counter(rows(pairs)) == Counter(expected)
+    for raw, element in pairs:
+        ids = provenance.flatten(raw)
+        assert [f * 1000 + r for f, r in map(provenance.file_record, ids)] == \
+            np.atleast_1d(element["v"]).tolist()
+    if batch_rows is None:
+        wanted = [provenance.FILE_STRIDE + 6, 5, provenance.FILE_STRIDE]
+        assert [element["v"] for _, element in data.replay(dataset, wanted)] == \
+            [1006, 5, 1000]
+        with pytest.raises(errors.InvalidArgumentError, match="not in the epoch"):
+            data.replay(dataset, [provenance.FILE_STRIDE + 7])
+    else:
+        with pytest.raises(errors.InvalidArgumentError, match="without batch_rows"):
+            data.replay(dataset, [0])
+
+
 # ---- what is refused ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("make,op", [

@@ -8,9 +8,10 @@ consumers read the epoch and however its splits were handed out.
 * ``range``, ``from_tensor_slices``: the element's index in the source (``0 .. n - 1``), an int.
 * ``global_shuffle`` of those: the index of the element in its input (the id travels with
   the element; the permutation does not change it).
-* ``from_files`` (lines), ``TFRecordDataset`` on a list of names (records) and
-  ``from_tar_shards`` (samples), not shuffled by ``global_shuffle``: file index ``f`` (in
-  the list given) and record (line, sample) ``r`` within the file, packed in one int
+* ``from_files`` (lines), ``TFRecordDataset`` on a list of names (records),
+  ``from_tar_shards`` (samples) and ``from_parquet`` (rows; with ``batch_rows`` a batch's
+  list), not shuffled by ``global_shuffle``: file index ``f`` (in the list given) and
+  record (line, sample, row) ``r`` within the file, packed in one int
   ``f * FILE_STRIDE + r`` (``file_record`` unpacks it): at most ``MAX_FILES`` files of at
   most ``FILE_STRIDE`` records each.
 * ``batch`` / ``padded_batch``: the list of its rows' ids (a batch of batches: a list of lists).
@@ -21,8 +22,8 @@ repetition repeats the ids), ``prefetch``, ``cache()`` in memory, ``ignore_error
 ``enumerate`` (the index joins the element, the id stays), ``unbatch`` (each row gets its own
 id from the batch's list). Where an id is not defined, ``element_ids`` is refused with an
 InvalidArgumentError naming the transformation (``_UNDEFINED`` says why for each); so is a
-source without ids (``from_generator``, ``zip``, ``counter``, Parquet, indexed TFRecord
-blocks, ``global_shuffle`` of a file read...).
+source without ids (``from_generator``, ``zip``, ``counter``, indexed TFRecord blocks,
+``global_shuffle`` of a file read...).
 
 On the wire an element with its id is the pair ``(id, element)``, encoded as one element
 (the id a small int64 scalar or array beside the element's buffers): the worker runs the
@@ -94,8 +95,8 @@ _UNDEFINED: dict[type, str] = {
                         "TFRecord files with TFRecordDataset(names, num_parallel_reads=N))"),
 }
 _SOURCES_WITH_IDS = (
-    "range, from_tensor_slices, global_shuffle of those, from_files, from_tar_shards and "
-    "TFRecordDataset on a list of file names")
+    "range, from_tensor_slices, global_shuffle of those, from_files, from_tar_shards, "
+    "from_parquet and TFRecordDataset on a list of file names")
 
 
 def _not_defined(what: str, why: str) -> InvalidArgumentError:
@@ -218,6 +219,9 @@ class TaggedSource(Source):
                 ops=tuple(_tag_op(op) for op in inner.elementwise_ops))
         if isinstance(inner, FilesSource):
             return _lines(inner, start, end)
+        if isinstance(inner, formats.RowGroupsSource):
+            bases = _row_group_ids(inner)[start:end]
+            return zip(bases, inner.read(start, end), strict=True)
         return zip(map(np.int64, range(start, end)), inner.read(start, end), strict=True)
 
 
@@ -234,6 +238,56 @@ def _file_base(index: int) -> int:
             f"element_ids number at most {MAX_FILES} files of a file source; file {index} "
             "is past that. Read fewer files per dataset, or read without element_ids.")
     return index * FILE_STRIDE
+
+
+def _row_group_ids(source: formats.RowGroupsSource) -> np.ndarray:
+    """The id of the first row of each row group of ``source`` (its units, a file's in a
+    row): file index (in order of first appearance) * FILE_STRIDE + the rows of the file's
+    row groups before it."""
+    names, _, rows = source.tensors
+    rows = np.asarray(rows, dtype=np.int64)
+    _, first, inverse = np.unique(names, return_index=True, return_inverse=True)
+    if len(first) > MAX_FILES:
+        _file_base(len(first) - 1)  # its error
+    rank = np.empty(len(first), dtype=np.int64)
+    rank[np.argsort(first)] = np.arange(len(first))
+    files = rank[inverse.reshape(-1)]
+    starts = np.cumsum(rows) - rows
+    firsts = np.full(len(first), np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(firsts, files, starts)
+    within = starts - firsts[files]
+    if len(rows) and int((within + rows).max()) > FILE_STRIDE:
+        raise InvalidArgumentError(
+            f"element_ids number at most {FILE_STRIDE} rows of a Parquet file; one has more.")
+    return files * FILE_STRIDE + within
+
+
+class _NumberedRows:
+    """The rows (or ``batch_rows`` batches) of a Parquet read of ``(first row id, row
+    group)`` pairs, each with its id (a batch: its rows' ids). An iterator object, as the
+    read's: an error fails one ``next`` and ends that row group only."""
+
+    def __init__(self, read: formats.ParquetRead, pairs: Iterator[Any]):
+        self._next = 0
+        self._batched = read.batch_rows is not None
+        self._rows = formats._RowGroups(read, self._groups(pairs))
+
+    def _groups(self, pairs: Iterator[Any]) -> Iterator[Any]:
+        for base, group in pairs:
+            self._next = int(base)
+            yield group
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        element = next(self._rows)
+        first = self._next
+        if self._batched:
+            self._next += len(next(iter(element.values())))
+            return np.arange(first, self._next, dtype=np.int64), element
+        self._next += 1
+        return np.int64(first), element
 
 
 def _numbered(element: Any, open_file: Callable[[Any], Iterator[Any]]) -> Iterator[Any]:
@@ -256,13 +310,15 @@ _FILE_READS = (formats.TFRecordRead, formats.TarShardRead)
 class _TaggedRead(Op):
     """A file read (``_FILE_READS``) of ``(file id, name)`` pairs: its records with ids."""
 
-    read: formats.TFRecordRead | formats.TarShardRead
+    read: formats.TFRecordRead | formats.TarShardRead | formats.ParquetRead
 
     def wrap(self, upstream: Factory) -> Factory:
         read = self.read
 
         def numbered(element: Any) -> Iterator[Any]:
             return _numbered(element, read._open)
+        if isinstance(read, formats.ParquetRead):
+            return lambda: _NumberedRows(read, upstream())
         if isinstance(read, formats.TFRecordRead):
             return read._cycled(numbered, upstream)
         return lambda: nested._Cycle(numbered, upstream(), 1, 1)
@@ -349,7 +405,12 @@ def _check_source(pipe: Pipeline) -> None:
             raise _not_defined(f"{what} of file names", "ids number the records of "
                                "TFRecordDataset(names) and the samples of from_tar_shards")
         return
-    if isinstance(source, (formats.RowGroupsSource, formats.RecordBlocksSource)) or not \
+    if isinstance(source, formats.RowGroupsSource):
+        if not pipe.ops or not isinstance(pipe.ops[0], formats.ParquetRead):
+            what = _name(pipe.ops[0]) if pipe.ops else "a dataset of Parquet row groups"
+            raise _not_defined(f"{what} of row groups", "ids number the rows of from_parquet")
+        return
+    if isinstance(source, formats.RecordBlocksSource) or not \
             isinstance(source, (RangeSource, SlicesSource, FilesSource)):
         why = ("its elements are not numbered by the source"
                if isinstance(source, (GeneratorSource, sources.CounterSource,
@@ -388,7 +449,7 @@ def tagged(pipe: Pipeline) -> Pipeline:
     transformation through which ids are not defined."""
     _check_source(pipe)
     ops = list(pipe.ops)
-    if isinstance(pipe.source, formats.FileNamesSource):
+    if isinstance(pipe.source, (formats.FileNamesSource, formats.RowGroupsSource)):
         ops[0] = _TaggedRead(ops[0])
         return Pipeline(TaggedSource(pipe.source), (ops[0], *map(_tag_op, ops[1:])))
     return Pipeline(TaggedSource(pipe.source), tuple(_tag_op(op) for op in ops))
@@ -484,10 +545,39 @@ def _origin(pipe: Pipeline) -> tuple[_Origin, tuple[Op, ...]]:
         return _files(len(names), lambda f: read._open(names[f])), pipe.ops[1:]
     if isinstance(source, FilesSource):
         return _files(len(source.paths), lambda f: source.read(f, f + 1)), pipe.ops
+    if isinstance(source, formats.RowGroupsSource):
+        return _parquet_rows(source, pipe.ops[0]), pipe.ops[1:]  # type: ignore[arg-type]
     units = source.units()
     return _Origin(lambda i: i < units,  # type: ignore[operator]
                    lambda ids: source.gather(np.asarray(ids, dtype=np.int64)),  # type: ignore
                    f"the {units} elements of the source"), pipe.ops
+
+
+def _parquet_rows(source: formats.RowGroupsSource, read: formats.ParquetRead) -> _Origin:
+    """Parquet rows by id: the row group each falls in, read by row number."""
+    if read.batch_rows is not None:
+        raise InvalidArgumentError(
+            "replay makes rows, and from_parquet(batch_rows=...) yields a row group's rows "
+            "in batches: replay the rows of their ids from from_parquet without batch_rows.")
+    bases, rows = _row_group_ids(source), np.asarray(source.tensors[2], dtype=np.int64)
+    starts = np.cumsum(rows) - rows
+
+    def unit(element_id: int) -> int:
+        return int(np.searchsorted(bases, element_id, side="right")) - 1
+
+    def valid(element_id: int) -> bool:
+        at = unit(element_id)
+        return at >= 0 and bases[at] // FILE_STRIDE == element_id // FILE_STRIDE and \
+            element_id - bases[at] < rows[at]
+
+    def fetch(ids: list[int]) -> Iterator[Any]:
+        units = np.array([unit(i) for i in ids], dtype=np.int64)
+        gather = formats._RowGather(read, source)
+        try:
+            yield from gather(starts[units] + np.asarray(ids, dtype=np.int64) - bases[units])
+        finally:
+            gather.close()
+    return _Origin(valid, fetch, f"the rows of its {len(np.unique(source.tensors[0]))} files")
 
 
 def _files(count: int, records: Callable[[int], Iterator[Any]]) -> _Origin:
