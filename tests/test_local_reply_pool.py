@@ -25,7 +25,7 @@ from conftest import child_env, end_child, wait_for
 from clusterwire import errors
 from clusterwire.envelope import BULK
 from clusterwire.transport import Frame, ListenOptions
-from clusterwire.transports.local import sealed, unix, wire
+from clusterwire.transports.local import pool, sealed, unix, wire
 from clusterwire.transports.local.calls import CallConnection
 from clusterwire.transports.local.transport import LocalTransport
 
@@ -37,6 +37,12 @@ def filled(frame: Frame) -> Frame:
     ``value``: a fresh buffer each time, so it is packed into a segment."""
     size, value = (int(part) for part in bytes(frame.header).split(b":"))
     return Frame(b"ok", [np.full(size * MiB, value, np.uint8)])
+
+
+@pytest.fixture(autouse=True)
+def short_linger(monkeypatch):
+    """Pools without connections close after 0.3 s here (10 s by default)."""
+    monkeypatch.setattr(pool, "LINGER_S", 0.3)
 
 
 @pytest.fixture
@@ -74,10 +80,11 @@ def leased(array: np.ndarray) -> sealed.LeasedMapping:
 
 
 def pool_of(listener):
-    """The reply pool of the listener's one call connection."""
-    connections = [c for c in listener._connections if isinstance(c, CallConnection)]
-    assert len(connections) == 1
-    return connections[0]._pool
+    """The reply pool of this process's call connections to ``listener`` (they share one)."""
+    pools = {id(c._pool): c._pool for c in listener._connections
+             if isinstance(c, CallConnection)}
+    assert len(pools) == 1
+    return next(iter(pools.values()))
 
 
 def test_replies_reuse_the_connections_segments(serve):
@@ -87,6 +94,32 @@ def test_replies_reuse_the_connections_segments(serve):
     pool = pool_of(listener)
     assert (pool.reused, pool.fresh) == (50, 0)
     assert pool.nbytes == 2 * MiB  # one segment served all 50
+
+
+def test_the_next_connections_of_a_process_find_its_segments(serve):
+    listener, channel = serve()
+    held = call(channel, 2, 1)
+    call(channel, 2, 2)  # a second segment: the first is held
+    del held
+    gc.collect()
+    call(channel, 2, 3)  # releases both, refills one
+    first = pool_of(listener)
+    channel.close()  # an epoch ends: its connections close
+    wait_for(lambda: listener.connections() == 0, 30, "the closed channel's connection")
+    # The segment the last reply went in was not released on that connection: closed, never
+    # refilled. The other waits for the process's next connections.
+    assert not first._used and len(first._free) == 1 and first.nbytes == 2 * MiB
+    waiting = set(first._free)
+    later = listener._transport.connect(listener.address)  # the next epoch's
+    try:
+        call(later, 2, 7)
+        assert pool_of(listener) is first and set(first._used) == waiting
+        assert (first.reused, first.fresh, first.nbytes) == (4, 0, 2 * MiB)
+    finally:
+        later.close()
+    # Without connections the pool closes after LINGER_S (its descriptors with it).
+    wait_for(lambda: pool_descriptors() == 0, 30, "the idle pool closed")
+    assert first.nbytes == 0
 
 
 def test_a_segment_is_not_refilled_while_a_view_of_it_lives(serve):
@@ -189,7 +222,7 @@ def test_a_malformed_release_closes_only_its_connection(serve):
     finally:
         sock.close()
     call(channel, 1, 1)
-    channel._pool._idle[-1].released.extend([1, 2, 3])  # inodes of no segment: ignored
+    channel._pool._released.extend([1, 2, 3])  # inodes of no segment: ignored
     call(channel, 1, 2)
     assert pool_of(listener).reused == 2
 

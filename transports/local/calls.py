@@ -22,7 +22,6 @@ from clusterwire.security import Security
 from clusterwire.thread_pool import serve_parking
 from clusterwire.transport import ConnectionFailed, Frame, HandshakeFailed
 from clusterwire.transports.local import unix, wire
-from clusterwire.transports.local.pool import ReplyPool
 from clusterwire.transports.local.probe import other_protocol
 from clusterwire.transports.local.segments import (
     check_descriptors,
@@ -49,7 +48,9 @@ class CallConnection:
         self._listener = listener
         self._lock = threading.Lock()  # one answer per call
         self._packet_limit = unix.packet_limit(sock)
-        self._pool = ReplyPool(listener.reply_pool_bytes)
+        self._process = unix.peer_process(sock)
+        self._pool = listener.pools.acquire(self._process)
+        self._pool_held = True  # until close() gives it back (under _lock)
         self.call_id = 0  # the call read last
         self.busy = False  # running a call (under the listener's lock)
         self._answered = True
@@ -110,8 +111,9 @@ class CallConnection:
                 response = listener.handler(Frame(control.header, buffers, peer=self.peer))
             finally:
                 listener.slots.release()
-            views, kinds, places, out = plan_buffers(response.buffers, listener.segment_bytes,
-                                                     self._pool.pack)
+            views, kinds, places, out = plan_buffers(
+                response.buffers, listener.segment_bytes,
+                lambda packed: self._pool.pack(packed, self))
             try:
                 return (wire.LAYOUT.encode((0, ident), response.header, views, kinds, places),
                         out, 0, "")
@@ -155,11 +157,15 @@ class CallConnection:
 
     def close(self) -> None:
         """Shut the connection down (wakes its thread); the listener forgets it, and its
-        reply segments are closed."""
+        client process's reply pool one user (once)."""
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self._listener.forget(self)
-        self._pool.close()
+        with self._lock:
+            held, self._pool_held = self._pool_held, False
+        if held:
+            self._pool.forget(self)
+            self._listener.pools.release(self._process, self._pool)
         if threading.current_thread() is self._thread:
             self.sock.close()
 
@@ -168,25 +174,13 @@ class ClientConnection:
     """A channel's call connection: used by one call at a time, idle in the channel's pool
     between calls."""
 
-    __slots__ = ("sock", "packet_limit", "idle_since", "receive_timeout", "released")
+    __slots__ = ("sock", "packet_limit", "idle_since", "receive_timeout")
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.packet_limit = unix.packet_limit(sock)
         self.idle_since = 0.0
         self.receive_timeout = 0.0  # SO_RCVTIMEO in seconds (0: none)
-        #: Inodes of the listener's reusable segments no longer mapped here, to name in a
-        #: RELEASE before the next call (appended by finalizers, from any thread).
-        self.released: deque[int] = deque()
-
-    def send_released(self, deadline: float | None) -> None:
-        """Tell the listener which of its reply segments this process released."""
-        if self.released:
-            inodes = []
-            with contextlib.suppress(IndexError):  # emptied by another thread meanwhile
-                while self.released:
-                    inodes.append(self.released.popleft())
-            unix.send_releases(self.sock, inodes, deadline)
 
     def arm(self, deadline: float | None) -> None:
         """Set the receive timeout so a wait for the answer returns by ``deadline`` (None:
@@ -226,6 +220,10 @@ class CallPool:
         self._closed = threading.Event()
         self._idle: list[ClientConnection] = []  # most recently used last
         self._open: set[ClientConnection] = set()  # idle and in use
+        #: Inodes of the listener's reply segments no longer mapped here, named in a RELEASE
+        #: before the next call on any connection (the listener keeps one pool for all of
+        #: this process's); appended by finalizers, from any thread.
+        self._released: deque[int] = deque()
 
     def after_fork(self) -> None:
         """In a forked child: forget the parent's call connections (closing only the
@@ -350,7 +348,7 @@ class CallPool:
                     self._put_back(connection)
                     raise
                 try:
-                    connection.send_released(deadline)
+                    self._send_released(connection, deadline)
                     unix.send_message(connection.sock, ident, message, fds,
                                       connection.packet_limit, deadline)
                     break
@@ -411,8 +409,17 @@ class CallPool:
             self._discard(connection)
             raise
         self._put_back(connection)
-        return Frame(control.header,
-                     received_buffers(control, fds, connection.released.append))
+        return Frame(control.header, received_buffers(control, fds, self._released.append))
+
+    def _send_released(self, connection: ClientConnection, deadline: float | None) -> None:
+        """Tell the listener (on ``connection``) which of its reply segments this process
+        released since the last call."""
+        if self._released:
+            inodes = []
+            with contextlib.suppress(IndexError):  # emptied by another thread meanwhile
+                while self._released:
+                    inodes.append(self._released.popleft())
+            unix.send_releases(connection.sock, inodes, deadline)
 
     def close(self) -> None:
         """Close every connection: calls waiting on one end with CancelledError."""

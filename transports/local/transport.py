@@ -29,8 +29,8 @@
 The wire format (both connection kinds) is described in ``wire``. Received buffers
 are read-only; ``.copy()`` an array to modify it. Options (plugins.toml
 ``[options."grpc+local"]``): ``segment_bytes`` (buffers from this size on travel as
-segments; default 64 KiB); ``reply_pool_bytes`` (the reusable reply segments a call
-connection keeps, ``pool``; default 64 MiB, 0: a fresh sealed segment for every reply).
+segments; default 64 KiB); ``reply_pool_bytes`` (the reusable reply segments kept for one
+client process, ``pool``; default 64 MiB, 0: a fresh sealed segment for every reply).
 
 Modules: this one holds the listener, the channel and the transport; ``calls`` the
 call connections (both ends); ``segments`` the data plane (which buffers travel in
@@ -73,7 +73,7 @@ from clusterwire.transport_options import OptionReader
 from clusterwire.transports._grpc_common.client import open_channel, token_metadata
 from clusterwire.transports._grpc_common.server import ControlServer
 from clusterwire.transports._grpc_common.status import grpc_error, status_code
-from clusterwire.transports.local import sealed, unix, wire
+from clusterwire.transports.local import pool, sealed, unix, wire
 from clusterwire.transports.local.calls import CallConnection, CallPool
 from clusterwire.transports.local.probe import other_protocol
 from clusterwire.transports.local.segments import (
@@ -134,6 +134,8 @@ class LocalListener(Listener):
         self._busy = 0  # call connections running a call
         self._draining = False  # stop() began: call connections take no new call
         self.slots = WorkSlots(options.max_workers)
+        #: The reply segments of each client process's call connections (``pool``).
+        self.pools = pool.PoolRegistry(transport.reply_pool_bytes)
         self.idle_timeout = options.message_idle_timeout_seconds
         self._max_connections = options.max_connections
         self._max_pending = max(options.max_pending_connections, 1)
@@ -168,10 +170,6 @@ class LocalListener(Listener):
     def segment_bytes(self) -> int:
         return self._transport.segment_bytes
 
-    @property
-    def reply_pool_bytes(self) -> int:
-        """The most bytes of reusable reply segments one call connection keeps."""
-        return self._transport.reply_pool_bytes
 
     def begin(self, connection: CallConnection) -> bool:
         """``connection`` starts running a call; False (not to run) once stopping."""
@@ -215,8 +213,12 @@ class LocalListener(Listener):
             selector.register(self._unix, selectors.EVENT_READ)
             try:
                 while not self._stopped.is_set():
-                    deadline = pending.next_deadline()
-                    wait = None if deadline is None else max(deadline - time.monotonic(), 0)
+                    now = time.monotonic()
+                    # Idle pools are looked at every LINGER_S at least: a connection closing
+                    # (its pool going idle) does not wake this thread.
+                    deadlines = [d for d in (pending.next_deadline(), self.pools.expire(now))
+                                 if d is not None] + [now + pool.LINGER_S]
+                    wait = max(min(deadlines) - time.monotonic(), 0)
                     for key, _ in selector.select(wait):
                         if key.fileobj is self._unix:
                             self._accept_pending(selector, pending)
@@ -391,6 +393,7 @@ class LocalListener(Listener):
             peers, self._clients = list(self._connections), {}
         for peer in peers:
             peer.close()
+        self.pools.close()
 
     def _call(self, message: bytes, context: grpc.ServicerContext) -> bytes:
         # The control server's interceptor checked the token before the request was read.

@@ -82,6 +82,20 @@ def peer_uid(conn: socket.socket) -> int:
     return _UCRED.unpack(credentials)[1]
 
 
+def peer_process(conn: socket.socket) -> tuple[int, int] | None:
+    """The process at the other end of a Unix connection as (pid, start time in clock ticks
+    since boot), which no later process of a reused pid shares; None if it cannot be told
+    (its pid is not visible here, or it has exited)."""
+    pid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))[0]
+    if pid <= 0:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return pid, int(stat.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def peer_name(conn: socket.socket) -> str:
     """The peer of a Unix connection as grpc+local tells peers apart (``Frame.peer``, the
     pending and authenticated connections' fair shares): "uid:N" of its process's user."""
