@@ -288,16 +288,16 @@ class LocalListener(Listener):
         peer = SegmentPeer(conn, client_id, on_close=self.forget, peer=name)
         old = None
         with self._clients_lock:
-            admitted, displaced = self._connections.add(peer, name)
+            admitted, closing = self._add(peer, name)
             if admitted:
                 old = self._clients.get(client_id)
                 self._clients[client_id] = peer
                 self._clients_lock.notify_all()
         if not admitted:  # others were admitted since the check
             peer.close()
-        for closing in (displaced, old):
-            if closing is not None:
-                closing.close()
+        for connection in [*closing, old]:
+            if connection is not None:
+                connection.close()
 
     def _admit_calls(self, conn: socket.socket, token: bytes) -> None:
         """Admit a call connection that showed the token (answer READY and give it a thread),
@@ -312,13 +312,13 @@ class LocalListener(Listener):
         except errors.UnauthenticatedError as err:
             self._refuse(conn, errors.UNAUTHENTICATED, err.message)
             return
-        connection, displaced, peer = None, None, unix.peer_name(conn)
+        connection, closing, peer = None, [], unix.peer_name(conn)
         with self._clients_lock:
             if not self._stopped.is_set():
                 candidate = CallConnection(self, conn, peer)
-                admitted, displaced = self._connections.add(candidate, peer)
+                admitted, closing = self._add(candidate, peer)
                 connection = candidate if admitted else None
-        if displaced is not None:  # its call in flight, if any, fails: its client retries
+        for displaced in closing:  # its call in flight, if any, fails: its client retries
             displaced.close()
         if connection is None:
             self._refuse(conn, errors.RESOURCE_EXHAUSTED, self._full_message())
@@ -332,10 +332,34 @@ class LocalListener(Listener):
             return
         connection.start()
 
+    def _add(self, connection: SegmentPeer | CallConnection, peer: str
+             ) -> tuple[bool, list[SegmentPeer | CallConnection]]:
+        """Count ``connection`` of ``peer`` (under _clients_lock) after forgetting, when the
+        table is full, the connections whose clients have gone: whether it was counted, and
+        the connections the caller closes (gone, displaced)."""
+        closing = self._forget_hung_up()
+        admitted, displaced = self._connections.add(connection, peer)
+        return admitted, closing + ([displaced] if displaced is not None else [])
+
+    def _forget_hung_up(self) -> list[SegmentPeer | CallConnection]:
+        """When max_connections are counted, forget those whose client closed its end but
+        whose thread has not run since (a busy host), so that they do not count against a
+        new connection; the caller closes them. Under _clients_lock."""
+        if not self._connections.full():
+            return []
+        gone = [c for c in self._connections if unix.hung_up(c.sock)]
+        for connection in gone:
+            self._connections.discard(connection)
+        return gone
+
     def _admits(self, peer: str) -> bool:
         """Whether a connection of ``peer`` past its hello would be admitted now."""
         with self._clients_lock:
-            return self._connections.admits(peer)
+            closing = self._forget_hung_up()
+            admits = self._connections.admits(peer)
+        for connection in closing:
+            connection.close()
+        return admits
 
     def _full_message(self) -> str:
         return (f"The grpc+local server at {self._address} refused the connection: it holds "

@@ -109,6 +109,17 @@ def shutdown(sock: socket.socket) -> None:
     sock.close()
 
 
+def hung_up(sock: socket.socket) -> bool:
+    """Whether the peer of ``sock`` has closed its end (or ``sock`` is closed), at once: a
+    connection's own thread may not have run since on a busy host."""
+    poller = select.poll()
+    try:
+        poller.register(sock, select.POLLRDHUP)
+    except ValueError:  # closed here
+        return True
+    return any(events & (select.POLLHUP | select.POLLRDHUP) for _, events in poller.poll(0))
+
+
 def close_all(fds: Sequence[int]) -> None:
     """Close every descriptor of ``fds``."""
     for fd in fds:
