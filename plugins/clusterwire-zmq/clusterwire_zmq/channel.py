@@ -169,10 +169,28 @@ class _Link:
                 if self._cancelled.poll(0):
                     raise errors.CancelledError(
                         f"The zmq channel to {self.address} was closed.") from None
-                while readable(self.events):
-                    self._on_event(sent=True)
+                try:
+                    while readable(self.events):
+                        self._on_event(sent=True)
+                except errors.UnavailableError:
+                    # The reply may have been queued after the receive timed out and before
+                    # the loss was read (a server that answered, then stopped).
+                    reply = self._queued_reply(request_id)
+                    if reply is None:
+                        raise
+                    return reply
                 continue
             message = wire.decode(parts, _NO_LIMIT)
+            if message.request_id == request_id:
+                return message
+
+    def _queued_reply(self, request_id: int) -> wire.Message | None:
+        """The reply to ``request_id`` if libzmq holds it already (without waiting)."""
+        while True:
+            try:
+                message = wire.decode(recv_parts(self.sock, NOBLOCK), _NO_LIMIT)
+            except zmq.Again:
+                return None
             if message.request_id == request_id:
                 return message
 
