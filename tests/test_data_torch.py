@@ -28,7 +28,10 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from clusterwire.data.torch_dataset import ServiceDataset, to_torch  # noqa: E402
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = pytest.mark.timeout(300)
+# How long a DataLoader waits for a batch, its workers' start included: at a load of 30 on
+# 2 cores a spawned worker's imports alone took over 30 s.
+LOADER_TIMEOUT_S = 120
 LOCAL = "grpc+local" in get_plugin_manager().protocols()
 # A trainer whose loop runs in this process: pytest's process has used gRPC (other tests), so
 # its loader workers start from a fork server (the module docstring's rule). The default fork
@@ -45,7 +48,7 @@ from clusterwire.data.torch_dataset import ServiceDataset
 
 dataset = ServiceDataset(data.Dataset.range(300), "distributed_epoch", sys.argv[1])
 for epoch in range(3):
-    loader = DataLoader(dataset, batch_size=None, num_workers=2, in_order=False, timeout=30)
+    loader = DataLoader(dataset, batch_size=None, num_workers=2, in_order=False, timeout=120)
     got = sorted(int(x) for x in loader)
     assert got == list(range(300)), (epoch, len(got), len(set(got)))
 print("every element once in 3 epochs")
@@ -202,7 +205,7 @@ def test_a_trainer_process_forks_its_loader_workers_every_element_once(service, 
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER)
     done = subprocess.run([sys.executable, str(script), service.target], capture_output=True,
-                          text=True, timeout=80)
+                          text=True, timeout=240)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "every element once in 3 epochs"
 
@@ -211,7 +214,7 @@ def test_a_trainer_process_forks_its_loader_workers_every_element_once(service, 
 def test_loader_workers_share_a_distributed_epoch_every_element_once(service, persistent):
     ds = ServiceDataset(data.Dataset.range(200), "distributed_epoch", service.target)
     loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=persistent,
-                        in_order=False, multiprocessing_context=CONTEXT, timeout=30)
+                        in_order=False, multiprocessing_context=CONTEXT, timeout=LOADER_TIMEOUT_S)
     for _epoch in range(2):
         got = [int(x) for x in loader]
         assert sorted(got) == list(range(200))
@@ -220,7 +223,7 @@ def test_loader_workers_share_a_distributed_epoch_every_element_once(service, pe
 def test_loader_workers_share_a_parallel_epochs_job(service):
     ds = ServiceDataset(data.Dataset.range(50), "parallel_epochs", service.target)
     got = [int(x) for x in DataLoader(ds, batch_size=None, num_workers=2,
-                                      multiprocessing_context=CONTEXT, timeout=30)]
+                                      multiprocessing_context=CONTEXT, timeout=LOADER_TIMEOUT_S)]
     assert sorted(got) == sorted(list(range(50)) * 2)  # each service worker's epoch once
 
 
@@ -229,7 +232,7 @@ def test_loader_batches_with_default_collate(service):
         (np.arange(40, dtype=np.float32).reshape(20, 2), np.arange(20))),
         "distributed_epoch", service.target)
     batches = list(DataLoader(ds, batch_size=4, num_workers=2, in_order=False,
-                              multiprocessing_context=CONTEXT, timeout=30))
+                              multiprocessing_context=CONTEXT, timeout=LOADER_TIMEOUT_S))
     # batches are made per loader worker: each worker's last one may be short
     assert all(1 <= len(labels) <= 4 and features.shape == (len(labels), 2)
                for features, labels in batches)
@@ -248,7 +251,7 @@ def test_round_robin_consumers_map_to_loader_workers(service):
                             service.target, job_name="torch-rr", consumer_index=index,
                             num_consumers=2)
         loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context=CONTEXT,
-                            timeout=30, generator=torch.Generator().manual_seed(7))
+                            timeout=LOADER_TIMEOUT_S, generator=torch.Generator().manual_seed(7))
         taken = []
         for x in loader:
             taken.append(int(x))
@@ -298,7 +301,7 @@ def test_loader_workers_forked_from_a_process_running_servers_say_to_spawn(
         next(iter(ds))
     monkeypatch.undo()
     spawned = DataLoader(ds, batch_size=None, num_workers=2, in_order=False,
-                         multiprocessing_context="spawn", timeout=30)
+                         multiprocessing_context="spawn", timeout=LOADER_TIMEOUT_S)
     assert sorted(int(x) for x in spawned) == list(range(20))
 
 
@@ -320,7 +323,7 @@ def stateful_loader(dataset, **kwargs):
     module = pytest.importorskip("torchdata.stateful_dataloader",
                                  reason="torchdata is not installed (CI installs it)")
     if kwargs.get("num_workers"):
-        kwargs["timeout"] = 30
+        kwargs["timeout"] = LOADER_TIMEOUT_S
     return module.StatefulDataLoader(dataset, **kwargs)
 
 
