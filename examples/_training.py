@@ -1,4 +1,4 @@
-"""What the two training examples share: the synthetic task and the verdict."""
+"""What the training examples share: the synthetic task and the verdict."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ SAMPLES, FEATURES, CLASSES, BATCH = 16384, 32, 4, 256
 LOSS_FACTOR = 5
 
 
-def synthetic_task() -> tuple[np.ndarray, np.ndarray]:
-    """Features and the labels a random linear teacher gives them (seeded)."""
+def synthetic_task(samples: int = SAMPLES) -> tuple[np.ndarray, np.ndarray]:
+    """``samples`` features and the labels a random linear teacher gives them (seeded)."""
     rng = np.random.default_rng(0)
-    features = rng.standard_normal((SAMPLES, FEATURES), np.float32)
+    features = rng.standard_normal((samples, FEATURES), np.float32)
     teacher = rng.standard_normal((FEATURES, CLASSES), np.float32)
     return features, np.argmax(features @ teacher, axis=1)
 

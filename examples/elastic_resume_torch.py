@@ -2,7 +2,7 @@
 
     pip install torch --index-url https://download.pytorch.org/whl/cpu   # the CPU build
     pip install 'clusterwire[torch]'                                      # and torchdata
-    python examples/elastic_resume_torch.py [--samples 4096] [--steps-before-kill 8]
+    python examples/elastic_resume_torch.py [--samples 16384] [--steps-before-kill 8]
 
 What it shows: a fault-tolerant dispatcher (its journal in a temporary work dir) and two
 data workers start as processes on 127.0.0.1. Two trainer ranks (``torch.distributed``,
@@ -15,7 +15,9 @@ with ``all_gather_object``, goes into one checkpoint with the model. They train
 workers); the dispatcher is SIGKILLed too and restarted on the same address and work dir.
 Three ranks of one loader worker each then resume from the checkpoint
 (``merge_loader_states(states, num_workers=1)``: the 4 old consumers' positions merged into
-one that any number of new consumers share) and train to the end of the epoch.
+one that any number of new consumers share) and train to the end of the epoch. The first
+run's loaders are in order, for exact checkpoints, which is why the epoch has at least 16384
+samples (``MIN_SPLIT_BATCHES``); the resumed ranks read ahead (``ReadAhead``).
 
 The verdict line checks that every sample of the epoch was trained on exactly once over the
 run: those trained up to the checkpoint by the first run, and all of the resumed run's (what
@@ -45,19 +47,29 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from _training import CLASSES, FEATURES, SAMPLES, synthetic_task
+from _training import CLASSES, FEATURES, synthetic_task
 from torch.nn.parallel import DistributedDataParallel
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from clusterwire import data
 from clusterwire.data import worker_auth
 from clusterwire.data.cli import await_ready
+from clusterwire.data.splits import SPLITS_PER_WORKER
 from clusterwire.data.torch_dataset import ServiceDataset, merge_loader_states
 from clusterwire.plugins import get_plugin_manager
 
-BATCH = 32
+BATCH = 16
+DATA_WORKERS = 2
 OLD_RANKS, OLD_LOADER_WORKERS = 2, 2
 NEW_RANKS, NEW_LOADER_WORKERS = 3, 1
+#: The first run's loaders are in order (their checkpoints exact), and an in-order loader
+#: waits for each of its loader workers in turn: none may find every split of the job held
+#: by the others. The service cuts an epoch into 8 splits per worker (``SPLITS_PER_WORKER``)
+#: and each of the 4 consumers holds up to 4 at once (2 per worker), so no split may end in
+#: the first run: a split holds at least MIN_SPLIT_BATCHES, more than a consumer reads ahead
+#: of its loader (16 and the loader's prefetch) plus the MAX_FIRST_STEPS it trains.
+MIN_SPLIT_BATCHES, MAX_FIRST_STEPS = 64, 32
+MIN_SAMPLES = DATA_WORKERS * SPLITS_PER_WORKER * MIN_SPLIT_BATCHES * BATCH
 #: The ranks' loaders seed their iterators alike: the job their loader workers share is
 #: named by that seed (see ``clusterwire.data.torch_dataset``).
 LOADER_SEED = 1234
@@ -364,10 +376,9 @@ class Ranks:
 
 
 def orchestrate(args: argparse.Namespace) -> int:
-    ids = np.arange(args.samples)
-    features, labels = synthetic_task()
+    features, labels = synthetic_task(args.samples)
     pipeline = data.Dataset.from_tensor_slices(
-        (ids, features[:args.samples], labels[:args.samples])).batch(BATCH)
+        (np.arange(args.samples), features, labels)).batch(BATCH)
     processes = Processes()
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
@@ -378,12 +389,13 @@ def orchestrate(args: argparse.Namespace) -> int:
             port = int(address.rsplit(":", 1)[1])
             transfer = [] if args.protocol == "grpc" else [
                 "--data-transfer-protocol", args.protocol]
-            for _ in range(2):
+            for _ in range(DATA_WORKERS):
                 run.server("worker", "--dispatcher-address", address, "--port", "0",
                            "--worker-address", "127.0.0.1:%port%",
                            "--heartbeat-interval-ms", "200", *transfer)
             dataset_id = data.register_dataset(target, pipeline)
-            print(f"dispatcher {target} (fault-tolerant) and 2 workers up; {args.samples} "
+            print(f"dispatcher {target} (fault-tolerant) and {DATA_WORKERS} workers up; "
+                  f"{args.samples} "
                   f"samples in batches of {BATCH}, elements over {args.protocol}", flush=True)
 
             old = run.ranks("first", OLD_RANKS, target, dataset_id)
@@ -435,8 +447,8 @@ def verdict(args: argparse.Namespace, before: list[int], after: list[int]) -> in
 def main() -> int:
     protocols = get_plugin_manager().protocols()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=4096,
-                        help=f"samples in the epoch (at most {SAMPLES}; default 4096)")
+    parser.add_argument("--samples", type=int, default=MIN_SAMPLES,
+                        help=f"samples in the epoch (at least {MIN_SAMPLES}, the default)")
     parser.add_argument("--steps-before-kill", type=int, default=8,
                         help="steps the first run trains before its checkpoint (default 8)")
     parser.add_argument("--steps-after-checkpoint", type=int, default=3,
@@ -457,15 +469,16 @@ def main() -> int:
         torch.set_num_threads(1)  # a model this small: the cores go to the servers
         run = first_run if args.phase == "first" else resumed_run
         return run(args, args.rank)
-    first_steps = OLD_RANKS * (args.steps_before_kill + args.steps_after_checkpoint)
-    # The first run must not reach the epoch's end: its ranks would wait for each other.
-    if not 0 < args.samples <= SAMPLES or first_steps * BATCH > args.samples // 2:
-        parser.error(f"--samples must be at most {SAMPLES} and at least twice the "
-                     f"{first_steps * BATCH} samples the first run reads "
-                     f"({OLD_RANKS} ranks x (--steps-before-kill + --steps-after-checkpoint) "
-                     f"x {BATCH}), got {args.samples}")
-    if args.steps_before_kill < 1 or args.steps_after_checkpoint < 1:
-        parser.error("--steps-before-kill and --steps-after-checkpoint must be at least 1")
+    if args.samples < MIN_SAMPLES:
+        parser.error(f"--samples must be at least {MIN_SAMPLES} ({MIN_SPLIT_BATCHES} batches of "
+                     f"{BATCH} in each of the epoch's splits), got {args.samples}")
+    first_steps = args.steps_before_kill + args.steps_after_checkpoint
+    if min(args.steps_before_kill, args.steps_after_checkpoint) < 1 \
+            or first_steps > MAX_FIRST_STEPS:
+        parser.error(f"--steps-before-kill and --steps-after-checkpoint must be at least 1 "
+                     f"and at most {MAX_FIRST_STEPS} together (the first run must not end a "
+                     f"split), got {args.steps_before_kill} and "
+                     f"{args.steps_after_checkpoint}")
     return orchestrate(args)
 
 

@@ -58,9 +58,9 @@ def test_the_example_resumes_on_another_world_size_with_every_sample_once():
     assert process.returncode == 0, out + err[-3000:]
     lines = out.splitlines()
     assert lines[-1] == (
-        "verdict: OK: every one of the 4096 samples trained on exactly once: 512 by 2 ranks "
-        "x 2 loader workers up to the checkpoint, 3584 by 3 ranks x 1 loader worker after "
-        "the SIGKILLs and the dispatcher's restart (the 192 the killed ranks trained on "
+        "verdict: OK: every one of the 16384 samples trained on exactly once: 256 by 2 ranks "
+        "x 2 loader workers up to the checkpoint, 16128 by 3 ranks x 1 loader worker after "
+        "the SIGKILLs and the dispatcher's restart (the 96 the killed ranks trained on "
         "after the checkpoint were trained on again)"), out
     events = [line for line in lines if not line.startswith("rank ")]
     assert events[1] == ("SIGKILLed 2 ranks (with their loader workers) and the dispatcher")
@@ -71,7 +71,19 @@ def test_the_example_resumes_on_another_world_size_with_every_sample_once():
     assert len(checkpoints) == len(past) == 2, out
     resumed = [re.match(r"rank (\d): resumed, (\d+) batches", line) for line in lines]
     shares = {int(m[1]): int(m[2]) for m in resumed if m}
-    assert sorted(shares) == [0, 1, 2] and sum(shares.values()) == 3584 // 32, out
+    assert sorted(shares) == [0, 1, 2] and sum(shares.values()) == 16128 // 16, out
+
+
+def test_options_that_would_let_a_loader_worker_starve_are_refused():
+    """The first run's in-order loaders need every split to outlast it (see the example)."""
+    for options, message in (
+            (["--samples", "16000"], "--samples must be at least 16384 (64 batches of 16"),
+            (["--steps-before-kill", "30", "--steps-after-checkpoint", "3"],
+             "at most 32 together (the first run must not end a split), got 30 and 3"),
+            (["--steps-after-checkpoint", "0"], "must be at least 1")):
+        done = subprocess.run([sys.executable, SCRIPT, *options], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
 def test_the_verdict_fails_a_lost_or_repeated_sample(capsys):
