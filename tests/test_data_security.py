@@ -16,6 +16,7 @@ import cw_data_functions as fns
 import numpy as np
 import pytest
 from conftest import tampered
+from cw_data_procs import ServerProcess
 
 from clusterwire import data, errors
 from clusterwire.data.permissions import WorkerPermissions
@@ -36,15 +37,20 @@ from clusterwire.testing.load import process_usage
 TOKEN = "data-service-test-token-0123456789"
 
 
-@pytest.fixture
-def service(processes, tmp_path):
-    """A dispatcher and a worker process; the worker may read under tmp_path/allowed only."""
-    allowed = tmp_path / "allowed"
-    allowed.mkdir()
-    dispatcher = processes("dispatcher")
-    processes("worker", "--dispatcher-address", dispatcher.address,
-              "--import", "cw_data_functions", "--readable-dir", str(allowed))
-    return dispatcher, allowed
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    """A dispatcher and a worker process shared by the module's tests, which only read
+    through them; the worker may read under ``allowed`` (a directory of its own) only."""
+    allowed = tmp_path_factory.mktemp("allowed")
+    servers = [ServerProcess("dispatcher")]
+    try:
+        servers.append(ServerProcess("worker", "--dispatcher-address", servers[0].address,
+                                     "--import", "cw_data_functions",
+                                     "--readable-dir", str(allowed)))
+        yield servers[0], allowed
+    finally:
+        for server in servers:
+            server.close()
 
 
 def read(dataset, target, **kwargs):
