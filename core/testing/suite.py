@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -81,12 +82,8 @@ class _Peer:
         self.address = line[len(READY_PREFIX):].strip()
 
     def wait_for(self, text: str, timeout: float) -> None:
-        lines: list[str] = []
-        reader = threading.Thread(target=lambda: lines.append(self.proc.stdout.readline()),
-                                  daemon=True)
-        reader.start()
-        reader.join(timeout)
-        assert lines and lines[0].strip() == text, f"peer did not say {text!r}"
+        line = _line_within(self.proc.stdout, timeout)
+        assert line is not None and line.strip() == text, f"peer did not say {text!r}"
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -94,6 +91,22 @@ class _Peer:
         self.proc.wait(30)
         for stream in (self.proc.stdin, self.proc.stdout):
             stream.close()
+
+
+def _line_within(stream, timeout: float) -> str | None:
+    """The next line of a child's ``stream``, or None if none came within ``timeout``
+    seconds. The reading thread may outlive this call: closing the stream under it later
+    ends it quietly (an exception on it would fail whatever test runs then)."""
+    lines: list[str] = []
+
+    def read() -> None:
+        with contextlib.suppress(OSError, ValueError):  # closed by the test's cleanup
+            lines.append(stream.readline())
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    return lines[0] if lines else None
 
 
 def _call_in_background(channel: Channel, frame: Frame,
@@ -220,13 +233,9 @@ class _TokenHolder:
             raise
 
     def _line(self, timeout: float) -> str:
-        lines: list[str] = []
-        reader = threading.Thread(target=lambda: lines.append(self.proc.stdout.readline()),
-                                  daemon=True)
-        reader.start()
-        reader.join(timeout)
-        assert lines, f"the token holder said nothing within {timeout} s"
-        return lines[0].strip()
+        line = _line_within(self.proc.stdout, timeout)
+        assert line is not None, f"the token holder said nothing within {timeout} s"
+        return line.strip()
 
     def call(self) -> float:
         """Seconds a fresh channel's 8-byte call took (connecting included)."""
