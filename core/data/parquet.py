@@ -29,6 +29,9 @@ from clusterwire.errors import (
     OutOfRangeError,
 )
 
+#: Rows decoded at once when an element is one row.
+_ROWS_PER_BATCH = 65536
+
 
 def _pyarrow() -> tuple[Any, Any]:
     try:
@@ -133,8 +136,7 @@ class ParquetReader:
                 f"Parquet file {self._path!r} has {count} row groups; row groups "
                 f"[{start}, {stop}) are out of range.")
         for index in range(start, stop):
-            table = self._row_group(index)
-            for batch in table.to_batches(max_chunksize=self._batch_rows):
+            for batch in self._batches(index):
                 yield from self._elements(batch)
 
     def take(self, group: int, rows: np.ndarray) -> Iterator[dict[str, Any]]:
@@ -143,6 +145,26 @@ class ParquetReader:
         pa, _ = _pyarrow()
         for batch in self._row_group(group).take(pa.array(rows)).to_batches():
             yield from self._elements(batch)
+
+    def _batches(self, index: int) -> Iterator[Any]:
+        """Row group ``index`` in record batches of ``batch_rows`` rows (of
+        ``_ROWS_PER_BATCH`` for one row per element), each decoded into memory of its own:
+        an element keeps its batch alive, not its whole row group (a worker keeps a finished
+        split's last elements for a retry a while), and the first one comes after one
+        batch's decode. DataLossError as ``_row_group``."""
+        pa, _ = _pyarrow()
+        batches = self._parquet.iter_batches(batch_size=self._batch_rows or _ROWS_PER_BATCH,
+                                             row_groups=[index], columns=self.columns)
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except (OSError, pa.ArrowException) as error:
+                raise DataLossError(
+                    f"Parquet file {self._path!r}: row group {index} cannot be read: "
+                    f"{error}") from None
+            yield batch
 
     def _row_group(self, index: int) -> Any:
         """Row group ``index`` as a pyarrow Table of ``columns``; DataLossError naming the
