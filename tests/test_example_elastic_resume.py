@@ -30,6 +30,22 @@ def _torch():
             pytest.skip(f"{library} is not installed ({install.TORCH})")
 
 
+def left_running(port: str) -> list[str]:
+    """The command lines of processes still running that the run started: its ranks and
+    their loader workers (``--target`` the dispatcher), its workers and its dispatcher."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as file:
+                argv = file.read().decode(errors="replace").split("\0")
+        except OSError:  # ended meanwhile
+            continue
+        line = " ".join(argv)
+        if f"127.0.0.1:{port}" in line or ("dispatcher" in argv and f"--port {port}" in line):
+            found.append(line)
+    return found
+
+
 def example_module():
     """The example imported (its helpers import ``_training`` from its folder)."""
     sys.path.insert(0, EXAMPLES)
@@ -64,8 +80,9 @@ def test_the_example_resumes_on_another_world_size_with_every_sample_once():
         "after the checkpoint were trained on again)"), out
     events = [line for line in lines if not line.startswith("rank ")]
     assert events[1] == ("SIGKILLed 2 ranks (with their loader workers) and the dispatcher")
-    address = re.match(r"dispatcher (grpc://127\.0\.0\.1:\d+) \(fault-tolerant\)", events[0])
+    address = re.match(r"dispatcher (grpc://127\.0\.0\.1:(\d+)) \(fault-tolerant\)", events[0])
     assert address and events[2].startswith(f"dispatcher restarted at {address[1]};"), events
+    assert left_running(address[2]) == []
     checkpoints = [line for line in lines if "checkpoint at step 8" in line]
     past = [line for line in lines if "step 11, past the checkpoint" in line]
     assert len(checkpoints) == len(past) == 2, out
