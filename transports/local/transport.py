@@ -35,7 +35,8 @@ client process, ``pool``; default 64 MiB, 0: a fresh sealed segment for every re
 Modules: this one holds the listener, the channel and the transport; ``calls`` the
 call connections (both ends); ``segments`` the data plane (which buffers travel in
 segments, the received buffers, segment connections); ``unix`` the Unix socket
-helpers; ``sealed`` the memfd segments; ``wire`` the message layouts.
+helpers; ``sealed`` the memfd segments; ``pool`` the reply segments a listener reuses
+for each client process; ``wire`` the message layouts.
 """
 
 from __future__ import annotations
