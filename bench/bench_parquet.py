@@ -217,7 +217,8 @@ def _local(folder: str, args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", default="local,service")
+    parser.add_argument("--parts", default="local,service",
+                        help="comma-separated: local (the reader alone), service (the target)")
     parser.add_argument("--rows", type=int, default=8_000_000)
     parser.add_argument("--row-group-rows", type=int, default=1_000_000)
     parser.add_argument("--batch-rows", type=int, default=65536)
@@ -227,6 +228,8 @@ def main() -> None:
     print(f"machine: {cpu_model()}, {os.cpu_count()} cpus; pyarrow {pa.__version__}; "
           f"{time.strftime('%Y-%m-%d %H:%M %Z')}")
     parts = set(args.parts.split(","))
+    if not parts <= {"local", "service"}:
+        parser.error(f"--parts takes local and/or service, got {args.parts!r}")
     with tempfile.TemporaryDirectory() as folder:
         if "local" in parts:
             _local(folder, args)
