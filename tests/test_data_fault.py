@@ -269,7 +269,7 @@ def test_distributed_epoch_waits_out_a_stalled_worker_and_uses_it_again(processe
 
     The victim is resumed once its reads timed out, and the other worker is held from then
     until the victim reads a split again: splits are left for it however fast the other
-    worker reads (on a busy machine it used to finish them all first)."""
+    worker reads (with a fixed stall, the other worker could read them all first)."""
     monkeypatch.setattr(reader, "_READ_WAIT_S", 0.2)
     monkeypatch.setattr(reader, "_READ_TIMEOUT_S", 2.0)
     dispatcher = processes("dispatcher", "--port", "0")
