@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import signal
@@ -21,8 +22,22 @@ from clusterwire.transports.local import sealed, wire
 MiB = 1 << 20
 
 
-def shm_entries() -> set[str]:
-    return set(os.listdir("/dev/shm"))
+def shared_memory_of(pid: int | str = "self") -> list[str]:
+    """The shared-memory files process ``pid`` maps or holds open: named (/dev/shm/...) and
+    memfds ("/memfd:..."). A process's own, unlike /dev/shm's listing, which other work on
+    the machine changes."""
+    held = []
+    with open(f"/proc/{pid}/maps") as maps:
+        held += [fields[5] for fields in map(str.split, maps) if len(fields) == 6]
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile
+            held.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    return sorted(p for p in held if p.startswith(("/dev/shm/", "/memfd:")))
+
+
+def named_shared_memory(pids: list[int | str]) -> list[str]:
+    """The /dev/shm files the processes ``pids`` map or hold open."""
+    return [p for pid in pids for p in shared_memory_of(pid) if p.startswith("/dev/shm/")]
 
 
 def open_fds() -> int:
@@ -100,19 +115,22 @@ def test_mixed_small_and_large_values_cross_process(pair):
 
 
 def test_nothing_in_dev_shm_and_no_descriptor_leak(pair):
-    before_shm, before_fds = shm_entries(), open_fds()
+    pids = ["self", pair.process("a").pid, pair.process("b").pid]
+    before_fds = open_fds()
     with Session(pair.target("a")) as session:
         for i in range(20):
             session.put("leak", np.full(MiB, i, np.uint8), task="/job:b/task:0")
-            assert session.get("leak", task="/job:b/task:0")[0] == i
+            got = session.get("leak", task="/job:b/task:0")
+            assert got[0] == i
+            assert named_shared_memory(pids) == []  # segments are memfds: nothing named
+            del got
         session.delete("leak", task="/job:b/task:0")
     gc.collect()
-    assert shm_entries() == before_shm
     assert open_fds() <= before_fds + 1
 
 
 def test_segments_released_after_a_peer_is_killed():
-    before = shm_entries()
+    before = shared_memory_of()
     with LocalCluster({"a": 1, "b": 1}, protocol="grpc+local", env=child_env(),
                       config={"peer_timeout_seconds": 2}) as cluster:
         with Session(cluster.target("a")) as session:
@@ -126,7 +144,7 @@ def test_segments_released_after_a_peer_is_killed():
             assert held.sum() == 8 * MiB  # what we received stays valid
     del held
     gc.collect()
-    assert shm_entries() == before
+    assert shared_memory_of() == before
 
 
 def test_server_stop_releases_everything(server):
@@ -136,7 +154,7 @@ def test_server_stop_releases_everything(server):
     server.stop()
     gc.collect()
     assert open_fds() <= before
-    assert not any("clusterwire" in e for e in shm_entries())
+    assert named_shared_memory(["self"]) == []
 
 
 def rogue_connect(target: str) -> socket.socket:
