@@ -14,6 +14,19 @@ consumers read the epoch and however its splits were handed out.
   record (line, sample, row) ``r`` within the file, packed in one int
   ``f * FILE_STRIDE + r`` (``file_record`` unpacks it): at most ``MAX_FILES`` files of at
   most ``FILE_STRIDE`` records each.
+* ``interleave`` / ``flat_map`` over a dataset of file names (``list_files``, or
+  ``range`` / ``from_tensor_slices``), when the function returns a read of one file
+  (``TFRecordDataset``, ``from_files``, ``from_tar_shards`` or ``from_parquet`` of one name,
+  then only ops that keep an element one record: ``_RECORD_OPS``): ``f * FILE_STRIDE + r``
+  for record ``r`` of the Dataset the function returns for element ``f`` of the source,
+  ``f`` the index in the source's list (``list_files``' *sorted* list: its shuffle, like a
+  ``shuffle``, ``take``, ``skip``, ``shard``, ``repeat`` or ``prefetch`` of the names before
+  the read (``_NAME_OPS``), does not change it). So in distributed_epoch, where a split is
+  a file, the ids do not depend on which split went where. The function is called on the
+  source's first element where ids are checked (before anything is read, as TF traces it)
+  and on every element read: a Dataset of another kind (several files, a ``range``...) is
+  refused with an InvalidArgumentError naming it. A file read of the names
+  (``TFRecordDataset(list_files(...))``) may follow the same name ops.
 * ``batch`` / ``padded_batch``: the list of its rows' ids (a batch of batches: a list of lists).
 
 Through the other transformations an element keeps its id: ``map`` (the id of its input),
@@ -31,13 +44,15 @@ pipeline with ids (``tagged``) for a stream whose ``StreamSpec.element_ids`` is 
 consumer turns the ids into Python ints and lists (``public``).
 
 ``replay(dataset, ids)`` makes each element from its id alone: the source element of the
-id (read by index; a file is read up to the record), then the transformations that change
-an element's value (``map``; a batch stacks or pads its rows), so shuffles, splits and
-workers do not matter. ``filter`` and ``take_while`` are checked: an id they leave out is
-not in the epoch. Selection by position (``take``, ``skip``, ``shard``) is not replayed:
-an id it left out is not refused. Replay needs a pipeline whose functions are
-deterministic (a random augmentation must be seeded from its element); ``enumerate`` and
-``unbatch`` (whose values depend on what came before) are refused.
+id (read by index; a file is read up to the record; through ``interleave``/``flat_map`` the
+Dataset the function returns for name ``f`` of the source's list, read with ids up to the
+record), then the transformations that change an element's value (``map``; a batch stacks
+or pads its rows), so shuffles, splits and workers do not matter. ``filter`` and
+``take_while`` are checked: an id they leave out is not in the epoch. Selection by position
+(``take``, ``skip``, ``shard``) is not replayed: an id it left out is not refused. Replay
+needs a pipeline whose functions are deterministic (a random augmentation must be seeded
+from its element); ``enumerate`` and ``unbatch`` (whose values depend on what came before)
+are refused.
 """
 
 from __future__ import annotations
@@ -81,6 +96,15 @@ FILE_STRIDE = 1 << 40
 #: Files a file source may list for its ids (the packed id stays an int64).
 MAX_FILES = 1 << 23
 
+_ONE_FILE = ("a read of one file: TFRecordDataset, from_files, from_tar_shards or "
+             "from_parquet (without batch_rows) of one name, then only map, filter, "
+             "take_while, shuffle, take, skip, shard, prefetch or ignore_errors")
+_NESTED_WHY = (
+    "its elements come from the datasets its function returns; ids are defined where it "
+    "reads the names of list_files (or of range / from_tensor_slices) after only "
+    "shuffle, take, skip, shard, repeat or prefetch of them, its function returning "
+    + _ONE_FILE)
+
 # Transformations through which an id is not defined, and why.
 _UNDEFINED: dict[type, str] = {
     stateful.Scan: "its outputs combine the elements before them in its state",
@@ -90,13 +114,18 @@ _UNDEFINED: dict[type, str] = {
     batching.BucketBySequenceLength: "its batches are formed by length across the stream",
     batching.Rebatch: "its batches split and join the input's batches",
     nested.Concatenate: "its second dataset's elements have no ids of this source",
-    nested.FlatMap: "its elements come from the datasets its function returns",
-    nested.Interleave: ("its elements come from the datasets its function returns (read "
-                        "TFRecord files with TFRecordDataset(names, num_parallel_reads=N))"),
+    nested.FlatMap: _NESTED_WHY,
+    nested.Interleave: _NESTED_WHY,
 }
 _SOURCES_WITH_IDS = (
     "range, from_tensor_slices, global_shuffle of those, from_files, from_tar_shards, "
-    "from_parquet and TFRecordDataset on a list of file names")
+    "from_parquet, TFRecordDataset on a list of file names and interleave / flat_map of "
+    "list_files' names reading one file each")
+
+
+#: The Dataset calls that make the sources without a ``kind``.
+_PLAIN: dict[type, str] = {RangeSource: "range", SlicesSource: "from_tensor_slices",
+                           FilesSource: "from_files", GeneratorSource: "from_generator"}
 
 
 def _not_defined(what: str, why: str) -> InvalidArgumentError:
@@ -112,7 +141,7 @@ def _not_defined(what: str, why: str) -> InvalidArgumentError:
 
 def _name(op: Any) -> str:
     kind = getattr(op, "kind", None)
-    return kind if isinstance(kind, str) else type(op).__name__.lower()
+    return kind if isinstance(kind, str) else _PLAIN.get(type(op), type(op).__name__.lower())
 
 
 def file_record(element_id: int) -> tuple[int, int]:
@@ -304,6 +333,62 @@ def _numbered(element: Any, open_file: Callable[[Any], Iterator[Any]]) -> Iterat
 
 #: The reads of a dataset of file names whose records have ids (file, record).
 _FILE_READS = (formats.TFRecordRead, formats.TarShardRead)
+#: What reads the Datasets its function returns for a dataset of file names.
+_NESTED = (nested.Interleave, nested.FlatMap)
+#: What may come between a dataset of names and their read: ops that reorder or select
+#: whole names, so a name keeps its index in the source's list (its file's number).
+_NAME_OPS = (Shuffle, Take, Skip, stateful.Shard, Repeat, Prefetch)
+#: What may follow the read of one file in the Dataset an interleave's function returns:
+#: ops after which an element is still one record of the file, with its id.
+_RECORD_OPS = (Map, Filter, stateful.TakeWhile, Shuffle, Take, Skip, stateful.Shard, Prefetch,
+               stateful.IgnoreErrors)
+
+
+def _names_read(pipe: Pipeline) -> int | None:
+    """The index in ``pipe.ops`` of the read of the files its source names (a
+    ``_FILE_READS`` op, or an interleave / flat_map), if only ``_NAME_OPS`` come before it
+    and the source is a list (``range``, ``from_tensor_slices``, ``list_files``)."""
+    source = pipe.source
+    if not isinstance(source, (RangeSource, SlicesSource)) or \
+            isinstance(source, (formats.RowGroupsSource, formats.RecordBlocksSource)):
+        return None
+    index = next((i for i, op in enumerate(pipe.ops) if not isinstance(op, _NAME_OPS)),
+                 len(pipe.ops))
+    if index < len(pipe.ops) and isinstance(pipe.ops[index], (*_FILE_READS, *_NESTED)):
+        return index
+    return None
+
+
+def _returned(op: nested.Interleave | nested.FlatMap, element: Any) -> Pipeline:
+    """The pipeline ``op``'s function returns for ``element`` (on a worker: guarded),
+    checked to read one file: InvalidArgumentError naming what it is otherwise."""
+    pipe = nested.returned_pipeline(op.fn, call(op.fn, element), op.guard, "map_func")
+    odd = _not_one_file(pipe)
+    if odd is not None:
+        raise _not_defined(_name(op), f"its function returned {odd}, where ids need "
+                           + _ONE_FILE)
+    return pipe
+
+
+def _not_one_file(pipe: Pipeline) -> str | None:
+    """What ``pipe`` is, if not a read of one file followed by ``_RECORD_OPS`` only."""
+    source, ops = pipe.source, pipe.ops
+    first = ops[0] if ops else None
+    if isinstance(source, FilesSource):
+        files, rest = len(source.paths), ops
+    elif isinstance(source, formats.FileNamesSource) and isinstance(first, _FILE_READS):
+        files, rest = source.units(), ops[1:]
+    elif isinstance(source, formats.RowGroupsSource) and \
+            isinstance(first, formats.ParquetRead):
+        if first.batch_rows is not None:
+            return "from_parquet with batch_rows (batches of rows)"
+        files, rest = len(np.unique(source.tensors[0])), ops[1:]
+    else:
+        return f"the source {_name(source)}" + (f" then {_name(first)}" if ops else "")
+    if files != 1:
+        return f"a read of {files} files"
+    odd = next((op for op in rest if not isinstance(op, _RECORD_OPS)), None)
+    return None if odd is None else f"a read of one file then {_name(odd)}"
 
 
 @dataclass(frozen=True)
@@ -325,6 +410,45 @@ class _TaggedRead(Op):
 
     def cardinality(self, upstream: int) -> int:
         return self.read.cardinality(upstream)
+
+
+@dataclass(frozen=True)
+class _Returned:
+    """What an interleave's function returns as a Dataset does: its ``pipeline``."""
+
+    pipeline: Pipeline
+
+
+@dataclass(frozen=True)
+class _InFile(Op):
+    """The ids of one file's records (numbered as file 0) as those of file ``base``."""
+
+    base: int
+
+    def wrap(self, upstream: Factory) -> Factory:
+        base = self.base
+        return lambda: ((np.int64(base + int(raw)), element) for raw, element in upstream())
+
+
+class _FileWithIds:
+    """The function of an interleave / flat_map of ``(id, name)`` pairs: the one-file read
+    the user's function returns for the name (checked: ``_returned``), its records with
+    ids ``id * FILE_STRIDE + record``."""
+
+    def __init__(self, op: nested.Interleave | nested.FlatMap):
+        self.op = op
+
+    def __call__(self, raw: Any, element: Any) -> _Returned:
+        base = _file_base(int(raw))
+        run = tagged(_returned(self.op, element))
+        return _Returned(Pipeline(run.source, (*run.ops, _InFile(base))))
+
+
+def _tag_read(op: Op) -> Op:
+    """The read of a dataset of ``(id, name)`` pairs (``_names_read``'s op), with ids."""
+    if isinstance(op, _NESTED):
+        return replace(op, fn=_FileWithIds(op), guard=None)
+    return _TaggedRead(op)  # type: ignore[arg-type]
 
 
 class _OnValue:
@@ -399,12 +523,20 @@ def _check_source(pipe: Pipeline) -> None:
                 "global_shuffle of a file read", "its records are numbered across files, "
                 "not by file and record")
         return
-    if isinstance(source, formats.FileNamesSource):
-        if not pipe.ops or not isinstance(pipe.ops[0], _FILE_READS):
-            what = _name(pipe.ops[0]) if pipe.ops else "a dataset of file names"
-            raise _not_defined(f"{what} of file names", "ids number the records of "
-                               "TFRecordDataset(names) and the samples of from_tar_shards")
+    index = _names_read(pipe)
+    if index is not None:
+        op = pipe.ops[index]
+        if source.units() > MAX_FILES:
+            _file_base(source.units() - 1)  # its error
+        if isinstance(op, _NESTED) and source.units():
+            _returned(op, next(iter(source.read(0, 1))))  # refused before anything is read
         return
+    if isinstance(source, formats.FileNamesSource):
+        op = next((op for op in pipe.ops if not isinstance(op, _NAME_OPS)), None)
+        what = _name(op) if op is not None else "a dataset"
+        raise _not_defined(f"{what} of file names", "ids number the records of "
+                           "TFRecordDataset(names), the samples of from_tar_shards and the "
+                           "records of an interleave / flat_map reading one file a name")
     if isinstance(source, formats.RowGroupsSource):
         if not pipe.ops or not isinstance(pipe.ops[0], formats.ParquetRead):
             what = _name(pipe.ops[0]) if pipe.ops else "a dataset of Parquet row groups"
@@ -448,10 +580,14 @@ def tagged(pipe: Pipeline) -> Pipeline:
     units, splits and element counts. InvalidArgumentError naming a source or
     transformation through which ids are not defined."""
     _check_source(pipe)
-    ops = list(pipe.ops)
-    if isinstance(pipe.source, (formats.FileNamesSource, formats.RowGroupsSource)):
-        ops[0] = _TaggedRead(ops[0])
-        return Pipeline(TaggedSource(pipe.source), (ops[0], *map(_tag_op, ops[1:])))
+    ops = pipe.ops
+    index = _names_read(pipe)
+    if index is not None:
+        return Pipeline(TaggedSource(pipe.source), (*ops[:index], _tag_read(ops[index]),
+                                                    *map(_tag_op, ops[index + 1:])))
+    if isinstance(pipe.source, formats.RowGroupsSource):
+        return Pipeline(TaggedSource(pipe.source), (_TaggedRead(ops[0]),
+                                                    *map(_tag_op, ops[1:])))
     return Pipeline(TaggedSource(pipe.source), tuple(_tag_op(op) for op in ops))
 
 
@@ -539,12 +675,20 @@ def _origin(pipe: Pipeline) -> tuple[_Origin, tuple[Op, ...]]:
                            np.asarray(ids, dtype=np.int64)), ops=ops),
                        f"the {count} elements global_shuffle reads from index {offset}"), \
             pipe.ops
-    if isinstance(source, formats.FileNamesSource):
-        read: formats.TFRecordRead | formats.TarShardRead = pipe.ops[0]  # type: ignore
-        names = source.tensors
-        return _files(len(names), lambda f: read._open(names[f])), pipe.ops[1:]
+    index = _names_read(pipe)
+    if index is not None:
+        op = pipe.ops[index]
+
+        def name(file: int) -> Any:
+            return next(source.gather(np.asarray([file], dtype=np.int64)))  # type: ignore
+        if isinstance(op, _NESTED):
+            return _files(source.units(), lambda f: (  # type: ignore[arg-type]
+                (int(raw), value) for raw, value in tagged(_returned(op, name(f))).run()),
+                by_fn=True), pipe.ops[index + 1:]
+        return _files(source.units(), lambda f: enumerate(op._open(name(f)))  # type: ignore
+                      ), pipe.ops[index + 1:]
     if isinstance(source, FilesSource):
-        return _files(len(source.paths), lambda f: source.read(f, f + 1)), pipe.ops
+        return _files(len(source.paths), lambda f: enumerate(source.read(f, f + 1))), pipe.ops
     if isinstance(source, formats.RowGroupsSource):
         return _parquet_rows(source, pipe.ops[0]), pipe.ops[1:]  # type: ignore[arg-type]
     units = source.units()
@@ -580,21 +724,29 @@ def _parquet_rows(source: formats.RowGroupsSource, read: formats.ParquetRead) ->
     return _Origin(valid, fetch, f"the rows of its {len(np.unique(source.tensors[0]))} files")
 
 
-def _files(count: int, records: Callable[[int], Iterator[Any]]) -> _Origin:
+def _files(count: int, records: Callable[[int], Iterator[tuple[int, Any]]],
+           by_fn: bool = False) -> _Origin:
+    """Records by id, ``records(file)`` yielding a file's ``(record, value)`` pairs (the
+    Dataset an interleave's function returned: ``by_fn``), read until the ids asked for
+    are found."""
     def fetch(ids: list[int]) -> Iterator[Any]:
         for file, group in itertools.groupby(ids, key=lambda i: i // FILE_STRIDE):
             wanted = [i % FILE_STRIDE for i in group]
             keep, found, read = set(wanted), {}, 0
-            for record, value in zip(range(wanted[-1] + 1), records(file), strict=False):
-                read = record + 1
+            for record, value in records(file):
+                read += 1
                 if record in keep:
                     found[record] = value
+                    if len(found) == len(keep):
+                        break
             for record in wanted:
                 if record not in found:
                     raise InvalidArgumentError(
                         f"Element id {file * FILE_STRIDE + record} is not in the epoch: "
-                        f"file {file} has {read} records, not {record + 1}. Pass ids "
-                        "a read of this dataset with element_ids yielded.")
+                        + (f"the Dataset map_func returned for file {file} gives {read} "
+                           f"records, none of them record {record}" if by_fn else
+                           f"file {file} has {read} records, not {record + 1}")
+                        + ". Pass ids a read of this dataset with element_ids yielded.")
                 yield found[record]
     return _Origin(lambda i: i // FILE_STRIDE < count, fetch,
                    f"the records of its {count} files")
