@@ -1,0 +1,97 @@
+"""A real etcd for the tests: Debian's etcd-server on free loopback ports, its own data dir."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ETCD = shutil.which("etcd")
+START_SECONDS = 30.0
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct loopback ports free right now (etcd cannot bind port 0)."""
+    probes = [socket.socket() for _ in range(count)]
+    try:
+        for probe in probes:
+            probe.bind(("127.0.0.1", 0))
+        return [probe.getsockname()[1] for probe in probes]
+    finally:
+        for probe in probes:
+            probe.close()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=1) as reply:
+            return json.loads(reply.read()).get("health") == "true"
+    except (OSError, ValueError):
+        return False
+
+
+def _start(data_dir: Path) -> tuple[subprocess.Popen, str] | None:
+    """etcd serving on two fresh ports; None if it exited (a port taken meanwhile)."""
+    client, peer = free_ports(2)
+    url, peer_url = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
+    process = subprocess.Popen(
+        [ETCD, "--name", "test", "--data-dir", str(data_dir),
+         "--listen-client-urls", url, "--advertise-client-urls", url,
+         "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+         "--initial-cluster", f"test={peer_url}", "--log-level", "error"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + START_SECONDS
+    while not _healthy(url):
+        if process.poll() is not None:
+            process.stderr.close()
+            return None
+        if time.monotonic() > deadline:
+            stop(process)
+            pytest.fail(f"etcd did not serve at {url} within {START_SECONDS} s")
+        time.sleep(0.05)
+    return process, url
+
+
+def stop(process: subprocess.Popen) -> None:
+    """End etcd: SIGTERM, then SIGKILL after 10 s."""
+    process.terminate()
+    try:
+        process.wait(10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(10)
+    if process.stderr:
+        process.stderr.close()
+
+
+@contextlib.contextmanager
+def running_etcd(data_dir: Path) -> Iterator[str]:
+    """A running etcd's client URL; stopped and its data dir removed afterwards. A port taken
+    between choosing and binding (etcd then exits) is retried once on new ports."""
+    if ETCD is None:
+        pytest.skip("etcd is not installed (apt-get install etcd-server)")
+    started = _start(data_dir) or _start(data_dir)
+    if started is None:
+        shutil.rmtree(data_dir, ignore_errors=True)
+        pytest.fail("etcd exited at start twice (ports taken?)")
+    process, url = started
+    try:
+        yield url
+    finally:
+        stop(process)
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module", name="etcd")
+def etcd_fixture(tmp_path_factory) -> Iterator[str]:
+    """The client URL of an etcd shared by the module's tests (each uses its own cluster)."""
+    with running_etcd(tmp_path_factory.mktemp("etcd") / "data") as url:
+        yield url
