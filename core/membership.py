@@ -503,6 +503,10 @@ class Membership:
                      "/job:%s/task:%d refused: %s", *self.me, *task, message)
 
 
+#: How often a resolver watch waiting on its resolver's wait_for_change checks for stop().
+_STOP_SLICE_SECONDS = 0.2
+
+
 class ResolverWatch:
     """Polls a cluster resolver and makes each change of its cluster a new membership
     version of a server (``Server.from_resolver(..., watch=seconds)``)."""
@@ -516,8 +520,23 @@ class ResolverWatch:
                                         name="clusterwire-resolver-watch")
         self._thread.start()
 
+    def _wait(self) -> bool:
+        """Wait until the next poll; True once stopped. A resolver with
+        ``wait_for_change(timeout)`` (one that watches its manager, as clusterwire-etcd's
+        does) ends the wait as soon as the cluster changes."""
+        wait_for_change = getattr(self._resolver, "wait_for_change", None)
+        if wait_for_change is None:
+            return self._stopped.wait(self._interval)
+        deadline = time.monotonic() + self._interval
+        # In slices, so that stop() does not wait for the resolver's wait to end.
+        while not self._stopped.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0 or wait_for_change(min(left, _STOP_SLICE_SECONDS)):
+                return False
+        return True
+
     def _poll(self) -> None:
-        while not self._stopped.wait(self._interval):
+        while not self._wait():
             try:
                 cluster = self._resolver.cluster_spec()
                 now = digest(cluster)
