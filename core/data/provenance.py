@@ -128,9 +128,14 @@ _PLAIN: dict[type, str] = {RangeSource: "range", SlicesSource: "from_tensor_slic
                            FilesSource: "from_files", GeneratorSource: "from_generator"}
 
 
+class ElementIdsUndefinedError(InvalidArgumentError):
+    """``element_ids`` are not defined through a transformation or source (an
+    InvalidArgumentError; ``ignore_errors`` does not leave it out)."""
+
+
 def _not_defined(what: str, why: str) -> InvalidArgumentError:
     """The error of a pipeline through which ``element_ids`` are not defined."""
-    return InvalidArgumentError(
+    return ElementIdsUndefinedError(
         f"element_ids (asked for with element_ids=True, or by a position's skip ids) are not "
         f"defined through {what}: {why}. Ids are defined for the "
         f"elements of {_SOURCES_WITH_IDS}, through map, filter, batch, padded_batch, "
@@ -509,7 +514,55 @@ class _TaggedPaddedBatch(Op):
         return self.op.cardinality(upstream)
 
 
-_SAME = (Batch, Shuffle, Take, Skip, Repeat, Prefetch, stateful.Shard, stateful.IgnoreErrors)
+class _PastIgnoreErrors(BaseException):
+    """An ``ElementIdsUndefinedError`` carried past ``ignore_errors``, which leaves out
+    Exceptions only: a file whose Dataset has no ids fails the read instead of leaving its
+    records out."""
+
+    def __init__(self, error: ElementIdsUndefinedError):
+        super().__init__(str(error))
+        self.error = error
+
+
+class _Refusals:
+    """``elements``, raising an ``ElementIdsUndefinedError`` as ``_PastIgnoreErrors``. An
+    iterator object, as ``ignore_errors``' input must be: it goes on after an ordinary
+    error."""
+
+    def __init__(self, elements: Iterator[Any]):
+        self._elements = elements
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._elements)
+        except ElementIdsUndefinedError as err:
+            raise _PastIgnoreErrors(err) from None
+
+
+@dataclass(frozen=True)
+class _TaggedIgnoreErrors(Op):
+    """``ignore_errors`` of ``(id, element)`` pairs: a refusal of ids is raised, not left out."""
+
+    op: stateful.IgnoreErrors
+
+    def wrap(self, upstream: Factory) -> Factory:
+        ignoring = self.op.wrap(lambda: _Refusals(upstream()))
+
+        def run() -> Iterator[Any]:
+            try:
+                yield from ignoring()
+            except _PastIgnoreErrors as carried:
+                raise carried.error from None
+        return run
+
+    def cardinality(self, upstream: int) -> int:
+        return self.op.cardinality(upstream)
+
+
+_SAME = (Batch, Shuffle, Take, Skip, Repeat, Prefetch, stateful.Shard)
 
 
 def _check_source(pipe: Pipeline) -> None:
@@ -564,6 +617,8 @@ def _tag_op(op: Op) -> Op:
         return _TaggedUnbatch()
     if isinstance(op, batching.PaddedBatch):
         return _TaggedPaddedBatch(op)
+    if isinstance(op, stateful.IgnoreErrors):
+        return _TaggedIgnoreErrors(op)
     if isinstance(op, stateful.Cache) and not op.filename:
         return op
     if isinstance(op, _SAME):
