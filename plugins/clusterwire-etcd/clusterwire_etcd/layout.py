@@ -10,13 +10,14 @@ from __future__ import annotations
 import ipaddress
 import re
 
-from clusterwire import errors
+from clusterwire import errors, membership
 from clusterwire.addressing import split_host_port
 
 #: The default key prefix; clusters are ``<prefix>/<cluster>/``.
 DEFAULT_PREFIX = "/clusterwire"
-#: The most tasks a cluster may have in etcd (more is ResourceExhaustedError).
-MAX_TASKS = 10_000
+#: The most tasks a cluster may have in etcd (more is ResourceExhaustedError): the most a
+#: membership view may hold.
+MAX_TASKS = membership.MAX_TASKS
 #: The longest key and value accepted from etcd.
 MAX_KEY_BYTES = 512
 MAX_VALUE_BYTES = 261  # a 255-character host name, ':' and a 5-digit port

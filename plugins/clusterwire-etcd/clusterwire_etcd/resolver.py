@@ -130,7 +130,12 @@ class EtcdClusterResolver(OwnTaskResolver):
             try:
                 for message in self._gateway.stream("/v3/watch", request, self._sockets):
                     result = message.get("result", {})
-                    events = result.get("events") if isinstance(result, dict) else None
+                    if not isinstance(result, dict):
+                        continue
+                    if result.get("canceled"):  # e.g. compacted past ``start``: from now on
+                        start = 0
+                        break
+                    events = result.get("events")
                     if events:
                         with contextlib.suppress(KeyError, TypeError, ValueError):
                             start = int(result["header"]["revision"]) + 1

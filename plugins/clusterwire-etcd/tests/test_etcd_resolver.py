@@ -5,6 +5,7 @@ values and endpoints are refused with clear errors."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -13,7 +14,8 @@ import time
 
 import pytest
 from clusterwire_etcd import EtcdClusterResolver, EtcdRegistration
-from clusterwire_etcd.gateway import EtcdGateway, b64
+from clusterwire_etcd.gateway import EtcdGateway, b64, prefix_end
+from clusterwire_etcd.layout import MAX_TASKS
 from etcd_test_support import etcd_fixture, free_ports  # noqa: F401 (the "etcd" fixture)
 
 import clusterwire
@@ -181,6 +183,35 @@ def test_a_malformed_key_or_value_is_refused_naming_it(etcd, key, value, match):
         assert "etcdctl put/del" in str(caught.value)
     finally:
         EtcdGateway(etcd).call("/v3/kv/deleterange", {"key": b64(key)})
+
+
+def test_more_tasks_than_a_membership_holds_are_refused(etcd):
+    gateway = EtcdGateway(etcd)
+    for first in range(0, MAX_TASKS + 1, 128):  # etcd takes at most 128 operations a txn
+        gateway.call("/v3/kv/txn", {"success": [
+            {"request_put": {"key": b64(f"/clusterwire/many/worker/{i}"),
+                             "value": b64("127.0.0.1:1")}}
+            for i in range(first, min(first + 128, MAX_TASKS + 1))]})
+    try:
+        with pytest.raises(errors.ResourceExhaustedError,
+                           match=f"More than {MAX_TASKS} keys under /clusterwire/many/"):
+            EtcdClusterResolver(etcd, "many").cluster_spec()
+    finally:
+        key = b"/clusterwire/many/"
+        gateway.call("/v3/kv/deleterange", {"key": b64(key), "range_end": b64(prefix_end(key))})
+
+
+def test_the_cli_resolves_through_the_plugin(etcd):
+    put(etcd, "/clusterwire/cli/worker/0", "127.0.0.1:2222")
+    done = subprocess.run(
+        [sys.executable, "-m", "clusterwire", "resolve", "--resolver", "etcd",
+         "--resolver-arg", f"endpoint={etcd}", "--resolver-arg", "cluster=cli",
+         "--resolver-arg", "task_type=worker", "--resolver-arg", "task_id=0"],
+        capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout)
+    assert answer["cluster"] == {"worker": ["127.0.0.1:2222"]}
+    assert answer["master"] == "grpc://127.0.0.1:2222"
 
 
 def test_no_etcd_an_empty_prefix_and_bad_arguments_are_clear_errors(etcd):
