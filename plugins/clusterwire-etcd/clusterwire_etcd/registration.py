@@ -55,7 +55,12 @@ class EtcdRegistration:
             if self.lease is not None:
                 return self
             granted = self._gateway.call("/v3/lease/grant", {"TTL": self.ttl})
-            lease = int(granted["ID"])
+            try:
+                lease = int(granted["ID"])
+            except (KeyError, TypeError, ValueError):
+                raise errors.UnavailableError(
+                    f"etcd at {self._gateway.endpoint} granted no lease ({granted!r:.200}); "
+                    "is it etcd >= 3.4?") from None
             key = b64(self.key)
             put = self._gateway.call("/v3/kv/txn", {
                 "compare": [{"key": key, "target": "CREATE", "create_revision": "0"}],
@@ -107,7 +112,9 @@ class EtcdRegistration:
                 failing = str(err)
                 continue
             failing = ""
-            if not int(answer.get("result", {}).get("TTL", 0)):
+            result = answer.get("result")
+            left = str(result.get("TTL", "0")) if isinstance(result, dict) else "0"
+            if not left.isdigit() or not int(left):  # no TTL: the lease is gone
                 _LOG.error("clusterwire: the lease of %s expired (etcd was out of reach for "
                            "over %d s); the key is gone and this task is no longer registered.",
                            self.key, self.ttl)
