@@ -40,7 +40,8 @@ def value(element_id: int) -> bytes:
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    """part-{f}.tfrecord / .txt / .tar of COUNTS[f] records, lines or samples each."""
+    """part-{f}.tfrecord / .txt / .tar (/ .parquet with pyarrow) of COUNTS[f] records,
+    lines, samples (rows in row groups of 4) each."""
     root = tmp_path_factory.mktemp("provenance_files")
     for file, count in enumerate(COUNTS):
         with data.TFRecordWriter(str(root / f"part-{file}.tfrecord")) as writer:
@@ -54,6 +55,14 @@ def root(tmp_path_factory):
                 info = tarfile.TarInfo(f"s{sample:04d}.txt")
                 info.size = len(body)
                 tar.addfile(info, io.BytesIO(body))
+        try:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+        except ImportError:
+            continue
+        column = pa.array([f"{file}:{row}".encode() for row in range(count)], pa.binary())
+        pq.write_table(pa.table({"txt": column}), root / f"part-{file}.parquet",
+                       row_group_size=4)
     return root
 
 
@@ -81,6 +90,11 @@ def samples_of(name):
 @data.function
 def sample_text(sample):
     return sample["txt"]
+
+
+@data.function
+def rows_of(name):
+    return data.Dataset.from_parquet(name.decode()).map(sample_text)
 
 
 @data.function
@@ -162,8 +176,10 @@ def test_list_files_shuffle_does_not_change_ids(root, service):
 
 
 @pytest.mark.parametrize("reader,ext", [(records_of, "tfrecord"), (lines_of, "txt"),
-                                        (samples_of, "tar")])
+                                        (samples_of, "tar"), (rows_of, "parquet")])
 def test_flat_map_of_a_one_file_read_has_file_and_record_ids(root, service, reader, ext):
+    if ext == "parquet":
+        pytest.importorskip("pyarrow.parquet", reason="pip install 'clusterwire[parquet]'")
     def make():
         return data.Dataset.list_files(str(root / f"*.{ext}"), seed=5).flat_map(reader)
     pairs = read_job(service, make(), f"flat-map-{ext}")
