@@ -122,8 +122,10 @@ class EtcdClusterResolver(OwnTaskResolver):
 
     def _watch(self) -> None:
         key = self._prefix.encode()
+        # The next revision to hear of: a stream that breaks is reopened from there, so no
+        # change made while it was down is missed (0: from now on).
         start = self._revision + 1 if self._revision else 0
-        failing = ""
+        failing, reopened = "", False
         while not self._closed.is_set():
             request = {"create_request": {"key": b64(key), "range_end": b64(prefix_end(key)),
                                           **({"start_revision": start} if start else {})}}
@@ -135,11 +137,10 @@ class EtcdClusterResolver(OwnTaskResolver):
                     if result.get("canceled"):  # e.g. compacted past ``start``: from now on
                         start = 0
                         break
-                    events = result.get("events")
-                    if events:
-                        with contextlib.suppress(KeyError, TypeError, ValueError):
-                            start = int(result["header"]["revision"]) + 1
-                        self._notify()
+                    with contextlib.suppress(KeyError, TypeError, ValueError):
+                        start = int(result["header"]["revision"]) + 1
+                    if result.get("events") or (result.get("created") and reopened):
+                        self._notify()  # a reopened stream from now on may have missed some
                     if self._closed.is_set():
                         return
                 failing = ""
@@ -152,7 +153,8 @@ class EtcdClusterResolver(OwnTaskResolver):
                 failing = str(err)
             finally:
                 self._sockets.clear()
-            self._notify()  # what was missed while reconnecting is read afresh
+            reopened = True
+            self._notify()  # the caller reads afresh (and sees the outage, if it lasts)
             self._closed.wait(_RECONNECT_SECONDS)
 
     def _notify(self) -> None:

@@ -38,9 +38,11 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _start(data_dir: Path) -> tuple[subprocess.Popen, str] | None:
-    """etcd serving on two fresh ports; None if it exited (a port taken meanwhile)."""
-    client, peer = free_ports(2)
+def start(data_dir: Path, ports: tuple[int, int] | None = None
+          ) -> tuple[subprocess.Popen, str] | None:
+    """etcd serving on ``ports`` (client, peer; default: two free ones) with ``data_dir``;
+    None if it exited (a port taken meanwhile)."""
+    client, peer = ports or free_ports(2)
     url, peer_url = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
     process = subprocess.Popen(
         [ETCD, "--name", "test", "--data-dir", str(data_dir),
@@ -78,7 +80,7 @@ def running_etcd(data_dir: Path) -> Iterator[str]:
     between choosing and binding (etcd then exits) is retried once on new ports."""
     if ETCD is None:
         pytest.skip("etcd is not installed (apt-get install etcd-server)")
-    started = _start(data_dir) or _start(data_dir)
+    started = start(data_dir) or start(data_dir)
     if started is None:
         shutil.rmtree(data_dir, ignore_errors=True)
         pytest.fail("etcd exited at start twice (ports taken?)")

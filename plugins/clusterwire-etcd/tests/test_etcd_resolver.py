@@ -6,12 +6,14 @@ values and endpoints are refused with clear errors."""
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import time
 
+import etcd_test_support
 import pytest
 from clusterwire_etcd import EtcdClusterResolver, EtcdRegistration
 from clusterwire_etcd.gateway import EtcdGateway, b64, prefix_end
@@ -163,6 +165,32 @@ def test_wait_for_change_reports_a_join_and_a_leave(etcd):
             assert tasks(resolver) == {"worker": ["127.0.0.1:4000"]}
         assert resolver.wait_for_change(10) is True
         assert tasks(resolver) == {}
+
+
+def test_the_watch_reconnects_when_etcd_restarts(tmp_path):
+    if etcd_test_support.ETCD is None:
+        pytest.skip("etcd is not installed (apt-get install etcd-server)")
+    started = etcd_test_support.start(tmp_path / "data")
+    assert started, "etcd did not start"
+    process, url = started
+    ports = (int(url.rsplit(":", 1)[1]), free_ports(1)[0])
+    resolver = EtcdClusterResolver(url, "restart")
+    try:
+        assert resolver.wait_for_change(0.2) is False  # watching
+        etcd_test_support.stop(process)
+        assert resolver.wait_for_change(10) is True  # the stream ended: read afresh
+        with pytest.raises(errors.UnavailableError, match=f"No etcd answers at {url}"):
+            resolver.cluster_spec()
+        started = etcd_test_support.start(tmp_path / "data", ports)
+        assert started, "etcd did not restart on its client port"
+        process = started[0]
+        put(url, "/clusterwire/restart/worker/0", "127.0.0.1:4000")
+        until(lambda: resolver.wait_for_change(0.5) and tasks(resolver) == {
+            "worker": ["127.0.0.1:4000"]}, 15, "the watch to report the put after the restart")
+    finally:
+        resolver.close()
+        etcd_test_support.stop(process)
+        shutil.rmtree(tmp_path / "data", ignore_errors=True)
 
 
 @pytest.mark.parametrize("key, value, match", [
