@@ -20,7 +20,8 @@ class EtcdRegistration:
     deletes the key within ``ttl`` seconds.
 
     ``start()`` refuses (AlreadyExistsError naming the key and its holder) a key that
-    another registration holds, so two tasks never claim one index.
+    another registration holds, so two tasks never claim one index. A registration made
+    with ``for_server`` also ends (lease revoked) within ``ttl``/3 s of the server's stop.
     """
 
     def __init__(self, endpoint: str, cluster: str, job: str, index: int, address: str,
@@ -37,14 +38,17 @@ class EtcdRegistration:
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._server: Any = None  # the Server whose stop ends this registration
 
     @classmethod
     def for_server(cls, server: Any, endpoint: str, cluster: str, ttl: int = 10,
                    prefix: str = DEFAULT_PREFIX, timeout: float = 5.0) -> EtcdRegistration:
         """The registration of a running ``Server``'s task at the address it is bound to."""
         job, index = server.server_def.job_name, server.server_def.task_index
-        return cls(endpoint, cluster, job, index, server.cluster_spec.task_address(job, index),
-                   ttl, prefix, timeout)
+        registration = cls(endpoint, cluster, job, index,
+                           server.cluster_spec.task_address(job, index), ttl, prefix, timeout)
+        registration._server = server
+        return registration
 
     def start(self) -> EtcdRegistration:
         """Grant the lease, put the key under it and start the keep-alives; returns self."""
@@ -102,6 +106,9 @@ class EtcdRegistration:
         while not self._stopped.wait(self.ttl / 3):
             lease = self.lease
             if lease is None:
+                return
+            if self._server is not None and self._server.join(0):  # the task no longer serves
+                self.stop()
                 return
             try:
                 answer = self._gateway.call("/v3/lease/keepalive", {"ID": str(lease)})

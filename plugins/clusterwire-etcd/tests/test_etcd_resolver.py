@@ -84,6 +84,12 @@ def test_a_registered_task_appears_under_a_lease_and_leaves_on_stop(etcd):
             assert resolver.cluster_spec().as_dict() == {"worker": [address]}
         # stop() revokes the lease: the key is gone at once, not after the TTL.
         assert tasks(resolver) == {}
+        # A registration for a server ends when the server stops, within ttl/3.
+        registration = EtcdRegistration.for_server(server, etcd, "lease", ttl=3).start()
+        assert tasks(resolver) == {"worker": [address]}
+    gone = until(lambda: tasks(resolver) == {}, 10, "the stopped server's key to go")
+    assert gone < 3, f"key gone {gone:.1f} s after the server stopped (lease TTL 3 s)"
+    assert registration.lease is None
 
 
 TASK = textwrap.dedent("""
