@@ -73,8 +73,9 @@ class EtcdClusterResolver(OwnTaskResolver):
             "key": b64(key), "range_end": b64(prefix_end(key)), "limit": MAX_TASKS + 1})
         where = self.endpoint
         entries = answer.get("kvs", [])
-        if not isinstance(entries, list):
-            raise errors.InvalidArgumentError(f"etcd at {where}: 'kvs' is not a list.")
+        if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+            raise errors.InvalidArgumentError(
+                f"etcd at {where} answered a range without a list of keys; is it etcd?")
         if len(entries) > MAX_TASKS:
             raise errors.ResourceExhaustedError(
                 f"More than {MAX_TASKS} keys under {self._prefix} at {where}; a cluster "

@@ -5,12 +5,14 @@ values and endpoints are refused with clear errors."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import etcd_test_support
@@ -246,6 +248,39 @@ def test_the_cli_resolves_through_the_plugin(etcd):
     answer = json.loads(done.stdout)
     assert answer["cluster"] == {"worker": ["127.0.0.1:2222"]}
     assert answer["master"] == "grpc://127.0.0.1:2222"
+
+
+class NotEtcd(http.server.BaseHTTPRequestHandler):
+    """An HTTP server that is not etcd: a 404 page, or a JSON answer of another shape."""
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        self.rfile.read(int(self.headers["Content-Length"]))
+        status, body = ((200, b'{"kvs": "not a list"}') if self.path == "/v3/kv/range"
+                        else (404, b"<html>no such page</html>"))
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_an_http_server_that_is_not_etcd_is_named():
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotEtcd) as web:
+        serving = threading.Thread(target=web.serve_forever, daemon=True)
+        serving.start()
+        url = f"http://127.0.0.1:{web.server_address[1]}"
+        try:
+            with pytest.raises(errors.InvalidArgumentError,
+                               match=f"etcd at {url} answered a range without a list"):
+                EtcdClusterResolver(url, "c").cluster_spec()
+            with pytest.raises(errors.UnavailableError,
+                               match=f"{url}/v3/lease/grant answered HTTP 404 .*not as etcd"):
+                EtcdRegistration(url, "c", "worker", 0, "127.0.0.1:1").start()
+        finally:
+            web.shutdown()
+        serving.join(10)
 
 
 def test_no_etcd_an_empty_prefix_and_bad_arguments_are_clear_errors(etcd):
