@@ -341,12 +341,16 @@ def test_live_top_of_a_hostile_task_in_a_terminal(tmp_path):
 
 
 class BlackHoles:
-    """``count`` listening sockets on 127.0.0.1 that accept every connection and never
-    answer; ``connected`` counts the connections each address took."""
+    """``count`` listening sockets that accept every connection and never answer;
+    ``connected`` counts the connections each address took. On 127.0.0.77, where no other
+    test serves: a client of an earlier test still reconnecting to a 127.0.0.1 port would
+    otherwise count as top's when one of these took that port."""
+
+    HOST = "127.0.0.77"
 
     def __init__(self, count: int):
-        self._servers = [socket.create_server(("127.0.0.1", 0)) for _ in range(count)]
-        self.addresses = [f"127.0.0.1:{s.getsockname()[1]}" for s in self._servers]
+        self._servers = [socket.create_server((self.HOST, 0)) for _ in range(count)]
+        self.addresses = [f"{self.HOST}:{s.getsockname()[1]}" for s in self._servers]
         self.connected: dict[str, int] = {}
         self._held: list[socket.socket] = []
         self._selector = selectors.DefaultSelector()
