@@ -13,6 +13,7 @@ for another."""
 from __future__ import annotations
 
 import io
+import json
 import tarfile
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -253,3 +254,63 @@ def test_names_changed_before_the_read_are_refused(root):
     with pytest.raises(errors.InvalidArgumentError, match="not defined through interleave: "
                                                           "its elements come from"):
         data.Dataset.range(3).map(parse).interleave(records_of).with_element_ids()
+
+
+#: Records of the 16 files of the resume test: more files than the 3 consumers' read-ahead
+#: holds (2 splits per worker each; a consumer left without one would wait for splits the
+#: others keep in their saved positions), each of 8 batches or more.
+LONG_COUNTS = tuple(30 + file * 7 % 23 for file in range(16))
+
+
+@pytest.fixture(scope="module")
+def long_root(root):
+    """root/long/part-{ff}.tfrecord of LONG_COUNTS[f] records (under the readable dir),
+    sorted by name in file order."""
+    long = root / "long"
+    long.mkdir()
+    for file, count in enumerate(LONG_COUNTS):
+        with data.TFRecordWriter(str(long / f"part-{file:02d}.tfrecord")) as writer:
+            for record in range(count):
+                writer.write(f"{file}:{record}".encode())
+    return long
+
+
+def test_skip_ids_on_resume_mid_file(long_root, service):
+    """3 consumers read 3 batches each, save, read 1 more (the "spike"); 2 consumers resume
+    from the merged position with the spike's ids skipped: a saved split is resumed inside
+    its file, and every record but the skipped arrives once over the run, each its id's."""
+    source_ids = [f * STRIDE + r for f, count in enumerate(LONG_COUNTS) for r in range(count)]
+    dataset_id = data.register_dataset(service.target, pipeline(long_root, seed=21))
+
+    def consumer(state=None):
+        return iter(data.from_dataset_id("distributed_epoch", service.target, dataset_id,
+                                         job_name="skip-files", element_ids=True, state=state,
+                                         max_outstanding_requests=1))
+
+    def save(iterator):
+        try:
+            before = [next(iterator) for _ in range(3)]
+            state = json.loads(json.dumps(iterator.state_dict()))
+            return before, state, next(iterator)
+        finally:
+            iterator.close()
+
+    with ThreadPoolExecutor(3) as pool:
+        saved = [f.result(120) for f in [pool.submit(save, consumer()) for _ in range(3)]]
+    before = [pair for pairs, _, _ in saved for pair in pairs]
+    spike = [raw for _, _, (raw, _) in saved]
+    merged = data.merge_states([state for _, state, _ in saved], skip_ids=spike)
+    resumed = [consumer(merged) for _ in range(2)]
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            rest = [pair for read in [pool.submit(list, it) for it in resumed]
+                    for pair in read.result(120)]
+    finally:
+        for iterator in resumed:
+            iterator.close()
+    skipped = set(provenance.flatten(spike))
+    assert len(skipped) == sum(len(raw) for raw in spike) > 0
+    returned = before + rest
+    assert Counter(i for raw, _ in returned for i in raw) == \
+        Counter(i for i in source_ids if i not in skipped)
+    assert by_id(returned) == {i: value(i) + b"!" for i in source_ids if i not in skipped}
