@@ -5,10 +5,13 @@ Against a real in-process dispatcher with 2 workers on 127.0.0.1, 3 consumers of
 distributed_epoch job (a split is a file): the ids of the epoch are a permutation of the
 source ids ``file index in list_files' sorted list * 2**40 + record``, each element is the
 value its id names, a shuffled ``list_files`` (another seed, or none) gives every record the
-same id, and ``data.replay`` makes the same elements without the service. A function whose
-Dataset is not a read of one file is refused with an InvalidArgumentError naming
+same id, and ``data.replay`` makes the same elements without the service. The same for
+flat_map of a TFRecord, text-line, tar-shard or Parquet read, for
+``TFRecordDataset(list_files(...))`` and in parallel_epochs (files interleaved on 2
+threads); skip ids on resume inside a file's split leave out those records only. A function
+whose Dataset is not a read of one file is refused with an InvalidArgumentError naming
 interleave / flat_map: before anything is read for the first name, and where it is read
-for another."""
+for another (ignore_errors does not hide it)."""
 
 from __future__ import annotations
 
