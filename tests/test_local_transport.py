@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -35,9 +36,16 @@ def shared_memory_of(pid: int | str = "self") -> list[str]:
     return sorted(p for p in held if p.startswith(("/dev/shm/", "/memfd:")))
 
 
-def named_shared_memory(pids: list[int | str]) -> list[str]:
-    """The /dev/shm files the processes ``pids`` map or hold open."""
-    return [p for pid in pids for p in shared_memory_of(pid) if p.startswith("/dev/shm/")]
+def named_shared_memory(pids: list[int | str]) -> set[str]:
+    """The /dev/shm files the processes ``pids`` map or hold open (other libraries' too:
+    UCX's, once a verbs test ran in this process)."""
+    return {p for pid in pids for p in shared_memory_of(pid) if p.startswith("/dev/shm/")}
+
+
+def our_segments() -> Counter[str]:
+    """This process's mappings and descriptors of grpc+local's segments (memfds named
+    clusterwire...)."""
+    return Counter(p for p in shared_memory_of() if "clusterwire" in p)
 
 
 def open_fds() -> int:
@@ -116,13 +124,13 @@ def test_mixed_small_and_large_values_cross_process(pair):
 
 def test_nothing_in_dev_shm_and_no_descriptor_leak(pair):
     pids = ["self", pair.process("a").pid, pair.process("b").pid]
-    before_fds = open_fds()
+    before_shm, before_fds = named_shared_memory(pids), open_fds()
     with Session(pair.target("a")) as session:
         for i in range(20):
             session.put("leak", np.full(MiB, i, np.uint8), task="/job:b/task:0")
             got = session.get("leak", task="/job:b/task:0")
             assert got[0] == i
-            assert named_shared_memory(pids) == []  # segments are memfds: nothing named
+            assert named_shared_memory(pids) <= before_shm  # segments are memfds: unnamed
             del got
         session.delete("leak", task="/job:b/task:0")
     gc.collect()
@@ -130,7 +138,7 @@ def test_nothing_in_dev_shm_and_no_descriptor_leak(pair):
 
 
 def test_segments_released_after_a_peer_is_killed():
-    before = shared_memory_of()
+    before = our_segments()
     with LocalCluster({"a": 1, "b": 1}, protocol="grpc+local", env=child_env(),
                       config={"peer_timeout_seconds": 2}) as cluster:
         with Session(cluster.target("a")) as session:
@@ -144,7 +152,7 @@ def test_segments_released_after_a_peer_is_killed():
             assert held.sum() == 8 * MiB  # what we received stays valid
     del held
     gc.collect()
-    assert shared_memory_of() == before
+    assert our_segments() <= before
 
 
 def test_server_stop_releases_everything(server):
@@ -154,7 +162,7 @@ def test_server_stop_releases_everything(server):
     server.stop()
     gc.collect()
     assert open_fds() <= before
-    assert named_shared_memory(["self"]) == []
+    assert not any("clusterwire" in p for p in named_shared_memory(["self"]))
 
 
 def rogue_connect(target: str) -> socket.socket:
