@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from cw_data_procs import WORKER_TOKEN_ENV, ServerProcess
 
 import clusterwire
 from clusterwire.local_cluster import LocalCluster
+from clusterwire.testing.ports import free_ports  # noqa: F401 (tests import it from here)
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -29,17 +29,6 @@ def child_env() -> dict[str, str]:
     return {"PYTHONPATH": TESTS_DIR + (os.pathsep + path if path else ""), **WORKER_TOKEN_ENV}
 
 
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct ports free right now on 127.0.0.1 (for what must name its ports up
-    front: fixed-port configs, the README's walkthroughs)."""
-    probes = [socket.socket() for _ in range(count)]
-    try:
-        for probe in probes:
-            probe.bind(("127.0.0.1", 0))
-        return [probe.getsockname()[1] for probe in probes]
-    finally:
-        for probe in probes:
-            probe.close()
 
 
 def end_child(process: subprocess.Popen, timeout: float = 30.0) -> None:

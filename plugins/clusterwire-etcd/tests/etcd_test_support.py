@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
@@ -14,20 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from clusterwire.testing.ports import free_ports
+
 ETCD = shutil.which("etcd")
 START_SECONDS = 30.0
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct loopback ports free right now (etcd cannot bind port 0)."""
-    probes = [socket.socket() for _ in range(count)]
-    try:
-        for probe in probes:
-            probe.bind(("127.0.0.1", 0))
-        return [probe.getsockname()[1] for probe in probes]
-    finally:
-        for probe in probes:
-            probe.close()
 
 
 def _healthy(url: str) -> bool:
