@@ -1,6 +1,6 @@
 """A parallel interleave's read-ahead: elements reach the consumer as they are read, each
 open Dataset is read at most ``_READ_AHEAD`` elements ahead of the consumer, on one thread,
-and a thread holds about ``_READ_AHEAD_BYTES`` of elements ahead over its Datasets."""
+and the read threads hold about ``_READ_AHEAD_BYTES`` of elements ahead over their Datasets."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ through a DatasetDef round trip (what a worker builds), and a subset through the
 from __future__ import annotations
 
 import base64
+import gc
 import json
 import os
 import threading
@@ -562,6 +563,9 @@ def test_nondeterministic_interleave_lets_a_ready_dataset_go_first():
 
 def test_interleave_threads_end_with_their_iterator():
     def interleave_threads():
+        # An error an earlier test kept (pytest.raises' excinfo is a reference cycle) holds
+        # its pipeline, threads and all, until the garbage collector frees it.
+        gc.collect()
         return [t for t in threading.enumerate() if t.name.startswith("clusterwire-interleave")]
 
     dataset = D.range(1, 5).interleave(fns.repeat_self, cycle_length=4, num_parallel_calls=4)

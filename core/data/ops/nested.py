@@ -3,7 +3,6 @@ function returns a Dataset per input element."""
 
 from __future__ import annotations
 
-import bisect
 import os
 import threading
 from collections import deque
@@ -32,12 +31,13 @@ from clusterwire.errors import InvalidArgumentError
 #: Elements read ahead of the consumer per open Dataset of a parallel interleave, whatever
 #: the ``block_length``, so memory stays bounded.
 _READ_AHEAD = 8
-#: Bytes of elements a read thread of a parallel interleave holds ahead of the consumer,
-#: over all its open Datasets (a read gives at least one element). The consumer's thread
-#: frees what a read thread allocated: once a thread's glibc arena has more than its trim
-#: threshold free at the top (twice the largest block allocated by mmap and freed), glibc
-#: returns it to the kernel and the next elements fault every page in again.
-_READ_AHEAD_BYTES = 1 << 20
+#: Bytes of elements the read threads of a parallel interleave hold ahead of the consumer,
+#: shared evenly among them (a read gives at least one element; the Dataset the consumer
+#: waits for is read regardless). Small on purpose: the consumer's thread frees what a read
+#: thread allocated, and once a thread's glibc arena has more than its trim threshold free
+#: at the top (twice the largest block allocated by mmap and freed), glibc returns it to
+#: the kernel and the next elements fault every page in again.
+_READ_AHEAD_BYTES = 4 << 20
 
 _ENDED = object()  # what a drained slot whose Dataset has ended gives
 _ANY = object()  # the consumer of a non-deterministic interleave waits for any slot
@@ -241,18 +241,17 @@ class _Failed:
 
 class _Slot:
     """One open Dataset of a parallel interleave: the elements read ahead of the consumer
-    (a ``_Failed`` last if the read stopped at an error), its read thread (``lane``), whether
-    a read of it is queued or under way, and whether it has ended. Guarded by its cycle's
-    condition."""
+    (a ``_Failed`` last if the read stopped at an error), its read thread (``lane``), and
+    whether it has ended. Guarded by its cycle's condition."""
 
-    __slots__ = ("element", "lane", "iterator", "buffer", "reading", "failed", "ended")
+    __slots__ = ("element", "lane", "iterator", "buffer", "failed", "ended")
 
     def __init__(self, element: Any, lane: int):
         self.element = element  # the input element whose Dataset this is
         self.lane = lane
         self.iterator: Iterator[Any] | None = None  # opened by the first read
         self.buffer: deque[Any] = deque()
-        self.reading = self.failed = self.ended = False
+        self.failed = self.ended = False
 
 
 class _Lane:
@@ -284,13 +283,12 @@ def _nbytes(element: Any) -> int:
 class _ParallelCycle:
     """The open Datasets of a parallel interleave, read ahead on ``threads`` read threads
     (lanes) into a buffer each, up to ``_READ_AHEAD`` elements. Each open Dataset is read on
-    one lane (its slot's index modulo the threads), and a lane reads for its Datasets in
-    the order the consumer comes to them, while it holds less than ``_READ_AHEAD_BYTES``
-    the consumer has not taken (the Dataset the consumer waits for is read regardless). A
-    read task streams elements in and ends there, so the consumer pays a hand-off per
-    element only when the bytes bind first (elements of ``_READ_AHEAD_BYTES /
-    _READ_AHEAD`` or more), else one per half a buffer. The consumer takes them in
-    TF's cycle order (``deterministic``) or from whichever Dataset has elements ready. An
+    one lane (its slot's index modulo the threads). A lane reads an element at a time, each
+    time of the Dataset whose next unread element the consumer comes to first, while it
+    holds less than its share of ``_READ_AHEAD_BYTES`` (the Dataset the consumer waits for
+    is read regardless); its read task ends when there is nothing to read and the consumer
+    starts it again. The consumer takes elements in TF's cycle order (``deterministic``) or
+    from whichever Dataset has elements ready. An
     ended Dataset's place goes to the next input element when the consumer finds it drained
     (TF's cycle gives it that element when it comes back). A failed read fails one ``next``
     in its place after the elements read before it, and the Dataset is read again (a
@@ -321,67 +319,74 @@ class _ParallelCycle:
     def __iter__(self) -> Iterator[Any]:
         return self
 
-    def _more(self, slot: _Slot, lane: _Lane) -> bool:
-        """Whether ``slot``'s read goes on after an element (under the lock): not when the
-        buffer or the lane is full, nor when the consumer waits for another of the lane's."""
-        awaited = self._awaited
-        return (len(slot.buffer) < _READ_AHEAD and lane.held < _READ_AHEAD_BYTES
-                and not (isinstance(awaited, _Slot) and awaited is not slot
-                         and awaited.lane == slot.lane))
+    def _reads_next(self, number: int) -> _Slot | None:
+        """The open Dataset lane ``number`` reads an element of next (under the lock): of its
+        Datasets, the one whose first unread element the consumer comes to first (the rest of
+        the current block, then a block per slot in cycle order). The one the consumer waits
+        for is read at any rate; the others while the lane holds less than
+        ``_READ_AHEAD_BYTES`` and their buffer has room. None: nothing to read now."""
+        if self._closed:
+            return None
+        best, best_key = None, None
+        count, block = len(self._slots), self._block_length
+        for index in self._lane_slots[number]:
+            slot = self._slots[index]
+            if slot is None or slot.ended or slot.failed:
+                continue
+            if slot is self._awaited and not slot.buffer:
+                return slot
+            ahead = len(slot.buffer)
+            if ahead >= _READ_AHEAD:
+                continue
+            distance = (index - self._index) % count
+            if not distance:
+                visit = 0 if ahead < self._left else 1 + (ahead - self._left) // block
+            else:
+                visit = ahead // block
+            if best_key is None or (visit, distance) < best_key:
+                best, best_key = slot, (visit, distance)
+        if self._lanes[number].held >= _READ_AHEAD_BYTES // len(self._lanes):
+            return None
+        return best
 
-    def _read(self, slot: _Slot, lane: _Lane) -> None:
-        """More elements of ``slot``'s Dataset (opened first) into its buffer, on its lane."""
-        failure, ended = None, False
-        try:
-            if slot.iterator is None:
-                try:
-                    slot.iterator = self._open(slot.element)
-                except BaseException as err:  # noqa: BLE001 - the consumer raises it in its place
-                    failure, ended = _Failed(err, at_open=True), True
-                    return
-            more = True
-            while more:
-                element = next(slot.iterator)
-                size = _nbytes(element)
-                with self._changed:
-                    slot.buffer.append(element)
-                    lane.held += size
-                    if self._awaited in (slot, _ANY):
-                        self._changed.notify()
-                    more = self._more(slot, lane)
-        except StopIteration:
-            ended = True
-        except BaseException as err:  # noqa: BLE001 - the consumer raises it in its place
-            failure = _Failed(err, at_open=False)
-        finally:
+    def _read(self, number: int) -> None:
+        """Lane ``number``'s read task: an element at a time, each of the Dataset
+        ``_reads_next`` names (opened first), until it names none."""
+        lane = self._lanes[number]
+        while True:
             with self._changed:
+                slot = self._reads_next(number)
+                if slot is None:
+                    lane.busy = False
+                    return
+            element, failure, ended = _ENDED, None, False
+            try:
+                if slot.iterator is None:
+                    slot.iterator = self._open(slot.element)
+                element = next(slot.iterator)
+            except StopIteration:
+                ended = True
+            except BaseException as err:  # noqa: BLE001 - the consumer raises it in its place
+                at_open = slot.iterator is None
+                failure, ended = _Failed(err, at_open), at_open
+            with self._changed:
+                if element is not _ENDED:
+                    slot.buffer.append(element)
+                    lane.held += _nbytes(element)
                 if failure is not None:
                     slot.buffer.append(failure)
                     slot.failed = True
                 slot.ended = slot.ended or ended
-                slot.reading = lane.busy = False
                 if self._awaited in (slot, _ANY):
                     self._changed.notify()
-                self._feed(slot.lane)
 
     def _feed(self, number: int) -> None:
-        """Start lane ``number``'s next read if it is idle (under the lock): of the first of
-        its Datasets the consumer comes to from the current slot on that it waits for (empty), or
-        that has room while the lane holds less than ``_READ_AHEAD_BYTES``."""
+        """Start lane ``number``'s read task if it is idle and has something to read (under
+        the lock)."""
         lane = self._lanes[number]
-        if lane.busy or self._closed:
-            return
-        indices = self._lane_slots[number]
-        first = bisect.bisect_left(indices, self._index)
-        for index in indices[first:] + indices[:first]:
-            slot = self._slots[index]
-            if slot is None or slot.ended or slot.failed:
-                continue
-            if (slot is self._awaited and not slot.buffer) or (
-                    lane.held < _READ_AHEAD_BYTES and len(slot.buffer) <= _READ_AHEAD // 2):
-                slot.reading = lane.busy = True
-                lane.pool.submit(self._read, slot, lane)
-                return
+        if not lane.busy and self._reads_next(number) is not None:
+            lane.busy = True
+            lane.pool.submit(self._read, number)
 
     def _fill(self, index: int) -> bool:
         """Open the next input's Dataset in slot ``index``; False if the input has ended."""
