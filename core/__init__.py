@@ -5,6 +5,7 @@ first time a protocol is asked for.
 """
 
 from clusterwire import errors, terminal_text
+from clusterwire._version import __version__ as __version__
 from clusterwire.cluster_spec import ClusterSpec
 from clusterwire.functions import remote
 from clusterwire.plugins import ResolverSpec, TransportSpec, get_plugin_manager, hookimpl
@@ -12,8 +13,6 @@ from clusterwire.protos.cluster_pb2 import ClusterDef, JobDef
 from clusterwire.protos.tensorflow_server_pb2 import ConfigProto, ServerDef, ServerOptions
 from clusterwire.server import Server
 from clusterwire.session import Session
-
-__version__ = "0.1.0"
 
 # Warnings name peers' addresses and errors: escaped when nothing else is configured.
 terminal_text.protect_last_resort()

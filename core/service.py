@@ -22,9 +22,11 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from clusterwire import barrier, codec, errors, functions, in_process
+from clusterwire._version import __version__
 from clusterwire.addressing import split_host_port
 from clusterwire.barrier import Arrival, Releases, Rounds
 from clusterwire.cluster_spec import ClusterSpec, with_address
+from clusterwire.devices import local_devices
 from clusterwire.membership import (
     CHANGES_FIX,
     Membership,
@@ -592,9 +594,6 @@ class ClusterService:
     def status(self) -> TaskStatus:
         """This task's identity, cluster, devices, version, metrics and the peers it could
         not reach recently."""
-        from clusterwire import __version__
-        from clusterwire.devices import local_devices
-
         status = TaskStatus(task=TaskRef(job=self.job, index=self.index),
                             cluster=self.cluster.as_cluster_def(), protocol=self.protocol,
                             target=self._target(), version=__version__,
