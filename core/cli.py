@@ -172,7 +172,7 @@ def _join(args: argparse.Namespace, config: Any) -> Any:
     """A task joining the running cluster of ``--join``: its job and address from
     ``--resolver`` (the task it is in its own launch, e.g. a Slurm step) or from
     ``--job-name`` and ``--address``."""
-    from clusterwire.membership import join
+    from clusterwire.joining import join
 
     if args.cluster:
         raise SystemExit("clusterwire serve: --join takes its cluster from the running "
