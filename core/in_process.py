@@ -34,16 +34,27 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from clusterwire.transport import Buffer
+from clusterwire.security import Security
+from clusterwire.transport import Buffer, Frame
 
-if TYPE_CHECKING:
-    from clusterwire.shell import Shell
 
-_shells: dict[tuple[str, str], Shell] = {}
+class InProcessShell(Protocol):
+    """What this module and its callers need of a server's ``clusterwire.shell.Shell``
+    (which registers itself here, so this module may not import it)."""
+
+    def takes_in_process(self, security: Security) -> bool:
+        """Whether a caller of this process with ``security`` skips the transport."""
+
+    def call_in_process(self, frame: Frame, timeout: float | None, security: Security,
+                        closing: threading.Event) -> Frame:
+        """Serve ``frame`` from a caller of this process."""
+
+
+_shells: dict[tuple[str, str], InProcessShell] = {}
 _lock = threading.Lock()
 _caller = threading.local()  # .serving, .deadline: the in-process caller this thread serves
 
@@ -63,13 +74,13 @@ def _forget_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
-def register(protocol: str, address: str, shell: Shell) -> None:
+def register(protocol: str, address: str, shell: InProcessShell) -> None:
     """Make ``shell`` the in-process server of ``protocol://address``."""
     with _lock:
         _shells[protocol, address] = shell
 
 
-def unregister(shell: Shell) -> None:
+def unregister(shell: InProcessShell) -> None:
     """Forget every address ``shell`` was registered under."""
     with _lock:
         for key in [key for key, known in _shells.items() if known is shell]:
@@ -83,7 +94,7 @@ def inherited_servers() -> list[str]:
     return list(_inherited)
 
 
-def lookup(protocol: str, address: str) -> Shell | None:
+def lookup(protocol: str, address: str) -> InProcessShell | None:
     """The shell serving ``protocol://address`` in this process, if any."""
     return _shells.get((protocol, address))
 
