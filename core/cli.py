@@ -129,6 +129,10 @@ def _serve(args: argparse.Namespace) -> int:
     config = _with_metrics_options(config, args)
     if args.allow_membership_changes:
         config = _with_membership_changes(config)
+    if args.watch is not None and (args.join or not args.resolver):
+        raise SystemExit("clusterwire serve: --watch follows --resolver: give it with "
+                         "--resolver (and no --join)")
+    withdraw = None
     if args.join:
         server = _join(args, config)
     elif args.resolver:
@@ -136,7 +140,8 @@ def _serve(args: argparse.Namespace) -> int:
             raise SystemExit("clusterwire serve: give --cluster or --resolver, not both")
         resolver = _make_resolver(args)
         try:
-            server = Server.from_resolver(resolver, protocol=args.protocol, config=config)
+            server = Server.from_resolver(resolver, protocol=args.protocol, config=config,
+                                          watch=args.watch)
         except errors.UnavailableError as err:
             if args.resolver != "slurm" or "Could not bind" not in err.message:
                 raise
@@ -144,14 +149,24 @@ def _serve(args: argparse.Namespace) -> int:
                 f"{err.message} The Slurm resolver puts the k-th task of a node at port_base "
                 "+ k: pick a free range with --resolver-arg port_base=N (the example sbatch "
                 "script reads CLUSTERWIRE_PORT_BASE).") from None
+        try:
+            withdraw = resolver.register_task(server)
+        except BaseException:
+            server.stop(0)
+            raise
     elif args.cluster:
         server = Server(_json_arg(args.cluster, "--cluster"), job_name=args.job_name,
                         task_index=args.task_index, protocol=args.protocol, config=config)
     else:
         raise SystemExit("clusterwire serve: give --cluster JSON or --resolver NAME")
 
+    def stop() -> None:
+        if withdraw is not None:  # first, so that no peer is sent here while it drains
+            withdraw()
+        server.stop(args.grace)
+
     def on_signal(signum: int, _frame: Any) -> None:
-        threading.Thread(target=server.stop, args=(args.grace,), daemon=True).start()
+        threading.Thread(target=stop, daemon=True).start()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -357,6 +372,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="take membership changes from clients and peers that join or "
                             "remove tasks (update_cluster, --join): an elastic cluster "
                             "(default: refused)")
+    serve.add_argument("--watch", type=float, metavar="SECONDS",
+                       help="with --resolver: follow it, reading the cluster every SECONDS "
+                            "(and at once when the resolver reports a change, as etcd's "
+                            "does); each change becomes a membership version (default: the "
+                            "cluster is read once)")
     serve.add_argument("--address", metavar="HOST:PORT",
                        help="with --join and --job-name: this task's address (default "
                             "127.0.0.1:0)")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import abc
 from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
 from clusterwire.cluster_spec import ClusterSpec
 
@@ -59,6 +61,15 @@ class ClusterResolver(abc.ABC):
     def environment(self) -> str:
         """The environment the cluster runs in; ``""`` outside Google's."""
         return ""
+
+    def register_task(self, server: Any) -> Callable[[], None] | None:
+        """Make ``server`` (this process's task, serving) known to the cluster manager, for
+        managers whose membership is what tasks register (clusterwire-etcd); returns what
+        withdraws it. None (the default): the manager itself lists the tasks (Slurm,
+        Kubernetes, TF_CONFIG, a cloud's instances) and there is nothing to register.
+        ``clusterwire serve --resolver`` calls it once the task serves, and the function it
+        returned when the task stops."""
+        return None
 
     task_type: str | None = None
     task_id: int | None = None

@@ -429,8 +429,11 @@ class Membership:
         for prober in probers:
             if prober is not None:
                 prober.shutdown(wait=False, cancel_futures=True)
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(5)
+        thread = self._thread
+        # Not started: the server stops because it could not start (its port was taken).
+        started = thread is not None and thread.ident is not None
+        if started and thread is not threading.current_thread():
+            thread.join(5)
 
     def _beat(self) -> None:
         lanes = {True: _SENDERS, False: _OTHER_SENDERS}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -356,3 +357,16 @@ def test_a_task_joins_a_running_cluster_from_the_command_line():
         bad = subprocess.run([sys.executable, "-m", "clusterwire", "serve", "--join",
                               servers[0].target], capture_output=True, text=True, timeout=30)
         assert bad.returncode != 0 and "--join needs --job-name" in bad.stderr
+
+
+def test_a_heartbeating_task_whose_port_is_taken_says_so():
+    # Its heartbeat thread is made before the bind and started after it: the failed start
+    # must not try to join a thread that never ran (it raised RuntimeError instead).
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(errors.UnavailableError, match=f"port {port} is in use"):
+            clusterwire.Server({"worker": [f"127.0.0.1:{port}", "127.0.0.1:1"]},
+                               job_name="worker", task_index=0,
+                               config={"membership_heartbeat_seconds": 0.2})

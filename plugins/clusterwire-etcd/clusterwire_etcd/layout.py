@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from typing import Any
 
 from clusterwire import errors, membership
 from clusterwire.addressing import split_host_port
@@ -79,6 +80,15 @@ def parse_task(key: bytes, value: bytes, prefix: str, where: str) -> tuple[str, 
     except errors.InvalidArgumentError as err:
         raise errors.InvalidArgumentError(f"etcd key {name!r} at {where}: {err} {_FIX}") from None
     return job, int(index), text
+
+
+def validate_ttl(ttl: Any) -> None:
+    """Refuse a lease TTL etcd cannot grant (it grants whole seconds; 1 s expires between
+    two keep-alives)."""
+    if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 2:
+        raise errors.InvalidArgumentError(
+            f"ttl must be a whole number of seconds >= 2 (etcd grants whole seconds), "
+            f"got {ttl!r}.")
 
 
 def validate_address(address: str, port_zero: bool = False) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 from clusterwire import errors
 from clusterwire_etcd.gateway import EtcdGateway, b64
-from clusterwire_etcd.layout import DEFAULT_PREFIX, task_key, validate_address
+from clusterwire_etcd.layout import DEFAULT_PREFIX, task_key, validate_address, validate_ttl
 
 _LOG = logging.getLogger("clusterwire.etcd")
 
@@ -26,10 +26,7 @@ class EtcdRegistration:
 
     def __init__(self, endpoint: str, cluster: str, job: str, index: int, address: str,
                  ttl: int = 10, prefix: str = DEFAULT_PREFIX, timeout: float = 5.0):
-        if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 2:
-            raise errors.InvalidArgumentError(
-                f"ttl must be a whole number of seconds >= 2 (etcd grants whole seconds), "
-                f"got {ttl!r}.")
+        validate_ttl(ttl)
         validate_address(address)
         self._gateway = EtcdGateway(endpoint, timeout)
         self.key = task_key(prefix, cluster, job, index)

@@ -6,9 +6,12 @@ import contextlib
 import logging
 import socket
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 from clusterwire import errors
+from clusterwire.addressing import split_host_port
 from clusterwire.cluster_spec import ClusterSpec, with_address
 from clusterwire.resolvers._support import OwnTaskResolver
 from clusterwire_etcd.gateway import EtcdGateway, b64, prefix_end, unb64
@@ -18,30 +21,41 @@ from clusterwire_etcd.layout import (
     cluster_prefix,
     parse_task,
     validate_address,
+    validate_ttl,
 )
+from clusterwire_etcd.registration import EtcdRegistration
 
 _LOG = logging.getLogger("clusterwire.etcd")
 #: How long a broken watch stream waits before it reconnects.
 _RECONNECT_SECONDS = 1.0
+#: How often ``register_task`` tries again for a key another lease holds.
+_HELD_KEY_POLL_SECONDS = 0.5
 
 
 class EtcdClusterResolver(OwnTaskResolver):
     """The tasks registered under ``<prefix>/<cluster>/<job>/<index>`` in the etcd at
     ``endpoint`` (``http://host:port``), read on every ``cluster_spec()`` call.
 
-    ``task_type``/``task_id`` name this process's task. ``address`` is that task's address
-    while etcd does not hold it yet (e.g. ``"10.0.0.5:0"`` for a task that registers the
-    port it binds: ``EtcdRegistration.for_server``). ``wait_for_change(timeout)`` follows
-    etcd's watch, so ``Server.from_resolver(resolver, watch=s)`` makes a change a membership
-    version as soon as etcd reports it, and polls every ``s`` seconds besides.
+    ``task_type``/``task_id`` name this process's task. ``address`` is the address that task
+    binds (e.g. ``"10.0.0.5:0"`` for a task that registers the port it binds:
+    ``register_task``), unless etcd holds one of the same host for it: its own registration,
+    or its previous run's, whose port it takes again (``register_task`` waits out that run's
+    lease). An entry of another host is a rival's: ``register_task`` refuses it.
+    ``wait_for_change(timeout)`` follows etcd's watch, so ``Server.from_resolver(resolver,
+    watch=s)`` makes a change a membership version as soon as etcd reports it, and polls
+    every ``s`` seconds besides.
+    ``register_task(server)`` puts the serving task's key under a lease of ``ttl`` seconds
+    (an ``EtcdRegistration``), as ``clusterwire serve --resolver etcd`` does.
     """
 
     def __init__(self, endpoint: str, cluster: str, task_type: str | None = None,
                  task_id: int | None = None, rpc_layer: str | None = "grpc",
                  address: str | None = None, prefix: str = DEFAULT_PREFIX,
-                 timeout: float = 5.0):
+                 timeout: float = 5.0, ttl: int = 10):
+        validate_ttl(ttl)
         self._gateway = EtcdGateway(endpoint, timeout)
         self._prefix = cluster_prefix(prefix, cluster)
+        self._registration_args = (cluster, ttl, prefix, timeout)
         if address is not None:
             if task_type is None or task_id is None:
                 raise errors.InvalidArgumentError(
@@ -90,7 +104,9 @@ class EtcdClusterResolver(OwnTaskResolver):
             self._revision = int(answer["header"]["revision"])
         spec = ClusterSpec(cluster) if cluster else None
         own = (self.task_type, self.task_id)
-        if self._address is not None and own[1] not in cluster.get(own[0], {}):
+        held = cluster.get(own[0], {}).get(own[1])
+        if self._address is not None and (
+                held is None or split_host_port(held)[0] != split_host_port(self._address)[0]):
             spec = with_address(spec or ClusterSpec({}), own[0], own[1], self._address)
         if spec is None:
             raise errors.NotFoundError(
@@ -111,6 +127,23 @@ class EtcdClusterResolver(OwnTaskResolver):
             changed = self._changes > self._seen
             self._seen = self._changes
             return changed
+
+    def register_task(self, server: Any) -> Callable[[], None]:
+        """Register ``server``'s task at the address it is bound to, under a lease kept
+        alive while it serves; returns the registration's ``stop`` (revoke the lease: the
+        key goes at once). A key another lease holds is waited for up to the TTL (a dead
+        task's expires by then: a task restarted at once takes its place), then refused with
+        AlreadyExistsError (a live task holds it)."""
+        cluster, ttl, prefix, timeout = self._registration_args
+        deadline = time.monotonic() + ttl + 1
+        while True:
+            registration = EtcdRegistration.for_server(server, self.endpoint, cluster, ttl,
+                                                       prefix, timeout)
+            try:
+                return registration.start().stop
+            except errors.AlreadyExistsError:
+                if time.monotonic() >= deadline or self._closed.wait(_HELD_KEY_POLL_SECONDS):
+                    raise
 
     def close(self) -> None:
         """End the watch (idempotent); ``cluster_spec()`` still works."""
