@@ -82,15 +82,18 @@ class TaskProcess:
 
 
 class TaskLauncher:
-    """A zygote started with ``env`` and the tasks it forks; ``close()`` ends it."""
+    """A zygote started with ``env`` and the tasks it forks; ``close()`` ends it.
 
-    def __init__(self, env: Mapping[str, str]):
+    ``wrapper`` is a command the zygote is started through (``ip netns exec NAME``: it and
+    its tasks run in that network namespace, clusterwire.testing.hosts)."""
+
+    def __init__(self, env: Mapping[str, str], wrapper: Sequence[str] = ()):
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             with theirs:
-                self._zygote = subprocess.Popen([sys.executable, "-m", "clusterwire.zygote"],
-                                                stdin=theirs, stdout=subprocess.DEVNULL,
-                                                env=dict(env))
+                self._zygote = subprocess.Popen(
+                    [*wrapper, sys.executable, "-m", "clusterwire.zygote"], stdin=theirs,
+                    stdout=subprocess.DEVNULL, env=dict(env))
         except BaseException:
             self._sock.close()
             raise

@@ -1,5 +1,5 @@
 """Clusters across emulated hosts (issue 20): every task, worker and client in a network
-namespace of its own, talking over veths and a bridge (``emulated_hosts``)."""
+namespace of its own, talking over veths and a bridge (``clusterwire.testing.hosts``)."""
 
 from __future__ import annotations
 
@@ -11,18 +11,11 @@ from collections import Counter
 import numpy as np
 import pytest
 from conftest import child_env, wait_for
-from emulated_hosts import (
-    PREFIX,
-    EmulatedHosts,
-    Host,
-    Interpreter,
-    Served,
-    remove_stale,
-    requires_netns,
-)
+from emulated_hosts import requires_netns
 
 from clusterwire import errors
 from clusterwire.testing.certs import Authority
+from clusterwire.testing.hosts import PREFIX, EmulatedHosts, Host, Interpreter, Served, remove_stale
 
 pytestmark = [requires_netns, pytest.mark.timeout(60)]
 

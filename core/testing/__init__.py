@@ -53,16 +53,34 @@ is not collected (never skipped), and a check that applies without what it needs
 reason as ``xfail``.
 """
 
-from clusterwire.testing.suite import Capabilities, TransportSuite
-from clusterwire.testing.surfaces import (
-    HOSTILE_STRINGS,
-    TCP_FLOODS,
-    Surface,
-    SurfaceSuite,
-    assert_terminal_safe,
-    malformed_variants,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from clusterwire.testing.suite import Capabilities, TransportSuite
+    from clusterwire.testing.surfaces import (
+        HOSTILE_STRINGS,
+        TCP_FLOODS,
+        Surface,
+        SurfaceSuite,
+        assert_terminal_safe,
+        malformed_variants,
+    )
+
+# The kits import pytest: loaded on first use, so that the modules that do not need it
+# (hosts, ports, certs...) import where pytest is not installed.
+_KITS = {"Capabilities": "suite", "TransportSuite": "suite", "HOSTILE_STRINGS": "surfaces",
+         "TCP_FLOODS": "surfaces", "Surface": "surfaces", "SurfaceSuite": "surfaces",
+         "assert_terminal_safe": "surfaces", "malformed_variants": "surfaces"}
 
 __all__ = ["HOSTILE_STRINGS", "TCP_FLOODS", "Capabilities", "Surface", "SurfaceSuite",
            "TransportSuite",
            "assert_terminal_safe", "malformed_variants"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _KITS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_KITS[name]}"), name)

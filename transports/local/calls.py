@@ -14,14 +14,15 @@ import socket
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn, Protocol
 
 from clusterwire import errors
 from clusterwire.envelope import Envelope
 from clusterwire.security import Security
-from clusterwire.thread_pool import serve_parking
-from clusterwire.transport import ConnectionFailed, Frame, HandshakeFailed
+from clusterwire.thread_pool import WorkSlots, serve_parking
+from clusterwire.transport import ConnectionFailed, Frame, Handler, HandshakeFailed
 from clusterwire.transports.local import unix, wire
+from clusterwire.transports.local.pool import PoolRegistry
 from clusterwire.transports.local.probe import other_protocol
 from clusterwire.transports.local.segments import (
     check_descriptors,
@@ -29,8 +30,35 @@ from clusterwire.transports.local.segments import (
     received_buffers,
 )
 
-if TYPE_CHECKING:
-    from clusterwire.transports.local.transport import LocalListener
+
+class CallListener(Protocol):
+    """What a ``CallConnection`` needs of the listener that accepted it (grpc+local's
+    ``LocalListener``, which imports this module)."""
+
+    slots: WorkSlots
+    pools: PoolRegistry
+    idle_timeout: float
+
+    @property
+    def address(self) -> str: ...
+
+    @property
+    def handler(self) -> Handler: ...
+
+    @property
+    def limit(self) -> int: ...
+
+    @property
+    def segment_bytes(self) -> int: ...
+
+    def begin(self, connection: CallConnection) -> bool:
+        """``connection`` starts running a call; False (not to run) once stopping."""
+
+    def end(self, connection: CallConnection) -> bool:
+        """``connection``'s call was answered; False if it is to close (stopping)."""
+
+    def forget(self, connection: CallConnection) -> None:
+        """Drop the closed ``connection``."""
 
 #: A channel closes call connections idle for this long (when it next returns one).
 _IDLE_CONNECTION_S = 30.0
@@ -41,7 +69,7 @@ class CallConnection:
     the handler inline under a work slot and answers on the same connection, one call at
     a time. A call has one answer: the handler's, or ``CancelledError`` from ``stop``."""
 
-    def __init__(self, listener: LocalListener, sock: socket.socket, peer: str):
+    def __init__(self, listener: CallListener, sock: socket.socket, peer: str):
         """``peer``: who the client is (``unix.peer_name``), given to each request."""
         self.sock = sock
         self.peer = peer
