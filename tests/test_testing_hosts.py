@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
+import re
 import subprocess
 import sys
 
@@ -161,3 +163,15 @@ def test_the_library_imports_without_pytest():
     done = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True,
                           timeout=60)
     assert done.stdout.split() == ["True", "False"], done.stderr
+
+
+@requires_netns
+@pytest.mark.timeout(90)
+def test_the_readme_example_runs_as_written(tmp_path):
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("\n### Rehearse a cluster on one machine\n"):]
+    snippet = re.search(r"```python\n(.*?)```", section, re.S)[1]
+    (tmp_path / "snippet.py").write_text(snippet)
+    done = subprocess.run([sys.executable, "snippet.py"], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)
+    assert (done.returncode, done.stdout) == (0, "1\n"), done.stderr
