@@ -175,3 +175,18 @@ def test_the_readme_example_runs_as_written(tmp_path):
     done = subprocess.run([sys.executable, "snippet.py"], capture_output=True, text=True,
                           timeout=60, cwd=tmp_path)
     assert (done.returncode, done.stdout) == (0, "1\n"), done.stderr
+
+
+@requires_netns
+@pytest.mark.timeout(60)
+def test_an_interpreter_raises_what_was_raised_there_and_gives_up_after_its_timeout():
+    with EmulatedHosts(1) as hosts:
+        python = hosts[0].interpreter()
+        with pytest.raises(ZeroDivisionError) as raised:
+            python.eval("1 / 0")
+        assert "(192.0.2.10)" in str(raised.value.__cause__)
+        python.exec("import threading; never = threading.Event()")
+        with pytest.raises(errors.DeadlineExceededError, match="no answer within 0.5 s"):
+            python.exec("never.wait()", timeout=0.5)
+        with pytest.raises(errors.UnavailableError, match="unusable"):
+            python.eval("1")

@@ -260,7 +260,8 @@ class Interpreter:
 
     ``exec(source)`` runs statements, ``eval(source)`` returns an expression's value
     (pickled over); an exception raised there is raised here, caused by a RemoteTraceback.
-    Each waits at most ``timeout`` seconds for the answer.
+    Each waits at most ``timeout`` seconds for the answer (then ``DeadlineExceededError``,
+    and the interpreter is not used again); ``UnavailableError`` if it has exited.
     """
 
     def __init__(self, host: Host, env: Mapping[str, str | None] | None):
@@ -280,31 +281,39 @@ class Interpreter:
         return self._log.read().decode(errors="replace")
 
     def exec(self, source: str, timeout: float = 30.0) -> None:
+        """Run the statements ``source`` in the interpreter's scope."""
         self._ask("exec", source, timeout)
 
     def eval(self, source: str, timeout: float = 30.0) -> Any:
+        """The value of the expression ``source`` in the interpreter's scope (it must
+        pickle)."""
         return self._ask("eval", source, timeout)
 
     def _ask(self, kind: str, source: str, timeout: float) -> Any:
         if self._broken:
-            raise RuntimeError(f"the interpreter in {self.host.name} is unusable: {self._broken}")
+            raise errors.UnavailableError(
+                f"The interpreter in {self.host.name} is unusable: {self._broken}.")
         try:
             self._conn.send((kind, source))
             answered = self._conn.poll(timeout)
             reply = self._conn.recv() if answered else None
         except (EOFError, OSError) as err:
             self._broken = f"it exited ({self.process.poll()})"
-            raise RuntimeError(f"the interpreter in {self.host.name} is gone ({err!r}) running "
-                               f"{source!r}; output:\n{self.output()}") from None
+            raise errors.UnavailableError(
+                f"The interpreter in {self.host.name} is gone ({err!r}) running {source!r}; "
+                f"output:\n{self.output()}") from None
         if reply is None:
             self._broken = f"no answer within {timeout} s to {source!r}"
-            raise TimeoutError(f"{self.host.name}: {self._broken}; output:\n{self.output()}")
+            raise errors.DeadlineExceededError(
+                f"{self.host.name}: {self._broken}; output:\n{self.output()}")
         if reply[0] == "error":
             raise reply[1] from RemoteTraceback(
                 f"in {self.host.name} ({self.host.address}):\n{reply[2]}")
         return reply[1]
 
     def close(self) -> None:
+        """Close the connection: the interpreter ends (the test bed's teardown kills it in
+        any case)."""
         self._conn.close()
 
 
