@@ -14,6 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from clusterwire.cluster_spec import ClusterSpec
+from clusterwire.devices import gpu_count
+from clusterwire.session import Session
 
 
 def format_master_url(master: str, rpc_layer: str | None = None) -> str:
@@ -44,14 +46,10 @@ class ClusterResolver(abc.ABC):
         Asks the task's running server for its devices when ``master()`` names
         one; otherwise counts this host's GPUs.
         """
-        from clusterwire.devices import gpu_count
-
         target = self.master(task_type, task_id)
         if not target:
             count = gpu_count()
             return {"GPU": count} if count else {}
-        from clusterwire.session import Session
-
         with Session(target) as session:
             devices = session.status()["devices"]
         counts = Counter(d["device_type"] for d in devices if d["device_type"] != "CPU")

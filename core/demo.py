@@ -17,7 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from clusterwire.errors import UnavailableError
 from clusterwire.functions import remote
+from clusterwire.local_cluster import LocalCluster
 from clusterwire.session import Session
 
 PS = "/job:ps/task:0"
@@ -90,8 +92,6 @@ def run_demo(protocol: str = "grpc", steps: int = 60, workers: int = 2, dim: int
     on the same port; its shard is sent again and it trains its remaining steps, while the
     ps keeps its state.
     """
-    from clusterwire.local_cluster import LocalCluster
-
     started = time.perf_counter()
     rng = np.random.default_rng(0)
     true_weights = (rng.standard_normal(dim) / np.sqrt(dim)).astype(np.float32)
@@ -192,8 +192,6 @@ def _train(session: Session, cluster, steps: int, chaos: bool, shards, out) -> n
     """Run every worker's training loop, printing progress when the step moves; with
     ``chaos``, kill the last worker a third of the way in, restart it and let it train its
     remaining steps. Returns the seconds of every step of the runs that finished."""
-    from clusterwire.errors import UnavailableError
-
     workers = len(shards)
     total = steps * workers
 

@@ -30,6 +30,7 @@ from clusterwire.demo import (
     training_failures,
     worker_train,
 )
+from clusterwire.local_cluster import LocalCluster
 from clusterwire.session import Session
 
 #: Workers the ps keeps step counts for (the demo peaks at 4).
@@ -102,8 +103,6 @@ def run_elastic_demo(protocol: str = "grpc", steps: int = 60, dim: int = 2048,
     membership change and one verdict line; 0 if the loss fell ``LOSS_FACTOR``x, the
     workers went 2 -> 4 -> 3, every worker left ran its ``steps`` steps and every process
     but the killed one stopped cleanly, else 1."""
-    from clusterwire.local_cluster import LocalCluster
-
     rng = np.random.default_rng(0)
     true_weights = (rng.standard_normal(dim) / np.sqrt(dim)).astype(np.float32)
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from clusterwire.errors import InvalidArgumentError, NotFoundError, UnauthenticatedError
+from clusterwire.plugins import get_plugin_manager
 
 #: Metadata key / field under which a request carries the cluster token.
 TOKEN_KEY = "clusterwire-token"
@@ -94,8 +95,6 @@ def _read(path: str, what: str) -> bytes:
 
 def _settings(options: Mapping[str, Any]) -> dict[str, Any]:
     """Merge explicit options over the environment over plugins.toml's [security]."""
-    from clusterwire.plugins import get_plugin_manager
-
     merged: dict[str, Any] = dict(get_plugin_manager().security_options())
     env = {"tls_cert_file": "CLUSTERWIRE_TLS_CERT_FILE", "tls_key_file": "CLUSTERWIRE_TLS_KEY_FILE",
            "tls_ca_file": "CLUSTERWIRE_TLS_CA_FILE",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from clusterwire.cluster_resolver import ClusterResolver
 from clusterwire.cluster_spec import ClusterSpec
 from clusterwire.errors import InvalidArgumentError
 from clusterwire.protos.tensorflow_server_pb2 import ConfigProto, ServerDef, ServerOptions
@@ -34,8 +35,6 @@ def _merge_config(server_def: ServerDef, config: Any) -> None:
 
 
 def _is_resolver(value: Any) -> bool:
-    from clusterwire.cluster_resolver import ClusterResolver
-
     return isinstance(value, ClusterResolver)
 
 

@@ -27,6 +27,7 @@ from typing import Any, Generic, TypeVar
 
 from clusterwire import errors
 from clusterwire.addressing import split_target
+from clusterwire.cluster_spec import ClusterSpec
 from clusterwire.metrics import catalog
 from clusterwire.metrics.snapshot import total
 from clusterwire.protos.data_service_pb2 import DataRequest, DataServiceStatus, GetStatusRequest
@@ -220,8 +221,6 @@ class TaskPoller:
     def _learn(self, status: TaskStatus) -> None:
         """Take the tasks to ask from the target's first status; ValueError or TypeError
         if its cluster is not a valid ClusterSpec."""
-        from clusterwire.cluster_spec import ClusterSpec
-
         cluster = ClusterSpec(status.cluster).task_addresses()
         own = f"/job:{status.task.job}/task:{status.task.index}"
         tasks = [(f"/job:{job}/task:{index}", address)

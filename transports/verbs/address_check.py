@@ -19,6 +19,8 @@ import subprocess
 import sys
 import threading
 
+from clusterwire.transports.verbs.engine import _import_ucxx
+
 _LENGTH = struct.Struct("<I")
 MAX_ADDRESS_BYTES = 1 << 16
 
@@ -77,8 +79,6 @@ class AddressChecker:
 
 def main() -> None:
     """The child side: answer for each address whether UCX can unpack it."""
-    from clusterwire.transports.verbs.engine import _import_ucxx
-
     # UCX logs (UCX_PROTO_INFO, warnings) go to fd 1: keep the answer pipe for answers only.
     answers = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)
