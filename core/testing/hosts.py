@@ -72,6 +72,8 @@ _IP_TIMEOUT_S = 10.0
 #: How long ``Host.serve`` waits for its zygote to fork a task (the first waits for the
 #: zygote's start and imports).
 _FORK_TIMEOUT_S = 60.0
+#: How long a task that did not serve is given to finish writing its stderr.
+_STDERR_WAIT_S = 5.0
 _serials = itertools.count()
 _open_beds: set[str] = set()  # the prefixes of this process's test beds not yet closed
 
@@ -203,8 +205,9 @@ class _Drain:
     def __init__(self, stream: IO[str]):
         self._lines: list[str] = []
         self._lock = threading.Lock()
-        threading.Thread(target=self._read, args=(stream,), daemon=True,
-                         name="clusterwire-hosts-drain").start()
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True,
+                                        name="clusterwire-hosts-drain")
+        self._thread.start()
 
     def _read(self, stream: IO[str]) -> None:
         with contextlib.suppress(ValueError, OSError):  # the pipe was closed
@@ -212,7 +215,9 @@ class _Drain:
                 with self._lock:
                     self._lines.append(line)
 
-    def text(self) -> str:
+    def text(self, wait: float = 0.0) -> str:
+        """What was read so far, once the stream ended or ``wait`` seconds passed."""
+        self._thread.join(wait)
         with self._lock:
             return "".join(self._lines)
 
@@ -239,10 +244,10 @@ class Served:
         it wrote to stderr if it did not within ``timeout`` seconds, or exited."""
         target = await_ready(self.process, timeout)
         if target is None:
+            said = self._stderr.text(wait=_STDERR_WAIT_S)  # all of it, if it is exiting
             raise errors.UnavailableError(
                 f"`clusterwire {self.command}` in {self.host.name} ({self.host.address}) did "
-                f"not serve within {timeout} s (exit status {self.process.poll()}): "
-                f"{self.stderr()}")
+                f"not serve within {timeout} s (exit status {self.process.poll()}): {said}")
         self.target, self.address = target, target.split("://", 1)[1]
         return self
 
