@@ -16,7 +16,9 @@ time until every one printed its ready line is taken, three ways, interleaved:
 - ``zygote, warm``: a first task has started the zygote; the n tasks after it;
 - ``interpreter each``: n processes ``ip netns exec HOST python -m clusterwire serve``.
 
-Reported: median and max over the rounds, in seconds; ``--json`` prints one JSON line.
+Reported: median and max over the rounds, in seconds, and each task's Pss (its share of the
+pages it maps, from /proc/PID/smaps_rollup) right after all serve, the median of the rounds'
+means; ``--json`` prints one JSON line.
 """
 
 from __future__ import annotations
@@ -41,28 +43,42 @@ def serve_args(host: Host, tasks: int, index: int) -> list[str]:
     return ["serve", "--cluster", cluster, "--job-name", "w", "--task-index", str(index)]
 
 
-def forked(host: Host, tasks: int) -> None:
+def forked(host: Host, tasks: int) -> list[int]:
     started = [host.serve(*serve_args(host, tasks, i)) for i in range(tasks)]
     for served in started:
         served.wait_ready(TIMEOUT_S)
+    return [served.process.pid for served in started]
 
 
-def interpreters(host: Host, tasks: int) -> None:
+def interpreters(host: Host, tasks: int) -> list[int]:
     started = [host.popen([sys.executable, "-m", "clusterwire", *serve_args(host, tasks, i),
                            "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                           text=True) for i in range(tasks)]
     for process in started:
         if await_ready(process, TIMEOUT_S) is None:
             raise RuntimeError(f"a task exited with {process.poll()} before it served")
+    return [process.pid for process in started]  # ip netns exec execs the Python
 
 
-def timed(tasks: int, start: Callable[[Host, int], None], warm: bool) -> float:
+def pss_mib(pid: int) -> float:
+    """The process's proportional set size (its share of the pages it maps), in MiB."""
+    with open(f"/proc/{pid}/smaps_rollup") as rollup:
+        for line in rollup:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no Pss line for pid {pid}")
+
+
+def timed(tasks: int, start: Callable[[Host, int], list[int]],
+          warm: bool) -> tuple[float, float]:
+    """Seconds until the tasks serve, and their mean Pss (MiB) right after."""
     with EmulatedHosts(1) as hosts:
         if warm:
             hosts[0].serve(*serve_args(hosts[0], 1, 0)).wait_ready(TIMEOUT_S)
         began = time.perf_counter()
-        start(hosts[0], tasks)
-        return time.perf_counter() - began
+        pids = start(hosts[0], tasks)
+        took = time.perf_counter() - began
+        return took, statistics.mean(pss_mib(pid) for pid in pids)
 
 
 WAYS = {"zygote, cold": (forked, False), "zygote, warm": (forked, True),
@@ -80,24 +96,30 @@ def main() -> int:
         print(f"bench_hosts: {reason}", file=sys.stderr)
         return 2
     counts = [int(n) for n in args.tasks.split(",")]
-    results: dict[int, dict[str, list[float]]] = {n: {way: [] for way in WAYS} for n in counts}
+    times: dict[int, dict[str, list[float]]] = {n: {way: [] for way in WAYS} for n in counts}
+    pss: dict[int, dict[str, list[float]]] = {n: {way: [] for way in WAYS} for n in counts}
     for n in counts:
         for _ in range(args.rounds):
             for way, (start, warm) in WAYS.items():
-                results[n][way].append(timed(n, start, warm))
+                took, mib = timed(n, start, warm)
+                times[n][way].append(took)
+                pss[n][way].append(mib)
     if args.json:
-        print(json.dumps({str(n): {way: {"median_s": statistics.median(times),
-                                         "max_s": max(times)}
-                                   for way, times in ways.items()}
-                          for n, ways in results.items()}))
+        print(json.dumps({str(n): {way: {"median_s": statistics.median(times[n][way]),
+                                         "max_s": max(times[n][way]),
+                                         "pss_mib_per_task": statistics.median(pss[n][way])}
+                                   for way in WAYS}
+                          for n in counts}))
         return 0
     print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
           f"{args.rounds} rounds; seconds until n tasks on one emulated host serve, "
-          "median / max\n")
-    print("| n | " + " | ".join(WAYS) + " |")
-    print("|---:|" + "---:|" * len(WAYS))
-    for n, ways in results.items():
-        cells = [f"{statistics.median(t):.2f} / {max(t):.2f}" for t in ways.values()]
+          "median / max; a task's Pss right after (MiB, median of the rounds' means)\n")
+    print("| n | " + " | ".join(f"{way} (s)" for way in WAYS) + " | "
+          + " | ".join(f"Pss, {way}" for way in WAYS) + " |")
+    print("|---:|" + "---:|" * 2 * len(WAYS))
+    for n in counts:
+        cells = [f"{statistics.median(t):.2f} / {max(t):.2f}" for t in times[n].values()]
+        cells += [f"{statistics.median(m):.1f}" for m in pss[n].values()]
         print(f"| {n} | " + " | ".join(cells) + " |")
     return 0
 
