@@ -90,9 +90,13 @@ def _dispatcher(args: argparse.Namespace) -> int:
         job_gc_timeout_ms=args.job_gc_timeout_ms, worker_timeout_ms=args.worker_timeout_ms,
         dataset_gc_timeout_ms=args.dataset_gc_timeout_ms,
         allow_cloudpickle=args.allow_cloudpickle, bind_address=args.bind_address,
-        worker_token_file=args.worker_token_file, **_metrics(args), **_security(args))
+        worker_token_file=args.worker_token_file, standby=args.standby, **_metrics(args),
+        **_security(args))
     server = DispatchServer(config=config)
     _stop_on_signals(server, args)
+    if not server.wait_serving():  # a standby stopped by a signal before it took over
+        _say_stopped(server.target, "standby dispatcher", args)
+        return 0
     report = server.journal_report
     if report.message:
         print(f"clusterwire dispatcher: {report.message}", file=sys.stderr, flush=True)
@@ -228,6 +232,12 @@ def add_commands(commands: Any) -> None:
     dispatcher.add_argument("--work-dir", help="journal and dataset directory")
     dispatcher.add_argument("--fault-tolerant-mode", action="store_true",
                             help="journal state in --work-dir to survive restarts")
+    dispatcher.add_argument("--standby", action="store_true",
+                            help="wait while another dispatcher holds --work-dir's lease, then "
+                            "replay its journal and serve at this one's --port (needs "
+                            "--work-dir and --fault-tolerant-mode; until then every request is "
+                            "answered UNAVAILABLE and no ready line is printed). Give workers "
+                            "and clients both addresses: HOST1:P1,HOST2:P2")
     dispatcher.add_argument("--worker-addresses", nargs="+", metavar="HOST:PORT",
                             help="fixed workers, for static sharding policies")
     for name in ("job-gc-check-interval-ms", "job-gc-timeout-ms", "worker-timeout-ms",
@@ -240,7 +250,9 @@ def add_commands(commands: Any) -> None:
     worker = commands.add_parser(
         "worker", help="run a tf.data service worker until SIGINT/SIGTERM")
     _common(worker)
-    worker.add_argument("--dispatcher-address", required=True, help="HOST:PORT of the dispatcher")
+    worker.add_argument("--dispatcher-address", required=True,
+                        help="HOST:PORT of the dispatcher, or of a primary and its standbys: "
+                        "HOST1:P1,HOST2:P2 (the worker follows the one serving)")
     worker.add_argument("--worker-address", help="address told to clients (default "
                         "localhost:%%port%%)")
     for name in ("heartbeat-interval-ms", "dispatcher-timeout-ms",

@@ -101,8 +101,9 @@ def register_dataset(service: Any, dataset: Dataset, compression: str | None = "
 def service_status(address: str, protocol: str = "grpc", timeout: float = 10.0,
                    security: Security | None = None) -> DataServiceStatus:
     """The status of the dispatcher or worker at ``address`` ("host:port"; a
-    ``protocol://`` prefix names the protocol): its kind, address, protocol, version and
-    metrics (``clusterwire.metrics``' samples, histograms as ``_count`` and ``_sum``); a
+    ``protocol://`` prefix names the protocol; a dispatcher's standbys may follow it,
+    "host1:port1,host2:port2", and the one serving answers): its kind, address, protocol,
+    version and metrics (``clusterwire.metrics``' samples, histograms as ``_count`` and ``_sum``); a
     dispatcher's also lists its workers and jobs.
 
     ``security``: the client's credentials (a token-protected server refuses a request
@@ -110,6 +111,12 @@ def service_status(address: str, protocol: str = "grpc", timeout: float = 10.0,
     """
     if "://" in address:
         protocol, address = parse_service(address)
+    if "," in address:  # a primary and its standbys: the one that serves answers
+        dispatcher = DispatcherClient(protocol, address, timeout, security or Security())
+        try:
+            return dispatcher.call(DataRequest(get_status=GetStatusRequest()))[0].status_report
+        finally:
+            dispatcher.close()
     client = RequestClient(protocol, timeout=timeout, security=security)
     try:
         reply = client.send_frame(

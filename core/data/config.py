@@ -17,7 +17,9 @@ import collections
 import logging
 from typing import Any
 
-from clusterwire.addressing import split_host_port
+from clusterwire import errors
+from clusterwire.addressing import split_host_port, split_target
+from clusterwire.data.addresses import dispatcher_addresses
 from clusterwire.data.limits import PipelineLimits, as_limits
 from clusterwire.security import Security, load_security, security_fields
 from clusterwire.shell import listen_options
@@ -74,7 +76,8 @@ def _metrics(port: Any, host: Any) -> tuple[int | None, str]:
 _DISPATCHER_FIELDS = ("port", "protocol", "work_dir", "fault_tolerant_mode", "worker_addresses",
                       "job_gc_check_interval_ms", "job_gc_timeout_ms", "worker_timeout_ms",
                       "allow_cloudpickle", "bind_address", "dataset_gc_timeout_ms",
-                      "metrics_port", "metrics_host", "worker_token_file", *security_fields())
+                      "metrics_port", "metrics_host", "worker_token_file", "standby",
+                      *security_fields())
 _WORKER_FIELDS = ("dispatcher_address", "worker_address", "port", "protocol",
                   "heartbeat_interval_ms", "dispatcher_timeout_ms", "data_transfer_protocol",
                   "data_transfer_address", "allow_cloudpickle", "function_modules",
@@ -134,6 +137,10 @@ class DispatcherConfig(collections.namedtuple("DispatcherConfig", _DISPATCHER_FI
     ``clusterwire.data.worker_auth``); None: ``CLUSTERWIRE_WORKER_TOKEN_FILE`` or
     ``CLUSTERWIRE_WORKER_TOKEN``, else a random token only this process's workers and
     ``LocalDataService``'s learn.
+    ``standby``: wait for the work_dir's lease (``clusterwire.data.lease``) while another
+    dispatcher holds it, then replay the journal and serve at this one's own address (needs
+    ``work_dir`` and ``fault_tolerant_mode``). Without it, a dispatcher whose work_dir's
+    lease is held is refused (FailedPreconditionError).
     """
 
     def __new__(cls, port: int = 0, protocol: str | None = None, work_dir: str | None = None,
@@ -143,7 +150,13 @@ class DispatcherConfig(collections.namedtuple("DispatcherConfig", _DISPATCHER_FI
                 allow_cloudpickle: bool = False, bind_address: str = "localhost",
                 dataset_gc_timeout_ms: int | None = None, metrics_port: int | None = None,
                 metrics_host: str | None = None, worker_token_file: str | None = None,
-                **security: Any):
+                standby: bool = False, **security: Any):
+        if standby and not (work_dir and fault_tolerant_mode):
+            raise errors.InvalidArgumentError(
+                f"A standby dispatcher needs the primary's work_dir and fault_tolerant_mode "
+                f"(got work_dir={work_dir!r}, fault_tolerant_mode={fault_tolerant_mode!r}): it "
+                "takes over by replaying the primary's journal. Give it the same --work-dir "
+                "and --fault-tolerant-mode as the primary.")
         gc_timeout = -1 if job_gc_timeout_ms == -1 else time_field(
             job_gc_timeout_ms, "job_gc_timeout_ms")
         dataset_gc = -1 if dataset_gc_timeout_ms == -1 else time_field(
@@ -158,12 +171,14 @@ class DispatcherConfig(collections.namedtuple("DispatcherConfig", _DISPATCHER_FI
             gc_timeout, time_field(worker_timeout_ms, "worker_timeout_ms"),
             bool(allow_cloudpickle), bind_address, dataset_gc,
             *_metrics(metrics_port, metrics_host), _token_file(worker_token_file),
-            *_security(security))
+            bool(standby), *_security(security))
 
 
 class WorkerConfig(collections.namedtuple("WorkerConfig", _WORKER_FIELDS)):
     """Configuration of a WorkerServer (``tf.data.experimental.service.WorkerConfig``).
 
+    ``dispatcher_address``: ``host:port``, or a primary's and its standbys' as
+    ``"host1:port1,host2:port2"`` (the worker follows the one serving).
     ``worker_address`` is what the dispatcher tells clients (``%port%`` is
     replaced by the bound port); the worker binds its host.
     ``data_transfer_protocol`` serves elements over a second transport at
@@ -202,6 +217,7 @@ class WorkerConfig(collections.namedtuple("WorkerConfig", _WORKER_FIELDS)):
         if not isinstance(dispatcher_address, str) or not dispatcher_address:
             raise ValueError(f"`dispatcher_address` must be a non-empty string, got "
                              f"{dispatcher_address!r}")
+        dispatcher_addresses(split_target(dispatcher_address)[1])
         worker_address = worker_address or "localhost:%port%"
         split_host_port(worker_address.replace("%port%", "0"))
         return super().__new__(

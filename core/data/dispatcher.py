@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import hmac
+import logging
 import threading
 import time
 from collections import Counter
@@ -62,6 +63,7 @@ from clusterwire.data.journal import (
     remove_payload,
     write_payload,
 )
+from clusterwire.data.lease import Lease
 from clusterwire.data.modes import STATIC_POLICIES, ShardingPolicy, mode_name, policy_of
 from clusterwire.data.monitoring import Monitoring
 from clusterwire.data.pipeline import INFINITE, split_plan
@@ -99,6 +101,8 @@ _COMPACT_SLACK = 1000
 _WILDCARDS = ("", "0.0.0.0", "::", "[::]")
 #: Requests that add an entry to a table (passed the peer that sent them).
 _CREATING = frozenset({"register_dataset", "get_or_create_job"})
+_STOP_CHECK_S = 1.0  # how often wait_serving looks whether the dispatcher was stopped
+log = logging.getLogger("clusterwire")
 
 
 class DispatchServer:
@@ -148,16 +152,7 @@ class DispatchServer:
         self._displaced_jobs: Displaced[int] = Displaced(MAX_JOBS)
         self._displaced_datasets: Displaced[str] = Displaced(MAX_DATASETS)
         self._cond = threading.Condition()
-        self._journal: Journal | None = None
         self.journal_report = ReadReport([])
-        if config.fault_tolerant_mode:
-            self._journal = Journal(config.work_dir)
-            self.journal_report = self._replay(self._journal)
-            self._records = len(self.journal_report.entries)
-            self._state.unread_jobs.clear()  # their consumers count as just seen
-        if not self._state.grant_key:
-            with self._cond:
-                self._commit(JournalEntry(grant_key=grants.new_key()))
         host = config.bind_address
         self._host = "localhost" if host in _WILDCARDS else host
         security = server_security(config)
@@ -165,6 +160,24 @@ class DispatchServer:
         self._made_token = self._worker_token is None  # then only local workers learn it
         if self._made_token:
             self._worker_token = worker_auth.new_token()
+        # A standby serves (answers anything but UnavailableError) once it holds the lease.
+        self._serving = threading.Event()
+        self._takeover_error: BaseException | None = None
+        self._durable = _Durable(Lease(config.work_dir) if config.work_dir else None)
+        try:
+            if config.standby:
+                self._standby_reason = (
+                    f"This tf.data service dispatcher is standing by for work_dir "
+                    f"{config.work_dir!r}, whose lease is held by "
+                    f"{self._durable.lease.holder()}; it serves once that dispatcher is gone. "
+                    "Give clients and workers both addresses, 'primary:port,standby:port'.")
+            else:
+                self._take_lease()
+                self._load()
+                self._serving.set()
+        except BaseException:
+            self._durable.close()
+            raise
         self._monitoring = Monitoring("data-dispatcher")
         self._heartbeats = REGISTRY.family(catalog.DATA_HEARTBEATS)
         self._stopping = threading.Event()
@@ -174,25 +187,83 @@ class DispatchServer:
                                    server_listen_options(security))
         except BaseException:
             self._monitoring.close()
+            self._durable.close()
             raise
         if self._made_token:
             worker_auth.publish(self._endpoint.port, self._host, self._worker_token)
+        if self._serving.is_set():
+            self._durable.describe(self.target)
         try:
             self._monitoring.start(functools.partial(
                 _samples, self._monitoring.name, self._state, self._cond, self._worker_timeout,
-                self._journal), config.metrics_port, config.metrics_host, security)
+                self._durable), config.metrics_port, config.metrics_host, security)
         except BaseException:
-            _shutdown(self._endpoint, self._stopping, self._journal, self._monitoring, None)
+            _shutdown(self._endpoint, self._stopping, self._durable, self._monitoring, None)
             raise
         self._stopped = threading.Event()
         self._started = False
         self._lock = threading.Lock()
         self._gc_thread = threading.Thread(target=self._gc_loop, daemon=True,
                                            name="clusterwire-data-gc")
+        self._standby_thread = threading.Thread(target=self._stand_by, daemon=True,
+                                                name="clusterwire-data-standby")
         self._finalizer = stop_at_exit(self, _shutdown, self._endpoint, self._stopping,
-                                       self._journal, self._monitoring, None)
+                                       self._durable, self._monitoring, None)
         if start:
             self.start()
+
+    def _take_lease(self) -> None:
+        """Hold the work_dir's lease (if any); FailedPreconditionError naming its holder."""
+        lease = self._durable.lease
+        if lease is not None and not lease.try_take():
+            raise errors.FailedPreconditionError(
+                f"The work_dir {self._config.work_dir!r} is in use: its lease ({lease.path}) "
+                f"is held by another dispatcher ({lease.holder()}), and two dispatchers must "
+                "never write one journal. Start this one with --standby "
+                "(DispatcherConfig(standby=True)) to take over when that one dies, or give it "
+                "another --work-dir.")
+
+    def _load(self) -> None:
+        """Replay the journal (fault-tolerant mode) and make the grant key: the state this
+        dispatcher serves. Call holding the lease."""
+        with self._cond:
+            if self._config.fault_tolerant_mode:
+                journal = Journal(self._config.work_dir)
+                report = self._replay(journal)
+                self._durable.adopt(journal)
+                self.journal_report = report
+                self._records = len(report.entries)
+                self._state.unread_jobs.clear()  # their consumers count as just seen
+            if not self._state.grant_key:
+                self._commit(JournalEntry(grant_key=grants.new_key()))
+
+    def _stand_by(self) -> None:
+        """A standby's wait for the lease, then its takeover: replay, then serve."""
+        log.warning("clusterwire: tf.data service dispatcher %s: %s", self.target,
+                    self._standby_reason)
+        if self._made_token:
+            log.warning("clusterwire: tf.data service dispatcher %s is a standby without a "
+                        "worker token (worker_token_file, %s): once it takes over, only "
+                        "workers of its own process can register. Give it the primary's.",
+                        self.target, worker_auth.ENV_FILE)
+        if not self._durable.lease.wait(self._stopping):
+            return
+        try:
+            self._load()
+        except BaseException as err:
+            if self._stopping.is_set():
+                return
+            self._takeover_error = err
+            log.error("clusterwire: tf.data service dispatcher %s took the lease of work_dir "
+                      "%r but cannot serve it: %s", self.target, self._config.work_dir, err)
+            self.stop(0)
+            return
+        self._durable.describe(self.target)
+        self._gc_thread.start()
+        self._serving.set()
+        log.warning("clusterwire: tf.data service dispatcher %s took over work_dir %r (%d "
+                    "journal records replayed) and serves.", self.target,
+                    self._config.work_dir, len(self.journal_report.entries))
 
     def _replay(self, journal: Journal) -> ReadReport:
         report = journal.read()
@@ -233,8 +304,32 @@ class DispatchServer:
                 raise errors.FailedPreconditionError("This dispatcher was stopped.")
             if not self._started:
                 self._endpoint.start()
-                self._gc_thread.start()
+                if self._serving.is_set():
+                    self._gc_thread.start()
+                else:
+                    self._standby_thread.start()
                 self._started = True
+
+    @property
+    def standing_by(self) -> bool:
+        """A standby that does not hold the work_dir's lease yet (it answers every request
+        with UnavailableError)."""
+        return not self._serving.is_set()
+
+    def wait_serving(self, timeout: float | None = None) -> bool:
+        """Block until this dispatcher serves (True: a standby took over), it is stopped or
+        ``timeout`` passes (False); a standby that took the lease but could not replay the
+        journal raises that error. Signal handlers still run while the main thread waits."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._serving.is_set() and not self._stopped.is_set():
+            left = _STOP_CHECK_S if deadline is None else min(
+                _STOP_CHECK_S, deadline - time.monotonic())
+            if left <= 0:
+                break
+            wait_event(self._serving, left)
+        if self._takeover_error is not None:
+            raise self._takeover_error
+        return self._serving.is_set()
 
     def join(self, timeout: float | None = None) -> bool:
         """Block until the server is stopped (or ``timeout`` passes); True once stopped.
@@ -248,7 +343,7 @@ class DispatchServer:
         if self._made_token:
             worker_auth.withdraw(self._endpoint.port, self._worker_token)
         if self._finalizer.detach() is not None:
-            _shutdown(self._endpoint, self._stopping, self._journal, self._monitoring, grace)
+            _shutdown(self._endpoint, self._stopping, self._durable, self._monitoring, grace)
             with self._cond:
                 self._cond.notify_all()
         self._stopped.set()
@@ -275,8 +370,8 @@ class DispatchServer:
                 peer: str = "") -> None:
         """Journal (fault-tolerant mode) and apply one decision (``peer``: whose request made
         a new job or dataset; not journaled); call with the lock held."""
-        if self._journal is not None:
-            self._journal.append(entry)
+        if self._durable.journal is not None:
+            self._durable.journal.append(entry)
             self._records += 1
         self._state.apply(entry, buffers, peer)
         self._cond.notify_all()
@@ -289,13 +384,15 @@ class DispatchServer:
 
     def _compact(self) -> None:
         """Replace the journal by a snapshot of the state, so a restart replays O(state)."""
-        if self._journal is not None:
+        if self._durable.journal is not None:
             snapshot = self._state.snapshot()
-            self._journal.rewrite(snapshot)
+            self._durable.journal.rewrite(snapshot)
             self._records = len(snapshot)
 
     def _handle(self, request: DataRequest, buffers: list[Any], peer: str
                 ) -> tuple[DataResponse, list]:
+        if not self._serving.is_set():
+            raise errors.UnavailableError(self._standby_reason)
         kind = request.WhichOneof("kind")
         handler = getattr(self, f"_on_{kind}", None) if kind else None
         if handler is None or kind == "get_elements":
@@ -334,7 +431,7 @@ class DispatchServer:
             lengths = [memoryview(b).nbytes for b in buffers]
             self._make_room_for_dataset(sum(lengths), peer)
             self._displaced_datasets.forget(dataset_id)
-            if self._journal is not None:
+            if self._durable.journal is not None:
                 write_payload(self._config.work_dir, dataset_id, buffers)
             self._commit(JournalEntry(dataset=JournalDataset(
                 dataset_id=dataset_id, fingerprint=fingerprint,
@@ -386,7 +483,7 @@ class DispatchServer:
         """Forget datasets (and their payload files). Call with the lock held."""
         for dataset_id in dataset_ids:
             self._commit(JournalEntry(removed_dataset=dataset_id))
-        if dataset_ids and self._journal is not None:
+        if dataset_ids and self._durable.journal is not None:
             self._compact()  # no record names their payloads any more
             for dataset_id in dataset_ids:
                 remove_payload(self._config.work_dir, dataset_id)
@@ -895,19 +992,49 @@ class _ResumeWave:
         return len(self.consumers) >= self.num_consumers
 
 
-def _shutdown(endpoint: Shell, stopping: threading.Event, journal: Journal | None,
+class _Durable:
+    """A dispatcher's side of its work_dir: the lease and, once replayed, the journal."""
+
+    def __init__(self, lease: Lease | None):
+        self.lease = lease
+        self.journal: Journal | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def adopt(self, journal: Journal) -> None:
+        """Write to ``journal`` from now on; CancelledError if closed meanwhile."""
+        with self._lock:
+            if self._closed:
+                raise errors.CancelledError("This dispatcher was stopped.")
+            self.journal = journal
+
+    def describe(self, target: str) -> None:
+        """Name this dispatcher, at ``target``, in the lease file."""
+        if self.lease is not None:
+            self.lease.describe(target)
+
+    def close(self) -> None:
+        """Close the journal, then let go of the lease (idempotent)."""
+        with self._lock:
+            self._closed = True
+            if self.journal is not None:
+                self.journal.close()
+            if self.lease is not None:
+                self.lease.release()
+
+
+def _shutdown(endpoint: Shell, stopping: threading.Event, durable: _Durable,
               monitoring: Monitoring, grace: float | None) -> None:
     stopping.set()
     try:
         endpoint.stop(grace)
     finally:
         monitoring.close()
-        if journal is not None:
-            journal.close()
+        durable.close()
 
 
 def _samples(server: str, state: DispatcherState, lock: threading.Condition,
-             worker_timeout: float, journal: Journal | None) -> list[Sample]:
+             worker_timeout: float, durable: _Durable) -> list[Sample]:
     """The dispatcher's gauges and split counts (a registry source; it must not hold the
     DispatchServer, whose collection stops it)."""
     with lock:
@@ -920,7 +1047,7 @@ def _samples(server: str, state: DispatcherState, lock: threading.Condition,
                 samples += [Sample(catalog.DATA_SPLITS_HANDED, labels, job.splits_handed),
                             Sample(catalog.DATA_SPLITS_DONE, labels, job.splits_completed)]
     samples.append(Sample(catalog.DATA_JOURNAL_BYTES, (server,),
-                          0 if journal is None else journal.nbytes()))
+                          0 if durable.journal is None else durable.journal.nbytes()))
     return samples
 
 

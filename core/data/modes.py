@@ -10,7 +10,8 @@ import enum
 from typing import Any
 
 from clusterwire import errors
-from clusterwire.addressing import split_host_port, split_target
+from clusterwire.addressing import split_target
+from clusterwire.data.addresses import dispatcher_addresses
 
 
 class ShardingPolicy(enum.IntEnum):
@@ -83,7 +84,9 @@ def compression_name(compression: Any) -> str:
 
 
 def parse_service(service: Any) -> tuple[str, str]:
-    """``(protocol, "host:port")`` of a ``service`` argument ("[proto://]addr" or a tuple)."""
+    """``(protocol, "host:port")`` of a ``service`` argument ("[proto://]addr" or a tuple);
+    the address may list a primary dispatcher and its standbys, "host1:port1,host2:port2"
+    (``clusterwire.data.addresses``)."""
     if isinstance(service, tuple) and len(service) == 2:
         protocol, address = service
     elif isinstance(service, str):
@@ -98,7 +101,7 @@ def parse_service(service: Any) -> tuple[str, str]:
             f"{service!r}")
     if not isinstance(protocol, str) or not isinstance(address, str):
         raise ValueError(f"`service` tuple must hold two strings, got {service!r}")
-    split_host_port(address)
+    dispatcher_addresses(address)
     return protocol, address
 
 

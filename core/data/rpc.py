@@ -7,14 +7,17 @@
   ``RequestClient`` (channel reuse, backoff on connection failures), retried
   while the dispatcher is unavailable -- every dispatcher request is
   idempotent -- for up to ``dispatcher_timeout`` (so a restarting dispatcher
-  is waited for).
+  is waited for). Given a primary and its standbys (``"H1:P1,H2:P2"``), it
+  follows the one that serves.
 * ``WorkerChannels``: direct channels to workers for element reads; the
   caller decides about failures (a dead worker's split moves elsewhere).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,12 +25,20 @@ from google.protobuf.message import DecodeError
 
 from clusterwire import errors
 from clusterwire.addressing import join_host_port
+from clusterwire.data.addresses import dispatcher_addresses
+from clusterwire.durations import format_duration
 from clusterwire.plugins import get_plugin_manager
 from clusterwire.protos.data_service_pb2 import DataRequest, DataResponse
-from clusterwire.rpc import RequestClient, raise_for_status
+from clusterwire.rpc import RequestClient, jittered, raise_for_status
 from clusterwire.security import Security
 from clusterwire.shell import Shell, warn_if_exposed
 from clusterwire.transport import Channel, Frame, ListenOptions
+
+log = logging.getLogger("clusterwire")
+
+#: After a round in which no dispatcher of a list answered, the next round starts after
+#: this backoff, doubling up to the most (a standby takes over within its lease poll).
+_FAILOVER_BACKOFF_START_S, _FAILOVER_BACKOFF_MAX_S = 0.05, 0.5
 
 #: A request, its buffers and the peer that sent it (``Frame.peer``) -> the response.
 Handler = Callable[[DataRequest, list[Any], str], tuple[DataResponse, Sequence[Any]]]
@@ -80,29 +91,78 @@ def serve(protocol: str, host: str, port: int, handler: Handler, name: str,
 
 
 class DispatcherClient:
-    """Requests to one dispatcher: all idempotent, so retried while it is unavailable."""
+    """Requests to a dispatcher: all idempotent, so retried while it is unavailable.
+
+    ``address`` is ``host:port`` or a primary's and its standbys' (``"H1:P1,H2:P2"``,
+    ``clusterwire.data.addresses``). With a list, requests go to the one that answered last
+    (``address``); when it is unavailable (unreachable, or a standby not serving yet) the
+    next is tried at once, and after a round in which none answered, again after a short
+    backoff, all within ``timeout``.
+    """
 
     def __init__(self, protocol: str, address: str, timeout: float, security: Security,
                  call_timeout: float = 30.0):
-        self.address = address
+        self.addresses = dispatcher_addresses(address)
+        self._current = 0
         self.timeout = timeout
         self.security = security
         self._call_timeout = call_timeout
+        self._closed = threading.Event()
         self._client = RequestClient(protocol, timeout=timeout, security=security,
                                      peer="tf.data service dispatcher")
+
+    @property
+    def address(self) -> str:
+        """The dispatcher address that answered last (at first, the list's first)."""
+        return self.addresses[self._current]
 
     def call(self, request: DataRequest, buffers: Sequence[Any] = (), retry: bool = True
              ) -> tuple[DataResponse, list[Any]]:
         """Send ``request``; return the response and its buffers. Without ``retry``, an
-        unreachable dispatcher is an UnavailableError at once."""
-        reply = self._client.send_frame(
-            self.address, Frame(request.SerializeToString(), list(buffers)),
-            f"data.{request.WhichOneof('kind')}", idempotent=True,
-            attempt_timeout=self._call_timeout, retry=retry)
-        return parse(reply), list(reply.buffers)
+        unreachable dispatcher (every one of a list) is an UnavailableError at once."""
+        frame = Frame(request.SerializeToString(), list(buffers))
+        method = f"data.{request.WhichOneof('kind')}"
+        if len(self.addresses) == 1:
+            reply = self._client.send_frame(self.address, frame, method, idempotent=True,
+                                            attempt_timeout=self._call_timeout, retry=retry)
+            return parse(reply), list(reply.buffers)
+        return self._fail_over(frame, method, retry)
+
+    def _fail_over(self, frame: Frame, method: str, retry: bool
+                   ) -> tuple[DataResponse, list[Any]]:
+        deadline = time.monotonic() + self.timeout
+        delay = _FAILOVER_BACKOFF_START_S
+        while True:
+            first, error = self._current, ""
+            for step in range(len(self.addresses)):
+                index = (first + step) % len(self.addresses)
+                try:
+                    reply = self._client.send_frame(
+                        self.addresses[index], frame, method,
+                        timeout=max(deadline - time.monotonic(), 0.001), idempotent=True,
+                        attempt_timeout=self._call_timeout, retry=False)
+                    response = parse(reply)
+                except errors.UnavailableError as err:  # unreachable, or a standby
+                    error = err.message
+                    continue
+                if index != self._current:
+                    log.warning("clusterwire: the tf.data service dispatcher at %s serves "
+                                "(was: %s).", self.addresses[index], self.address)
+                    self._current = index
+                return response, list(reply.buffers)
+            remaining = deadline - time.monotonic()
+            if not retry or remaining <= 0:
+                within = f" within {format_duration(self.timeout)}" if retry else ""
+                raise errors.UnavailableError(
+                    f"None of the tf.data service dispatchers {','.join(self.addresses)} "
+                    f"({self._client.protocol}) serves{within}; the last answer: {error}")
+            if self._closed.wait(min(jittered(delay), remaining)):
+                raise errors.CancelledError("This client was closed.")
+            delay = min(delay * 2, _FAILOVER_BACKOFF_MAX_S)
 
     def close(self) -> None:
-        """Stop retrying and release the channel."""
+        """Stop retrying and release the channels."""
+        self._closed.set()
         self._client.close()
 
 
