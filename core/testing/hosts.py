@@ -21,13 +21,14 @@ memory and file system; only the network is theirs::
 ``Host.serve`` starts a ``clusterwire`` command (serve, dispatcher, worker...) as a fork of
 the host's zygote (``clusterwire.zygote``, as LocalCluster starts its tasks): one Python per
 host and environment, started in the host's namespace on the first ``serve``, that has
-imported clusterwire once, so a host's tasks pay neither an interpreter start nor the
-imports each. ``Host.popen`` and ``Host.run`` start any other command there as a process of
-its own.
+imported clusterwire once, so a host's tasks pay neither an interpreter start nor those
+imports each (``--import`` modules are imported by each task). ``Host.popen``, ``Host.run``
+and ``Host.interpreter`` start a process of its own there, in a session of its own.
 
-Every process started in a host runs in a session of its own; leaving the ``with`` block
-kills them (and anything else still in the namespaces) and deletes every namespace, and with
-them the veths and the bridges. Names carry the pid of the process that made them, so a
+Leaving the ``with`` block ends the zygotes (each SIGKILLs its tasks), kills the other
+processes with their sessions (and anything else still in the namespaces) and deletes every
+namespace, and with them the veths and the bridges. Names carry the pid of the process that
+made them, so a
 crashed earlier run cannot collide with this one: its namespaces are deleted when the next
 test bed starts (``remove_stale``).
 
@@ -396,7 +397,10 @@ class EmulatedHosts:
     """``count`` emulated hosts on one bridge; a context manager (see the module).
 
     ``hosts[i]`` (or ``hosts.hosts[i]``) is host ``i``, whose address is
-    ``192.0.2.(10 + i)``. ``FailedPreconditionError`` if namespaces cannot be made here
+    ``192.0.2.(10 + i)``; ``tasks``, ``processes`` and ``interpreters`` list what
+    ``Host.serve``, ``Host.popen`` (and ``run``) and ``Host.interpreter`` started, and
+    ``prefix`` begins the names of its namespaces (``switch`` is the bridge's).
+    ``FailedPreconditionError`` if namespaces cannot be made here
     (``netns_available()``), ``InvalidArgumentError`` for a count out of 1..MAX_HOSTS.
     """
 
