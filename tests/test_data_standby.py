@@ -239,3 +239,23 @@ def test_a_standby_that_cannot_replay_the_journal_says_why_and_lets_go(tmp_path)
     assert standby.join(10)
     with pytest.raises(errors.DataLossError):  # the lease is free again: refused for the journal
         data.DispatchServer(config)
+
+
+def test_of_two_standbys_on_a_fresh_work_dir_the_first_to_take_the_lease_serves(tmp_path):
+    config = data.DispatcherConfig(work_dir=str(tmp_path), fault_tolerant_mode=True,
+                                   bind_address="127.0.0.1", standby=True)
+    with data.DispatchServer(config) as first, data.DispatchServer(config) as second:
+        assert first.wait_serving(30)
+        assert second.standing_by and not second.wait_serving(0.5)
+        first.stop()
+        assert second.wait_serving(30)
+
+
+@pytest.mark.timeout(60)
+def test_a_standby_stopped_by_sigterm_before_it_serves_exits_cleanly(processes, tmp_path):
+    work_dir = str(tmp_path / "work")
+    processes("dispatcher", "--port", "0", *ft_args(work_dir))
+    standby, _ = start_standby(processes, work_dir)
+    assert standby.terminate() == 0
+    assert standby.process.stdout.read() == ""  # no ready line
+    assert "Traceback" not in standby.stderr()
