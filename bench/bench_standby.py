@@ -8,7 +8,9 @@ addresses run as processes of their own; this process reads a distributed_epoch 
 ``service="grpc://PRIMARY,STANDBY"`` and SIGKILLs the primary after a quarter of the
 elements. Per run: the longest gap between two elements after the kill, the longest before
 it (the steady reading's own), the time from the kill to the standby's ready line (it serves:
-lease taken, journal replayed), whether
+lease taken, journal replayed), how long a dispatcher request sent through both addresses at
+the moment of the kill waited for its answer (what a client needing a split right then
+waits: the worst case the read-ahead hides from the gap), whether
 every element arrived exactly once, and the splits the standby handed out after the kill
 (>0: the client did need the new dispatcher). Then the median and the worst over the runs.
 Every process started here is stopped at the end, also on error.
@@ -79,6 +81,9 @@ def _run(count: int, slow_s: float) -> dict[str, float]:
         served: list[float] = []  # when the standby's ready line came
         watcher = threading.Thread(target=lambda: await_ready(standby, 60.0) and served.append(
             time.monotonic()), daemon=True)
+        answered: list[float] = []  # when a request sent at the kill was answered
+        asker = threading.Thread(target=lambda: data.service_status(service, timeout=60) and
+                                 answered.append(time.monotonic()), daemon=True)
         for index, element in enumerate(data.from_dataset_id(
                 "distributed_epoch", service, "d", job_name="bench")):
             now = time.monotonic()
@@ -92,11 +97,15 @@ def _run(count: int, slow_s: float) -> dict[str, float]:
                 processes[0].kill()
                 killed = time.monotonic()
                 watcher.start()
+                asker.start()
         watcher.join(60.0)
+        asker.join(60.0)
         takeover_s = served[0] - killed if served else float("nan")
+        request_s = answered[0] - killed if answered else float("nan")
         [job] = data.service_status(f"grpc://127.0.0.1:{port}").jobs
         return {"gap_after_kill_s": max(after), "gap_before_kill_s": max(before),
                 "standby_serving_after_kill_s": takeover_s,
+                "request_at_kill_answered_s": request_s,
                 "exactly_once": seen == Counter(range(count)),
                 "splits_handed_by_standby": job.splits_handed - handed,
                 "splits": job.splits_handed}
@@ -125,15 +134,19 @@ def main() -> None:
                 f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                 for k, v in runs[-1].items()), flush=True)
     gaps = [r["gap_after_kill_s"] for r in runs]
+    asked = [r["request_at_kill_answered_s"] for r in runs]
     summary = {"runs": len(runs), "gap_median_s": statistics.median(gaps),
-               "gap_max_s": max(gaps),
+               "gap_max_s": max(gaps), "request_at_kill_median_s": statistics.median(asked),
+               "request_at_kill_max_s": max(asked),
                "steady_gap_max_s": max(r["gap_before_kill_s"] for r in runs),
                "all_exactly_once": all(r["exactly_once"] for r in runs),
                "load1": os.getloadavg()[0]}
     print(json.dumps(summary) if args.json else
           f"takeover gap: median {summary['gap_median_s']:.3f} s, worst "
           f"{summary['gap_max_s']:.3f} s over {len(runs)} runs (steady reading's worst "
-          f"{summary['steady_gap_max_s']:.3f} s); every element exactly once: "
+          f"{summary['steady_gap_max_s']:.3f} s); a request sent at the kill answered after "
+          f"{summary['request_at_kill_median_s']:.3f} s (median), "
+          f"{summary['request_at_kill_max_s']:.3f} s (worst); every element exactly once: "
           f"{summary['all_exactly_once']}; load {summary['load1']:.1f}", flush=True)
 
 
