@@ -18,6 +18,7 @@ from clusterwire.security import Security
 from clusterwire.testing.peer import echo_handler
 from clusterwire.transport import Frame, ListenOptions
 from clusterwire.transports._grpc_common.door import Door, context_peer
+from clusterwire.transports._grpc_common.status import ERROR_CODE_KEY
 from clusterwire.transports.grpc.transport import GrpcTransport
 
 pytestmark = pytest.mark.timeout(60)
@@ -198,9 +199,13 @@ class EndedCall:
     def __init__(self, peer: str):
         self._peer = peer
         self.refusal: tuple[grpc.StatusCode, str] | None = None
+        self.trailers: tuple[tuple[str, str], ...] = ()
 
     def peer(self) -> str:
         return self._peer
+
+    def set_trailing_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.trailers = metadata
 
     def add_callback(self, callback) -> bool:
         return False
@@ -223,6 +228,8 @@ def test_authenticated_connections_are_counted_once_up_to_max_connections():
             door.admit(call)
         code, details = call.refusal
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert dict(call.trailers) == {
+            ERROR_CODE_KEY: str(errors.ResourceExhaustedError.error_code)}
         assert "max_connections (2)" in details and "raise max_connections" in details
         assert closed_by_server(connections[2][0])  # shut
         assert still_open(connections[0][0]) and still_open(connections[1][0])

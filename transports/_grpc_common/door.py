@@ -45,8 +45,10 @@ import weakref
 
 import grpc
 
+from clusterwire import errors
 from clusterwire.pending import FairConnections, PendingConnections
 from clusterwire.transport import ListenOptions
+from clusterwire.transports._grpc_common.status import abort
 
 _LOG = logging.getLogger(__name__)
 _SERVER_CONNECTION = 2  # grpc_fd_usage: GRPC_FD_SERVER_CONNECTION_USAGE
@@ -203,7 +205,7 @@ class Door:
             return
         if not context.add_callback(lambda: _shut(refused)):  # the call has ended already
             _shut(refused)
-        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, (
+        abort(context, errors.ResourceExhaustedError(
             "The server refused the connection: it holds its max_connections "
             f"({self._max_connections}) authenticated connections, and no other peer holds "
             "more than this one. Close idle clients, or raise max_connections."))

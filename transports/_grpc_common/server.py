@@ -25,6 +25,7 @@ from clusterwire.transports._grpc_common.client import TOKEN_METADATA, message_s
 from clusterwire.transports._grpc_common.door import Door
 from clusterwire.transports._grpc_common.health import SERVICE as HEALTH_SERVICE
 from clusterwire.transports._grpc_common.health import HealthService
+from clusterwire.transports._grpc_common.status import abort
 from clusterwire.wrong_protocol import wrong_protocol
 
 _STOP_SLACK_S = 10.0
@@ -106,18 +107,18 @@ class _TokenGate(grpc.ServerInterceptor):
             if details.method.startswith(_HEALTH_METHODS):
                 if self._health.admit_tokenless():
                     return continuation(details)
-                return self._refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, (
+                return self._refusal(errors.ResourceExhaustedError(
                     "Too many health calls without the cluster token at once (at most "
                     "max_pending_connections); try again."))
-            return self._refusal(grpc.StatusCode.UNAUTHENTICATED, err.message)
+            return self._refusal(err)
         return continuation(details)
 
-    def _refusal(self, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    def _refusal(self, error: errors.OpError) -> grpc.RpcMethodHandler:
         door = self._door
 
         def refuse(requests, context: grpc.ServicerContext):
             door.refused(context.peer())
-            context.abort(code, message)
+            abort(context, error)
 
         return grpc.stream_unary_rpc_method_handler(refuse)
 
@@ -129,13 +130,13 @@ class _OtherProtocol(grpc.GenericRpcHandler):
     first."""
 
     def __init__(self, protocol: str):
-        self._message = wrong_protocol(protocol).message
+        self._error = wrong_protocol(protocol)
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
-        message = self._message
+        error = self._error
 
         def refuse(requests, context: grpc.ServicerContext):
-            context.abort(grpc.StatusCode.UNIMPLEMENTED, message)
+            abort(context, error)
 
         return grpc.stream_unary_rpc_method_handler(refuse)
 

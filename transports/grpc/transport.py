@@ -56,7 +56,7 @@ from clusterwire.transport_options import OptionReader
 from clusterwire.transports._grpc_common.client import open_channel, token_metadata
 from clusterwire.transports._grpc_common.door import peer_host
 from clusterwire.transports._grpc_common.server import ControlServer
-from clusterwire.transports._grpc_common.status import grpc_error, status_code
+from clusterwire.transports._grpc_common.status import abort, grpc_error, is_busy
 from clusterwire.transports.grpc import framing
 from clusterwire.transports.grpc.bulk import BulkClient, BulkServer, Unreachable
 from clusterwire.transports.grpc.relay import Incoming, Relay, RelayPart, relay_of
@@ -67,10 +67,9 @@ _CALL, _UPLOAD, _FETCH = (f"/{SERVICE}/{m}" for m in ("Call", "Upload", "Fetch")
 _CLIENT_LIMIT = 1 << 42
 _BULK_PLANES = ("tcp", "grpc")
 _BULK_RETRY_S = 30.0  # after the bulk port could not be reached, before it is tried again
-#: Details prefix of a streamed call refused because every thread for streamed calls is busy;
-#: nothing of it was read, so the channel sends it again (backing off) until its deadline.
-_BUSY = "Busy:"
-_BUSY_BACKOFF_S = (0.002, 0.1)  # first and longest wait between those attempts
+#: A streamed call refused as busy (every thread for streamed calls working; nothing of it
+#: read) is sent again, backing off, until its deadline: first and longest wait.
+_BUSY_BACKOFF_S = (0.002, 0.1)
 _LOG = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
@@ -193,9 +192,9 @@ class GrpcListener(Listener):
         The caller gives the slot back (``_streams.release``) from the same thread.
         """
         if not self._streams.try_acquire():
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"{_BUSY} the {self._stream_slots} threads for streamed requests "
-                          "(max_workers - small_call_reserve) are all working.")
+            abort(context, errors.ResourceExhaustedError(
+                f"Busy: the {self._stream_slots} threads for streamed requests "
+                "(max_workers - small_call_reserve) are all working."), busy=True)
 
     def _call(self, message: bytes, context: grpc.ServicerContext) -> bytes:
         try:
@@ -205,7 +204,7 @@ class GrpcListener(Listener):
             request = Frame(envelope.header, split_inline(envelope),
                             peer=peer_host(context.peer()))
         except errors.OpError as err:
-            context.abort(grpc.StatusCode(status_code(err.error_code)), err.message)
+            abort(context, err)
         return self._respond(self._handler(request))
 
     def _upload(self, messages: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
@@ -213,9 +212,9 @@ class GrpcListener(Listener):
         peer = peer_host(connection)
         upload = self._uploads.open(messages, peer, connection)
         if upload is None:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"{_BUSY} it holds {self._uploads.limit} uploads open "
-                          "(max_concurrent_calls), none of which a new one may drop.")
+            abort(context, errors.ResourceExhaustedError(
+                f"Busy: it holds {self._uploads.limit} uploads open (max_concurrent_calls), "
+                "none of which a new one may drop."), busy=True)
         try:
             self._admit(context)
             try:
@@ -237,7 +236,7 @@ class GrpcListener(Listener):
                 envelope.kinds, split_inline(envelope),
                 framing.assemble(messages, bulk_lengths(envelope))), peer=peer)
         except errors.OpError as err:
-            context.abort(grpc.StatusCode(status_code(err.error_code)), err.message)
+            abort(context, err)
 
     def _fetch(self, message: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         self._admit(context)
@@ -246,8 +245,8 @@ class GrpcListener(Listener):
         key = int.from_bytes(message[:8], "little") if len(message) == 8 else 0
         source = self._pending.take(key)
         if source is None:
-            context.abort(grpc.StatusCode.NOT_FOUND,
-                          f"No pending response {key}: it expired or was fetched already.")
+            abort(context, errors.NotFoundError(
+                f"No pending response {key}: it expired or was fetched already."))
         if not isinstance(source, Relay):
             yield from self._fetches.watch(
                 context, framing.chunks(source, self._transport.chunk_bytes))
@@ -257,8 +256,8 @@ class GrpcListener(Listener):
                 yield from self._fetches.watch(
                     context, (bytes(chunk) for chunk in incoming.chunks()))
         except errors.OpError as err:
-            context.abort(grpc.StatusCode(status_code(err.error_code)),
-                          f"The task this response is forwarded from failed: {err.message}")
+            abort(context, errors.error_from_code(
+                err.error_code, f"The task this response is forwarded from failed: {err.message}"))
 
 
 class GrpcChannel(Channel):
@@ -372,10 +371,9 @@ class GrpcChannel(Channel):
             try:
                 return start(remaining)
             except grpc.RpcError as err:
-                details = err.details() if hasattr(err, "details") else None
-                if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or \
-                        not (details or "").startswith(_BUSY):
+                if not is_busy(err):
                     raise
+                details = err.details() if hasattr(err, "details") else None
                 if deadline is not None and deadline - time.monotonic() <= delay:
                     raise errors.DeadlineExceededError(
                         f"{self._address} had no thread free for a streamed request before "

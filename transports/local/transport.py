@@ -73,7 +73,7 @@ from clusterwire.transport import (
 from clusterwire.transport_options import OptionReader
 from clusterwire.transports._grpc_common.client import open_channel, token_metadata
 from clusterwire.transports._grpc_common.server import ControlServer
-from clusterwire.transports._grpc_common.status import grpc_error, status_code
+from clusterwire.transports._grpc_common.status import abort, grpc_error
 from clusterwire.transports.local import pool, sealed, unix, wire
 from clusterwire.transports.local.calls import CallConnection, CallPool
 from clusterwire.transports.local.probe import other_protocol
@@ -451,9 +451,9 @@ class LocalListener(Listener):
             peer.send_segments(transfer_id, fds)
             return wire.LAYOUT.encode((0, transfer_id), response.header, views, kinds, places)
         except errors.OpError as err:
-            context.abort(grpc.StatusCode(status_code(err.error_code)), err.message)
+            abort(context, err)
         except OSError as err:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"shared-memory connection failed: {err}")
+            abort(context, errors.UnavailableError(f"shared-memory connection failed: {err}"))
 
 
 class LocalChannel(Channel):

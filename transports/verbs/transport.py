@@ -57,7 +57,7 @@ from clusterwire.transport_options import OptionReader
 from clusterwire.transports._grpc_common.client import open_channel, token_metadata
 from clusterwire.transports._grpc_common.door import peer_host
 from clusterwire.transports._grpc_common.server import ControlServer
-from clusterwire.transports._grpc_common.status import grpc_error
+from clusterwire.transports._grpc_common.status import abort, grpc_error
 from clusterwire.transports.verbs import wire
 from clusterwire.transports.verbs.address_check import AddressChecker
 from clusterwire.transports.verbs.engine import NO_REPLY_YET, NOT_SENT, REPLIED, UcxEngine
@@ -191,12 +191,12 @@ class VerbsListener(Listener):
 
     def _hello(self, client_address: bytes, context: grpc.ServicerContext) -> bytes:
         if not self._transport.addresses.usable(client_address):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          "Hello needs a valid UCX worker address of the client.")
+            abort(context, errors.InvalidArgumentError(
+                "Hello needs a valid UCX worker address of the client."))
         try:
             endpoint = self._engine.connect(client_address)
         except errors.OpError as err:
-            context.abort(grpc.StatusCode.UNAVAILABLE, err.message)
+            abort(context, errors.UnavailableError(err.message))
         peer = peer_host(context.peer())
         with self._lock:
             self._reap_idle()
@@ -208,8 +208,8 @@ class VerbsListener(Listener):
                     self._transport.slots.remove(slot)
                 self._engine.close_endpoint(endpoint)
                 if slot is None:
-                    context.abort(grpc.StatusCode.UNAVAILABLE, "The server is stopping.")
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, (
+                    abort(context, errors.UnavailableError("The server is stopping."))
+                abort(context, errors.ResourceExhaustedError(
                     f"The server holds its max_connections ({self._max_connections}) clients, "
                     "and no other peer holds more than this one: close idle channels, or "
                     "raise max_connections."))
