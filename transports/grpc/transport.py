@@ -331,36 +331,39 @@ class GrpcChannel(Channel):
     def _incoming(self, envelope: Envelope, deadline: float) -> Incoming:
         """The announced response of ``envelope``, answered: from the bulk port, else a
         fetch stream."""
+        return self._announced(
+            envelope, lambda port, fetch_id, lengths: self._bulk.open_incoming(
+                port, fetch_id, lengths, deadline, self._transport.chunk_bytes),
+            lambda stream, lengths: _StreamIncoming(_started(stream), self._errors), deadline)
+
+    def _fetched(self, envelope: Envelope, deadline: float | None) -> list:
+        """The BULK buffers an envelope announced: from the bulk port, else a fetch stream."""
+        return self._announced(
+            envelope, lambda port, fetch_id, lengths: self._bulk.fetch(
+                port, fetch_id, lengths, deadline),
+            lambda stream, lengths: framing.assemble(iter(stream), lengths), deadline)
+
+    def _announced(self, envelope: Envelope, from_port: Callable[[int, int, list[int]], _T],
+                   from_stream: Callable[[Any, list[int]], _T], deadline: float | None) -> _T:
+        """What ``envelope`` announced, read the one way chosen here: ``from_port(port,
+        fetch id, lengths)`` from the bulk port unless it is backed off (or there is none),
+        else ``from_stream(fetch stream, lengths)`` of a gRPC fetch call."""
         (bulk_port, fetch_id), lengths = envelope.fields, bulk_lengths(envelope)
         if bulk_port and time.monotonic() >= self._bulk_after:
             try:
-                return self._bulk.open_incoming(bulk_port, fetch_id, lengths, deadline,
-                                                self._transport.chunk_bytes)
+                return from_port(bulk_port, fetch_id, lengths)
             except Unreachable as err:
                 self._unreachable(err)
         ticket = fetch_id.to_bytes(8, "little")
         with self._errors():
-            return _StreamIncoming(self._streamed(lambda remaining: _started(
-                self._fetch(ticket, timeout=remaining, metadata=self._metadata)), deadline),
-                self._errors)
+            return self._streamed(lambda remaining: from_stream(
+                self._fetch(ticket, timeout=remaining, metadata=self._metadata), lengths),
+                deadline)
 
     def _unreachable(self, err: Unreachable) -> None:
         if err.lasting:
             _LOG.warning("Fetching over gRPC for %.0f s: %s", _BULK_RETRY_S, err)
             self._bulk_after = time.monotonic() + _BULK_RETRY_S
-
-    def _fetched(self, envelope: Envelope, deadline: float | None) -> list:
-        """The BULK buffers an envelope announced: from the bulk port, else a fetch stream."""
-        (bulk_port, fetch_id), lengths = envelope.fields, bulk_lengths(envelope)
-        if bulk_port and time.monotonic() >= self._bulk_after:
-            try:
-                return self._bulk.fetch(bulk_port, fetch_id, lengths, deadline)
-            except Unreachable as err:
-                self._unreachable(err)
-        ticket = fetch_id.to_bytes(8, "little")
-        return self._streamed(lambda remaining: framing.assemble(
-            iter(self._fetch(ticket, timeout=remaining, metadata=self._metadata)), lengths),
-            deadline)
 
     def _streamed(self, start: Callable[[float | None], _T], deadline: float | None) -> _T:
         """``start(remaining seconds)`` of a streamed call, again (backing off, until the
