@@ -338,7 +338,7 @@ class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``clusterwire`` command."""
-    from clusterwire.data.cli import add_commands, add_metrics_arguments
+    from clusterwire.data.cli import add_commands
 
     parser = argparse.ArgumentParser(
         prog="clusterwire",
@@ -348,6 +348,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version",
                         version=f"clusterwire {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
+
+    _add_serve(commands)
+    _add_resolve(commands)
+    _add_status(commands)
+    _add_top(commands)
+    _add_plugins(commands)
+    _add_demo(commands)
+    add_commands(commands)
+    return parser
+
+
+def _add_serve(commands: Any) -> None:
+    """``serve``: one task of a cluster, until SIGINT/SIGTERM."""
+    from clusterwire.data.cli import add_metrics_arguments
 
     serve = commands.add_parser("serve", help="run one task of a cluster until SIGINT/SIGTERM")
     serve.add_argument("--cluster",
@@ -382,11 +396,17 @@ def build_parser() -> argparse.ArgumentParser:
                             "127.0.0.1:0)")
     serve.set_defaults(run=_serve)
 
+
+def _add_resolve(commands: Any) -> None:
+    """``resolve``: a resolver's cluster, this task and the master, as JSON."""
     resolve = commands.add_parser(
         "resolve", help="print a resolver's cluster, this task and the master as JSON")
     _add_resolver_args(resolve, required=True)
     resolve.set_defaults(run=_resolve)
 
+
+def _add_status(commands: Any) -> None:
+    """``status``: a task's status (or every task's)."""
     status = commands.add_parser(
         "status", help="summarise a task's status (--json: the whole status document)",
         description="Print a task's status: a short summary (task, address, state and uptime, "
@@ -410,6 +430,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_security_arguments(status, server=False)
     status.set_defaults(run=_status)
 
+
+def _add_top(commands: Any) -> None:
+    """``top``: a live view of a cluster's tasks or of a data service."""
     top = commands.add_parser(
         "top", help="a live table of a cluster's tasks (or the data service's workers and "
                     "jobs) until Ctrl-C",
@@ -441,9 +464,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_security_arguments(top, server=False)
     top.set_defaults(run=_top)
 
+
+def _add_plugins(commands: Any) -> None:
+    """``plugins``: the installed transports and resolvers."""
     plugins = commands.add_parser("plugins", help="list installed transports and resolvers")
     plugins.set_defaults(run=_plugins)
 
+
+def _add_demo(commands: Any) -> None:
+    """``demo``: parameter-server training on a local cluster."""
     demo = commands.add_parser(
         "demo", help="train a model parameter-server style on a local 3-process cluster",
         description="Train a linear model parameter-server style on a local cluster (1 ps and "
@@ -462,9 +491,6 @@ def build_parser() -> argparse.ArgumentParser:
                       help="change the cluster while it trains: the workers go 2 -> 4 -> 3 "
                            "(one SIGKILLed), each membership change printed as it happens")
     demo.set_defaults(run=_demo)
-
-    add_commands(commands)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
