@@ -1,9 +1,10 @@
-"""Barriers of a job: rounds counted on the job's first task, callers parked where they wait.
+"""Barriers of a job: rounds counted on the job's first task, or up a combining tree for a
+job of more than ``FLAT_MAX_TASKS`` tasks; callers parked where they wait.
 
-A caller waits on the task its request reached (``Releases.wait``); that task reports the
-arrival to the coordinating task (the job's lowest index), where ``Rounds.arrive`` counts
-it. A ``Session`` of a job of at most ``MAX_HELD_ARRIVALS`` tasks sends its arrival to the
-coordinator itself when it can reach it, which saves that hop. The coordinator answers an
+Flat (a job of at most ``FLAT_MAX_TASKS`` tasks). A caller waits on the task its request
+reached (``Releases.wait``); that task reports the arrival to the coordinating task (the
+job's lowest index), where ``Rounds.arrive`` counts it. A ``Session`` sends its arrival to
+the coordinator itself when it can reach it, which saves that hop. The coordinator answers an
 arrival in one of two ways:
 
 * held: it answers when the round is released (one small call per task and round, the
@@ -15,6 +16,20 @@ arrival in one of two ways:
 Every wait is parked (``clusterwire.thread_pool``), so it never takes a thread that work
 needs; a task holds one parked wait per caller of its own.
 
+Tree (a larger job; its shape is ``clusterwire.barrier_tree``). A caller's arrival is
+counted on the task it arrives as (its request is forwarded there). Each task counts its
+subtree's round in ``Subtrees``: its own arrival and one report per child. The arrival that
+completes the subtree seals the round and reports it to the parent (``barrier_report``) and
+waits for the answer, which the parent holds until its own round is released: the root
+releases a round as soon as its subtree is complete, and each answer releases the round of
+the task below, which answers its children in turn. A task thus handles at most
+``FAN_IN + 1`` arrivals per round and the release costs no call of its own. A caller that
+gives up withdraws its arrival (a child's report is withdrawn when its held answer times
+out) while its task's round is open; a sealed round keeps it. On a timeout the caller asks
+the root which tasks are missing (``barrier_missing``): each task answers for its subtree,
+asking the children whose report it lacks; a child that cannot be asked counts as missing
+and its own children are asked in its place, so a dead task names itself, not its subtree.
+
 Rounds are named by random ids, not counters: a coordinator that restarted cannot make a
 new round look like one already released.
 """
@@ -24,15 +39,20 @@ from __future__ import annotations
 import collections
 import secrets
 import threading
+import time
 from dataclasses import dataclass, field
 
 from clusterwire import errors
+from clusterwire.barrier_tree import FAN_IN
 from clusterwire.thread_pool import parked
 
 Task = tuple[str, int]
+#: Jobs of at most this many tasks use the flat protocol (one coordinator counts every
+#: arrival: one hop, cheapest while it handles at most one tree node's arrivals); larger
+#: ones the combining tree.
+FLAT_MAX_TASKS = FAN_IN
 #: Arrivals a coordinator holds (answers once released, each a parked wait) at once; more
-#: are answered at once and released by a call. Jobs of at most this many tasks also have
-#: their clients arrive at the coordinator itself (``Session.barrier``).
+#: are answered at once and released by a call.
 MAX_HELD_ARRIVALS = 64
 #: Releases remembered per barrier name: a release may arrive before the answer to the
 #: arrival it ends (the coordinator pushes it at once), so recent ones are kept.
@@ -119,6 +139,75 @@ class Rounds:
             current.withdrawn[index] = current.event()
             return sorted(i for i in expected - current.arrived.keys()
                           if current.withdrawn.get(i, 0) < since)
+
+
+@dataclass
+class _Subtree:
+    round_id: int = field(default_factory=_new_round_id)
+    arrived: set[int] = field(default_factory=set)  # this task's index, its children's
+    # Index -> when (time.monotonic) it withdrew: it was there until then.
+    withdrawn: dict[int, float] = field(default_factory=dict)
+
+
+class Subtrees:
+    """A tree task's view: the open round of each barrier, counting its own arrival and
+    its children's reports, and the round it sealed (reported upward) and awaits."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[str, _Subtree] = {}
+        self._sealed: dict[str, int] = {}
+
+    def arrive(self, name: str, who: int, expected: frozenset[int]) -> tuple[int, bool]:
+        """Count ``who`` (this task or a child) in the open round: its id, and whether this
+        arrival completed it (then it is sealed: report it upward, or release it at the
+        root; the next arrival opens a new round)."""
+        with self._lock:
+            current = self._open.setdefault(name, _Subtree())
+            current.arrived.add(who)
+            current.withdrawn.pop(who, None)
+            if current.arrived < expected:
+                return current.round_id, False
+            del self._open[name]
+            self._sealed[name] = current.round_id
+            return current.round_id, True
+
+    def settled(self, name: str, round_id: int) -> None:
+        """Sealed round ``round_id`` was released, or its report withdrawn by the parent
+        (its callers gave up): this subtree no longer counts as arrived."""
+        with self._lock:
+            if self._sealed.get(name) == round_id:
+                del self._sealed[name]
+
+    def withdraw(self, name: str, round_id: int, who: int) -> None:
+        """Take ``who`` out of round ``round_id`` (its caller or report gave up) unless that
+        round was sealed meanwhile."""
+        with self._lock:
+            current = self._open.get(name)
+            if current is not None and current.round_id == round_id and who in current.arrived:
+                current.arrived.discard(who)
+                current.withdrawn[who] = time.monotonic()
+
+    def unreported(self, name: str, expected: frozenset[int], waited: float) -> list[int]:
+        """Which of ``expected`` (this task and its children) a caller that has waited
+        ``waited`` seconds misses: not arrived, and not there at any time since it arrived
+        (withdrawn before); none while a sealed round awaits its release and no arrival of
+        the next one came."""
+        since = time.monotonic() - waited
+        with self._lock:
+            current = self._open.get(name)
+            if name in self._sealed and (current is None or not current.arrived):
+                return []
+            if current is None:
+                return sorted(expected)
+            return sorted(i for i in expected - current.arrived
+                          if current.withdrawn.get(i, since) <= since)
+
+    def reset(self) -> None:
+        """Forget every round (their waits were aborted)."""
+        with self._lock:
+            self._open.clear()
+            self._sealed.clear()
 
 
 class Releases:

@@ -21,10 +21,11 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from clusterwire import barrier, codec, errors, functions, in_process
+from clusterwire import barrier, barrier_tree, codec, errors, functions, in_process
 from clusterwire._version import __version__
 from clusterwire.addressing import split_host_port
-from clusterwire.barrier import Arrival, Releases, Rounds
+from clusterwire.barrier import Arrival, Releases, Rounds, Subtrees
+from clusterwire.barrier_tree import Tree
 from clusterwire.cluster_spec import ClusterSpec, with_address
 from clusterwire.devices import local_devices
 from clusterwire.membership import (
@@ -58,7 +59,8 @@ _AT_ONCE = frozenset({"get", "put", "delete", "list", "status", "heartbeat", "id
 SERVED_AT_ONCE = _AT_ONCE | {"unknown"}
 #: Every method a task serves (a metric's ``method`` label is one of these or "unknown").
 METHODS = frozenset({*_AT_ONCE, "call", "barrier", "complete_cluster", "update_cluster",
-                     "barrier_arrive", "barrier_release", "barrier_withdraw"})
+                     "barrier_arrive", "barrier_release", "barrier_withdraw", "barrier_report",
+                     "barrier_missing"})
 #: Threads a coordinating task sends barrier releases from (its server threads never do).
 _RELEASE_SENDERS = 8
 #: How long a peer that could not be reached counts as unreachable (unless reached since).
@@ -148,7 +150,9 @@ class ClusterService:
         self._store_lock = threading.Lock()
         # Barriers this task coordinates (it is the lowest index of its job).
         self._rounds = Rounds(max_held=barrier.MAX_HELD_ARRIVALS)
-        self._releases = Releases()  # rounds its own callers wait for
+        self._releases = Releases()  # rounds its own callers (and held children) wait for
+        self._subtrees = Subtrees()  # its subtree's rounds, in a tree barrier's job
+        self._trees: dict[str, tuple[bytes, Tree]] = {}  # job -> (view digest, its tree)
         self._release_senders: ThreadPoolExecutor | None = None
         self._release_lock = threading.Lock()
         # Peers are reached with this server's own credentials (its certificate
@@ -181,6 +185,7 @@ class ClusterService:
                   self.name, old.version, new.version, joined, left, moved)
         # A round counts the members of the version it started in: its waits end now.
         self._rounds.reset()
+        self._subtrees.reset()
         self._releases.abort(f"the membership changed (version {old.version} -> "
                              f"{new.version}) while it waited; arrive again.")
 
@@ -384,7 +389,8 @@ class ClusterService:
         raise errors.UnimplementedError(
             f"Unknown method {method!r}; this server serves: status, put, get, delete, list, "
             "call, barrier, complete_cluster, update_cluster (and, between tasks, "
-            "barrier_arrive, barrier_release, barrier_withdraw, heartbeat, identify).")
+            "barrier_arrive, barrier_release, barrier_withdraw, barrier_report, "
+            "barrier_missing, heartbeat, identify).")
 
     def _store_put(self, name: str, stored: _Stored) -> None:
         """Store ``stored`` as ``name`` (replacing it) within max_store_bytes."""
@@ -429,13 +435,23 @@ class ClusterService:
         if index not in expected:
             raise errors.InvalidArgumentError(f"Task {index} is not in job {job!r}.")
         coordinator = (job, min(expected))
+        tree = self._tree(job, expected) if len(expected) > barrier.FLAT_MAX_TASKS else None
+        if method == "barrier" and tree is not None and (job, index) != (self.job, self.index):
+            # Counted on the task it arrives as: the caller waits there.
+            request.task.CopyFrom(TaskRef(job=job, index=index))
+            return self._forward(request, Frame(request.SerializeToString(), []))
         if method == "barrier":
             started = time.monotonic()
             try:
-                self._barrier(request, index, expected, coordinator)
+                if tree is None:
+                    self._barrier(request, index, expected, coordinator)
+                else:
+                    self._tree_barrier(request, tree)
             finally:
                 self._barrier_waits.observe(self.name, value=time.monotonic() - started)
             return value_response(None)
+        if method in ("barrier_report", "barrier_missing"):
+            return value_response(self._tree_request(request, job, index, tree))
         if coordinator != (self.job, self.index):
             raise errors.FailedPreconditionError(
                 f"{method} for job {job!r} goes to /job:{job}/task:{coordinator[1]}, not to "
@@ -507,11 +523,120 @@ class ClusterService:
         return answer
 
     def _ask_coordinator(self, coordinator: tuple[str, int], request: Request,
-                         wait: float = 0.0) -> Any:
+                         wait: float = 0.0, retry: bool = True) -> Any:
         with parked():
             response, buffers = self._peers.send(self._address_of(*coordinator), request,
-                                                 timeout=wait + self._peers.timeout)
+                                                 timeout=wait + self._peers.timeout,
+                                                 retry=retry)
         return codec.decode(response.value, buffers)
+
+    # -- tree barriers (a job of more than barrier.FLAT_MAX_TASKS tasks) ---------------
+
+    def _tree(self, job: str, expected: set[int]) -> Tree:
+        """The barrier tree of ``job`` in the current view (built once per view)."""
+        view = self.membership.view
+        known = self._trees.get(job)
+        if known is not None and known[0] == view.digest:
+            return known[1]
+        tree = barrier_tree.build({i: view.cluster.task_address(job, i) for i in expected})
+        self._trees[job] = (view.digest, tree)
+        return tree
+
+    def _below(self, tree: Tree) -> frozenset[int]:
+        """What this task's subtree round counts: itself and its children."""
+        return frozenset((self.index, *tree.children[self.index]))
+
+    def _tree_request(self, request: Request, job: str, index: int,
+                      tree: Tree | None) -> Any:
+        """A child's report (``from_task`` the child), or a question for this task's
+        subtree's missing tasks (``from_task`` this task, ``timeout_seconds`` how long the
+        asking caller has waited)."""
+        asked = index if request.method == "barrier_missing" else tree and tree.parent[index]
+        if tree is None or job != self.job or asked != self.index:
+            raise errors.FailedPreconditionError(
+                f"{request.method} from /job:{job}/task:{index} does not fit "
+                f"{self.name}'s barrier tree (membership version "
+                f"{self.membership.view.version}): the tasks disagree on the cluster.")
+        if request.method == "barrier_missing":
+            return self._subtree_missing(request.name, tree, request.timeout_seconds)
+        return self._held_report(request, index, tree)
+
+    def _tree_barrier(self, request: Request, tree: Tree) -> None:
+        """A caller arrives as this task: count it in the subtree round, wait here."""
+        name = request.name
+        timeout = request.timeout_seconds or self._peers.timeout
+        started = time.monotonic()
+        round_id, complete = self._subtrees.arrive(name, self.index, self._below(tree))
+        if complete:
+            self._report(name, round_id, tree, timeout)
+        if self._releases.wait(name, round_id, max(0.0, started + timeout - time.monotonic())):
+            return
+        self._subtrees.withdraw(name, round_id, self.index)
+        missing = self._missing_below(name, tree, tree.root, time.monotonic() - started)
+        if self._releases.wait(name, round_id, 0.0):
+            return  # released while this caller gave up
+        if not missing:
+            raise errors.DeadlineExceededError(
+                f"Barrier {name!r} timed out after {timeout:.3g} s: every task arrived, but "
+                f"the release did not reach {self.name} (its parent in the barrier tree, "
+                f"/job:{self.job}/task:{tree.parent[self.index]}, stopped or gave up).")
+        raise _barrier_timeout(name, timeout, missing)
+
+    def _held_report(self, request: Request, child: int, tree: Tree) -> bool:
+        """Count a child's complete subtree; answer whether the round was released before
+        the report's timeout (else the report is withdrawn, unless sealed meanwhile)."""
+        name = request.name
+        timeout = request.timeout_seconds or self._peers.timeout
+        started = time.monotonic()
+        round_id, complete = self._subtrees.arrive(name, child, self._below(tree))
+        if complete:
+            self._report(name, round_id, tree, timeout)
+        if self._releases.wait(name, round_id, max(0.0, started + timeout - time.monotonic())):
+            return True
+        self._subtrees.withdraw(name, round_id, child)
+        return self._releases.wait(name, round_id, 0.0)
+
+    def _report(self, name: str, round_id: int, tree: Tree, timeout: float) -> None:
+        """This task's subtree completed round ``round_id``: release it at the root, else
+        report it to the parent and release it when the parent's answer says so."""
+        parent = tree.parent[self.index]
+        if parent is not None:
+            report = Request(method="barrier_report", name=name, timeout_seconds=timeout,
+                             from_task=TaskRef(job=self.job, index=self.index))
+            try:
+                # Not retried: a parent that is down is named when the callers time out.
+                released = self._ask_coordinator((self.job, parent), report, timeout,
+                                                 retry=False)
+            except errors.OpError as err:
+                _LOG.warning("Could not report barrier %r to /job:%s/task:%d: %s", name,
+                             self.job, parent, err.message)
+                return  # the subtree stays counted as arrived (sealed)
+            if not released:
+                self._subtrees.settled(name, round_id)  # the parent withdrew the report
+                return
+        self._subtrees.settled(name, round_id)
+        self._releases.release(name, round_id)
+
+    def _subtree_missing(self, name: str, tree: Tree, waited: float) -> list[int]:
+        """The tasks of this task's subtree a caller that has waited ``waited`` s misses."""
+        missing = []
+        for who in self._subtrees.unreported(name, self._below(tree), waited):
+            missing += [who] if who == self.index else self._missing_below(
+                name, tree, who, waited)
+        return sorted(missing)
+
+    def _missing_below(self, name: str, tree: Tree, node: int, waited: float) -> list[int]:
+        """The missing tasks of ``node``'s subtree: asked of ``node``; if it cannot answer,
+        ``node`` itself and, asked of its children, theirs."""
+        if node == self.index:
+            return self._subtree_missing(name, tree, waited)
+        question = Request(method="barrier_missing", name=name, timeout_seconds=waited,
+                           from_task=TaskRef(job=self.job, index=node))
+        try:
+            return list(self._ask_coordinator((self.job, node), question, retry=False))
+        except errors.OpError:
+            return sorted([node, *(task for child in tree.children[node]
+                                   for task in self._missing_below(name, tree, child, waited))])
 
     def _release_round(self, name: str, counted: Arrival, completing: tuple[str, int]) -> None:
         """Release a completed round: the arrivals held here and this task's own callers at

@@ -298,7 +298,7 @@ class Session:
     def _barrier_route(self, arriving: tuple[str, int] | None, probe_timeout: float
                        ) -> tuple[str, tuple[str, int] | None]:
         """Where to send a barrier arrival: the job's coordinator itself when the job has at
-        most ``MAX_HELD_ARRIVALS`` tasks and this client reaches it (checked once per
+        most ``FLAT_MAX_TASKS`` tasks and this client reaches it (checked once per
         coordinator), else the target; and the target's own task, when the arrival is its."""
         if self._view is None:
             status = self.status()
@@ -310,7 +310,7 @@ class Session:
             address = cluster.task_address(job, min(indices))
         except ValueError:
             return self._address, None  # the target names the unknown job
-        if (len(indices) > barrier.MAX_HELD_ARRIVALS or address == self._address
+        if (len(indices) > barrier.FLAT_MAX_TASKS or address == self._address
                 or split_host_port(address)[1] == 0):
             return self._address, None
         reachable = self._reachable.get(address)

@@ -24,18 +24,22 @@ MAX_WORKERS = 2
 WAIT = 30  # every barrier's timeout; a working one takes a small fraction of it
 
 
-# (protocol, arrivals the coordinator may hold): with 64, clients arrive at the coordinator
-# itself and wait there; with 4 (the path of jobs larger than 64 tasks) they arrive through
-# their own task, which the coordinator answers at once and releases by a call.
-SETUPS = [("grpc", 64), ("grpc", 4), ("grpc+local", 64)] + (
+# (protocol, arrivals the coordinator may hold; 0: the combining tree, as for any job of
+# more than barrier.FLAT_MAX_TASKS tasks): with 64, clients arrive at the coordinator itself
+# and wait there; with 4 (the flat path's overflow) they arrive through their own task, which
+# the coordinator answers at once and releases by a call.
+SETUPS = [("grpc", 64), ("grpc", 4), ("grpc", 0), ("grpc+local", 0)] + (
     [("zmq", 4)] if importlib.util.find_spec("clusterwire_zmq") is not None else []) + (
     [("grpc+verbs", 64)] if importlib.util.find_spec("ucxx") is not None else [])
 
 
-@pytest.fixture(params=SETUPS, ids=[f"{p}-hold{h}" for p, h in SETUPS])
+@pytest.fixture(params=SETUPS,
+                ids=[f"{p}-hold{h}" if h else f"{p}-tree" for p, h in SETUPS])
 def tasks(request, monkeypatch) -> Iterator[list[Server]]:
     """TASKS in-process servers of one job, each with MAX_WORKERS threads."""
-    monkeypatch.setattr(barrier, "MAX_HELD_ARRIVALS", request.param[1])
+    if request.param[1]:  # flat, as a job of at most FLAT_MAX_TASKS tasks
+        monkeypatch.setattr(barrier, "MAX_HELD_ARRIVALS", request.param[1])
+        monkeypatch.setattr(barrier, "FLAT_MAX_TASKS", TASKS)
     servers: list[Server] = []
     try:
         for index in range(TASKS):
@@ -130,8 +134,8 @@ def missing_tasks(session: Session, name: str) -> list[int]:
 
 
 def test_a_stopping_server_cancels_its_parked_waits(tasks):
-    # Small jobs' clients wait on the coordinator (task 0), larger ones' on their own task.
-    parked_at = 0 if TASKS <= barrier.MAX_HELD_ARRIVALS else 3
+    # A flat barrier's clients wait on the coordinator (task 0), a tree's on their own task.
+    parked_at = 0 if TASKS <= barrier.FLAT_MAX_TASKS else 3
     outcome: list[BaseException] = []
 
     def wait() -> None:

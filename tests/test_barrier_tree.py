@@ -1,0 +1,142 @@
+"""The combining-tree barrier of jobs larger than barrier.FLAT_MAX_TASKS (issue 33): its
+shape, rounds of a real multi-process job, timeouts naming the missing tasks, a dead
+internal task."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from clusterwire import Session, barrier, barrier_tree, errors
+from clusterwire.local_cluster import LocalCluster
+
+F = barrier_tree.FAN_IN
+TASKS = 48  # > FAN_IN on one host: task 0 has 32 children, task 1 the other 15
+WAIT = 30.0  # a completing barrier's timeout; it takes a small fraction of it
+
+
+def addresses(tasks: int, hosts: int) -> dict[int, str]:
+    """Task i on host i % hosts (interleaved, so a host's leader is not the next index)."""
+    return {i: f"10.0.{i % hosts // 256}.{i % hosts % 256}:{2000 + i}" for i in range(tasks)}
+
+
+@pytest.mark.parametrize("tasks", [1, 33, 1024])
+@pytest.mark.parametrize("hosts", [1, 32])
+def test_the_tree_bounds_arrivals_and_depth_and_keeps_a_hosts_tasks_under_its_leader(
+        tasks, hosts):
+    layout = addresses(tasks, hosts)
+    tree = barrier_tree.build(layout)
+    host = {i: barrier_tree.host_of(a) for i, a in layout.items()}
+    assert tree.root == 0 and tree.parent[0] is None
+    assert sorted(tree.parent) == sorted(tree.children) == list(range(tasks))
+    for index, children in tree.children.items():
+        assert len(children) + 1 <= F + 1  # its own arrival and one report per child
+        assert all(tree.parent[child] == index for child in children)
+    assert max(tree.depth(i) for i in range(tasks)) <= 3
+    leaders = {h: min(i for i in layout if host[i] == h) for h in set(host.values())}
+    for index, parent in tree.parent.items():
+        if parent is None:
+            continue
+        if index == leaders[host[index]]:
+            assert parent == leaders[host[parent]]  # leaders report to leaders
+        else:
+            assert host[parent] == host[index]  # the others stay on their host
+
+
+def test_the_tree_of_one_task_per_host_stays_three_deep():
+    tree = barrier_tree.build(addresses(1024, 1024))
+    assert max(len(c) for c in tree.children.values()) <= F
+    assert max(tree.depth(i) for i in range(1024)) == 3
+
+
+def test_a_fan_in_below_two_is_refused():
+    with pytest.raises(errors.InvalidArgumentError, match="fan-in >= 2, got 1"):
+        barrier_tree.build({0: "a:1"}, fan_in=1)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    assert TASKS > barrier.FLAT_MAX_TASKS  # the tree's path
+    with LocalCluster({"worker": TASKS}, start_timeout=120.0) as started:
+        yield started
+
+
+def arrive_all(arrive: Callable[[int], object], count: int) -> list[object]:
+    """``arrive(i)`` for every i at once; their results in order."""
+    with ThreadPoolExecutor(count) as pool:
+        return list(pool.map(arrive, range(count)))
+
+
+def outcome(session: Session, name: str, timeout: float) -> str | None:
+    """None if the barrier returned, else the DeadlineExceededError's message."""
+    try:
+        session.barrier(name, timeout=timeout)
+    except errors.DeadlineExceededError as err:
+        return err.message
+    return None
+
+
+def missing_of(message: str) -> list[int]:
+    found = re.search(r"waiting for task\(s\) \[([\d, ]*)\]", message)
+    assert found, message
+    return [int(i) for i in found.group(1).split(", ")]
+
+
+def test_every_task_of_a_tree_job_is_released_round_after_round(cluster):
+    sessions = [Session(target) for target in cluster.targets["worker"]]
+    try:
+        for _ in range(4):
+            assert arrive_all(lambda i: outcome(sessions[i], "rounds", WAIT),
+                              TASKS) == [None] * TASKS
+    finally:
+        for session in sessions:
+            session.close()
+
+
+def test_arrivals_through_one_task_are_counted_where_they_arrive(cluster):
+    with Session(cluster.target("worker", 5)) as session:
+        assert arrive_all(lambda i: session.barrier(
+            "funnel", task=f"/job:worker/task:{i}", timeout=WAIT), TASKS) == [None] * TASKS
+
+
+def test_a_tree_timeout_names_the_missing_tasks_and_the_barrier_is_usable_after(cluster):
+    late = {9, 40}  # 9 a child of the root, 40 of task 1 (an inner task)
+    sessions = [Session(target) for target in cluster.targets["worker"]]
+    try:
+        messages = arrive_all(lambda i: None if i in late else outcome(
+            sessions[i], "partial", 2.0), TASKS)
+        assert [m for i, m in enumerate(messages) if i in late] == [None, None]
+        assert {tuple(missing_of(m)) for i, m in enumerate(messages)
+                if i not in late} == {(9, 40)}
+        # Every arrival withdrew: alone, task 0 misses every other task; all together pass.
+        assert missing_of(outcome(sessions[0], "partial", 0.5)) == list(range(1, TASKS))
+        assert arrive_all(lambda i: outcome(sessions[i], "partial", WAIT),
+                          TASKS) == [None] * TASKS
+    finally:
+        for session in sessions:
+            session.close()
+
+
+def test_a_killed_inner_task_is_named_and_nobody_hangs():
+    with LocalCluster({"worker": TASKS}, start_timeout=120.0) as killed:
+        tree = barrier_tree.build({i: killed.cluster_spec.task_address("worker", i)
+                                   for i in range(TASKS)})
+        inner = 1
+        assert tree.parent[inner] == 0 and len(tree.children[inner]) == TASKS - 1 - F
+        os.kill(killed.process("worker", inner).pid, signal.SIGKILL)
+        killed.process("worker", inner).wait(WAIT)
+        alive = [i for i in range(TASKS) if i != inner]
+        sessions = {i: Session(killed.target("worker", i), timeout=5.0) for i in alive}
+        try:
+            messages = arrive_all(lambda k: outcome(sessions[alive[k]], "dead", 2.0),
+                                  len(alive))
+            # Its children arrived (their reports failed): only the dead task is missing.
+            assert all(m is not None and missing_of(m) == [inner] for m in messages), messages
+        finally:
+            for session in sessions.values():
+                session.close()
