@@ -33,14 +33,17 @@ def ft_args(work_dir: str) -> list[str]:
 
 def start_standby(processes, work_dir: str) -> tuple[ServerProcess, str]:
     """A standby process on a free port of its own, once it says it stands by; its
-    address."""
-    [port] = free_ports(1)
-    standby = processes("dispatcher", "--port", str(port), "--standby", *ft_args(work_dir),
-                        ready=False)
-    wait_for(lambda: "standing by" in standby.stderr() or standby.process.poll() is not None,
-             30, "the standby to stand by")
-    assert standby.process.poll() is None, standby.stderr()
-    return standby, f"127.0.0.1:{port}"
+    address. Another port if another process took the free one first."""
+    for _ in range(3):
+        [port] = free_ports(1)
+        standby = processes("dispatcher", "--port", str(port), "--standby",
+                            *ft_args(work_dir), ready=False)
+        wait_for(lambda started=standby: "standing by" in started.stderr()
+                 or started.process.poll() is not None, 30, "the standby to stand by")
+        if standby.process.poll() is None:
+            return standby, f"127.0.0.1:{port}"
+        assert "in use" in standby.stderr(), standby.stderr()
+    pytest.fail(f"no free port for the standby: {standby.stderr()}")
 
 
 def takes_over(standby: ServerProcess) -> str:
