@@ -6,6 +6,7 @@ Run from the repository root::
     python bench/bench_scale.py                  # n = 4, 16, 64 tasks; about 3 minutes on 2 cores
     python bench/bench_scale.py --quick          # n = 4, 16; a smoke run (under a minute)
     python bench/bench_scale.py --tasks 4,8,32 --json scale.json
+    python bench/bench_scale.py --tasks 64,256 --barrier-only   # cluster-up and barrier only
 
 For every n of ``--tasks`` (one job "worker" of n tasks, each its own process on 127.0.0.1,
 grpc) it measures:
@@ -318,6 +319,8 @@ def measure_n(n: int, args: argparse.Namespace, step: Callable[[str], None]) -> 
             step(f"n={n}: {args.barrier_rounds} barrier rounds")
             result["barrier"] = barrier_rounds(sessions, args.barrier_rounds,
                                                args.barrier_timeout)
+            if args.barrier_only:
+                return result
             step(f"n={n}: status fan-out, {args.status_rounds} rounds")
             result["status"] = status_fanout(sessions, args.status_rounds, args.status_threads)
             step(f"n={n}: idle memory (after {args.idle_seconds:g} s idle)")
@@ -460,6 +463,20 @@ def _growth(points: dict[int, float], unit: str, scale: float = 1.0) -> str:
     if endpoint != endpoint:
         return "n/a"
     return f"{endpoint * scale:+.3g} {unit} (fit {fit * scale:+.3g})"
+
+
+def barrier_line(result: dict[str, Any]) -> dict[str, Any]:
+    """One n's barrier measure (``--barrier-only``): ms of the first round and the others."""
+    b = result["barrier"]
+    steady = sorted(_after_first(b["seconds"]))
+    ms = [round(s * 1e3, 1) for s in steady]
+    return {"tasks": result["n"], "up_s": round(result["up"][-1], 2),
+            "first_ms": round(b["seconds"][0] * 1e3, 1) if b["seconds"] else None,
+            "median_ms": round(statistics.median(steady) * 1e3, 1) if steady else None,
+            "p90_ms": ms[int(0.9 * (len(ms) - 1))] if ms else None,
+            "max_ms": ms[-1] if ms else None, "completed": b["completed"],
+            "rounds": b["rounds"], "failures": b["failures"][:1],
+            "load": round(os.getloadavg()[0], 1)}
 
 
 def render(env: dict[str, Any], args: argparse.Namespace, results: list[dict[str, Any]],
@@ -719,6 +736,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--barrier-rounds", type=int, help="default 20 (--quick 10)")
     parser.add_argument("--barrier-timeout", type=float, default=10.0,
                         help="seconds a barrier arrival waits (default 10)")
+    parser.add_argument("--barrier-only", action="store_true",
+                        help="measure cluster-up and the barrier only; one JSON line per n")
     parser.add_argument("--client-timeout", type=float, default=5.0,
                         help="the Sessions' request deadline on top of the barrier timeout")
     parser.add_argument("--status-rounds", type=int, help="default 10 (--quick 5)")
@@ -756,6 +775,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import clusterwire.transports.grpc  # noqa: F401 - the launcher's grpc import, paid once
 
+    if args.barrier_only:
+        for n in args.tasks:
+            print(json.dumps(barrier_line(measure_n(n, args, step))), flush=True)
+        return 0
     results = [measure_n(n, args, step) for n in args.tasks]
     data_rows = measure_data(args, step) if args.data else []
     env["load_end"] = os.getloadavg()[0]

@@ -23,12 +23,13 @@ completes the subtree seals the round and reports it to the parent (``barrier_re
 waits for the answer, which the parent holds until its own round is released: the root
 releases a round as soon as its subtree is complete, and each answer releases the round of
 the task below, which answers its children in turn. A task thus handles at most
-``FAN_IN + 1`` arrivals per round and the release costs no call of its own. A caller that
-gives up withdraws its arrival (a child's report is withdrawn when its held answer times
-out) while its task's round is open; a sealed round keeps it. On a timeout the caller asks
-the root which tasks are missing (``barrier_missing``): each task answers for its subtree,
-asking the children whose report it lacks; a child that cannot be asked counts as missing
-and its own children are asked in its place, so a dead task names itself, not its subtree.
+``barrier_tree.FAN_IN + 1`` arrivals per round and the release costs no call of its own.
+A caller that gives up withdraws its arrival (a child's report is withdrawn when its held
+answer times out) while its task's round is open; a sealed round keeps it. On a timeout
+the caller asks the root which tasks are missing (``barrier_missing``): each task answers
+for its subtree, asking the children whose report it lacks; a child that cannot be asked
+counts as missing and its own children are asked in its place, so a dead task names
+itself, not its subtree.
 
 Rounds are named by random ids, not counters: a coordinator that restarted cannot make a
 new round look like one already released.
@@ -43,17 +44,16 @@ import time
 from dataclasses import dataclass, field
 
 from clusterwire import errors
-from clusterwire.barrier_tree import FAN_IN
 from clusterwire.thread_pool import parked
 
 Task = tuple[str, int]
-#: Jobs of at most this many tasks use the flat protocol (one coordinator counts every
-#: arrival: one hop, cheapest while it handles at most one tree node's arrivals); larger
-#: ones the combining tree.
-FLAT_MAX_TASKS = FAN_IN
 #: Arrivals a coordinator holds (answers once released, each a parked wait) at once; more
 #: are answered at once and released by a call.
 MAX_HELD_ARRIVALS = 64
+#: Jobs of at most this many tasks use the flat protocol: every arrival held by the
+#: coordinator, one hop from its client (cheaper than the tree's two hops at this size,
+#: BENCHMARKS.md "Scale"); larger jobs the combining tree.
+FLAT_MAX_TASKS = 64
 #: Releases remembered per barrier name: a release may arrive before the answer to the
 #: arrival it ends (the coordinator pushes it at once), so recent ones are kept.
 _RECENT_RELEASES = 64

@@ -538,7 +538,8 @@ class ClusterService:
         known = self._trees.get(job)
         if known is not None and known[0] == view.digest:
             return known[1]
-        tree = barrier_tree.build({i: view.cluster.task_address(job, i) for i in expected})
+        tree = barrier_tree.build({i: view.cluster.task_address(job, i) for i in expected},
+                                  barrier_tree.FAN_IN)
         self._trees[job] = (view.digest, tree)
         return tree
 

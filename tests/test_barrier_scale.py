@@ -40,6 +40,8 @@ def tasks(request, monkeypatch) -> Iterator[list[Server]]:
     if request.param[1]:  # flat, as a job of at most FLAT_MAX_TASKS tasks
         monkeypatch.setattr(barrier, "MAX_HELD_ARRIVALS", request.param[1])
         monkeypatch.setattr(barrier, "FLAT_MAX_TASKS", TASKS)
+    else:  # the tree, as a larger job
+        monkeypatch.setattr(barrier, "FLAT_MAX_TASKS", TASKS - 1)
     servers: list[Server] = []
     try:
         for index in range(TASKS):

@@ -7,16 +7,18 @@ from __future__ import annotations
 import os
 import re
 import signal
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from conftest import wait_for
 
-from clusterwire import Session, barrier, barrier_tree, errors
+from clusterwire import ClusterSpec, Server, Session, barrier, barrier_tree, errors
 from clusterwire.local_cluster import LocalCluster
 
 F = barrier_tree.FAN_IN
-TASKS = 48  # > FAN_IN on one host: task 0 has 32 children, task 1 the other 15
+TASKS = 70  # > FLAT_MAX_TASKS, on one host: task 0 over 1-32, 1 over 33-64, 2 over 65-69
 WAIT = 30.0  # a completing barrier's timeout; it takes a small fraction of it
 
 
@@ -127,7 +129,7 @@ def test_a_killed_inner_task_is_named_and_nobody_hangs():
         tree = barrier_tree.build({i: killed.cluster_spec.task_address("worker", i)
                                    for i in range(TASKS)})
         inner = 1
-        assert tree.parent[inner] == 0 and len(tree.children[inner]) == TASKS - 1 - F
+        assert tree.parent[inner] == 0 and tree.children[inner] == tuple(range(33, 65))
         os.kill(killed.process("worker", inner).pid, signal.SIGKILL)
         killed.process("worker", inner).wait(WAIT)
         alive = [i for i in range(TASKS) if i != inner]
@@ -140,3 +142,63 @@ def test_a_killed_inner_task_is_named_and_nobody_hangs():
         finally:
             for session in sessions.values():
                 session.close()
+
+
+@pytest.fixture
+def small_tree(monkeypatch) -> Iterator[list[Server]]:
+    """Four in-process tasks of job "w" whose barrier takes a tree of fan-in 2 (task 0 over
+    1 and 2, task 1 over 3), membership changes allowed."""
+    monkeypatch.setattr(barrier, "FLAT_MAX_TASKS", 1)
+    monkeypatch.setattr(barrier_tree, "FAN_IN", 2)
+    config = {"allow_membership_changes": True, "membership_heartbeat_seconds": 0.2,
+              "membership_timeout_seconds": 5.0}
+    servers: list[Server] = []
+    try:
+        for index in range(4):
+            servers.append(Server({"w": ["127.0.0.1:0"] * 4}, job_name="w", task_index=index,
+                                  config=config))
+        spec = ClusterSpec({"w": [s.target.split("://")[1] for s in servers]})
+        for server in servers:
+            with Session(server.target) as session:
+                session.complete_cluster(spec)
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def test_a_membership_change_aborts_every_wait_of_a_tree_round(small_tree):
+    tree = barrier_tree.build({i: "127.0.0.1:1" for i in range(4)}, 2)
+    assert tree.children[0] == (1, 2) and tree.children[1] == (3,)
+    outcomes: dict[int, BaseException | None] = {}
+
+    def arrive(index: int) -> None:
+        try:
+            with Session(small_tree[index].target) as session:
+                session.barrier("step", timeout=WAIT)
+            outcomes[index] = None
+        except errors.OpError as err:
+            outcomes[index] = err
+
+    # Tasks 1, 2, 3 arrive (1's subtree reports to 0, which holds it); task 0 does not.
+    waiters = [threading.Thread(target=arrive, args=(i,)) for i in (1, 2, 3)]
+    for waiter in waiters:
+        waiter.start()
+    root = small_tree[0]._service
+    wait_for(lambda: root._subtrees.unreported("step", frozenset({0, 1, 2}), 0.0) == [0],
+             WAIT, "the reports of tasks 1 and 2 held on task 0")
+    newcomer = Server({"w": [*root.cluster.job_tasks("w"), "127.0.0.1:0"]}, job_name="w",
+                      task_index=4, config={"allow_membership_changes": True,
+                                            "membership_heartbeat_seconds": 0.2,
+                                            "membership_timeout_seconds": 5.0})
+    try:
+        small_tree[0].update_cluster(
+            {"w": [*root.cluster.job_tasks("w"), newcomer.target.split("://")[1]]})
+        for waiter in waiters:
+            waiter.join(WAIT)
+            assert not waiter.is_alive()
+        assert sorted(outcomes) == [1, 2, 3]
+        assert all(isinstance(err, errors.AbortedError) and "membership changed" in err.message
+                   for err in outcomes.values()), outcomes
+    finally:
+        newcomer.stop()
