@@ -262,3 +262,29 @@ def test_a_standby_stopped_by_sigterm_before_it_serves_exits_cleanly(processes, 
     assert standby.terminate() == 0
     assert standby.process.stdout.read() == ""  # no ready line
     assert "Traceback" not in standby.stderr()
+
+
+@pytest.mark.timeout(60)
+def test_when_no_dispatcher_of_a_list_serves_the_error_names_each(tmp_path):
+    config = data.DispatcherConfig(work_dir=str(tmp_path), fault_tolerant_mode=True,
+                                   bind_address="127.0.0.1")
+    [dead] = free_ports(1)
+    with data.DispatchServer(config) as primary, \
+            data.DispatchServer(config._replace(standby=True)) as standby:
+        primary.stop()  # the standby takes over; stopped too, nothing serves
+        assert standby.wait_serving(30)
+    both = f"127.0.0.1:{dead},{standby.target.split('://')[1]}"
+    client = DispatcherClient("grpc", both, 1.0, Security())
+    try:
+        started = time.monotonic()
+        with pytest.raises(errors.UnavailableError) as raised:
+            client.call(data_status_request(), retry=False)
+        assert time.monotonic() - started < 5
+        assert f"127.0.0.1:{dead}: " in str(raised.value) and "serves;" in str(raised.value)
+        started = time.monotonic()
+        with pytest.raises(errors.UnavailableError, match="serves within 1 s") as raised:
+            client.call(data_status_request())
+        assert 1 <= time.monotonic() - started < 10
+        assert all(f"{a}: " in str(raised.value) for a in both.split(","))
+    finally:
+        client.close()

@@ -133,7 +133,7 @@ class DispatcherClient:
         deadline = time.monotonic() + self.timeout
         delay = _FAILOVER_BACKOFF_START_S
         while True:
-            first, error = self._current, ""
+            first, errors_seen = self._current, []
             for step in range(len(self.addresses)):
                 index = (first + step) % len(self.addresses)
                 try:
@@ -143,7 +143,7 @@ class DispatcherClient:
                         attempt_timeout=self._call_timeout, retry=False)
                     response = parse(reply)
                 except errors.UnavailableError as err:  # unreachable, or a standby
-                    error = err.message
+                    errors_seen.append(f"{self.addresses[index]}: {err.message}")
                     continue
                 if index != self._current:
                     log.warning("clusterwire: the tf.data service dispatcher at %s serves "
@@ -155,7 +155,8 @@ class DispatcherClient:
                 within = f" within {format_duration(self.timeout)}" if retry else ""
                 raise errors.UnavailableError(
                     f"None of the tf.data service dispatchers {','.join(self.addresses)} "
-                    f"({self._client.protocol}) serves{within}; the last answer: {error}")
+                    f"({self._client.protocol}) serves{within}; last: "
+                    + " | ".join(errors_seen))
             if self._closed.wait(min(jittered(delay), remaining)):
                 raise errors.CancelledError("This client was closed.")
             delay = min(delay * 2, _FAILOVER_BACKOFF_MAX_S)
