@@ -3,7 +3,10 @@
 It never runs user code and never sees elements: workers produce them and
 consumers read them from the workers. In fault-tolerant mode every decision
 is journaled (fsync'd) in ``work_dir`` before it is answered, so a dispatcher
-restarted on the same port and work_dir continues where it died.
+restarted on the same port and work_dir continues where it died. Only the holder of the
+work_dir's lease (``clusterwire.data.lease``) writes there; a standby (``standby=True``)
+answers UNAVAILABLE until it takes the lease, then replays the journal and serves at its
+own address.
 
 A consumer that stops reading releases its job (``ClientHeartbeatRequest.release``):
 
