@@ -301,7 +301,10 @@ def test_a_busy_streamed_call_is_sent_again_until_a_thread_is_free(streamed):
         freed = threading.Timer(1.0, listener._streams.release)
         try:
             with channel_to(listener.address) as channel:
-                with pytest.raises(errors.DeadlineExceededError, match="no thread free"):
+                # Refused as busy until the deadline; on a loaded machine gRPC's own
+                # deadline may end the last attempt first.
+                with pytest.raises(errors.DeadlineExceededError,
+                                   match="no thread free|Deadline Exceeded"):
                     channel.call(frame, timeout=0.3)
                 # The slot comes free within the deadline; the retried call then runs.
                 freed.start()
@@ -309,7 +312,8 @@ def test_a_busy_streamed_call_is_sent_again_until_a_thread_is_free(streamed):
                 assert bytes(reply.buffers[0]) == payload
         finally:
             freed.cancel()
-            freed.join()
+            if freed.ident is not None:  # started
+                freed.join()
 
 
 def test_bulk_port_closes_the_oldest_pending_connection_and_silent_ones():

@@ -343,3 +343,19 @@ def test_no_extra_is_imported_until_an_endpoint_serves():
         "server.stop()\n"
         "print(sorted(m for m in ('prometheus_client', 'rich') if m in sys.modules))")
     assert imported.strip() == "[]"
+
+
+@pytest.mark.parametrize("error", [BrokenPipeError(32, "Broken pipe"),
+                                   ConnectionResetError(104, "reset"), TimeoutError("silent")])
+def test_a_client_that_hangs_up_mid_answer_is_no_traceback(error, capsys, caplog):
+    # Seen under a flood on a busy machine: a scrape that gave up before the answer was
+    # written made the endpoint print a BrokenPipeError traceback to stderr.
+    metrics = serve_metrics(0)
+    try:
+        try:
+            raise error
+        except OSError:
+            metrics._server.handle_error(None, ("127.0.0.1", 1))
+    finally:
+        metrics.close()
+    assert capsys.readouterr().err == "" and not caplog.records

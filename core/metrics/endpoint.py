@@ -18,9 +18,11 @@ silent one), so a hostile peer can neither pin the endpoint's threads nor lock a
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import ssl
+import sys
 import tempfile
 import threading
 from collections import OrderedDict
@@ -33,6 +35,8 @@ from clusterwire.metrics.exposition import Exposition
 from clusterwire.metrics.registry import REGISTRY, Registry
 from clusterwire.security import Security, TlsConfig
 from clusterwire.shell import listen_options, warn_if_exposed
+
+_LOG = logging.getLogger(__name__)
 
 #: Seconds a connection may take to send its request (TLS handshake included).
 TIMEOUT_S = 5.0
@@ -124,6 +128,14 @@ class _HttpServer(ThreadingHTTPServer):
             self._open[id(request)] = request
         request.settimeout(TIMEOUT_S)
         super().process_request(request, client_address)
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that hung up or went silent while it was answered is no news (the
+        default prints a traceback to stderr); anything else is logged."""
+        if isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError, ssl.SSLError)):
+            return
+        _LOG.exception("clusterwire: the metrics endpoint failed answering %s",
+                       client_address[0] if client_address else "a client")
 
     def process_request_thread(self, request: socket.socket, client_address) -> None:
         raw = request
