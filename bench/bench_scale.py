@@ -23,7 +23,9 @@ grpc) it measures:
    rounds reuse the name (each release starts a new round); the first round (which also
    pays each Session's one-time route set-up), then median, p90, max of the others. A round in
    which any arrival fails (e.g. DeadlineExceededError after ``--barrier-timeout``) ends
-   the barrier measure of that n: it is reported as "never (timed out)".
+   the barrier measure of that n: it is reported as "never (timed out)". Also the busiest
+   task's barrier requests per round (``clusterwire_requests_total`` of the barrier methods,
+   read from every task before and after the rounds).
 3. status fan-out: the time for one client to have ``status()`` of every task: sequential
    (one Session per task, one call after another), concurrent (a pool of
    ``min(n, --status-threads)`` threads over the same Sessions) and, where ``Session`` has
@@ -210,6 +212,15 @@ def barrier_rounds(sessions: list, rounds: int, timeout: float) -> dict[str, Any
             "timeout": timeout}
 
 
+def barrier_calls(sessions: list) -> list[float]:
+    """Barrier requests (any barrier method) each task has served so far, from its
+    ``clusterwire_requests_total``."""
+    return [sum(m["value"] for m in session.status()["metrics"]
+                if m["name"] == "clusterwire_requests_total"
+                and m["labels"].get("method", "").startswith("barrier"))
+            for session in sessions]
+
+
 def status_fanout(sessions: list, rounds: int, threads: int) -> dict[str, Any]:
     """Seconds for one client to get every task's status: sequential, pool, cluster_status."""
     n = len(sessions)
@@ -317,8 +328,12 @@ def measure_n(n: int, args: argparse.Namespace, step: Callable[[str], None]) -> 
                 if session.status()["task_index"] != index:
                     raise AssertionError(f"task {index} answers as another task")
             step(f"n={n}: {args.barrier_rounds} barrier rounds")
+            before = barrier_calls(sessions)
             result["barrier"] = barrier_rounds(sessions, args.barrier_rounds,
                                                args.barrier_timeout)
+            served = [b - a for a, b in zip(before, barrier_calls(sessions), strict=True)]
+            result["barrier"]["busiest_task_calls_per_round"] = (
+                max(served) / args.barrier_rounds)
             if args.barrier_only:
                 return result
             step(f"n={n}: status fan-out, {args.status_rounds} rounds")
@@ -475,6 +490,7 @@ def barrier_line(result: dict[str, Any]) -> dict[str, Any]:
             "median_ms": round(statistics.median(steady) * 1e3, 1) if steady else None,
             "p90_ms": ms[int(0.9 * (len(ms) - 1))] if ms else None,
             "max_ms": ms[-1] if ms else None, "completed": b["completed"],
+            "busiest_task_calls_per_round": b["busiest_task_calls_per_round"],
             "rounds": b["rounds"], "failures": b["failures"][:1],
             "load": round(os.getloadavg()[0], 1)}
 
@@ -511,15 +527,16 @@ def render(env: dict[str, Any], args: argparse.Namespace, results: list[dict[str
         "cluster and checks that it reaches the barrier's coordinator) and the first "
         "connections; median, p90 and max are of the rounds after it.",
         "",
-        "| n | first round ms | median ms | p90 ms | max ms | rounds completed | |",
-        "|---:|---:|---:|---:|---:|---:|---|",
+        "| n | first round ms | median ms | p90 ms | max ms | rounds completed | busiest task's "
+        "barrier calls / round | |",
+        "|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
         b = r["barrier"]
         s = b["seconds"]
         if b["failures"] and not s:
             what = "never (timed out)" if b["timed_out"] else "never (failed)"
-            lines.append(f"| {r['n']} | {what} | | | | {b['completed']}/{b['rounds']} | "
+            lines.append(f"| {r['n']} | {what} | | | | {b['completed']}/{b['rounds']} | | "
                          f"{b['n_failures']} arrivals failed, e.g. {b['failures'][0]} |")
             continue
         note = ""
@@ -529,7 +546,8 @@ def render(env: dict[str, Any], args: argparse.Namespace, results: list[dict[str
         steady = _after_first(s)
         lines.append(f"| {r['n']} | {_ms(s[0])} | {_ms(statistics.median(steady))} | "
                      f"{_ms(percentile(steady, 90))} | {_ms(max(steady))} | "
-                     f"{b['completed']}/{b['rounds']} | {note} |")
+                     f"{b['completed']}/{b['rounds']} | "
+                     f"{b['busiest_task_calls_per_round']:.1f} | {note} |")
     variants = list(dict.fromkeys(v for r in results for v in r["status"]["seconds"]))
     lines += [
         "",
