@@ -476,7 +476,7 @@ class ClusterService:
             if released:
                 self._release_round(name, counted, me)
         else:
-            answer = self._ask_coordinator(coordinator, Request(
+            answer = self._ask_task(coordinator, Request(
                 method="barrier_arrive", name=name, from_task=arrival, timeout_seconds=timeout,
                 release_to=TaskRef(job=self.job, index=self.index)), timeout)
             round_id, released = answer["round"], answer["released"]
@@ -491,7 +491,7 @@ class ClusterService:
                            round_id=round_id)
         try:
             missing = (self._rounds.withdraw(name, round_id, index, expected)
-                       if coordinator == me else self._ask_coordinator(coordinator, withdraw))
+                       if coordinator == me else self._ask_task(coordinator, withdraw))
         except errors.OpError as err:
             raise errors.DeadlineExceededError(
                 f"Barrier {name!r} timed out after {timeout:.3g} s, and its coordinator "
@@ -522,10 +522,12 @@ class ClusterService:
             answer["released"] = answer["missing"] is None
         return answer
 
-    def _ask_coordinator(self, coordinator: tuple[str, int], request: Request,
-                         wait: float = 0.0, retry: bool = True) -> Any:
+    def _ask_task(self, task: tuple[str, int], request: Request, wait: float = 0.0,
+                  retry: bool = True) -> Any:
+        """Send ``request`` to ``task``, parked: its answer's value (an answer held up to
+        ``wait`` seconds gets that on top of the peer timeout)."""
         with parked():
-            response, buffers = self._peers.send(self._address_of(*coordinator), request,
+            response, buffers = self._peers.send(self._address_of(*task), request,
                                                  timeout=wait + self._peers.timeout,
                                                  retry=retry)
         return codec.decode(response.value, buffers)
@@ -552,15 +554,15 @@ class ClusterService:
         """A child's report (``from_task`` the child), or a question for this task's
         subtree's missing tasks (``from_task`` this task, ``timeout_seconds`` how long the
         asking caller has waited)."""
-        asked = index if request.method == "barrier_missing" else tree and tree.parent[index]
-        if tree is None or job != self.job or asked != self.index:
-            raise errors.FailedPreconditionError(
-                f"{request.method} from /job:{job}/task:{index} does not fit "
-                f"{self.name}'s barrier tree (membership version "
-                f"{self.membership.view.version}): the tasks disagree on the cluster.")
-        if request.method == "barrier_missing":
-            return self._subtree_missing(request.name, tree, request.timeout_seconds)
-        return self._held_report(request, index, tree)
+        if tree is not None and job == self.job:
+            if request.method == "barrier_missing" and index == self.index:
+                return self._subtree_missing(request.name, tree, request.timeout_seconds)
+            if request.method == "barrier_report" and tree.parent[index] == self.index:
+                return self._held_report(request, index, tree)
+        raise errors.FailedPreconditionError(
+            f"{request.method} from /job:{job}/task:{index} does not fit {self.name}'s "
+            f"barrier tree (membership version {self.membership.view.version}): the tasks "
+            "disagree on the cluster.")
 
     def _tree_barrier(self, request: Request, tree: Tree) -> None:
         """A caller arrives as this task: count it in the subtree round, wait here."""
@@ -606,7 +608,7 @@ class ClusterService:
                              from_task=TaskRef(job=self.job, index=self.index))
             try:
                 # Not retried: a parent that is down is named when the callers time out.
-                released = self._ask_coordinator((self.job, parent), report, timeout,
+                released = self._ask_task((self.job, parent), report, timeout,
                                                  retry=False)
             except errors.OpError as err:
                 _LOG.warning("Could not report barrier %r to /job:%s/task:%d: %s", name,
@@ -634,7 +636,7 @@ class ClusterService:
         question = Request(method="barrier_missing", name=name, timeout_seconds=waited,
                            from_task=TaskRef(job=self.job, index=node))
         try:
-            return list(self._ask_coordinator((self.job, node), question, retry=False))
+            return list(self._ask_task((self.job, node), question, retry=False))
         except errors.OpError:
             return sorted([node, *(task for child in tree.children[node]
                                    for task in self._missing_below(name, tree, child, waited))])
