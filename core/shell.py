@@ -118,6 +118,7 @@ class Shell:
         self._options = options
         self._max_in_flight = options.max_concurrent_calls
         self._serving = False
+        self._ready = True  # False: listening, but not taking work yet (set_ready)
         self._waiting_calls: ElasticPool | None = None  # in-process requests that may wait
         # _handle takes the plain lock (cheap); drain waits on a condition of it.
         self._lock = threading.Lock()
@@ -133,7 +134,8 @@ class Shell:
         self._stop_reporting = None
         if metrics_registry.ENABLED:
             self._stats = RequestStats(name, protocol, self._lock, lambda: self._in_flight,
-                                       lambda: self._serving and not self._draining,
+                                       lambda: self._serving and self._ready
+                                       and not self._draining,
                                        self._listener.connections)
             self._stop_reporting = REGISTRY.add_source(self._stats.samples)
 
@@ -144,6 +146,12 @@ class Shell:
             self._serving = not self._draining
         if self._serving:
             self.reachable_at(self.address)
+
+    def set_ready(self, ready: bool) -> None:
+        """Whether this server takes work now, as its health and readiness report it (before
+        or after ``start``): a standby listens, and answers, before its turn comes."""
+        self._ready = ready
+        self._listener.report_ready(ready)
 
     def reachable_at(self, address: str) -> None:
         """Serve callers of this process that name this shell by ``address`` directly."""

@@ -137,6 +137,11 @@ class Listener(abc.ABC):
         """The server takes no more work (its shell drains before ``stop``): a transport
         with a health service reports NOT_SERVING from now on. Default: nothing."""
 
+    def report_ready(self, ready: bool) -> None:  # noqa: B027 - optional, as drain
+        """Whether the server takes work now, before and after ``start`` (a standby waiting
+        for its turn listens but does not): a transport with a health service reports
+        SERVING or NOT_SERVING accordingly until ``drain``. Default: nothing."""
+
     def connections(self) -> int | None:
         """Authenticated client connections held now (the ``clusterwire_connections``
         metric), or None where the transport does not count them. Default: None."""

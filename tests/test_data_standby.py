@@ -7,12 +7,16 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections import Counter
 
 import cw_data_functions as fns
+import grpc
 import pytest
 from conftest import wait_for
 from cw_data_procs import ServerProcess
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clusterwire import data, errors
 from clusterwire.data import worker_auth
@@ -288,3 +292,39 @@ def test_when_no_dispatcher_of_a_list_serves_the_error_names_each(tmp_path):
         assert all(f"{a}: " in str(raised.value) for a in both.split(","))
     finally:
         client.close()
+
+
+def _health(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=10).status
+
+
+def _readyz(dispatcher: data.DispatchServer) -> int:
+    url = dispatcher.metrics_url.rsplit("/", 1)[0] + "/readyz"
+    try:
+        with urllib.request.urlopen(url, timeout=10) as answer:
+            return answer.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+@pytest.mark.timeout(120)
+def test_a_standby_says_not_serving_to_health_checks_until_it_takes_over(tmp_path):
+    config = data.DispatcherConfig(work_dir=str(tmp_path), fault_tolerant_mode=True,
+                                   bind_address="127.0.0.1", metrics_port=0)
+    primary = data.DispatchServer(config)
+    with data.DispatchServer(config._replace(standby=True)) as standby:
+        try:
+            address = standby.target.split("://")[1]
+            assert standby.standing_by
+            # A load balancer or Kubernetes probe must not send work to it yet.
+            assert _health(address) == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert _readyz(standby) == 503
+            assert _health(primary.target.split("://")[1]) == \
+                health_pb2.HealthCheckResponse.SERVING
+        finally:
+            primary.stop()
+        assert standby.wait_serving(60)
+        assert _health(address) == health_pb2.HealthCheckResponse.SERVING
+        assert _readyz(standby) == 200

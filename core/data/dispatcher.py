@@ -196,6 +196,8 @@ class DispatchServer:
             worker_auth.publish(self._endpoint.port, self._host, self._worker_token)
         if self._serving.is_set():
             self._durable.describe(self.target)
+        else:  # health checks and /readyz say NOT_SERVING until it takes over
+            self._endpoint.set_ready(False)
         try:
             self._monitoring.start(functools.partial(
                 _samples, self._monitoring.name, self._state, self._cond, self._worker_timeout,
@@ -264,6 +266,7 @@ class DispatchServer:
         self._durable.describe(self.target)
         self._gc_thread.start()
         self._serving.set()
+        self._endpoint.set_ready(True)
         log.warning("clusterwire: tf.data service dispatcher %s took over work_dir %r (%d "
                     "journal records replayed) and serves.", self.target,
                     self._config.work_dir, len(self.journal_report.entries))

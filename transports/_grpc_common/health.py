@@ -66,6 +66,7 @@ class HealthService:
         self._security = limits.security
         self._door = door
         self._timeout = limits.handshake_timeout_seconds
+        self._started, self._ready = False, True
         self._status = dict.fromkeys(("", *served), NOT_SERVING)
         self._max_request = max(
             health_pb2.HealthCheckRequest(service=s).ByteSize() for s in self._status)
@@ -113,9 +114,16 @@ class HealthService:
                     watch, response_serializer=serialize)}
 
     def start(self) -> None:
-        """Report SERVING for every served name."""
+        """Report SERVING for every served name (NOT_SERVING while not ``ready``)."""
         self._reaper.start()
-        self._set(SERVING)
+        self._started = True
+        self._set(SERVING if self._ready else NOT_SERVING)
+
+    def ready(self, ready: bool) -> None:
+        """Report SERVING (once started) or NOT_SERVING, until ``drain``."""
+        self._ready = ready
+        if self._started:
+            self._set(SERVING if ready else NOT_SERVING)
 
     def drain(self) -> None:
         """Report NOT_SERVING from now on."""

@@ -214,6 +214,10 @@ class ControlServer:
         """Report NOT_SERVING from now on (the shell takes no more work)."""
         self.health.drain()
 
+    def report_ready(self, ready: bool) -> None:
+        """Report SERVING or NOT_SERVING (``Listener.report_ready``)."""
+        self.health.ready(ready)
+
     def stop(self, grace: float | None) -> None:
         """Stop (in-flight calls get ``grace`` seconds), then release the pool."""
         # Bounded: gRPC never reports the stop done if its polling thread died.

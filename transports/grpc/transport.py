@@ -160,6 +160,9 @@ class GrpcListener(Listener):
     def drain(self) -> None:
         self._control.drain()
 
+    def report_ready(self, ready: bool) -> None:
+        self._control.report_ready(ready)
+
     def stop(self, grace: float | None = None) -> None:
         # One grace for both: calls in flight, then the bulk fetches of their responses.
         deadline = time.monotonic() + (grace or 0.0)

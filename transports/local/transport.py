@@ -384,6 +384,9 @@ class LocalListener(Listener):
     def drain(self) -> None:
         self._control.drain()
 
+    def report_ready(self, ready: bool) -> None:
+        self._control.report_ready(ready)
+
     def connections(self) -> int:
         with self._clients_lock:
             return len(self._connections)

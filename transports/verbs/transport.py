@@ -281,6 +281,9 @@ class VerbsListener(Listener):
     def drain(self) -> None:
         self._control.drain()
 
+    def report_ready(self, ready: bool) -> None:
+        self._control.report_ready(ready)
+
     def connections(self) -> int:
         with self._lock:
             return len(self._endpoints)
