@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -220,124 +221,154 @@ class DispatcherState:
     def apply(self, entry: JournalEntry, buffers: list[Any] | None = None,
               peer: str = "") -> None:
         """Apply one decision (``buffers``: a dataset entry's payload buffers; ``peer``: the
-        peer whose request made a new job or dataset)."""
+        peer whose request made a new job or dataset): the handler of its kind."""
+        handler = _APPLY.get(entry.WhichOneof("kind"))
+        if handler is not None:
+            handler(self, entry, buffers or [], peer, time.monotonic())
+
+    def _apply_dataset(self, entry: JournalEntry, buffers: list[Any], peer: str,
+                       now: float) -> None:
+        d = entry.dataset
+        record = self.datasets[d.dataset_id] = DatasetRecord(
+            d.dataset_id, d.fingerprint, d.compression, d.dataset, list(buffers))
+        self.by_fingerprint.setdefault((d.fingerprint, d.compression, peer), d.dataset_id)
+        self.unused_datasets[d.dataset_id] = None
+        self.dataset_shares.add(d.dataset_id, peer)
+        self.dataset_bytes.add(d.dataset_id, peer, record.nbytes)
+
+    def _apply_job(self, entry: JournalEntry, buffers: list[Any], peer: str,
+                   now: float) -> None:
+        j = entry.job
+        info = JobInfo()
+        info.CopyFrom(j.job)
+        self.jobs[info.job_id] = Job(info, j.job_key, j.named, j.split_units,
+                                     j.total_units, j.epochs)
+        self.job_keys[j.job_key] = info.job_id
+        self.unread_jobs[info.job_id] = None
+        self.job_shares.add(info.job_id, peer)
+        self.unused_datasets.pop(info.dataset_id, None)
+
+    def _apply_assign(self, entry: JournalEntry, buffers: list[Any], peer: str,
+                      now: float) -> None:
+        job = self.jobs.get(entry.assign.job_id)
+        if job is not None:
+            split = entry.assign.split_id
+            job.assigned[split] = entry.assign.consumer_id
+            job.next_split = max(job.next_split, split + 1)
+            if split in job.pool:
+                job.pool.remove(split)
+            job.hand_out(entry.assign.consumer_id, split)
+            job.splits_handed += 1
+            job.consumers.setdefault(entry.assign.consumer_id, now)
+
+    def _apply_done_or_returned(self, entry: JournalEntry, buffers: list[Any], peer: str,
+                                now: float) -> None:
         kind = entry.WhichOneof("kind")
-        now = time.monotonic()
-        if kind == "dataset":
-            d = entry.dataset
-            record = self.datasets[d.dataset_id] = DatasetRecord(
-                d.dataset_id, d.fingerprint, d.compression, d.dataset, list(buffers or []))
-            self.by_fingerprint.setdefault((d.fingerprint, d.compression, peer), d.dataset_id)
-            self.unused_datasets[d.dataset_id] = None
-            self.dataset_shares.add(d.dataset_id, peer)
-            self.dataset_bytes.add(d.dataset_id, peer, record.nbytes)
-        elif kind == "job":
-            j = entry.job
-            info = JobInfo()
-            info.CopyFrom(j.job)
-            self.jobs[info.job_id] = Job(info, j.job_key, j.named, j.split_units,
-                                         j.total_units, j.epochs)
-            self.job_keys[j.job_key] = info.job_id
-            self.unread_jobs[info.job_id] = None
-            self.job_shares.add(info.job_id, peer)
-            self.unused_datasets.pop(info.dataset_id, None)
-        elif kind == "assign":
-            job = self.jobs.get(entry.assign.job_id)
-            if job is not None:
-                split = entry.assign.split_id
-                job.assigned[split] = entry.assign.consumer_id
-                job.next_split = max(job.next_split, split + 1)
-                if split in job.pool:
-                    job.pool.remove(split)
-                job.hand_out(entry.assign.consumer_id, split)
-                job.splits_handed += 1
-                job.consumers.setdefault(entry.assign.consumer_id, now)
-        elif kind in ("done", "returned"):
-            record = getattr(entry, kind)
-            job = self.jobs.get(record.job_id)
-            if job is not None:
-                if kind == "returned":  # the consumer cannot resume any more
-                    for kept in (job.handouts, job.handout_base, job.dormant):
-                        kept.pop(record.consumer_id, None)
-                    job.resumable.discard(record.consumer_id)
-                offsets = dict(zip(record.split_ids, record.offsets, strict=False))
-                for split in record.split_ids:
-                    job.assigned.pop(split, None)
-                    if kind == "returned":
-                        job.pool.append(split)
-                        if offsets.get(split):
-                            job.offsets[split] = offsets[split]
-                    else:
-                        job.offsets.pop(split, None)
-                        if split in job.pool:
-                            job.pool.remove(split)
-                        job.splits_completed += 1
-        elif kind == "kept":
-            job = self.jobs.get(entry.kept.job_id)
-            if job is not None:
-                for split, offset in zip(entry.kept.split_ids, entry.kept.offsets, strict=False):
-                    if job.assigned.get(split) == entry.kept.consumer_id and offset:
-                        job.offsets[split] = offset
-                job.consumers.pop(entry.kept.consumer_id, None)
-                job.dormant[entry.kept.consumer_id] = now
-        elif kind == "resumable":
-            job = self.jobs.get(entry.resumable.job_id)
-            if job is not None:
-                job.resumable.add(entry.resumable.consumer_id)
-        elif kind == "resumed":
-            r = entry.resumed
-            job = self.jobs.get(r.job_id)
-            if job is not None:
-                job.resume(r.consumer_id, r.handed, {p.split_id: p.offset for p in r.partial},
-                           set(r.completed), r.generation)
-        elif kind == "merged":
-            job = self.jobs.get(entry.merged.job_id)
-            if job is not None:
-                job.merge(entry.merged.merge_id, list(entry.merged.consumers))
-        elif kind == "finished_job":
-            job = self.jobs.get(entry.finished_job)
-            if job is not None:
-                job.info.finished = True
-        elif kind == "removed_job":
-            self.unread_jobs.pop(entry.removed_job, None)
-            self.job_shares.discard(entry.removed_job)
-            job = self.jobs.pop(entry.removed_job, None)
-            if job is not None and self.job_keys.get(job.key) == job.info.job_id:
-                del self.job_keys[job.key]
-        elif kind == "worker":
-            self.workers[entry.worker.address] = entry.worker
-            self.worker_seen[entry.worker.address] = now
-        elif kind == "grant_key":
-            self.grant_key = entry.grant_key
-        elif kind == "removed_dataset":
-            self.unused_datasets.pop(entry.removed_dataset, None)
-            creator = self.dataset_shares.peer_of(entry.removed_dataset) or ""
-            self.dataset_shares.discard(entry.removed_dataset)
-            self.dataset_bytes.discard(entry.removed_dataset)
-            record = self.datasets.pop(entry.removed_dataset, None)
-            if record is not None:
-                key = (record.fingerprint, record.compression, creator)
-                if self.by_fingerprint.get(key) == record.dataset_id:
-                    del self.by_fingerprint[key]
-        elif kind == "progress":
-            p = entry.progress
-            job = self.jobs.get(p.job_id)
-            if job is not None:
-                job.next_split, job.pool = p.next_split, list(p.pool)
-                job.assigned = {a.split_id: a.consumer_id for a in p.assigned}
-                job.info.finished = p.finished
-                job.offsets = dict(p.offsets)
-                job.handouts = {h.consumer_id: list(zip(h.split_ids, h.offsets, strict=True))
-                                for h in p.handouts}
-                job.handout_base = {h.consumer_id: h.base for h in p.handouts}
-                job.generations = {h.consumer_id: h.generation for h in p.handouts
-                                   if h.generation}
-                job.resumable = set(p.resumable)
-                job.dormant = dict.fromkeys(p.dormant, now)
-                job.splits_handed, job.splits_completed = p.splits_handed, p.splits_completed
-                job.merges = dict.fromkeys(p.merges)
-                for consumer in set(job.assigned.values()) - set(job.dormant):
-                    job.consumers.setdefault(consumer, now)  # else never timed out
+        record = getattr(entry, kind)
+        job = self.jobs.get(record.job_id)
+        if job is not None:
+            if kind == "returned":  # the consumer cannot resume any more
+                for kept in (job.handouts, job.handout_base, job.dormant):
+                    kept.pop(record.consumer_id, None)
+                job.resumable.discard(record.consumer_id)
+            offsets = dict(zip(record.split_ids, record.offsets, strict=False))
+            for split in record.split_ids:
+                job.assigned.pop(split, None)
+                if kind == "returned":
+                    job.pool.append(split)
+                    if offsets.get(split):
+                        job.offsets[split] = offsets[split]
+                else:
+                    job.offsets.pop(split, None)
+                    if split in job.pool:
+                        job.pool.remove(split)
+                    job.splits_completed += 1
+
+    def _apply_kept(self, entry: JournalEntry, buffers: list[Any], peer: str,
+                    now: float) -> None:
+        job = self.jobs.get(entry.kept.job_id)
+        if job is not None:
+            for split, offset in zip(entry.kept.split_ids, entry.kept.offsets, strict=False):
+                if job.assigned.get(split) == entry.kept.consumer_id and offset:
+                    job.offsets[split] = offset
+            job.consumers.pop(entry.kept.consumer_id, None)
+            job.dormant[entry.kept.consumer_id] = now
+
+    def _apply_resumable(self, entry: JournalEntry, buffers: list[Any], peer: str,
+                         now: float) -> None:
+        job = self.jobs.get(entry.resumable.job_id)
+        if job is not None:
+            job.resumable.add(entry.resumable.consumer_id)
+
+    def _apply_resumed(self, entry: JournalEntry, buffers: list[Any], peer: str,
+                       now: float) -> None:
+        r = entry.resumed
+        job = self.jobs.get(r.job_id)
+        if job is not None:
+            job.resume(r.consumer_id, r.handed, {p.split_id: p.offset for p in r.partial},
+                       set(r.completed), r.generation)
+
+    def _apply_merged(self, entry: JournalEntry, buffers: list[Any], peer: str,
+                      now: float) -> None:
+        job = self.jobs.get(entry.merged.job_id)
+        if job is not None:
+            job.merge(entry.merged.merge_id, list(entry.merged.consumers))
+
+    def _apply_finished_job(self, entry: JournalEntry, buffers: list[Any], peer: str,
+                            now: float) -> None:
+        job = self.jobs.get(entry.finished_job)
+        if job is not None:
+            job.info.finished = True
+
+    def _apply_removed_job(self, entry: JournalEntry, buffers: list[Any], peer: str,
+                           now: float) -> None:
+        self.unread_jobs.pop(entry.removed_job, None)
+        self.job_shares.discard(entry.removed_job)
+        job = self.jobs.pop(entry.removed_job, None)
+        if job is not None and self.job_keys.get(job.key) == job.info.job_id:
+            del self.job_keys[job.key]
+
+    def _apply_worker(self, entry: JournalEntry, buffers: list[Any], peer: str,
+                      now: float) -> None:
+        self.workers[entry.worker.address] = entry.worker
+        self.worker_seen[entry.worker.address] = now
+
+    def _apply_grant_key(self, entry: JournalEntry, buffers: list[Any], peer: str,
+                         now: float) -> None:
+        self.grant_key = entry.grant_key
+
+    def _apply_removed_dataset(self, entry: JournalEntry, buffers: list[Any], peer: str,
+                               now: float) -> None:
+        self.unused_datasets.pop(entry.removed_dataset, None)
+        creator = self.dataset_shares.peer_of(entry.removed_dataset) or ""
+        self.dataset_shares.discard(entry.removed_dataset)
+        self.dataset_bytes.discard(entry.removed_dataset)
+        record = self.datasets.pop(entry.removed_dataset, None)
+        if record is not None:
+            key = (record.fingerprint, record.compression, creator)
+            if self.by_fingerprint.get(key) == record.dataset_id:
+                del self.by_fingerprint[key]
+
+    def _apply_progress(self, entry: JournalEntry, buffers: list[Any], peer: str,
+                        now: float) -> None:
+        p = entry.progress
+        job = self.jobs.get(p.job_id)
+        if job is not None:
+            job.next_split, job.pool = p.next_split, list(p.pool)
+            job.assigned = {a.split_id: a.consumer_id for a in p.assigned}
+            job.info.finished = p.finished
+            job.offsets = dict(p.offsets)
+            job.handouts = {h.consumer_id: list(zip(h.split_ids, h.offsets, strict=True))
+                            for h in p.handouts}
+            job.handout_base = {h.consumer_id: h.base for h in p.handouts}
+            job.generations = {h.consumer_id: h.generation for h in p.handouts
+                               if h.generation}
+            job.resumable = set(p.resumable)
+            job.dormant = dict.fromkeys(p.dormant, now)
+            job.splits_handed, job.splits_completed = p.splits_handed, p.splits_completed
+            job.merges = dict.fromkeys(p.merges)
+            for consumer in set(job.assigned.values()) - set(job.dormant):
+                job.consumers.setdefault(consumer, now)  # else never timed out
 
     def snapshot(self) -> list[JournalEntry]:
         """Entries that rebuild this state from nothing: what a compacted journal holds."""
@@ -388,3 +419,23 @@ class DispatcherState:
         names = order if order is not None else sorted(self.workers)
         return [self.workers[a] for a in names
                 if a in self.workers and now - self.worker_seen.get(a, 0) <= timeout_s]
+
+
+#: The handler of each kind of journal entry (``DispatcherState.apply``).
+_APPLY: dict[str, Callable[[DispatcherState, JournalEntry, list[Any], str, float], None]] = {
+    "dataset": DispatcherState._apply_dataset,
+    "job": DispatcherState._apply_job,
+    "assign": DispatcherState._apply_assign,
+    "done": DispatcherState._apply_done_or_returned,
+    "returned": DispatcherState._apply_done_or_returned,
+    "kept": DispatcherState._apply_kept,
+    "resumable": DispatcherState._apply_resumable,
+    "resumed": DispatcherState._apply_resumed,
+    "merged": DispatcherState._apply_merged,
+    "finished_job": DispatcherState._apply_finished_job,
+    "removed_job": DispatcherState._apply_removed_job,
+    "worker": DispatcherState._apply_worker,
+    "grant_key": DispatcherState._apply_grant_key,
+    "removed_dataset": DispatcherState._apply_removed_dataset,
+    "progress": DispatcherState._apply_progress,
+}
