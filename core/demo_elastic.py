@@ -103,17 +103,9 @@ def run_elastic_demo(protocol: str = "grpc", steps: int = 60, dim: int = 2048,
     membership change and one verdict line; 0 if the loss fell ``LOSS_FACTOR``x, the
     workers went 2 -> 4 -> 3, every worker left ran its ``steps`` steps and every process
     but the killed one stopped cleanly, else 1."""
-    rng = np.random.default_rng(0)
-    true_weights = (rng.standard_normal(dim) / np.sqrt(dim)).astype(np.float32)
-
-    def shard() -> tuple[np.ndarray, np.ndarray]:
-        features = rng.standard_normal((samples_per_worker, dim), np.float32)
-        return features, features @ true_weights
-
     started = time.perf_counter()
     cluster = LocalCluster({"ps": 1, "worker": 2}, protocol=protocol,
                            imports=["clusterwire.demo"], config=_HEARTBEAT)
-    victim = 2  # a worker that joined, killed a third of the way through its steps
     with cluster, Session(cluster.target("ps")) as session, \
             ThreadPoolExecutor(_MAX_WORKERS) as pool:
         say(out, f"cluster up in {time.perf_counter() - started:.2f} s ({protocol}), heartbeats "
@@ -124,63 +116,98 @@ def run_elastic_demo(protocol: str = "grpc", steps: int = 60, dim: int = 2048,
             " (version 0 is the cluster each task was started with, every port 0; telling "
             "the tasks each other's bound ports made the next)" if watch.version else
             " (the cluster each task was started with)"))
-        session.call(ps_init, dim, _MAX_WORKERS)
-        shards = [shard(), shard()]
-        initial_loss = float(np.mean(shards[0][1] ** 2))
-        runs: dict[int, Future] = {}
-
-        def launch(index: int) -> None:
-            task = f"/job:worker/task:{index}"
-            session.put("features", shards[index][0], task=task)
-            session.put("labels", shards[index][1], task=task)
-            runs[index] = pool.submit(session.call, worker_train, cluster.target("worker", index),
-                                      steps, 0.4, index, task=task, timeout=600)
-
-        for index in (0, 1):
-            launch(index)
-        shown, grown, killed = 0, False, False
-        while any(not run.done() for run in runs.values()):
+        run = _ElasticRun(cluster, session, pool, steps, dim, samples_per_worker, out)
+        while run.training():
             time.sleep(0.02)
-            progress = session.call(ps_progress)
-            if progress["step"] >= shown + 10:
-                shown = progress["step"]
-                say(out, f"  step {shown:4d}  loss {progress['loss']:.3e}  steps per worker "
-                         f"{progress['steps_of'][:len(shards)]}")
-            if not grown and progress["step"] >= steps // 2:
-                joined = cluster.add_tasks("worker", 2)
-                say(out, f"  elastic: started {', '.join(f'/job:worker/task:{i}' for i in joined)}"
-                         " and told the cluster")
-                for index in joined:
-                    shards.append(shard())
-                    launch(index)
-                grown = True
-            if grown and not killed and progress["steps_of"][victim] >= steps // 3:
-                cluster.process("worker", victim).kill()
-                say(out, f"  elastic: SIGKILLed /job:worker/task:{victim} at step "
-                         f"{progress['step']}")
-                _wait_down(session, f"/job:worker/task:{victim}")
-                say(out, f"  membership: /job:worker/task:{victim} is down (no heartbeat for "
-                         f"{_HEARTBEAT['membership_timeout_seconds']:g} s)")
-                cluster.remove_task("worker", victim)
-                killed = True
-        try:
-            runs[victim].result()
-        except errors.OpError as err:
-            say(out, f"  elastic: the killed worker's run ended with {type(err).__name__}")
-        for index, run in runs.items():
-            if index != victim:
-                run.result()
-        progress = session.call(ps_progress)
-        weights = session.call(ps_pull)
+            run.step()
+        progress, weights = run.finish()
         watch.stop()
-    survivors = [i for i in runs if i != victim]
+    survivors = [i for i in run.runs if i != run.victim]
     stopped = {f"/job:{job}/task:{i}": cluster.process(job, i).poll()
                for job, indices in (("ps", [0]), ("worker", survivors)) for i in indices}
     loss = progress["loss"]
-    say(out, f"final loss {loss:.3e} (initial {initial_loss:.4f}); {progress['step']} steps in "
-             f"{time.perf_counter() - started:.1f} s")
-    return _verdict(initial_loss, loss, watch.counts, progress["steps_of"], survivors, steps,
-                    weights, stopped, out)
+    say(out, f"final loss {loss:.3e} (initial {run.initial_loss:.4f}); {progress['step']} steps "
+             f"in {time.perf_counter() - started:.1f} s")
+    return _verdict(run.initial_loss, loss, watch.counts, progress["steps_of"], survivors,
+                    steps, weights, stopped, out)
+
+
+class _ElasticRun:
+    """The training of ``run_elastic_demo``: each worker's run (a call into its task) and
+    the changes of shape the ps's progress triggers, one ``step`` per look at it."""
+
+    victim = 2  # a worker that joined, killed a third of the way through its steps
+
+    def __init__(self, cluster: LocalCluster, session: Session, pool: ThreadPoolExecutor,
+                 steps: int, dim: int, samples_per_worker: int, out: Any):
+        self._cluster, self._session, self._pool, self._out = cluster, session, pool, out
+        self._steps, self._samples = steps, samples_per_worker
+        self._rng = np.random.default_rng(0)
+        self._true_weights = (self._rng.standard_normal(dim) / np.sqrt(dim)).astype(np.float32)
+        session.call(ps_init, dim, _MAX_WORKERS)
+        self._shards = [self._shard(), self._shard()]
+        self.initial_loss = float(np.mean(self._shards[0][1] ** 2))
+        self.runs: dict[int, Future] = {}
+        self._shown, self._grown, self._killed = 0, False, False
+        for index in (0, 1):
+            self._launch(index)
+
+    def _shard(self) -> tuple[np.ndarray, np.ndarray]:
+        features = self._rng.standard_normal((self._samples, len(self._true_weights)),
+                                             np.float32)
+        return features, features @ self._true_weights
+
+    def _launch(self, index: int) -> None:
+        task = f"/job:worker/task:{index}"
+        self._session.put("features", self._shards[index][0], task=task)
+        self._session.put("labels", self._shards[index][1], task=task)
+        self.runs[index] = self._pool.submit(
+            self._session.call, worker_train, self._cluster.target("worker", index),
+            self._steps, 0.4, index, task=task, timeout=600)
+
+    def training(self) -> bool:
+        """Whether a worker's run is still going."""
+        return any(not run.done() for run in self.runs.values())
+
+    def step(self) -> None:
+        """Print the progress every 10 steps; grow the workers to 4 halfway, then kill the
+        victim a third of the way through its own steps."""
+        out, steps = self._out, self._steps
+        progress = self._session.call(ps_progress)
+        if progress["step"] >= self._shown + 10:
+            self._shown = progress["step"]
+            say(out, f"  step {self._shown:4d}  loss {progress['loss']:.3e}  steps per worker "
+                     f"{progress['steps_of'][:len(self._shards)]}")
+        if not self._grown and progress["step"] >= steps // 2:
+            joined = self._cluster.add_tasks("worker", 2)
+            say(out, f"  elastic: started {', '.join(f'/job:worker/task:{i}' for i in joined)}"
+                     " and told the cluster")
+            for index in joined:
+                self._shards.append(self._shard())
+                self._launch(index)
+            self._grown = True
+        if self._grown and not self._killed and \
+                progress["steps_of"][self.victim] >= steps // 3:
+            self._cluster.process("worker", self.victim).kill()
+            say(out, f"  elastic: SIGKILLed /job:worker/task:{self.victim} at step "
+                     f"{progress['step']}")
+            _wait_down(self._session, f"/job:worker/task:{self.victim}")
+            say(out, f"  membership: /job:worker/task:{self.victim} is down (no heartbeat for "
+                     f"{_HEARTBEAT['membership_timeout_seconds']:g} s)")
+            self._cluster.remove_task("worker", self.victim)
+            self._killed = True
+
+    def finish(self) -> tuple[dict[str, Any], Any]:
+        """The runs' ends (the killed worker's error reported), then the ps's final progress
+        and weights."""
+        try:
+            self.runs[self.victim].result()
+        except errors.OpError as err:
+            say(self._out, f"  elastic: the killed worker's run ended with {type(err).__name__}")
+        for index, run in self.runs.items():
+            if index != self.victim:
+                run.result()
+        return self._session.call(ps_progress), self._session.call(ps_pull)
 
 
 def _wait_down(session: Session, task: str, timeout: float = 30.0) -> None:
