@@ -423,6 +423,10 @@ class ClusterService:
 
     def _barrier_request(self, request: Request) -> Frame:
         method, name = request.method, request.name
+        if not 0.0 <= request.timeout_seconds <= threading.TIMEOUT_MAX:  # NaN too
+            raise errors.InvalidArgumentError(
+                f"{method}: timeout_seconds {request.timeout_seconds!r} is not a wait; send "
+                f"0 (the server's peer timeout) or up to {threading.TIMEOUT_MAX:.0f} s.")
         if method == "barrier_release":
             self._releases.release(name, request.round_id)
             return value_response(None)

@@ -16,6 +16,8 @@ from conftest import wait_for
 
 from clusterwire import ClusterSpec, Server, Session, barrier, barrier_tree, errors
 from clusterwire.local_cluster import LocalCluster
+from clusterwire.protos.service_pb2 import Request, TaskRef
+from clusterwire.rpc import RequestClient
 
 F = barrier_tree.FAN_IN
 TASKS = 70  # > FLAT_MAX_TASKS, on one host: task 0 over 1-32, 1 over 33-64, 2 over 65-69
@@ -202,3 +204,24 @@ def test_a_membership_change_aborts_every_wait_of_a_tree_round(small_tree):
                    for err in outcomes.values()), outcomes
     finally:
         newcomer.stop()
+
+
+@pytest.mark.parametrize("method, sender, timeout, error", [
+    ("barrier_report", 3, 1.0, errors.FailedPreconditionError),  # 3 reports to 1, not 0
+    ("barrier_missing", 2, 1.0, errors.FailedPreconditionError),  # asked of 2, sent to 0
+    ("barrier_report", 1, float("nan"), errors.InvalidArgumentError),
+    ("barrier_report", 1, 1e300, errors.InvalidArgumentError),
+    ("barrier_missing", 0, -1.0, errors.InvalidArgumentError),
+    ("barrier", 0, float("inf"), errors.InvalidArgumentError),
+])
+def test_tree_requests_that_do_not_fit_get_clear_errors(small_tree, method, sender, timeout,
+                                                        error):
+    client = RequestClient("grpc", timeout=WAIT)
+    try:
+        with pytest.raises(error, match=r"does not fit /job:w/task:0's barrier tree|"
+                                        r"is not a wait; send 0"):
+            client.send(small_tree[0].target.split("://")[1], Request(
+                method=method, name="b", timeout_seconds=timeout,
+                from_task=TaskRef(job="w", index=sender)), retry=False)
+    finally:
+        client.close()
