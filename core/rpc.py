@@ -12,6 +12,7 @@ import logging
 import random
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -82,8 +83,25 @@ def response_value(frame: Frame) -> Any:
     return plan(frame.buffers)
 
 
+#: Channels a client keeps open at once by default (a task's to the peers it calls): past
+#: it the least recently used one is closed once no call uses it, and opened again when a
+#: request needs it, so a task of a large job holds a bounded number of connections.
+MAX_CHANNELS = 256
+
+
+class _Pooled:
+    """A client's channel to one address, the calls using it now, and whether it left the
+    pool (then it closes when the last of them ends)."""
+
+    __slots__ = ("channel", "users", "evicted")
+
+    def __init__(self, channel: Channel):
+        self.channel, self.users, self.evicted = channel, 0, False
+
+
 class RequestClient:
-    """Sends requests to addresses over one protocol, reusing one channel per address.
+    """Sends requests to addresses over one protocol, reusing one channel per address, at
+    most ``max_channels`` open at once (least recently used closed first).
 
     A server of this process is reached without the transport (``clusterwire.in_process``)
     unless ``in_process`` is False. ``peer`` names what serves at the addresses in the
@@ -93,15 +111,20 @@ class RequestClient:
 
     def __init__(self, protocol: str, timeout: float = DEFAULT_TIMEOUT,
                  security: Security | None = None, in_process: bool = True,
-                 peer: str = "task"):
+                 peer: str = "task", max_channels: int = MAX_CHANNELS):
+        if isinstance(max_channels, bool) or not isinstance(max_channels, int) \
+                or max_channels < 1:
+            raise errors.InvalidArgumentError(
+                f"max_channels must be an int >= 1, got {max_channels!r}.")
         self.protocol = protocol
+        self._max_channels = max_channels
         self.peer = peer
         self._subject = "Task" if peer == "task" else f"The {peer}"
         self.timeout = timeout
         self.security = security or Security()
         self.in_process = in_process
         self._transport = get_plugin_manager().transport(protocol)
-        self._channels: dict[str, Channel] = {}
+        self._channels: OrderedDict[str, _Pooled] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
         self._closed = False
         self._closing = threading.Event()  # wakes a retry's backoff
@@ -110,18 +133,35 @@ class RequestClient:
         #: Attempts that found their address unreachable.
         self.failures = 0
 
-    def _channel(self, address: str) -> Channel:
-        channel = self._channels.get(address)  # the common case, without the lock
-        if channel is not None and not self._closed:
-            return channel
+    def _acquire(self, address: str) -> _Pooled:
+        """The channel to ``address`` (opened if needed), counted as used until
+        ``_release``."""
+        closing: list[_Pooled] = []
         with self._lock:
             if self._closed:
                 raise errors.CancelledError("This client was closed.")
-            channel = self._channels.get(address)
-            if channel is None:
-                channel = self._channels[address] = self._transport.connect(address,
-                                                                            self.security)
-            return channel
+            pooled = self._channels.get(address)
+            if pooled is None:
+                pooled = self._channels[address] = _Pooled(
+                    self._transport.connect(address, self.security))
+                while len(self._channels) > self._max_channels:
+                    _, oldest = self._channels.popitem(last=False)
+                    oldest.evicted = True
+                    if not oldest.users:
+                        closing.append(oldest)
+            else:
+                self._channels.move_to_end(address)
+            pooled.users += 1
+        for evicted in closing:
+            evicted.channel.close()
+        return pooled
+
+    def _release(self, pooled: _Pooled) -> None:
+        with self._lock:
+            pooled.users -= 1
+            close = pooled.evicted and not pooled.users
+        if close:
+            pooled.channel.close()
 
     def send(self, address: str, request: Request, buffers: Sequence[Buffer] = (),
              timeout: float | None = None, *,
@@ -161,9 +201,12 @@ class RequestClient:
                     reply = shell.call_in_process(frame, max(remaining, 0.001), self.security,
                                                   self._closing)
                 else:
-                    channel = self._channel(address)
-                    send = channel.call_relayed if relay else channel.call
-                    reply = send(frame, timeout=max(remaining, 0.001))
+                    pooled = self._acquire(address)
+                    try:
+                        send = pooled.channel.call_relayed if relay else pooled.channel.call
+                        reply = send(frame, timeout=max(remaining, 0.001))
+                    finally:
+                        self._release(pooled)
                 if self._unreachable:
                     self._reached(address)
                 return reply
@@ -216,15 +259,15 @@ class RequestClient:
     def drop(self, address: str) -> None:
         """Close the channel to ``address``, if one is open (a later request opens one)."""
         with self._lock:
-            channel = self._channels.pop(address, None)
-        if channel is not None:
-            channel.close()
+            pooled = self._channels.pop(address, None)
+        if pooled is not None:  # closed now: its calls in flight end with CancelledError
+            pooled.channel.close()
 
     def close(self) -> None:
         """Close every channel (idempotent)."""
         self._closing.set()
         with self._lock:
             self._closed = True
-            channels, self._channels = list(self._channels.values()), {}
-        for channel in channels:
-            channel.close()
+            channels, self._channels = list(self._channels.values()), OrderedDict()
+        for pooled in channels:
+            pooled.channel.close()
