@@ -87,6 +87,7 @@ class PluginConfig:
     block: list[str] = field(default_factory=list)
     options: dict[str, dict[str, Any]] = field(default_factory=dict)
     security: dict[str, Any] = field(default_factory=dict)
+    data_limits: dict[str, Any] = field(default_factory=dict)
 
 
 def find_config_path(path: str | os.PathLike | None = None) -> str | None:
@@ -112,11 +113,11 @@ def load_config(path: str | os.PathLike | None = None) -> PluginConfig:
             f"{'the argument' if path is not None else '$' + CONFIG_ENV}).") from None
     except tomllib.TOMLDecodeError as err:
         raise InvalidArgumentError(f"Malformed plugin configuration {found}: {err}") from None
-    unknown = set(data) - {"load", "block", "options", "security"}
+    unknown = set(data) - {"load", "block", "options", "security", "data_limits"}
     if unknown:
         raise InvalidArgumentError(
             f"{found}: unknown key(s) {sorted(unknown)}; allowed: load, block, [options.NAME], "
-            "[security].")
+            "[security], [data_limits].")
     config = PluginConfig(path=found)
     for key in ("load", "block"):
         value = data.get(key, [])
@@ -131,6 +132,10 @@ def load_config(path: str | os.PathLike | None = None) -> PluginConfig:
     if not isinstance(security, dict):
         raise InvalidArgumentError(f"{found}: [security] must be a table.")
     config.security = security
+    data_limits = data.get("data_limits", {})
+    if not isinstance(data_limits, dict):
+        raise InvalidArgumentError(f"{found}: [data_limits] must be a table.")
+    config.data_limits = data_limits
     return config
 
 
@@ -311,6 +316,13 @@ class PluginManager:
         with self._lock:
             self._ensure_loaded()
             return dict(self.config.security)
+
+    def data_limits(self) -> tuple[dict[str, Any], str | None]:
+        """The [data_limits] table of plugins.toml (the data service's ServiceLimits) and
+        the file's path."""
+        with self._lock:
+            self._ensure_loaded()
+            return dict(self.config.data_limits), self.config.path
 
     def _missing(self, kind: str, name: str, installed: list[str]) -> NotFoundError:
         hint = PROVIDERS.get(name)

@@ -14,8 +14,8 @@ until stdin closes:
 
 When the servers refuse a new entry, the thread reads one of its entries instead (round the
 flooder's entries). It prints ``FULL <entries it holds>`` at the first refusal: the table
-(MAX_JOBS, MAX_DATASETS, the worker's MAX_OPEN_STREAMS or its cache slots) is full and it
-holds its share.
+(ServiceLimits' max_jobs, max_datasets, the worker's max_open_streams or its cache slots) is
+full and it holds its share.
 At the end it reads every entry it holds once more and prints a JSON line of counts:
 ``created``, ``refused`` (ResourceExhaustedError of a new entry, by the fair-share rule),
 ``displaced`` (an entry read after it was displaced: the error said so), ``held`` (entries
@@ -35,10 +35,7 @@ import threading
 
 from clusterwire import data, errors
 from clusterwire.addressing import split_host_port
-from clusterwire.data import dispatcher as dispatcher_module
 from clusterwire.data import graph
-from clusterwire.data import worker as worker_module
-from clusterwire.data.cross_trainer_cache import MAX_CACHED_JOBS
 from clusterwire.data.rpc import DispatcherClient, WorkerChannels
 from clusterwire.protos.data_service_pb2 import (
     ClientHeartbeatRequest,
@@ -117,10 +114,6 @@ class Flooder:
         self.entries: list[dict] = []  # what the flood holds, to read again
         self.full = False  # FULL was printed
         self.counts: dict = {"created": 0, "refused": 0, "displaced": 0, "other": []}
-        self.limit = {"jobs": dispatcher_module.MAX_JOBS,
-                      "datasets": dispatcher_module.MAX_DATASETS,
-                      "streams": worker_module.MAX_OPEN_STREAMS,
-                      "caches": MAX_CACHED_JOBS}[kind]
         self.dataset_id = ""
         self.named = kind == "caches"  # a cross-trainer cache is a named job's
         if kind != "datasets":

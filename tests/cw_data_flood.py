@@ -15,8 +15,8 @@ import sys
 import threading
 
 from clusterwire import data, errors
-from clusterwire.data import dispatcher as dispatcher_module
 from clusterwire.data import graph
+from clusterwire.data.quotas import ServiceLimits
 from clusterwire.data.rpc import DispatcherClient
 from clusterwire.protos.data_service_pb2 import (
     DataRequest,
@@ -34,7 +34,7 @@ def main(kind: str, address: str, seconds: float) -> None:
     counts = {"created": 0, "refused": 0}
     lock = threading.Lock()
     serial = itertools.count()
-    limit = dispatcher_module.MAX_JOBS if kind == "jobs" else dispatcher_module.MAX_DATASETS
+    limit = ServiceLimits().max_jobs if kind == "jobs" else ServiceLimits().max_datasets
     dataset_id = ""
     if kind == "jobs":
         definition, buffers = graph.to_def(data.Dataset.range(10).pipeline)

@@ -20,7 +20,6 @@ import pytest
 
 from clusterwire import data, errors
 from clusterwire.data import elements
-from clusterwire.data import worker as worker_module
 from clusterwire.data.config import CROSS_TRAINER_CACHE_SIZE_BYTES
 from clusterwire.data.cross_trainer_cache import (
     MAX_CACHED_JOBS,
@@ -239,13 +238,14 @@ def test_no_element_within_the_wait_is_an_empty_read_and_close_fails_later_reads
 # ---- real servers ----------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def cluster(cache_bytes: int | None):
-    """A dispatcher and one worker whose jobs cache ``cache_bytes`` each; stopped at the end."""
+def cluster(cache_bytes: int | None, limits: dict | None = None):
+    """A dispatcher and one worker whose jobs cache ``cache_bytes`` each (with these
+    ServiceLimits); stopped at the end."""
     with data.DispatchServer(port=0) as dispatcher:
         address = dispatcher.target.split("://")[1]
         with data.WorkerServer(data.WorkerConfig(
-                dispatcher_address=address,
-                cross_trainer_cache_size_bytes=cache_bytes)) as worker:
+                dispatcher_address=address, cross_trainer_cache_size_bytes=cache_bytes,
+                limits=limits)) as worker:
             yield dispatcher, worker
 
 
@@ -493,15 +493,14 @@ def test_the_default_cache_and_its_slots_scale_with_the_worker_memory():
     assert cache_plan(0, 1 << 20, tf_default) == (32 << 10, 4)
 
 
-def test_a_cached_job_nobody_reads_gives_its_slot_up(monkeypatch):
+def test_a_cached_job_nobody_reads_gives_its_slot_up():
     """Every slot of a worker (default size) held by jobs read once and then left: another
-    trainer gets its first element once they have not been read for IDLE_CACHE_S (they held
+    trainer gets its first element once they have not been read for idle_cache_s (they held
     the slots for 5 minutes before), and a trainer of a job whose cache went reads on from a
-    new window. IDLE_CACHE_S is 3 s here (10 s by default)."""
-    monkeypatch.setattr(worker_module, "IDLE_CACHE_S", 3.0)
-    idle_s = worker_module.IDLE_CACHE_S
+    new window. idle_cache_s is 3 s here (10 s by default)."""
+    idle_s = 3.0
     idle = []
-    with cluster(None) as (dispatcher, worker):
+    with cluster(None, {"idle_cache_s": idle_s}) as (dispatcher, worker):
         try:
             for job in range(worker.cross_trainer_cache_slots):
                 dataset_id = data.register_dataset(dispatcher.target, INFINITE,
@@ -515,7 +514,7 @@ def test_a_cached_job_nobody_reads_gives_its_slot_up(monkeypatch):
             assert int(next(newcomer)) == 0
             admitted = time.monotonic()
             newcomer.close()
-            # Refused while every cached job was read within IDLE_CACHE_S, admitted soon after.
+            # Refused while every cached job was read within idle_cache_s, admitted soon after.
             assert admitted - oldest_read > idle_s, admitted - oldest_read
             assert admitted - last_read < idle_s + 15, admitted - last_read
             assert idle[0].read(1) == [0]  # the oldest job's cache went: a new window

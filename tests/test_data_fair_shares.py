@@ -21,8 +21,7 @@ import pytest
 from cw_data_procs import TESTS_DIR
 
 from clusterwire import data, errors
-from clusterwire.data import dispatcher as dispatcher_module
-from clusterwire.data import worker as worker_module
+from clusterwire.data.quotas import ServiceLimits
 from clusterwire.data.rpc import DispatcherClient
 from clusterwire.fair_shares import Displaced, FairShares
 from clusterwire.protos.data_service_pb2 import DataRequest, GetOrCreateJobRequest
@@ -181,15 +180,16 @@ def test_a_peer_filling_a_table_with_entries_it_uses_leaves_others_their_share(p
     print(f"\n{kind} flood from 127.0.0.2 (full at {full_at} of its entries): victim's "
           f"slowest before {before}, during {worst}; flooder {counts}; {len(status.jobs)} jobs")
     assert max(worst.values()) < allowed_for(max(before.values())), (before, worst)
-    limit = {"jobs": dispatcher_module.MAX_JOBS, "datasets": dispatcher_module.MAX_DATASETS,
-             "streams": worker_module.MAX_OPEN_STREAMS}[kind]
+    limits = ServiceLimits()
+    limit = {"jobs": limits.max_jobs, "datasets": limits.max_datasets,
+             "streams": limits.max_open_streams}[kind]
     assert full_at >= limit - 16 and counts["refused"] > 0, counts
     assert counts["other"] == [], counts
     # The victim's entries displaced some of the flooder's, which it was told of; it still
     # holds the rest of its share (at most one per victim entry fewer than the limit).
     assert counts["displaced"] > 0, counts
     assert limit - 16 <= counts["held"] <= limit, counts
-    assert len(status.jobs) <= dispatcher_module.MAX_JOBS
+    assert len(status.jobs) <= limits.max_jobs
 
 
 # ---- what a displaced entry's reader sees -------------------------------------------------
@@ -207,7 +207,7 @@ def _read_until_error(iterator, seconds: float = 60.0) -> errors.OpError:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", ["jobs", "streams"])
-def test_a_reader_whose_job_or_stream_was_displaced_is_told_why(kind, monkeypatch):
+def test_a_reader_whose_job_or_stream_was_displaced_is_told_why(kind):
     """Servers in this process (its own clients are peer ""). An endless reader opens its job
     and stream first; entries of this process fill the rest of the table (4,096 jobs, or the
     worker's 64 streams), each read; a token holder on 127.0.0.2 (through a relay) makes one
@@ -218,10 +218,10 @@ def test_a_reader_whose_job_or_stream_was_displaced_is_told_why(kind, monkeypatc
 
     # A worker of 16 streams (64 by default): the same rule over a quarter of the endless
     # streams, each of which fills its buffer in this process (the case's main cost).
-    monkeypatch.setattr(worker_module, "MAX_OPEN_STREAMS", 16)
-    limit = dispatcher_module.MAX_JOBS if kind == "jobs" else worker_module.MAX_OPEN_STREAMS
-    with data.DispatchServer(port=0) as dispatcher, data.WorkerServer(
-            port=0, dispatcher_address=dispatcher.target.split("://")[1]):
+    limit = ServiceLimits().max_jobs if kind == "jobs" else 16
+    with data.DispatchServer(port=0) as dispatcher, data.WorkerServer(data.WorkerConfig(
+            dispatcher_address=dispatcher.target.split("://")[1],
+            limits={"max_open_streams": 16})):
         address = dispatcher.target.split("://")[1]
         reader = iter(data.Dataset.range(1).repeat().apply(data.distribute(
             "parallel_epochs", dispatcher.target)))

@@ -5,7 +5,7 @@
   ``cw_data_fair_flood.py caches``) holds every slot it can with jobs it keeps reading; a
   trainer on 127.0.0.1 still gets a slot (and a new dataset, a new job and a read) within a
   second: the slots are shared fairly (``clusterwire.fair_shares``).
-* The dispatcher's round-robin resume waves (MAX_JOBS of them): a peer starting waves of
+* The dispatcher's round-robin resume waves (max_jobs of them): a peer starting waves of
   invented groups cannot push out a victim's wave between its consumers' resumes (they would
   read different jobs, each waiting for the other), nor keep the victim from starting one.
 * Reads after the dispatcher removed a job (released, collected, displaced): the worker's
@@ -24,10 +24,10 @@ from cw_data_fair_flood import Relay
 from test_data_fair_shares import FairFlood, timed
 
 from clusterwire import data, errors
-from clusterwire.data import dispatcher as dispatcher_module
 from clusterwire.data import elements, graph
 from clusterwire.data.config import CROSS_TRAINER_CACHE_SIZE_BYTES
 from clusterwire.data.cross_trainer_cache import cache_plan, machine_memory
+from clusterwire.data.quotas import ServiceLimits
 from clusterwire.data.rpc import DispatcherClient, WorkerChannels
 from clusterwire.protos.data_service_pb2 import (
     ClientHeartbeatRequest,
@@ -129,7 +129,7 @@ def _resume(client: DispatcherClient, dataset_id: str, group: str, consumer: str
 @pytest.mark.timeout(300)
 def test_a_peer_starting_resume_waves_cannot_push_out_or_lock_out_a_victims(processes):
     """The victim's consumer 0 resumes (its wave starts). A token holder on 127.0.0.2 starts
-    MAX_JOBS + 200 waves of invented groups (of a finite dataset: each wave is kept, then its
+    max_jobs + 200 waves of invented groups (of a finite dataset: each wave is kept, then its
     job refused, the cheapest flood). It is refused by the fair rule once the table is full,
     holding every other wave; the victim's consumer 1 then resumes in the same job as
     consumer 0, and a new wave of the victim's (with a new dataset, a new job and a read) is
@@ -146,7 +146,7 @@ def test_a_peer_starting_resume_waves_cannot_push_out_or_lock_out_a_victims(proc
         before = _victim_round(dispatcher, victim, 0)
         first = _resume(victim, endless, "victim-group", "victim-0")
         finite = _register_as(flooder, data.Dataset.range(3))
-        serial = iter(range(dispatcher_module.MAX_JOBS + 200))
+        serial = iter(range(ServiceLimits().max_jobs + 200))
 
         def flood() -> None:
             for n in serial:
@@ -199,7 +199,7 @@ def test_a_peer_starting_resume_waves_cannot_push_out_or_lock_out_a_victims(proc
     assert second == first  # the victim's consumers read one job
     assert new_wave not in (0, first)
     assert counts["other"] == [], counts
-    assert counts["kept"] == dispatcher_module.MAX_JOBS - 1, counts
+    assert counts["kept"] == ServiceLimits().max_jobs - 1, counts
     assert counts["refused"] == 201, counts
     assert len(told) == 1 and "was displaced" in told[0] and "peer 127.0.0.2 held 4095 of " \
         "it, the most, and peer " in told[0], told

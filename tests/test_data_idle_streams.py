@@ -13,7 +13,6 @@ import pytest
 from conftest import wait_for
 
 from clusterwire import data, errors
-from clusterwire.data import worker as worker_module
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -22,13 +21,12 @@ FIRST = 20
 
 
 @pytest.fixture
-def service(monkeypatch):
+def service():
     """A dispatcher and one worker in this process whose streams close after 0.5 s without
     a read (checked at its heartbeats, every 0.1 s)."""
-    monkeypatch.setattr(worker_module, "_IDLE_STREAM_S", 0.5)
     with data.DispatchServer(port=0) as dispatcher, data.WorkerServer(data.WorkerConfig(
             dispatcher_address=dispatcher.target.split("://")[1],
-            heartbeat_interval_ms=100)) as worker:
+            heartbeat_interval_ms=100, limits={"idle_stream_s": 0.5})) as worker:
         wait_for(lambda: dispatcher.num_workers() == 1, what="the worker")
         yield dispatcher, worker
 

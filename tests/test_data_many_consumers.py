@@ -5,7 +5,7 @@ consumer threads start reading together (released by one ``threading.Barrier``).
 concurrent element reads than a worker has handler threads (``ListenOptions.max_workers``,
 16): a distributed_epoch consumer keeps ``reader.SLOTS_PER_WORKER`` (2) reads open on every
 worker, so 48 a worker here, and 24 own jobs open 48 split streams a worker (of
-``worker.MAX_OPEN_STREAMS``, 64).
+``ServiceLimits.max_open_streams``, 64).
 
 * One shared job (``job_name``): distributed_epoch hands every element to exactly one
   consumer; parallel_epochs has every worker produce the whole dataset once, the consumers
@@ -23,7 +23,8 @@ from collections import Counter
 import pytest
 
 from clusterwire import data
-from clusterwire.data import reader, worker
+from clusterwire.data import reader
+from clusterwire.data.quotas import ServiceLimits
 from clusterwire.transport import ListenOptions
 
 pytestmark = pytest.mark.timeout(90)
@@ -54,8 +55,9 @@ def test_the_setup_oversubscribes_the_workers():
     """What the tests below exceed, per worker (so a change of the limits is noticed)."""
     reads_per_worker = CONSUMERS * reader.SLOTS_PER_WORKER
     assert reads_per_worker > ListenOptions().max_workers
-    assert CONSUMERS > worker.MAX_STREAMS_PER_CONSUMER
-    assert reads_per_worker <= worker.MAX_OPEN_STREAMS  # own jobs: every split stream fits
+    limits = ServiceLimits()
+    assert limits.max_streams_per_consumer < CONSUMERS
+    assert reads_per_worker <= limits.max_open_streams  # own jobs: every split stream fits
 
 
 def read_concurrently(dataset_for, consumers=CONSUMERS):

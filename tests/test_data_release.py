@@ -2,7 +2,7 @@
 
 Without releases, every early-stopped iteration (``take``, ``break``, ``close()``) left its
 streams running on the workers until the job was collected (minutes), and a worker refused
-every consumer once ``worker.MAX_OPEN_STREAMS`` of them piled up.
+every consumer once ``max_open_streams`` (``ServiceLimits``) of them piled up.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from conftest import tampered
 
 from clusterwire import data, errors
-from clusterwire.data import reader, worker
+from clusterwire.data import reader
 from clusterwire.data.rpc import DispatcherClient, WorkerChannels
 from clusterwire.protos.data_service_pb2 import (
     DataRequest,
@@ -33,12 +33,19 @@ MODES = ["parallel_epochs", "distributed_epoch"]
 
 
 @pytest.fixture
-def service():
-    """A dispatcher and one worker in this process; both stopped at the end."""
+def service(request):
+    """A dispatcher and one worker in this process (the worker's ServiceLimits: the
+    fixture's indirect parameter, a dict, else the defaults); both stopped at the end."""
     with data.DispatchServer(port=0) as dispatcher:
         address = dispatcher.target.split("://")[1]
-        with data.WorkerServer(port=0, dispatcher_address=address) as server:
+        with data.WorkerServer(data.WorkerConfig(
+                dispatcher_address=address, limits=getattr(request, "param", None))) as server:
             yield dispatcher, server
+
+
+def limits(**fields):
+    """The worker of ``service`` with these ServiceLimits."""
+    return pytest.mark.parametrize("service", [fields], indirect=True)
 
 
 def distributed(dataset, mode, target, **kwargs):
@@ -50,6 +57,7 @@ def distributed(dataset, mode, target, **kwargs):
 # A named distributed_epoch job's split streams are closed like an anonymous job's.
 @pytest.mark.parametrize("mode,job_name", [(mode, None) for mode in MODES]
                          + [("parallel_epochs", "loop")])
+@limits(max_open_streams=8)
 def test_early_stopped_iterations_past_the_stream_table_leave_the_worker_serving(
         service, monkeypatch, mode, job_name):
     """The issue's reproduction: before, iteration 64 (parallel_epochs) or 33
@@ -58,7 +66,6 @@ def test_early_stopped_iterations_past_the_stream_table_leave_the_worker_serving
     not waited out (_BUSY_S is short): each stop must have released its streams by the time
     close() returns."""
     monkeypatch.setattr(reader, "_BUSY_S", 0.2)
-    monkeypatch.setattr(worker, "MAX_OPEN_STREAMS", 8)
     dispatcher, _ = service
     ds = distributed(data.Dataset.range(10 ** 6), mode, dispatcher.target, job_name=job_name)
     for _ in range(12):
@@ -78,10 +85,10 @@ def test_anonymous_jobs_go_with_their_consumer(service):
     assert dispatcher.num_jobs() == 0
 
 
-def test_a_refused_consumer_waits_for_room_then_reads_everything(service, monkeypatch):
+@limits(max_open_streams=1)
+def test_a_refused_consumer_waits_for_room_then_reads_everything(service):
     """A worker over its stream limits is asked again with backoff: the second consumer
     starts once the first stops, and gets every element."""
-    monkeypatch.setattr(worker, "MAX_OPEN_STREAMS", 1)
     dispatcher, _ = service
     first = iter(distributed(data.Dataset.range(10 ** 6), "parallel_epochs",
                              dispatcher.target))
@@ -104,8 +111,8 @@ def test_a_refused_consumer_waits_for_room_then_reads_everything(service, monkey
     assert result == {"elements": list(range(300))}
 
 
+@limits(max_open_streams=1)
 def test_a_refusal_that_lasts_fails_with_the_workers_reason(service, monkeypatch):
-    monkeypatch.setattr(worker, "MAX_OPEN_STREAMS", 1)
     monkeypatch.setattr(reader, "_BUSY_S", 0.5)
     dispatcher, _ = service
     first = iter(distributed(data.Dataset.range(10 ** 6), "parallel_epochs",
@@ -168,11 +175,11 @@ def test_a_shared_distributed_epoch_job_resumes_the_first_consumers_splits(servi
     assert len(seen) >= count - buffered
 
 
+@limits(max_open_streams=1)
 def test_an_abandoned_shared_stream_makes_room_and_a_late_joiner_is_told(service,
                                                                          monkeypatch):
     """A named job's stream every consumer released stays (a consumer may join the job
     later, as in TF) until another stream needs its room; then that job cannot go on."""
-    monkeypatch.setattr(worker, "MAX_OPEN_STREAMS", 1)
     monkeypatch.setattr(reader, "_BUSY_S", 0.2)
     dispatcher, _ = service
 
@@ -187,14 +194,13 @@ def test_an_abandoned_shared_stream_makes_room_and_a_late_joiner_is_told(service
         list(named("left").take(1))
 
 
+@limits(max_open_streams=2 * reader.SLOTS_PER_WORKER, idle_split_stream_s=0.5)
 def test_idle_split_streams_make_room_and_their_consumer_reads_on_from_where_it_was(
-        service, monkeypatch):
+        service):
     """Consumers that stopped reading without releasing their splits' streams (a stopped or
     killed trainer's) hold a worker's room for streams only while nobody needs it: idle past
-    IDLE_SPLIT_STREAM_S, a new consumer takes it; a stopped one that reads again goes on
+    idle_split_stream_s, a new consumer takes it; a stopped one that reads again goes on
     from where it was, every element once."""
-    monkeypatch.setattr(worker, "MAX_OPEN_STREAMS", 2 * reader.SLOTS_PER_WORKER)
-    monkeypatch.setattr(worker, "IDLE_SPLIT_STREAM_S", 0.5)
     dispatcher, _ = service
     count = 2000  # 8 splits of 250; a consumer buffers 16 batches of one element
 

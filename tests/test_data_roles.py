@@ -218,14 +218,12 @@ def test_a_flood_of_jobs_or_datasets_leaves_others_their_share(processes, kind):
     assert counts["created"] >= (4096 if kind == "jobs" else 1024), counts
 
 
-def test_a_full_job_table_gives_up_the_oldest_job_nobody_read(monkeypatch):
-    """MAX_JOBS = 3: a job a consumer reads (a heartbeat) stays; a new job takes the place
+def test_a_full_job_table_gives_up_the_oldest_job_nobody_read():
+    """max_jobs = 3: a job a consumer reads (a heartbeat) stays; a new job takes the place
     of the oldest one never read; with every job read, a new one is refused."""
-    from clusterwire.data import dispatcher as dispatcher_module
     from clusterwire.protos.data_service_pb2 import ClientHeartbeatRequest
 
-    monkeypatch.setattr(dispatcher_module, "MAX_JOBS", 3)
-    with data.DispatchServer(port=0) as dispatcher:
+    with data.DispatchServer(data.DispatcherConfig(limits={"max_jobs": 3})) as dispatcher:
         client = DispatcherClient("grpc", dispatcher.target.split("://")[1], 10.0, Security())
         dataset_id = data.register_dataset(dispatcher.target, data.Dataset.range(5))
 
@@ -253,13 +251,11 @@ def test_a_full_job_table_gives_up_the_oldest_job_nobody_read(monkeypatch):
             client.close()
 
 
-def test_a_dataset_past_the_byte_limit_takes_the_place_of_unused_ones(monkeypatch):
-    """MAX_DATASET_BYTES = 2,500: a third 1,000-byte dataset collects the oldest unused one;
+def test_a_dataset_past_the_byte_limit_takes_the_place_of_unused_ones():
+    """max_dataset_bytes = 2,500: a third 1,000-byte dataset collects the oldest unused one;
     one larger than the limit is refused and collects nothing."""
-    from clusterwire.data import dispatcher as dispatcher_module
-
-    monkeypatch.setattr(dispatcher_module, "MAX_DATASET_BYTES", 2500)
-    with data.DispatchServer(port=0) as dispatcher:
+    config = data.DispatcherConfig(limits={"max_dataset_bytes": 2500})
+    with data.DispatchServer(config) as dispatcher:
         def register(value: int, size: int = 1000) -> str:
             payload = np.full((1, size), value, dtype=np.uint8)
             return data.register_dataset(dispatcher.target,

@@ -272,13 +272,10 @@ def test_hostile_stream_requests_do_not_grow_a_worker(processes):
     assert sorted(int(x) for x in small) == [0, 1, 2, 3, 4]
 
 
-def test_the_dispatcher_holds_a_bounded_number_of_datasets(monkeypatch):
+def test_the_dispatcher_holds_a_bounded_number_of_datasets():
     """At the limit a new dataset takes the place of the oldest one no job used; when jobs
     used them all, it is refused."""
-    from clusterwire.data import dispatcher as dispatcher_module
-
-    monkeypatch.setattr(dispatcher_module, "MAX_DATASETS", 2)
-    with data.DispatchServer(port=0) as dispatcher:
+    with data.DispatchServer(data.DispatcherConfig(limits={"max_datasets": 2})) as dispatcher:
         first, second = (data.register_dataset(dispatcher.target, data.Dataset.range(n))
                          for n in (1, 2))
         assert data.register_dataset(dispatcher.target, data.Dataset.range(1)) == first
@@ -292,17 +289,17 @@ def test_the_dispatcher_holds_a_bounded_number_of_datasets(monkeypatch):
                     dataset_id=dataset_id, job_key=f"uses/{dataset_id}")))
         finally:
             client.close()
-        with pytest.raises(errors.ResourceExhaustedError, match="2 datasets.*shared fairly"):
+        with pytest.raises(errors.ResourceExhaustedError,
+                           match="2 datasets, limits max_datasets.*shared fairly"):
             data.register_dataset(dispatcher.target, data.Dataset.range(4))
 
 
 @pytest.mark.timeout(60)
-def test_a_consumer_runs_a_bounded_number_of_streams_on_a_worker(monkeypatch):
-    from clusterwire.data import worker as worker_module
-
-    monkeypatch.setattr(worker_module, "MAX_STREAMS_PER_CONSUMER", 1)
+def test_a_consumer_runs_a_bounded_number_of_streams_on_a_worker():
     dispatcher = data.DispatchServer(port=0)
-    worker = data.WorkerServer(port=0, dispatcher_address=dispatcher.target.split("://")[1])
+    worker = data.WorkerServer(data.WorkerConfig(
+        dispatcher_address=dispatcher.target.split("://")[1],
+        limits={"max_streams_per_consumer": 1}))
     client = DispatcherClient("grpc", dispatcher.target.split("://")[1], 10.0, Security())
     channels = WorkerChannels(Security())
     try:

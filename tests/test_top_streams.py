@@ -1,5 +1,5 @@
 """A worker's streams in its status and in ``top --dispatcher`` (issue 32): the open ones,
-which its limit of ``MAX_OPEN_STREAMS`` counts, apart from the finished ones it keeps for
+which its limit of ``max_open_streams`` counts, apart from the finished ones it keeps for
 a consumer's last read (the STREAMS column showed both, 1,056 against the limit of 64)."""
 
 from __future__ import annotations

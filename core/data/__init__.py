@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from clusterwire.data.pipeline import UNKNOWN as UNKNOWN_CARDINALITY
     from clusterwire.data.position import merge_states
     from clusterwire.data.provenance import replay
+    from clusterwire.data.quotas import ServiceLimits
     from clusterwire.data.tar_shards import TarShardReader
     from clusterwire.data.tfrecord import TFRecordReader, TFRecordWriter
     from clusterwire.data.worker import WorkerServer
@@ -58,6 +59,7 @@ _EXPORTS = {
     "DispatcherConfig": ("config", "DispatcherConfig"),
     "LocalDataService": ("local_service", "LocalDataService"),
     "PipelineLimits": ("limits", "PipelineLimits"),
+    "ServiceLimits": ("quotas", "ServiceLimits"),
     "ShardingPolicy": ("modes", "ShardingPolicy"),
     "WorkerConfig": ("config", "WorkerConfig"),
     "WorkerServer": ("worker", "WorkerServer"),
@@ -90,6 +92,7 @@ __all__ = [
     "DispatcherConfig",
     "LocalDataService",
     "PipelineLimits",
+    "ServiceLimits",
     "ShardingPolicy",
     "WorkerConfig",
     "WorkerServer",

@@ -21,6 +21,7 @@ from typing import Any
 
 from clusterwire import errors
 from clusterwire.data.limits import PipelineLimits
+from clusterwire.data.quotas import limits_help, parse_limit
 from clusterwire.durations import format_duration
 from clusterwire.local_cluster import await_ready
 from clusterwire.ready_line import READY_PREFIX, say_ready
@@ -90,8 +91,8 @@ def _dispatcher(args: argparse.Namespace) -> int:
         job_gc_timeout_ms=args.job_gc_timeout_ms, worker_timeout_ms=args.worker_timeout_ms,
         dataset_gc_timeout_ms=args.dataset_gc_timeout_ms,
         allow_cloudpickle=args.allow_cloudpickle, bind_address=args.bind_address,
-        worker_token_file=args.worker_token_file, standby=args.standby, **_metrics(args),
-        **_security(args))
+        worker_token_file=args.worker_token_file, standby=args.standby, limits=_limits(args),
+        **_metrics(args), **_security(args))
     server = DispatchServer(config=config)
     _stop_on_signals(server, args)
     if not server.wait_serving():  # a standby stopped by a signal before it took over
@@ -128,7 +129,7 @@ def _worker(args: argparse.Namespace) -> int:
         readable_dirs=args.readable_dirs, send_tracebacks=args.send_tracebacks,
         cross_trainer_cache_size_bytes=args.cross_trainer_cache_size_bytes,
         worker_token_file=args.worker_token_file, pipeline_limits=_pipeline_limits(args),
-        **_metrics(args), **_security(args))
+        limits=_limits(args), **_metrics(args), **_security(args))
     server = WorkerServer(config=config, start=False)
     target = f"{config.protocol}://{server.address}"
     signalled = _stop_on_signals(server, args)
@@ -167,6 +168,12 @@ def _pipeline_limits(args: argparse.Namespace) -> dict[str, int]:
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
+def _limits(args: argparse.Namespace) -> dict[str, int | float]:
+    """The ServiceLimits given as ``--limit NAME=VALUE`` (InvalidArgumentError for a bad
+    one)."""
+    return dict(parse_limit(text, args.command) for text in args.limits)
+
+
 def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
     """``--metrics-port`` and ``--metrics-host``, as every server command has them."""
     parser.add_argument("--metrics-port", type=int, metavar="N",
@@ -195,7 +202,7 @@ def _security(args: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(args, name) for name in security_fields()}
 
 
-def _common(parser: argparse.ArgumentParser) -> None:
+def _common(parser: argparse.ArgumentParser, server: str) -> None:
     parser.add_argument("--port", type=int, default=0, help="port to bind (0: a free port)")
     parser.add_argument("--protocol", default="grpc", help="transport protocol (default grpc)")
     parser.add_argument("--allow-cloudpickle", action="store_true",
@@ -205,6 +212,10 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grace", type=float, default=5.0,
                         help="seconds in-flight requests get at shutdown (default 5)")
     parser.add_argument("--quiet", action="store_true", help="no banner on stderr")
+    parser.add_argument("--limit", dest="limits", action="append", default=[],
+                        metavar="NAME=VALUE",
+                        help=f"set one of the {server}'s limits (ServiceLimits; repeatable; "
+                        f"see README Reliability): {limits_help(server)}")
     add_metrics_arguments(parser)
     security = parser.add_argument_group(
         "security", "as Server's; the CLUSTERWIRE_* environment and plugins.toml's [security] "
@@ -228,7 +239,7 @@ def add_commands(commands: Any) -> None:
     """Add the ``dispatcher`` and ``worker`` subcommands to the clusterwire parser."""
     dispatcher = commands.add_parser(
         "dispatcher", help="run a tf.data service dispatcher until SIGINT/SIGTERM")
-    _common(dispatcher)
+    _common(dispatcher, "dispatcher")
     dispatcher.add_argument("--work-dir", help="journal and dataset directory")
     dispatcher.add_argument("--fault-tolerant-mode", action="store_true",
                             help="journal state in --work-dir to survive restarts")
@@ -249,7 +260,7 @@ def add_commands(commands: Any) -> None:
 
     worker = commands.add_parser(
         "worker", help="run a tf.data service worker until SIGINT/SIGTERM")
-    _common(worker)
+    _common(worker, "worker")
     worker.add_argument("--dispatcher-address", required=True,
                         help="HOST:PORT of the dispatcher, or of a primary and its standbys: "
                         "HOST1:P1,HOST2:P2 (the worker follows the one serving)")

@@ -21,6 +21,8 @@ from clusterwire import errors
 from clusterwire.addressing import split_host_port, split_target
 from clusterwire.data.addresses import dispatcher_addresses
 from clusterwire.data.limits import PipelineLimits, as_limits
+from clusterwire.data.quotas import ServiceLimits, as_service_limits
+from clusterwire.plugins import get_plugin_manager
 from clusterwire.security import Security, load_security, security_fields
 from clusterwire.shell import listen_options
 from clusterwire.transport import ListenOptions
@@ -77,13 +79,13 @@ _DISPATCHER_FIELDS = ("port", "protocol", "work_dir", "fault_tolerant_mode", "wo
                       "job_gc_check_interval_ms", "job_gc_timeout_ms", "worker_timeout_ms",
                       "allow_cloudpickle", "bind_address", "dataset_gc_timeout_ms",
                       "metrics_port", "metrics_host", "worker_token_file", "standby",
-                      *security_fields())
+                      "limits", *security_fields())
 _WORKER_FIELDS = ("dispatcher_address", "worker_address", "port", "protocol",
                   "heartbeat_interval_ms", "dispatcher_timeout_ms", "data_transfer_protocol",
                   "data_transfer_address", "allow_cloudpickle", "function_modules",
                   "readable_dirs", "send_tracebacks", "cross_trainer_cache_size_bytes",
                   "metrics_port", "metrics_host", "worker_token_file", "pipeline_limits",
-                  *security_fields())
+                  "limits", *security_fields())
 
 
 def _token_file(value: Any) -> str | None:
@@ -141,6 +143,10 @@ class DispatcherConfig(collections.namedtuple("DispatcherConfig", _DISPATCHER_FI
     dispatcher holds it, then replay the journal and serve at this one's own address (needs
     ``work_dir`` and ``fault_tolerant_mode``). Without it, a dispatcher whose work_dir's
     lease is held is refused (FailedPreconditionError).
+    ``limits``: the data service's quotas: a ``clusterwire.data.ServiceLimits``, or a dict of
+    some of its fields (over plugins.toml's ``[data_limits]``, over the defaults), or None
+    (plugins.toml's, else the defaults); see ``server_limits``. The dispatcher applies the
+    dataset, job, hand-out and merge ones.
     """
 
     def __new__(cls, port: int = 0, protocol: str | None = None, work_dir: str | None = None,
@@ -150,7 +156,8 @@ class DispatcherConfig(collections.namedtuple("DispatcherConfig", _DISPATCHER_FI
                 allow_cloudpickle: bool = False, bind_address: str = "localhost",
                 dataset_gc_timeout_ms: int | None = None, metrics_port: int | None = None,
                 metrics_host: str | None = None, worker_token_file: str | None = None,
-                standby: bool = False, **security: Any):
+                standby: bool = False, limits: ServiceLimits | dict | None = None,
+                **security: Any):
         if standby and not (work_dir and fault_tolerant_mode):
             raise errors.InvalidArgumentError(
                 f"A standby dispatcher needs the primary's work_dir and fault_tolerant_mode "
@@ -171,7 +178,7 @@ class DispatcherConfig(collections.namedtuple("DispatcherConfig", _DISPATCHER_FI
             gc_timeout, time_field(worker_timeout_ms, "worker_timeout_ms"),
             bool(allow_cloudpickle), bind_address, dataset_gc,
             *_metrics(metrics_port, metrics_host), _token_file(worker_token_file),
-            bool(standby), *_security(security))
+            bool(standby), _limits(limits), *_security(security))
 
 
 class WorkerConfig(collections.namedtuple("WorkerConfig", _WORKER_FIELDS)):
@@ -199,6 +206,8 @@ class WorkerConfig(collections.namedtuple("WorkerConfig", _WORKER_FIELDS)):
     of a dispatcher in this process.
     ``pipeline_limits``: what the pipelines clients send may make this worker spawn and hold
     (a ``clusterwire.data.PipelineLimits`` or a dict of its fields; None: its defaults).
+    ``limits``: the data service's quotas (as the DispatcherConfig's); the worker applies the
+    stream, idle-time and removed-job ones.
     """
 
     def __new__(cls, dispatcher_address: str | None = None, worker_address: str | None = None,
@@ -211,7 +220,8 @@ class WorkerConfig(collections.namedtuple("WorkerConfig", _WORKER_FIELDS)):
                 send_tracebacks: bool = False, cross_trainer_cache_size_bytes: int | None = None,
                 metrics_port: int | None = None, metrics_host: str | None = None,
                 worker_token_file: str | None = None,
-                pipeline_limits: PipelineLimits | dict | None = None, **security: Any):
+                pipeline_limits: PipelineLimits | dict | None = None,
+                limits: ServiceLimits | dict | None = None, **security: Any):
         if dispatcher_address is None:
             raise ValueError("Must specify a `dispatcher_address`.")
         if not isinstance(dispatcher_address, str) or not dispatcher_address:
@@ -228,7 +238,29 @@ class WorkerConfig(collections.namedtuple("WorkerConfig", _WORKER_FIELDS)):
             bool(allow_cloudpickle), _names(function_modules, "function_modules"),
             _names(readable_dirs, "readable_dirs"), bool(send_tracebacks),
             _cache_size(cross_trainer_cache_size_bytes), *_metrics(metrics_port, metrics_host),
-            _token_file(worker_token_file), as_limits(pipeline_limits), *_security(security))
+            _token_file(worker_token_file), as_limits(pipeline_limits),
+            _limits(limits), *_security(security))
+
+
+def _limits(value: Any) -> ServiceLimits | dict | None:
+    """``limits`` as stored: a ServiceLimits, or the dict given (checked), or None."""
+    as_service_limits(value)
+    return dict(value) if isinstance(value, dict) else value
+
+
+def server_limits(config: Any) -> ServiceLimits:
+    """The ServiceLimits of a DispatcherConfig or WorkerConfig: its ``limits`` if a
+    ServiceLimits, else its dict of fields over plugins.toml's ``[data_limits]`` over the
+    defaults."""
+    if isinstance(config.limits, ServiceLimits):
+        return config.limits
+    table, path = get_plugin_manager().data_limits()
+    try:
+        as_service_limits(table)
+    except errors.InvalidArgumentError as err:
+        raise errors.InvalidArgumentError(
+            f"{path} [data_limits]: {err.message} Fix it there.") from None
+    return as_service_limits({**table, **(config.limits or {})})
 
 
 def as_config(config: Any, cls: type) -> Any:

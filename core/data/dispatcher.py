@@ -54,6 +54,7 @@ from clusterwire.data.config import (
     DispatcherConfig,
     as_config,
     runtime_ms,
+    server_limits,
     server_listen_options,
     server_security,
     warn_if_unsafe,
@@ -94,11 +95,6 @@ from clusterwire.protos.data_service_pb2 import (
 from clusterwire.shell import Shell
 from clusterwire.waiting import wait_event
 
-#: Registered datasets and their payload bytes a dispatcher holds at most, and jobs. Full, a
-#: table is shared fairly between the peers that fill it (``clusterwire.fair_shares``).
-MAX_DATASETS = 1024
-MAX_DATASET_BYTES = 4 << 30
-MAX_JOBS = 4096
 #: The journal is compacted once it has this many records more than a snapshot would.
 _COMPACT_SLACK = 1000
 _WILDCARDS = ("", "0.0.0.0", "::", "[::]")
@@ -147,13 +143,14 @@ class DispatchServer:
         self._dataset_gc_timeout = (None if config.dataset_gc_timeout_ms == -1 else runtime_ms(
             config.dataset_gc_timeout_ms, DATASET_GC_TIMEOUT_MS) / 1000)
         self._records = 0  # journal records written since the last compaction
-        self._state = DispatcherState()
+        self._quotas = server_limits(config)
+        self._state = DispatcherState(self._quotas)
         self._resumed_rounds: dict[str, _ResumeWave] = {}  # round-robin group -> its wave
         self._wave_shares: FairShares[str] = FairShares()  # the waves' groups by peer
-        self._displaced_waves: Displaced[str] = Displaced(MAX_JOBS)
+        self._displaced_waves: Displaced[str] = Displaced(self._quotas.max_jobs)
         # Jobs and datasets displaced from a full table, and why: told at their next use.
-        self._displaced_jobs: Displaced[int] = Displaced(MAX_JOBS)
-        self._displaced_datasets: Displaced[str] = Displaced(MAX_DATASETS)
+        self._displaced_jobs: Displaced[int] = Displaced(self._quotas.max_jobs)
+        self._displaced_datasets: Displaced[str] = Displaced(self._quotas.max_datasets)
         self._cond = threading.Condition()
         self.journal_report = ReadReport([])
         host = config.bind_address
@@ -449,17 +446,20 @@ class DispatchServer:
         """Make room for a dataset of ``nbytes`` from ``peer`` in a full table (by count,
         then by bytes), displacing datasets by ``fair_shares``' rule (with the jobs that read
         them); ResourceExhaustedError when the rule refuses. Call with the lock held."""
-        if nbytes > MAX_DATASET_BYTES:
+        most, most_bytes = self._quotas.max_datasets, self._quotas.max_dataset_bytes
+        if nbytes > most_bytes:
             raise errors.ResourceExhaustedError(
                 f"A dataset of {nbytes} bytes is larger than the tf.data service dispatcher's "
-                f"limit for all its datasets ({MAX_DATASET_BYTES} bytes): read the data from "
-                "files on the workers (readable_dirs) instead of sending it in the dataset.")
+                f"limit for all its datasets ({most_bytes} bytes, limits max_dataset_bytes): "
+                "read the data from files on the workers (readable_dirs) instead of sending "
+                "it in the dataset, or raise the dispatcher's max_dataset_bytes.")
         state = self._state
         for shares, size, limit, over in (
-                (state.dataset_shares, 1, f"{MAX_DATASETS} datasets",
-                 lambda: len(state.datasets) + 1 - MAX_DATASETS),
-                (state.dataset_bytes, nbytes, f"{MAX_DATASET_BYTES} bytes of datasets",
-                 lambda: state.dataset_bytes.total + nbytes - MAX_DATASET_BYTES)):
+                (state.dataset_shares, 1, f"{most} datasets, limits max_datasets",
+                 lambda: len(state.datasets) + 1 - most),
+                (state.dataset_bytes, nbytes,
+                 f"{most_bytes} bytes of datasets, limits max_dataset_bytes",
+                 lambda: state.dataset_bytes.total + nbytes - most_bytes)):
             need = over()
             if need <= 0:
                 continue
@@ -552,13 +552,14 @@ class DispatchServer:
         return response, []
 
     def _create_job(self, request, record, policy: ShardingPolicy, peer: str) -> int:
-        shares, room = self._state.job_shares, []
-        if len(self._state.jobs) >= MAX_JOBS:
-            room = shares.make_room(peer, len(self._state.jobs) + 1 - MAX_JOBS,
+        shares, room, most = self._state.job_shares, [], self._quotas.max_jobs
+        limit = f"{most} jobs, limits max_jobs"
+        if len(self._state.jobs) >= most:
+            room = shares.make_room(peer, len(self._state.jobs) + 1 - most,
                                     unused=self._state.unread_jobs)
             if room is None:
                 raise shares.refusal(
-                    "This tf.data service dispatcher's job table", f"{MAX_JOBS} jobs", peer,
+                    "This tf.data service dispatcher's job table", limit, peer,
                     1, "Jobs nobody read go first; a job goes when its consumers release it, "
                     "or job_gc_timeout_ms after its last consumer. Retry later, or read fewer "
                     "jobs at once from this peer.")
@@ -599,7 +600,7 @@ class DispatchServer:
         for job_id in room:  # checked above; displaced only now that the new job is sound
             self._displaced_jobs.remember(job_id, shares.displacement(
                 f"Job {job_id}", "this tf.data service dispatcher's job table",
-                f"{MAX_JOBS} jobs", job_id, peer))
+                limit, job_id, peer))
             self._commit(JournalEntry(removed_job=job_id))
         self._commit(JournalEntry(job=job), peer=peer)
         return info.job_id
@@ -749,20 +750,20 @@ class DispatchServer:
         return f"{request.job_key}-{wave.serial}"  # after the last '/': not shown in status
 
     def _make_room_for_wave(self, peer: str, now: float) -> None:
-        """Room for a new resume wave of ``peer`` in a full table (MAX_JOBS waves): waves
+        """Room for a new resume wave of ``peer`` in a full table (max_jobs waves): waves
         past the client timeout go (nobody joins them), then by ``fair_shares``' rule
         (waves every consumer resumed in are those nobody uses), their later consumers told
         why; ResourceExhaustedError when the rule refuses. Call with the lock held."""
-        waves, shares = self._resumed_rounds, self._wave_shares
-        if len(waves) < MAX_JOBS:
+        waves, shares, most = self._resumed_rounds, self._wave_shares, self._quotas.max_jobs
+        if len(waves) < most:
             return
         for group in [g for g, w in waves.items() if now - w.started > self._client_timeout]:
             del waves[group]
             shares.discard(group)
-        if len(waves) < MAX_JOBS:
+        if len(waves) < most:
             return
-        limit = f"{MAX_JOBS} waves"
-        room = shares.make_room(peer, len(waves) + 1 - MAX_JOBS, unused=sorted(
+        limit = f"{most} waves, limits max_jobs"
+        room = shares.make_room(peer, len(waves) + 1 - most, unused=sorted(
             (g for g in waves if waves[g].complete), key=lambda g: waves[g].started))
         if room is None:
             raise shares.refusal(

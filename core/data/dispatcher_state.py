@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from clusterwire.data.quotas import ServiceLimits
 from clusterwire.fair_shares import FairShares
 from clusterwire.protos.data_service_pb2 import (
     ConsumerPosition,
@@ -30,13 +31,6 @@ from clusterwire.protos.data_service_pb2 import (
     JournalSplit,
     WorkerInfo,
 )
-
-#: Hand-outs a job remembers per consumer (what a saved position may go back to); a
-#: position saved before the last MAX_HANDOUTS hand-outs cannot be resumed.
-MAX_HANDOUTS = 100_000
-#: Merges of positions a job remembers (position.merge_states): a new consumer passing the
-#: job position of one of the last MAX_MERGES joins the job; of an older one, it is refused.
-MAX_MERGES = 1024
 
 
 @dataclass
@@ -95,13 +89,14 @@ class Job:
                 return self.handout_base.get(consumer, 0) + i
         return -1
 
-    def hand_out(self, consumer: str, split_id: int) -> None:
+    def hand_out(self, consumer: str, split_id: int, kept: int) -> None:
         """Remember that ``split_id`` went to ``consumer`` at its current offset (the last
-        MAX_HANDOUTS of each consumer are kept)."""
+        ``kept`` of each consumer are kept: a position saved before them cannot be
+        resumed)."""
         handouts = self.handouts.setdefault(consumer, [])
         handouts.append((split_id, self.offsets.get(split_id, 0)))
-        if len(handouts) > MAX_HANDOUTS:
-            dropped = len(handouts) - MAX_HANDOUTS
+        if len(handouts) > kept:
+            dropped = len(handouts) - kept
             del handouts[:dropped]
             self.handout_base[consumer] = self.handout_base.get(consumer, 0) + dropped
 
@@ -133,7 +128,7 @@ class Job:
         self.consumers[consumer] = time.monotonic()
         self.generations[consumer] = generation
 
-    def merge(self, merge_id: str, consumers: list[ConsumerPosition]) -> None:
+    def merge(self, merge_id: str, consumers: list[ConsumerPosition], kept: int) -> None:
         """The positions of ``consumers`` were merged (the dispatcher checked them): the
         splits handed to each after its position (but those it had completed) go back to
         the pool at their hand-out offsets, its partly read ones at the elements it had
@@ -153,7 +148,9 @@ class Job:
             self.resumable.discard(consumer)
             self.released.add(consumer)
         self.merges[merge_id] = None
-        while len(self.merges) > MAX_MERGES:
+        # A new consumer passing the job position of one of the last ``kept`` merges joins
+        # the job; of an older one, it is refused.
+        while len(self.merges) > kept:
             del self.merges[next(iter(self.merges))]
 
     def _give_back(self, split_id: int, offset: int) -> None:
@@ -194,7 +191,8 @@ class Job:
 class DispatcherState:
     """Datasets, jobs, split assignments and workers; mutated by ``apply`` only."""
 
-    def __init__(self) -> None:
+    def __init__(self, limits: ServiceLimits) -> None:
+        self.limits = limits
         self.datasets: dict[str, DatasetRecord] = {}
         # (fingerprint, compression, peer) -> dataset id: a peer registering the same dataset
         # again with the same compression gets the same id, with another one a new id.
@@ -257,7 +255,7 @@ class DispatcherState:
             job.next_split = max(job.next_split, split + 1)
             if split in job.pool:
                 job.pool.remove(split)
-            job.hand_out(entry.assign.consumer_id, split)
+            job.hand_out(entry.assign.consumer_id, split, self.limits.max_handouts)
             job.splits_handed += 1
             job.consumers.setdefault(entry.assign.consumer_id, now)
 
@@ -312,7 +310,8 @@ class DispatcherState:
                       now: float) -> None:
         job = self.jobs.get(entry.merged.job_id)
         if job is not None:
-            job.merge(entry.merged.merge_id, list(entry.merged.consumers))
+            job.merge(entry.merged.merge_id, list(entry.merged.consumers),
+                      self.limits.max_merges)
 
     def _apply_finished_job(self, entry: JournalEntry, buffers: list[Any], peer: str,
                             now: float) -> None:

@@ -36,7 +36,7 @@ from clusterwire.thread_pool import parked
 # transport copies them (64 MiB cost 5-15 % of 1 MiB-element throughput). Counted with the
 # elements' headers (cross_trainer_cache.element_bytes) and with the batches remembered for
 # the consumers' retries: a stream holds at most this plus one element (the one that filled
-# it), whatever its readers ask; a worker's streams, MAX_OPEN_STREAMS times that.
+# it), whatever its readers ask; a worker's streams, limits.max_open_streams times that.
 MAX_BUFFERED_BYTES = 16 << 20
 MAX_BUFFERED_ELEMENTS = 8192
 #: In a worker's ResourceExhaustedError when it cannot open another stream now; a consumer

@@ -24,7 +24,7 @@ job's shared stream through its cross-trainer cache. TF's requirements (a named,
 parallel_epochs job of an infinite dataset, no round-robin reads) are checked when the stream
 opens; every consumer of a job reads it with a trainer id, or none does. A worker caches as
 many jobs at once as its memory's share for caches holds (``cross_trainer_cache.cache_plan``);
-a cached job nobody read for ``IDLE_CACHE_S`` gives its slot to a job that needs one (its
+a cached job nobody read for ``limits.idle_cache_s`` gives its slot to a job that needs one (its
 cache is dropped; a trainer coming back starts a new window). While every slot is read, they
 are shared fairly between the peers that opened them (``clusterwire.fair_shares``): a peer
 holding fewer takes the slot of the peer holding the most, whose trainers are told why.
@@ -51,6 +51,7 @@ from clusterwire.data.config import (
     WorkerConfig,
     as_config,
     runtime_ms,
+    server_limits,
     server_listen_options,
     server_security,
     warn_if_unsafe,
@@ -82,21 +83,9 @@ from clusterwire.protos.data_service_pb2 import (
 from clusterwire.shell import Shell
 from clusterwire.waiting import wait_event
 
-_IDLE_STREAM_S = 600.0
-#: Unfinished streams a worker runs at once (each buffers up to streams.MAX_BUFFERED_BYTES),
-#: shared fairly between the peers that open them (``clusterwire.fair_shares``).
-MAX_OPEN_STREAMS = 64
-MAX_STREAMS_PER_CONSUMER = 16
-#: A split's stream not read for this long gives its room to a new stream when the worker is
-#: at its limits: its consumer stopped (or died) without releasing it, or, if it comes back,
-#: opens it again at the offset it reached (the elements produced ahead are made again).
-IDLE_SPLIT_STREAM_S = 30.0
-#: A cached job not read for this long gives its cache slot to another job that needs one
-#: (its trainers read every read's wait while they train).
-IDLE_CACHE_S = 10.0
+# The worker's stream quotas (open streams, per consumer, idle times, removed jobs kept) are
+# its config's ``limits`` (clusterwire.data.quotas.ServiceLimits).
 _FINISHED_STREAM_S = 30.0
-#: Jobs the dispatcher removed that a worker remembers (not to start their streams again).
-REMOVED_JOBS_KEPT = 16_384
 _REMOVED_JOB = (
     "Job {job} is no longer one of the dispatcher's jobs (it was released, collected after "
     "job_gc_timeout_ms, or displaced from the dispatcher's full job table: the dispatcher "
@@ -151,6 +140,7 @@ class WorkerServer:
                                           **overrides})
                 config = config._replace(**{k: getattr(checked, k) for k in overrides})
         self._config = config
+        self._quotas = server_limits(config)
         warn_if_unsafe(config, "worker")
         self._permissions = WorkerPermissions(config.function_modules, config.readable_dirs)
         # Every pipeline this worker builds from a client's definition runs under these.
@@ -207,14 +197,15 @@ class WorkerServer:
         self._ledger = vouches.Ledger()  # where each vouched stream's answers stand
         self._evicted: dict[int, float] = {}  # jobs whose abandoned shared stream was closed
         # (job, split or -1, consumer or "") of streams displaced for another peer's, and why
-        self._displaced: Displaced[tuple[int, int, str]] = Displaced(16 * MAX_OPEN_STREAMS)
+        self._displaced: Displaced[tuple[int, int, str]] = Displaced(
+            16 * self._quotas.max_open_streams)
         # The jobs of the dispatcher's last heartbeat answer, and the jobs it no longer lists
         # that this worker knew (listed before, or streams it ran): never opened again.
         self._live_jobs: set[int] = set()
-        self._removed_jobs: Displaced[int] = Displaced(REMOVED_JOBS_KEPT)
+        self._removed_jobs: Displaced[int] = Displaced(self._quotas.removed_jobs_kept)
         # Jobs whose shared stream was closed idle (an anonymous job's own stream is opened
         # again where its consumer says it is, with the service's vouch).
-        self._idle_shared: Displaced[int] = Displaced(REMOVED_JOBS_KEPT)
+        self._idle_shared: Displaced[int] = Displaced(self._quotas.removed_jobs_kept)
         self._datasets: dict[str, Pipeline] = {}
         self._dataset_locks: dict[str, threading.Lock] = {}
         self._stopping = threading.Event()
@@ -354,14 +345,14 @@ class WorkerServer:
         """Close the streams of the jobs the dispatcher no longer lists among the ``known``
         ones (those this worker knew when it sent the heartbeat: a job created since is not
         listed yet), and idle ones; a removed job's streams are never opened again."""
-        now = time.monotonic()
+        now, idle_s = time.monotonic(), self._quotas.idle_stream_s
         removed = known - live_jobs
         with self._lock:
             for job in removed:
                 self._removed_jobs.remember(job, _REMOVED_JOB.format(job=job))
             self._live_jobs = live_jobs
             dead = [key for key, stream in self._streams.items()
-                    if key[0] in removed or now - stream.last_used > _IDLE_STREAM_S
+                    if key[0] in removed or now - stream.last_used > idle_s
                     or (key[1] >= 0 and stream.finished
                         and now - stream.last_used > _FINISHED_STREAM_S)]
             streams = [self._streams.pop(key) for key in dead]
@@ -369,11 +360,11 @@ class WorkerServer:
                 if key[1] < 0 and not stream.owner and key[0] not in removed \
                         and not stream.finished:
                     self._idle_shared.remember(
-                        key[0], _IDLE_SHARED.format(job=key[0], idle=_IDLE_STREAM_S))
+                        key[0], _IDLE_SHARED.format(job=key[0], idle=idle_s))
             self._released = {k: r for k, r in self._released.items()
-                              if k[0] not in removed and now - r[1] < _IDLE_STREAM_S}
+                              if k[0] not in removed and now - r[1] < idle_s}
             self._evicted = {j: t for j, t in self._evicted.items()
-                             if j not in removed and now - t < _IDLE_STREAM_S}
+                             if j not in removed and now - t < idle_s}
         for stream in streams:
             stream.close()
         for family in (self._sent, self._sent_bytes):
@@ -583,7 +574,7 @@ class WorkerServer:
     def _cache_room(self, job_id: int, peer: str) -> list[tuple[tuple, str | None]]:
         """The cached jobs' streams a new cached job of ``peer`` takes the slots of (none
         while a slot is free), each with why for its readers (None: a job nobody read for
-        ``IDLE_CACHE_S``, which goes first, whoever's it is, or one every trainer released;
+        ``limits.idle_cache_s``, which goes first, whoever's it is, or one every trainer released;
         its trainers may open it again); the others by ``fair_shares``' rule (a job every
         trainer released is one nobody uses), the streams counting for the peers that
         opened them. ResourceExhaustedError when the rule refuses. Lock held; nothing
@@ -592,8 +583,8 @@ class WorkerServer:
         need = len(cached) + 1 - self._cache_slots
         if need <= 0:
             return []
-        now = time.monotonic()
-        idle = sorted((k for k in cached if now - self._streams[k].last_used > IDLE_CACHE_S),
+        now, idle_s = time.monotonic(), self._quotas.idle_cache_s
+        idle = sorted((k for k in cached if now - self._streams[k].last_used > idle_s),
                       key=lambda k: self._streams[k].last_used)[:need]
         room: list[tuple[tuple, str | None]] = [(k, None) for k in idle]
         if len(room) == need:
@@ -611,9 +602,9 @@ class WorkerServer:
             raise shares.refusal(
                 f"This tf.data service worker is {OVER_LIMITS}: its table of cross-trainer "
                 "caches", limit, peer, 1,
-                f"A job nobody reads for {IDLE_CACHE_S:g} s gives its slot up. Retry later "
-                f"(reading job {job_id}), share a job_name between the trainers, or add "
-                "workers.")
+                f"A job nobody reads for {idle_s:g} s (limits idle_cache_s) gives its slot "
+                f"up. Retry later (reading job {job_id}), share a job_name between the "
+                "trainers, or add workers.")
         return room + [(k, None if k in abandoned else shares.displacement(
             f"The cross-trainer cache of job {k[0]}", "this tf.data service worker's "
             "table of cross-trainer caches", limit, k, peer)) for k in taken]
@@ -664,25 +655,28 @@ class WorkerServer:
         # every job (a named job's shared stream is nobody's).
         mine = sum(self._streams[k].owner == consumer_id for k in running) \
             if spec.is_split or spec.owner else 0
-        if mine >= MAX_STREAMS_PER_CONSUMER:
+        per_consumer, most = self._quotas.max_streams_per_consumer, self._quotas.max_open_streams
+        if mine >= per_consumer:
             raise errors.ResourceExhaustedError(
                 f"This tf.data service worker is {OVER_LIMITS}: it runs {len(running)} "
                 f"streams, {mine} of them for this consumer (reading job {spec.job_id}); its "
-                f"limit is {MAX_STREAMS_PER_CONSUMER} a consumer. Retry later or add workers.")
+                f"limit is {per_consumer} a consumer (limits max_streams_per_consumer). Retry "
+                "later or add workers.")
         evicted: list[tuple] = []
         now = time.monotonic()
-        if len(running) >= MAX_OPEN_STREAMS:
+        limit = f"{most} streams, limits max_open_streams"
+        if len(running) >= most:
             shares: FairShares[tuple] = FairShares()
             for k in running:  # oldest first: the streams dict is in the order they opened
                 shares.add(k, self._streams[k].peer)
             abandoned = sorted((k for k in running if self._abandoned(k, now)),
                                key=lambda k: self._streams[k].last_used)
-            room = shares.make_room(peer, len(running) - MAX_OPEN_STREAMS + 1,
+            room = shares.make_room(peer, len(running) - most + 1,
                                     unused=abandoned)
             if room is None:
                 raise shares.refusal(
                     f"This tf.data service worker is {OVER_LIMITS}: its stream table",
-                    f"{MAX_OPEN_STREAMS} streams", peer, 1,
+                    limit, peer, 1,
                     f"Retry later (reading job {spec.job_id}), or add workers.")
             evicted = room
             for k in evicted:
@@ -690,7 +684,7 @@ class WorkerServer:
                     self._displaced.remember(k[:3], shares.displacement(
                         f"The stream of job {k[0]}" + (f", split {k[1]}" if k[1] >= 0 else ""),
                         "this tf.data service worker's stream table",
-                        f"{MAX_OPEN_STREAMS} streams", k, peer))
+                        limit, k, peer))
                 elif k[1] == -1:  # a shared stream: a consumer joining its job later is told
                     self._evicted[k[0]] = now
         # Only once the new stream is admitted do the attempts it replaces go.
@@ -698,11 +692,12 @@ class WorkerServer:
 
     def _abandoned(self, key: tuple, now: float) -> bool:
         """Whether the stream of ``key`` may give its room: a shared stream every consumer
-        released, or a split's stream idle for ``IDLE_SPLIT_STREAM_S``. Lock held."""
+        released, or a split's stream idle for ``limits.idle_split_stream_s``. Lock
+        held."""
         stream = self._streams[key]
         if key[1] == -1:
             return stream.abandoned
-        return now - stream.last_used > IDLE_SPLIT_STREAM_S
+        return now - stream.last_used > self._quotas.idle_split_stream_s
 
     @staticmethod
     def _elements(pipe: Pipeline, spec: StreamSpec, closed: Callable[[], bool]):
