@@ -156,7 +156,7 @@ class Subtrees:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._open: dict[str, _Subtree] = {}
-        self._sealed: dict[str, int] = {}
+        self._sealed: dict[str, _Subtree] = {}
 
     def arrive(self, name: str, who: int, expected: frozenset[int]) -> tuple[int, bool]:
         """Count ``who`` (this task or a child) in the open round: its id, and whether this
@@ -169,15 +169,23 @@ class Subtrees:
             if current.arrived < expected:
                 return current.round_id, False
             del self._open[name]
-            self._sealed[name] = current.round_id
+            self._sealed[name] = current
             return current.round_id, True
 
-    def settled(self, name: str, round_id: int) -> None:
-        """Sealed round ``round_id`` was released, or its report withdrawn by the parent
-        (its callers gave up): this subtree no longer counts as arrived."""
+    def settled(self, name: str, round_id: int, released: bool) -> None:
+        """Sealed round ``round_id`` was released, or else its report withdrawn by the
+        parent (its callers gave up): then its arrivals count as withdrawn now, in the open
+        round, so callers that waited while they were there do not name them."""
         with self._lock:
-            if self._sealed.get(name) == round_id:
-                del self._sealed[name]
+            sealed = self._sealed.get(name)
+            if sealed is None or sealed.round_id != round_id:
+                return
+            del self._sealed[name]
+            if not released:
+                current = self._open.setdefault(name, _Subtree())
+                now = time.monotonic()
+                for who in sealed.arrived - current.arrived:
+                    current.withdrawn[who] = now
 
     def withdraw(self, name: str, round_id: int, who: int) -> None:
         """Take ``who`` out of round ``round_id`` (its caller or report gave up) unless that
@@ -197,7 +205,7 @@ class Subtrees:
         with self._lock:
             current = self._open.get(name)
             if name in self._sealed and (current is None or not current.arrived):
-                return []
+                return []  # reported upward, awaiting the release
             if current is None:
                 return sorted(expected)
             return sorted(i for i in expected - current.arrived

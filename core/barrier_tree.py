@@ -12,8 +12,8 @@ A task then handles at most ``fan_in + 1`` arrivals per round: its own and one p
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from clusterwire import errors
 from clusterwire.addressing import split_host_port
@@ -22,13 +22,25 @@ from clusterwire.addressing import split_host_port
 FAN_IN = 32
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Tree:
     """Parent and children of each task index of one job."""
 
     root: int
     parent: Mapping[int, int | None]
     children: Mapping[int, tuple[int, ...]]
+    height: int  # the most hops from a task up to the root
+
+    def question_timeouts(self, index: int) -> int:
+        """How many peer timeouts task ``index`` may take to say which tasks of its subtree
+        are missing, when tasks below it are cut off: it asks its children at once and,
+        for each that does not answer within its own such time plus one peer timeout, the
+        grandchildren in its place."""
+        asking = [0] * (self.height + 3)  # by depth: the time to ask a task there
+        for depth in range(self.height, -1, -1):
+            asking[depth] = asking[depth + 1] + asking[depth + 2] + 1
+        depth = self.depth(index)
+        return asking[depth + 1] + asking[depth + 2]
 
     def depth(self, index: int) -> int:
         """Hops from ``index`` up to the root."""
@@ -73,5 +85,7 @@ def build(addresses: Mapping[int, str], fan_in: int = FAN_IN) -> Tree:
             parent[index] = up
             children[up].append(index)
             open_slots.append(index)
-    return Tree(root=leaders[0], parent=parent,
+    tree = Tree(root=leaders[0], parent=parent, height=0,
                 children={index: tuple(below) for index, below in children.items()})
+    height = max(tree.depth(index) for index in addresses)
+    return dataclasses.replace(tree, height=height)

@@ -15,7 +15,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,6 +153,8 @@ class ClusterService:
         self._releases = Releases()  # rounds its own callers (and held children) wait for
         self._subtrees = Subtrees()  # its subtree's rounds, in a tree barrier's job
         self._trees: dict[str, tuple[bytes, Tree]] = {}  # job -> (view digest, its tree)
+        self._missing_found: dict[str, Future] = {}  # barrier name -> its missing tasks
+        self._missing_lock = threading.Lock()
         self._release_senders: ThreadPoolExecutor | None = None
         self._release_lock = threading.Lock()
         # Peers are reached with this server's own credentials (its certificate
@@ -619,18 +621,54 @@ class ClusterService:
                              self.job, parent, err.message)
                 return  # the subtree stays counted as arrived (sealed)
             if not released:
-                self._subtrees.settled(name, round_id)  # the parent withdrew the report
+                self._subtrees.settled(name, round_id, released=False)  # withdrawn above
                 return
-        self._subtrees.settled(name, round_id)
+        self._subtrees.settled(name, round_id, released=True)
         self._releases.release(name, round_id)
 
     def _subtree_missing(self, name: str, tree: Tree, waited: float) -> list[int]:
-        """The tasks of this task's subtree a caller that has waited ``waited`` s misses."""
-        missing = []
-        for who in self._subtrees.unreported(name, self._below(tree), waited):
-            missing += [who] if who == self.index else self._missing_below(
-                name, tree, who, waited)
-        return sorted(missing)
+        """The tasks of this task's subtree a caller that has waited ``waited`` s misses.
+
+        The callers of a round time out together: those that ask while an answer for
+        ``name`` is being found share it, so this task asks its children once, not once
+        per caller."""
+        with self._missing_lock:
+            found = self._missing_found.get(name)
+            finding = found is None
+            if finding:
+                found = self._missing_found[name] = Future()
+        if not finding:
+            with parked():
+                return found.result()
+        try:
+            missing = self._find_missing(name, tree, waited)
+        except BaseException as err:
+            found.set_exception(err)
+            raise
+        finally:
+            with self._missing_lock:
+                del self._missing_found[name]
+        found.set_result(missing)
+        return missing
+
+    def _find_missing(self, name: str, tree: Tree, waited: float) -> list[int]:
+        unreported = self._subtrees.unreported(name, self._below(tree), waited)
+        children = [who for who in unreported if who != self.index]
+        return sorted([*(who for who in unreported if who == self.index),
+                       *self._missing_among(name, tree, children, waited)])
+
+    def _missing_among(self, name: str, tree: Tree, nodes: list[int],
+                       waited: float) -> list[int]:
+        """The missing tasks of the subtrees of ``nodes``, asked of them at once (a host cut
+        off costs one peer timeout a level, not one per task)."""
+        if len(nodes) <= 1:
+            return [task for node in nodes
+                    for task in self._missing_below(name, tree, node, waited)]
+        with ThreadPoolExecutor(len(nodes), thread_name_prefix="clusterwire-barrier-missing"
+                                ) as pool, parked():
+            return [task for found in pool.map(
+                lambda node: self._missing_below(name, tree, node, waited), nodes)
+                for task in found]
 
     def _missing_below(self, name: str, tree: Tree, node: int, waited: float) -> list[int]:
         """The missing tasks of ``node``'s subtree: asked of ``node``; if it cannot answer,
@@ -639,11 +677,12 @@ class ClusterService:
             return self._subtree_missing(name, tree, waited)
         question = Request(method="barrier_missing", name=name, timeout_seconds=waited,
                            from_task=TaskRef(job=self.job, index=node))
+        below = tree.question_timeouts(node) * self._peers.timeout
         try:
-            return list(self._ask_task((self.job, node), question, retry=False))
+            return list(self._ask_task((self.job, node), question, below, retry=False))
         except errors.OpError:
-            return sorted([node, *(task for child in tree.children[node]
-                                   for task in self._missing_below(name, tree, child, waited))])
+            return sorted([node, *self._missing_among(name, tree, list(tree.children[node]),
+                                                      waited)])
 
     def _release_round(self, name: str, counted: Arrival, completing: tuple[str, int]) -> None:
         """Release a completed round: the arrivals held here and this task's own callers at

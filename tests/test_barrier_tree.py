@@ -4,6 +4,7 @@ internal task."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -12,12 +13,14 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import wait_for
+from conftest import child_env, wait_for
+from emulated_hosts import requires_netns
 
 from clusterwire import ClusterSpec, Server, Session, barrier, barrier_tree, errors
 from clusterwire.local_cluster import LocalCluster
 from clusterwire.protos.service_pb2 import Request, TaskRef
 from clusterwire.rpc import RequestClient
+from clusterwire.testing.hosts import EmulatedHosts
 
 F = barrier_tree.FAN_IN
 TASKS = 70  # > FLAT_MAX_TASKS, on one host: task 0 over 1-32, 1 over 33-64, 2 over 65-69
@@ -56,6 +59,14 @@ def test_the_tree_of_one_task_per_host_stays_three_deep():
     tree = barrier_tree.build(addresses(1024, 1024))
     assert max(len(c) for c in tree.children.values()) <= F
     assert max(tree.depth(i) for i in range(1024)) == 3
+
+
+def test_a_missing_tasks_question_gets_a_peer_timeout_per_ask_below_it():
+    tree = barrier_tree.build(addresses(68, 4))  # leaders 1-3 under 0, the others below them
+    assert tree.height == 2
+    # A leaf answers from what it knows; its parent asks it (1); the root asks a leader
+    # (2: its own 1 and the ask) and, if that one is cut off, its children (1).
+    assert [tree.question_timeouts(i) for i in (0, 1, 5)] == [3, 1, 0]
 
 
 def test_a_fan_in_below_two_is_refused():
@@ -225,3 +236,48 @@ def test_tree_requests_that_do_not_fit_get_clear_errors(small_tree, method, send
                 from_task=TaskRef(job="w", index=sender)), retry=False)
     finally:
         client.close()
+
+
+HOSTS, PER_HOST = 4, 17  # 68 tasks: more than FLAT_MAX_TASKS
+PORT = 2222
+
+
+@requires_netns
+@pytest.mark.timeout(240)
+def test_a_tree_barrier_across_emulated_hosts_names_a_host_cut_off():
+    tasks = HOSTS * PER_HOST
+    with EmulatedHosts(HOSTS + 1) as hosts:  # the last host runs the client
+        # Task i on host i % HOSTS: the leaders are tasks 0-3, the others stay on their host.
+        layout = {i: f"{hosts[i % HOSTS].address}:{PORT + i // HOSTS}" for i in range(tasks)}
+        tree = barrier_tree.build(layout)
+        assert set(tree.children[0]) >= {1, 2, 3}
+        assert all(tree.parent[i] % HOSTS == i % HOSTS for i in range(HOSTS, tasks))
+        cluster = json.dumps({"w": [layout[i] for i in range(tasks)]})
+        served = [hosts[i % HOSTS].serve(
+            "serve", "--cluster", cluster, "--job-name", "w", "--task-index", str(i),
+            "--config", json.dumps({"peer_timeout_seconds": 1.0}), env=child_env())
+            for i in range(tasks)]
+        for task in served:
+            task.wait_ready(120)
+        client = hosts[HOSTS].interpreter(child_env())
+        client.exec(
+            "import clusterwire\n"
+            "from concurrent.futures import ThreadPoolExecutor\n"
+            f"to = [clusterwire.Session(t, timeout=15) for t in "
+            f"{[task.target for task in served]!r}]\n"
+            "pool = ThreadPoolExecutor(len(to))\n"
+            "def arrive(i, name, timeout):\n"
+            "    try:\n"
+            "        to[i].barrier(name, timeout=timeout)\n"
+            "    except clusterwire.errors.DeadlineExceededError as err:\n"
+            "        return err.message\n"
+            "def arrive_all(name, timeout, which):\n"
+            "    return list(pool.map(lambda i: arrive(i, name, timeout), which))\n")
+        for _ in range(3):
+            assert client.eval(f"arrive_all('b', {WAIT}, range({tasks}))",
+                               timeout=WAIT + 30) == [None] * tasks
+        hosts.cut(2)  # a leader and its host's tasks: packets dropped, no refusal
+        alive = [i for i in range(tasks) if i % HOSTS != 2]
+        messages = client.eval(f"arrive_all('cut', 3.0, {alive!r})", timeout=WAIT + 30)
+        cut_off = [i for i in range(tasks) if i % HOSTS == 2]
+        assert all(m is not None and missing_of(m) == cut_off for m in messages), messages
