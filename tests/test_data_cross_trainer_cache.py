@@ -22,12 +22,12 @@ from clusterwire import data, errors
 from clusterwire.data import elements
 from clusterwire.data.config import CROSS_TRAINER_CACHE_SIZE_BYTES
 from clusterwire.data.cross_trainer_cache import (
-    MAX_CACHED_JOBS,
     MAX_TRAINER_ID_CHARS,
     CrossTrainerCache,
     cache_plan,
     element_bytes,
 )
+from clusterwire.data.quotas import ServiceLimits
 from clusterwire.data.rpc import DispatcherClient, WorkerChannels
 from clusterwire.protos.data_service_pb2 import (
     DataRequest,
@@ -470,7 +470,8 @@ def test_a_peer_cannot_name_trainers_without_bound(trainers):
 
 def test_a_worker_caches_a_bounded_number_of_jobs(service, trainers):
     slots = service[1].cross_trainer_cache_slots
-    assert slots == MAX_CACHED_JOBS  # caches of 8 elements: the memory holds the most jobs
+    # caches of 8 elements: the memory holds the most jobs
+    assert slots == ServiceLimits().max_cached_jobs
     for job in range(slots):
         assert trainers("Trainer 1", job=f"job {job}").read(1) == [0]
     with pytest.raises(errors.ResourceExhaustedError,
@@ -489,7 +490,8 @@ def test_the_default_cache_and_its_slots_scale_with_the_worker_memory():
     assert cache_plan(0, 24 * gib, tf_default) == (768 << 20, 4)
     assert cache_plan(0, 512 * gib, tf_default) == (10 * gib, 6)
     assert cache_plan(10 * gib, 24 * gib, tf_default) == (10 * gib, 1)
-    assert cache_plan(1 << 20, 24 * gib, tf_default) == (1 << 20, MAX_CACHED_JOBS)
+    assert cache_plan(1 << 20, 24 * gib, tf_default) == (1 << 20, 16)
+    assert cache_plan(1 << 20, 24 * gib, tf_default, most=5) == (1 << 20, 5)
     assert cache_plan(0, 1 << 20, tf_default) == (32 << 10, 4)
 
 

@@ -20,8 +20,9 @@ from conftest import read_together, wait_for
 from clusterwire import data, errors
 from clusterwire.data.pipeline import split_plan
 from clusterwire.data.position import split_limit
+from clusterwire.data.quotas import ServiceLimits
 from clusterwire.data.rpc import DispatcherClient, WorkerChannels
-from clusterwire.data.streams import MAX_BUFFERED_BYTES, READER_GONE_S, Stream
+from clusterwire.data.streams import READER_GONE_S, Stream
 from clusterwire.protos.data_service_pb2 import (
     ClientHeartbeatRequest,
     DataRequest,
@@ -338,7 +339,7 @@ def test_round_robin_consumers_resume_twice_from_one_checkpoint(processes):
 
 def test_streams_nobody_reads_hold_at_most_their_buffers(processes):
     """16 streams of 1 MiB elements whose readers stopped taking them (16 invented split
-    streams grew a worker from 68 MiB to 3.1-4.2 GiB): each holds at most MAX_BUFFERED_BYTES
+    streams grew a worker from 68 MiB to 3.1-4.2 GiB): each holds at most stream_buffer_bytes
     with the batch remembered for its reader's retry, and the element that filled it (the
     worker grew 453 MiB here when the remembered batch and the element waiting for room came
     on top)."""
@@ -358,7 +359,7 @@ def test_streams_nobody_reads_hold_at_most_their_buffers(processes):
 
         # Each reader holds a read's batch of 8 MiB (remembered for its retry); the buffer
         # fills the rest of the stream's room.
-        per_stream = MAX_BUFFERED_BYTES // (1 << 20) + 1
+        per_stream = ServiceLimits().stream_buffer_bytes // (1 << 20) + 1
         wait_for(lambda: buffered() >= 16 * (per_stream // 2 - 1), timeout=60,
                  what="the 16 streams' buffers full")
         # A stream's room, and a read's batch of 8 MiB the transport copied on its way out

@@ -20,7 +20,7 @@ read: no trainer silently misses an element the others got.
 A worker's caches together hold at most ``CACHE_MEMORY_SHARE`` of its memory by default
 (``cache_plan``): the physical memory, or the cgroup's limit if lower. Each job's cache
 defaults to a quarter of that (at most TF's 10 GiB), and the worker keeps as many cached jobs
-as that share holds caches of the configured size (1 to ``MAX_CACHED_JOBS``).
+as that share holds caches of the configured size (1 to ServiceLimits ``max_cached_jobs``).
 
 A retried read (same consumer and request sequence number: its answer was lost) gets the same
 elements again, those still cached; each cursor remembers positions of its last read only,
@@ -39,17 +39,18 @@ from dataclasses import dataclass
 
 from clusterwire import errors
 from clusterwire.data.elements import Encoded
+from clusterwire.data.quotas import ServiceLimits
 from clusterwire.envelope import MAX_BUFFERS
 from clusterwire.thread_pool import parked
 
-#: Trainer cursors a cache keeps at most, and the longest trainer id it accepts.
-MAX_TRAINERS = 1024
+#: The longest trainer id a cache accepts (the trainers it serves: ServiceLimits
+#: max_cache_trainers).
 MAX_TRAINER_ID_CHARS = 1024
-#: The share of a worker's memory its cross-trainer caches hold together (by default), the
-#: cached jobs a worker keeps at most, and how many share it when their size is the default.
+#: The share of a worker's memory its cross-trainer caches hold together (by default), and
+#: how many share it when their size is the default (at most: ServiceLimits max_cached_jobs).
 CACHE_MEMORY_SHARE = 1 / 8
-MAX_CACHED_JOBS = 16
 DEFAULT_CACHED_JOBS = 4
+_DEFAULTS = ServiceLimits()
 _CGROUP_LIMIT = "/sys/fs/cgroup/memory.max"
 
 #: ``pull(wait)``: the stream's next element (None if none came within ``wait`` s) and
@@ -75,7 +76,8 @@ class CrossTrainerCache:
     """Elements of one stream, kept in a window of ``max_bytes`` for trainers reading it at
     their own pace; ``pull`` gives the stream's next element (see ``Pull``)."""
 
-    def __init__(self, pull: Pull, max_bytes: int, max_trainers: int = MAX_TRAINERS):
+    def __init__(self, pull: Pull, max_bytes: int,
+                 max_trainers: int = _DEFAULTS.max_cache_trainers):
         self._pull = pull
         self._max_bytes = max_bytes
         self._max_trainers = max_trainers
@@ -227,14 +229,15 @@ def machine_memory() -> int:
     return min(memory, int(text)) if text.isdigit() else memory
 
 
-def cache_plan(configured: int, memory: int, tf_default: int) -> tuple[int, int]:
+def cache_plan(configured: int, memory: int, tf_default: int,
+               most: int = _DEFAULTS.max_cached_jobs) -> tuple[int, int]:
     """``(bytes of each job's cache, jobs cached at once)`` on a worker of ``memory`` bytes:
     ``configured`` bytes (0: a ``DEFAULT_CACHED_JOBS``-th of the caches' share, at most
     ``tf_default``), and as many jobs as the share holds caches of that size (1 to
-    ``MAX_CACHED_JOBS``)."""
+    ``most``, ServiceLimits max_cached_jobs)."""
     share = int(memory * CACHE_MEMORY_SHARE)
     size = configured or max(1, min(tf_default, share // DEFAULT_CACHED_JOBS))
-    return size, min(max(1, share // size), MAX_CACHED_JOBS)
+    return size, min(max(1, share // size), most)
 
 
 def _check_trainer_id(trainer_id: str) -> None:

@@ -36,6 +36,8 @@ class ServiceLimits:
     resuming and merging positions. ``max_open_streams``, ``max_streams_per_consumer``: a
     worker's unfinished streams. ``idle_stream_s``, ``idle_split_stream_s``,
     ``idle_cache_s``: how long an unread stream or cached job keeps its room.
+    ``stream_buffer_bytes``, ``stream_buffer_elements``: what one stream buffers.
+    ``max_cached_jobs``, ``max_cache_trainers``: a worker's cross-trainer caches.
     ``removed_jobs_kept``: jobs a worker remembers the dispatcher removed. The defaults
     bound a dispatcher's or worker's memory to a few GiB whatever its clients send.
     """
@@ -77,6 +79,22 @@ class ServiceLimits:
     idle_cache_s: float = _limit(
         10.0, "worker", "seconds an unread cached job keeps its cross-trainer cache slot",
         "its trainers start a new cache window when they come back")
+    stream_buffer_bytes: int = _limit(
+        16 << 20, "worker",
+        "bytes one stream holds ahead of its readers, with the batches kept for their "
+        "retries (plus the element that filled it)",
+        "the stream's producer waits for its readers (nothing is refused)")
+    stream_buffer_elements: int = _limit(
+        8192, "worker", "elements one stream holds ahead of its readers",
+        "as stream_buffer_bytes")
+    max_cached_jobs: int = _limit(
+        16, "worker",
+        "jobs a worker caches at once (cross-trainer caches; fewer when its memory's share "
+        "for caches holds fewer)",
+        "as max_open_streams, caches unread for idle_cache_s first")
+    max_cache_trainers: int = _limit(
+        1024, "worker", "trainer ids one cross-trainer cache serves",
+        "trainers behind the cached window are forgotten first; else ResourceExhaustedError")
     removed_jobs_kept: int = _limit(
         16_384, "worker", "jobs the dispatcher removed that a worker remembers",
         "the worker refuses the streams of the last removed_jobs_kept removed jobs "

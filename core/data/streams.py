@@ -29,6 +29,7 @@ from typing import Any
 from clusterwire import errors
 from clusterwire.data.cross_trainer_cache import CrossTrainerCache, element_bytes
 from clusterwire.data.elements import Encoded
+from clusterwire.data.quotas import ServiceLimits
 from clusterwire.envelope import MAX_BUFFERS
 from clusterwire.thread_pool import parked
 
@@ -37,8 +38,8 @@ from clusterwire.thread_pool import parked
 # elements' headers (cross_trainer_cache.element_bytes) and with the batches remembered for
 # the consumers' retries: a stream holds at most this plus one element (the one that filled
 # it), whatever its readers ask; a worker's streams, limits.max_open_streams times that.
-MAX_BUFFERED_BYTES = 16 << 20
-MAX_BUFFERED_ELEMENTS = 8192
+# (ServiceLimits stream_buffer_bytes and stream_buffer_elements.)
+_DEFAULTS = ServiceLimits()
 #: In a worker's ResourceExhaustedError when it cannot open another stream now; a consumer
 #: seeing it retries with backoff (other consumers' streams end or are released).
 OVER_LIMITS = "over its stream limits"
@@ -62,9 +63,10 @@ class Stream:
     """Elements of one pipeline run, produced ahead on a thread, read by consumers."""
 
     def __init__(self, elements: Iterator[Any], encode: Callable[[Any], Encoded],
-                 max_bytes: int = MAX_BUFFERED_BYTES, max_elements: int = MAX_BUFFERED_ELEMENTS,
+                 max_bytes: int = _DEFAULTS.stream_buffer_bytes,
+                 max_elements: int = _DEFAULTS.stream_buffer_elements,
                  cache_bytes: int = 0, skip: int = 0, owner: str = "", peer: str = "",
-                 element_ids: bool = False):
+                 element_ids: bool = False, max_trainers: int = _DEFAULTS.max_cache_trainers):
         """With ``cache_bytes``, trainers read it through a cross-trainer cache of that many
         bytes (``fetch_cached``), which takes its elements one at a time. ``skip``: elements
         to pass over first, while a reader reads (a resumed position's). ``owner``: the
@@ -77,7 +79,8 @@ class Stream:
         self.element_ids = element_ids
         self.peer = peer
         self.skip = skip  # where its first element stands in the pipeline's output
-        self.cache = CrossTrainerCache(self._take, cache_bytes) if cache_bytes else None
+        self.cache = (CrossTrainerCache(self._take, cache_bytes, max_trainers) if cache_bytes
+                      else None)
         if self.cache is not None:
             max_elements = 1  # produced one ahead, as TF's; the cache holds what was read
         self._cond = threading.Condition()

@@ -191,7 +191,7 @@ class WorkerServer:
         self._heartbeat_s = runtime_ms(config.heartbeat_interval_ms, HEARTBEAT_INTERVAL_MS) / 1000
         self._cache_bytes, self._cache_slots = cache_plan(
             config.cross_trainer_cache_size_bytes, machine_memory(),
-            CROSS_TRAINER_CACHE_SIZE_BYTES)
+            CROSS_TRAINER_CACHE_SIZE_BYTES, self._quotas.max_cached_jobs)
         # (job, consumer, split or -1) -> (the last attempt released, when)
         self._released: dict[tuple[int, str, int], tuple[int, float]] = {}
         self._ledger = vouches.Ledger()  # where each vouched stream's answers stand
@@ -565,7 +565,9 @@ class WorkerServer:
                 lambda e: elements.encode(e, mode),
                 cache_bytes=self._cache_bytes if spec.trainer_id else 0, skip=offset,
                 owner=consumer_id if spec.is_split or spec.owner else "", peer=peer,
-                element_ids=spec.element_ids)
+                element_ids=spec.element_ids, max_bytes=self._quotas.stream_buffer_bytes,
+                max_elements=self._quotas.stream_buffer_elements,
+                max_trainers=self._quotas.max_cache_trainers)
             opened.append(stream)
         for old in replaced:
             old.close()
