@@ -29,7 +29,9 @@ answer times out) while its task's round is open; a sealed round keeps it. On a 
 the caller asks the root which tasks are missing (``barrier_missing``): each task answers
 for its subtree, asking the children whose report it lacks; a child that cannot be asked
 counts as missing and its own children are asked in its place, so a dead task names
-itself, not its subtree.
+itself, not its subtree. Children are asked at once, the callers asking one task at once
+share its answer, and each question waits what the asks below it may take
+(``Tree.question_timeouts``), so a host cut off costs a few peer timeouts, not one a task.
 
 Rounds are named by random ids, not counters: a coordinator that restarted cannot make a
 new round look like one already released.
