@@ -128,7 +128,8 @@ class Job:
         self.consumers[consumer] = time.monotonic()
         self.generations[consumer] = generation
 
-    def merge(self, merge_id: str, consumers: list[ConsumerPosition], kept: int) -> None:
+    def merge(self, merge_id: str, consumers: list[ConsumerPosition], merges_kept: int
+              ) -> None:
         """The positions of ``consumers`` were merged (the dispatcher checked them): the
         splits handed to each after its position (but those it had completed) go back to
         the pool at their hand-out offsets, its partly read ones at the elements it had
@@ -148,9 +149,9 @@ class Job:
             self.resumable.discard(consumer)
             self.released.add(consumer)
         self.merges[merge_id] = None
-        # A new consumer passing the job position of one of the last ``kept`` merges joins
-        # the job; of an older one, it is refused.
-        while len(self.merges) > kept:
+        # A new consumer passing the job position of one of the last ``merges_kept`` merges
+        # joins the job; of an older one, it is refused.
+        while len(self.merges) > merges_kept:
             del self.merges[next(iter(self.merges))]
 
     def _give_back(self, split_id: int, offset: int) -> None:
