@@ -19,10 +19,19 @@ import pytest
 from clusterwire import data, errors
 from clusterwire.cli import build_parser
 from clusterwire.data.config import server_limits
+from clusterwire.data.dispatcher_state import DispatcherState
 from clusterwire.data.quotas import ServiceLimits, limit_names, parse_limit
 from clusterwire.data.rpc import DispatcherClient
 from clusterwire.plugins import PluginManager, set_plugin_manager
-from clusterwire.protos.data_service_pb2 import DataRequest, GetOrCreateJobRequest
+from clusterwire.protos.data_service_pb2 import (
+    DataRequest,
+    GetOrCreateJobRequest,
+    JobInfo,
+    JournalEntry,
+    JournalJob,
+    JournalMerge,
+    JournalSplit,
+)
 from clusterwire.security import Security
 
 pytestmark = pytest.mark.timeout(120)
@@ -75,6 +84,23 @@ def test_max_datasets_set_on_the_command_line_refuses_the_third(processes):
     with pytest.raises(errors.ResourceExhaustedError,
                        match=r"is full \(2 datasets, limits max_datasets\)"):
         data.register_dataset(dispatcher.target, data.Dataset.range(10))
+
+
+def test_the_dispatcher_state_keeps_max_handouts_and_max_merges_of_its_table():
+    """A job of a DispatcherState with max_handouts = 2 and max_merges = 2 keeps a
+    consumer's last 2 hand-outs (older positions cannot resume) and its last 2 merges."""
+    state = DispatcherState(ServiceLimits(max_handouts=2, max_merges=2))
+    state.apply(JournalEntry(job=JournalJob(job=JobInfo(job_id=1, dataset_id="d"),
+                                            job_key="k", split_units=10, total_units=10)))
+    for split in range(5):
+        state.apply(JournalEntry(assign=JournalSplit(job_id=1, split_id=split,
+                                                     consumer_id="a")))
+    job = state.jobs[1]
+    assert [split for split, _ in job.handouts["a"]] == [3, 4]
+    assert job.handout_base["a"] == 3 and job.handout_index("a", 2) == -1
+    for merge in ("m1", "m2", "m3"):
+        state.apply(JournalEntry(merged=JournalMerge(job_id=1, merge_id=merge)))
+    assert list(job.merges) == ["m2", "m3"]
 
 
 class _plugins_toml:
