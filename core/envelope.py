@@ -36,6 +36,9 @@ INLINE, BULK = 0, 1
 MAX_BUFFERS = 1 << 16
 #: Bytes a frame's header may have.
 MAX_HEADER_BYTES = 64 << 20
+#: The ``limit`` of ``Layout.decode`` for a reply a client asked for: what it will receive
+#: is bounded by what it asked (the size checks of the buffer table still apply).
+REPLY_LIMIT = 1 << 42
 #: Inline bytes a frame carries at most, by default (``inline_kinds``).
 INLINE_BUDGET = 1 << 20
 _CACHED_TABLES = 64  # buffer counts with a precompiled table Struct

@@ -48,7 +48,14 @@ import grpc.experimental
 
 from clusterwire import errors
 from clusterwire.addressing import split_host_port
-from clusterwire.envelope import BULK, Envelope, bulk_lengths, interleave, split_inline
+from clusterwire.envelope import (
+    BULK,
+    REPLY_LIMIT,
+    Envelope,
+    bulk_lengths,
+    interleave,
+    split_inline,
+)
 from clusterwire.security import Security
 from clusterwire.thread_pool import WorkSlots
 from clusterwire.transport import Channel, Frame, Handler, Listener, ListenOptions, Transport
@@ -64,7 +71,6 @@ from clusterwire.transports.grpc.uploads import Fetches, Upload, Uploads
 
 SERVICE = "clusterwire.Transport"
 _CALL, _UPLOAD, _FETCH = (f"/{SERVICE}/{m}" for m in ("Call", "Upload", "Fetch"))
-_CLIENT_LIMIT = 1 << 42
 _BULK_PLANES = ("tcp", "grpc")
 _BULK_RETRY_S = 30.0  # after the bulk port could not be reached, before it is tried again
 #: A streamed call refused as busy (every thread for streamed calls working; nothing of it
@@ -308,7 +314,7 @@ class GrpcChannel(Channel):
                 reply = self._streamed(lambda remaining: self._upload(
                     itertools.chain([first], framing.chunks(views, self._transport.chunk_bytes)),
                     timeout=remaining, metadata=self._metadata), deadline)
-            return framing.LAYOUT.decode(reply, _CLIENT_LIMIT)
+            return framing.LAYOUT.decode(reply, REPLY_LIMIT)
 
     @contextlib.contextmanager
     def _errors(self) -> Iterator[None]:

@@ -17,7 +17,7 @@ from collections import deque
 from typing import NoReturn, Protocol
 
 from clusterwire import errors
-from clusterwire.envelope import Envelope
+from clusterwire.envelope import REPLY_LIMIT, Envelope
 from clusterwire.security import Security
 from clusterwire.thread_pool import WorkSlots, serve_parking
 from clusterwire.transport import ConnectionFailed, Frame, Handler, HandshakeFailed
@@ -426,7 +426,7 @@ class CallPool:
             if op != unix.CONTROL:
                 raise errors.UnavailableError(
                     f"The grpc+local server at {self._address} sent an unexpected message.")
-            control = wire.LAYOUT.decode(body, 1 << 42)
+            control = wire.LAYOUT.decode(body, REPLY_LIMIT)
             if control.fields[1] != ident or (answered and answered != ident):
                 raise errors.UnavailableError(
                     f"The grpc+local server at {self._address} answered call "

@@ -57,7 +57,7 @@ import grpc
 
 from clusterwire import errors
 from clusterwire.addressing import split_host_port
-from clusterwire.envelope import INLINE_BUDGET
+from clusterwire.envelope import INLINE_BUDGET, REPLY_LIMIT
 from clusterwire.pending import FairConnections, PendingConnections
 from clusterwire.security import Security
 from clusterwire.thread_pool import WorkSlots, parked
@@ -549,7 +549,7 @@ class LocalChannel(Channel):
         except OSError as err:
             raise errors.UnavailableError(
                 f"shared-memory connection to {self._address} failed: {err}") from None
-        control = wire.LAYOUT.decode(reply, 1 << 42)
+        control = wire.LAYOUT.decode(reply, REPLY_LIMIT)
         segments = wire.segments(control)
         remaining = _SEGMENT_WAIT if deadline is None else max(deadline - time.monotonic(), 0.01)
         fds = peer.inbox.take(transfer_id, segments, remaining) if segments else []

@@ -41,7 +41,7 @@ import numpy as np
 
 from clusterwire import errors
 from clusterwire.addressing import split_host_port
-from clusterwire.envelope import BULK, INLINE_BUDGET, interleave
+from clusterwire.envelope import BULK, INLINE_BUDGET, REPLY_LIMIT, interleave
 from clusterwire.pending import FairConnections
 from clusterwire.security import Security
 from clusterwire.transport import (
@@ -426,7 +426,7 @@ class VerbsChannel(Channel):
                     self._wait(waiter, waiter.has(response_tag), deadline,
                                ping_first=sent != NOT_SENT)
             status, _, header, kinds, lengths, inline = codec.decode(
-                waiter.messages[response_tag], 1 << 42)
+                waiter.messages[response_tag], REPLY_LIMIT)
             if status:
                 raise errors.error_from_code(status, header.decode(errors="replace"))
             if BULK not in kinds:
