@@ -105,8 +105,10 @@ class Flooder:
         self.kind = kind
         self.relay = relay
         self.name = secrets.token_hex(4)  # in its consumer ids (so its job keys)
+        # A generous deadline: nothing about the flood is timed, and on a loaded machine
+        # its first registration met a 10 s one (the victim's calls are what is timed).
         self.dispatcher = DispatcherClient(
-            "grpc", Relay(dispatcher).address if relay else dispatcher, 10.0, Security())
+            "grpc", Relay(dispatcher).address if relay else dispatcher, 60.0, Security())
         self.workers = WorkerChannels(Security())
         self.relays: dict[str, str] = {}  # worker address -> its relay's
         self.lock = threading.Lock()
