@@ -55,6 +55,25 @@ def fresh_python(code: str, timeout: float = 60.0) -> str:
     return done.stdout
 
 
+@contextlib.contextmanager
+def in_process_job(job: str, count: int, **server_args):
+    """``count`` in-process Servers of one job on free ports, each told the others' bound
+    ports (``complete_cluster``); stopped on exit."""
+    servers: list[clusterwire.Server] = []
+    try:
+        for index in range(count):
+            servers.append(clusterwire.Server({job: ["127.0.0.1:0"] * count}, job_name=job,
+                                              task_index=index, **server_args))
+        spec = clusterwire.ClusterSpec({job: [s.target.split("://")[1] for s in servers]})
+        for server in servers:
+            with clusterwire.Session(server.target) as session:
+                session.complete_cluster(spec)
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
 def wait_for(condition, timeout: float = 10.0, what: str = "condition") -> None:
     """Poll ``condition`` (a server's state, which has no event to wait on) until true; fail
     after ``timeout`` seconds."""

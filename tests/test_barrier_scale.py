@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from conftest import in_process_job
 
 from clusterwire import ClusterSpec, Server, Session, barrier
 from clusterwire.errors import CancelledError, DeadlineExceededError, UnavailableError
@@ -42,21 +43,9 @@ def tasks(request, monkeypatch) -> Iterator[list[Server]]:
         monkeypatch.setattr(barrier, "FLAT_MAX_TASKS", TASKS)
     else:  # the tree, as a larger job
         monkeypatch.setattr(barrier, "FLAT_MAX_TASKS", TASKS - 1)
-    servers: list[Server] = []
-    try:
-        for index in range(TASKS):
-            servers.append(Server({"worker": ["127.0.0.1:0"] * TASKS}, job_name="worker",
-                                  task_index=index, protocol=request.param[0],
-                                  config={"max_workers": MAX_WORKERS,
-                                          "small_call_reserve": 1}))
-        spec = ClusterSpec({"worker": [s.target.split("://")[1] for s in servers]})
-        for server in servers:
-            with Session(server.target) as session:
-                session.complete_cluster(spec)
+    with in_process_job("worker", TASKS, protocol=request.param[0], config={
+            "max_workers": MAX_WORKERS, "small_call_reserve": 1}) as servers:
         yield servers
-    finally:
-        for server in servers:
-            server.stop()
 
 
 def arrive_all(arrive: Callable[[int], None], count: int) -> list[int]:
@@ -178,23 +167,14 @@ def test_cluster_status_asks_every_task_at_once_and_names_the_ones_down(tasks):
 
 
 def test_a_client_that_cannot_reach_the_coordinator_arrives_through_its_target():
-    servers = [Server({"w": ["127.0.0.1:0"] * 2}, job_name="w", task_index=i, protocol="grpc")
-               for i in range(2)]
-    try:
-        spec = ClusterSpec({"w": [s.target.split("://")[1] for s in servers]})
-        for server in servers:
-            with Session(server.target) as session:
-                session.complete_cluster(spec)
-        with Session(servers[0].target) as first, Session(servers[1].target) as second:
-            # What this client was told of the cluster names a coordinator it cannot reach
-            # (here: a closed port); the tasks themselves reach it.
-            second._view = (ClusterSpec({"w": ["127.0.0.1:1", spec.task_address("w", 1)]}),
-                            ("w", 1))
-            waiter = threading.Thread(target=first.barrier, args=("b",), kwargs={"timeout": WAIT})
-            waiter.start()
-            second.barrier("b", timeout=WAIT)
-            waiter.join(WAIT)
-            assert not waiter.is_alive()  # released by the arrival that went through task 1
-    finally:
-        for server in servers:
-            server.stop()
+    with in_process_job("w", 2, protocol="grpc") as servers, \
+            Session(servers[0].target) as first, Session(servers[1].target) as second:
+        # What this client was told of the cluster names a coordinator it cannot reach
+        # (here: a closed port); the tasks themselves reach it.
+        second._view = (ClusterSpec({"w": ["127.0.0.1:1", servers[1].target.split("://")[1]]}),
+                        ("w", 1))
+        waiter = threading.Thread(target=first.barrier, args=("b",), kwargs={"timeout": WAIT})
+        waiter.start()
+        second.barrier("b", timeout=WAIT)
+        waiter.join(WAIT)
+        assert not waiter.is_alive()  # released by the arrival that went through task 1

@@ -13,10 +13,10 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import child_env, wait_for
+from conftest import child_env, in_process_job, wait_for
 from emulated_hosts import requires_netns
 
-from clusterwire import ClusterSpec, Server, Session, barrier, barrier_tree, errors
+from clusterwire import Server, Session, barrier, barrier_tree, errors
 from clusterwire.local_cluster import LocalCluster
 from clusterwire.protos.service_pb2 import Request, TaskRef
 from clusterwire.rpc import RequestClient
@@ -165,19 +165,8 @@ def small_tree(monkeypatch) -> Iterator[list[Server]]:
     monkeypatch.setattr(barrier_tree, "FAN_IN", 2)
     config = {"allow_membership_changes": True, "membership_heartbeat_seconds": 0.2,
               "membership_timeout_seconds": 5.0}
-    servers: list[Server] = []
-    try:
-        for index in range(4):
-            servers.append(Server({"w": ["127.0.0.1:0"] * 4}, job_name="w", task_index=index,
-                                  config=config))
-        spec = ClusterSpec({"w": [s.target.split("://")[1] for s in servers]})
-        for server in servers:
-            with Session(server.target) as session:
-                session.complete_cluster(spec)
+    with in_process_job("w", 4, config=config) as servers:
         yield servers
-    finally:
-        for server in servers:
-            server.stop()
 
 
 def test_a_membership_change_aborts_every_wait_of_a_tree_round(small_tree):
