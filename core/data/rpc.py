@@ -145,6 +145,13 @@ class DispatcherClient:
                 except errors.UnavailableError as err:  # unreachable, or a standby
                     errors_seen.append(f"{self.addresses[index]}: {err.message}")
                     continue
+                except errors.DeadlineExceededError as err:
+                    if time.monotonic() < deadline:
+                        raise
+                    # The window ended during this attempt (on a loaded machine, with
+                    # little of it left): no answer, as an unreachable one.
+                    errors_seen.append(f"{self.addresses[index]}: {err.message}")
+                    continue
                 if index != self._current:
                     log.warning("clusterwire: the tf.data service dispatcher at %s serves "
                                 "(was: %s).", self.addresses[index], self.address)
