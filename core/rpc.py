@@ -191,6 +191,7 @@ class RequestClient:
         if idempotent is None:
             idempotent = method in IDEMPOTENT
         delay = _BACKOFF_START
+        unreachable = ""  # why the last attempt found ``address`` unreachable
         while True:
             remaining = deadline - time.monotonic()
             if attempt_timeout is not None:
@@ -212,6 +213,7 @@ class RequestClient:
                 return reply
             except errors.UnavailableError as err:
                 self.note_unreachable(address, err.message)
+                unreachable = err.message
                 retryable = retry and not isinstance(err, HandshakeFailed) and (
                     isinstance(err, ConnectionFailed) or idempotent)
                 remaining = deadline - time.monotonic()
@@ -221,9 +223,7 @@ class RequestClient:
                         f"{err.message}"
                     ) from None
                 if remaining <= 0:
-                    raise errors.UnavailableError(
-                        f"{self._subject} at {address} ({self.protocol}) is unavailable after "
-                        f"{format_duration(budget)}: {err.message}") from None
+                    raise self._unavailable_after(address, budget, err.message) from None
                 if delay == _BACKOFF_START and remaining > _QUIET_RETRY_S:
                     _LOG.warning("clusterwire: the %s at %s (%s) is unreachable (%s); retrying "
                                  "until the deadline, %s from now.", self.peer, address,
@@ -232,9 +232,19 @@ class RequestClient:
                     raise errors.CancelledError("This client was closed.") from None
                 delay = min(delay * 2, _BACKOFF_MAX)
             except errors.DeadlineExceededError as err:
+                if unreachable and time.monotonic() >= deadline:
+                    # The last attempt only got what was left of the window (a loaded
+                    # machine can leave it a millisecond): the address is still unreachable.
+                    raise self._unavailable_after(address, budget, unreachable) from None
                 raise errors.DeadlineExceededError(
                     f"Request {method!r} to {address} ({self.protocol}, deadline "
                     f"{budget:.3g} s): {err.message}") from None
+
+    def _unavailable_after(self, address: str, budget: float, why: str
+                           ) -> errors.UnavailableError:
+        return errors.UnavailableError(
+            f"{self._subject} at {address} ({self.protocol}) is unavailable after "
+            f"{format_duration(budget)}: {why}")
 
     def note_unreachable(self, address: str, error: str) -> None:
         """``address`` was found unreachable now (also by a caller that knows a deadline

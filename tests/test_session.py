@@ -20,6 +20,7 @@ from clusterwire.errors import (
     UnavailableError,
 )
 from clusterwire.rpc import RequestClient
+from clusterwire.transport import ConnectionFailed, Frame
 
 
 @pytest.fixture
@@ -235,6 +236,36 @@ def test_peer_down_is_unavailable_within_the_deadline():
         with pytest.raises(UnavailableError, match=f"127.0.0.1:{port}.*unavailable after 1 s"):
             session.get("x")
     assert time.monotonic() - started < 3
+
+
+class _UnreachableThenCutShort:
+    """A transport whose first connect finds no one listening and whose second gets only
+    the end of the window: its call outlives the deadline (a loaded machine)."""
+
+    def __init__(self):
+        self.connects = 0
+
+    def connect(self, address, security):
+        self.connects += 1
+        if self.connects == 1:
+            raise ConnectionFailed("connection refused")
+        return self
+
+    def call(self, frame, timeout=None):
+        time.sleep(timeout)
+        raise DeadlineExceededError("the call outlived its deadline")
+
+    def close(self):
+        pass
+
+
+def test_an_attempt_cut_short_by_the_deadline_after_unreachable_ones_is_unavailable():
+    client = RequestClient("grpc", in_process=False)
+    client._transport = _UnreachableThenCutShort()
+    with pytest.raises(UnavailableError, match="at a:1 .*unavailable after 0.2 s: connection "
+                                               "refused"):
+        client.send_frame("a:1", Frame(b"x", []), "status", timeout=0.2)
+    client.close()
 
 
 def test_an_unreachable_task_is_reported_at_once_while_retries_go_on(caplog, monkeypatch):
