@@ -62,8 +62,6 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
 #: to the top (or its cycle be broken), then leave this table. Lazy imports between the
 #: modules of a listed cycle are how that cycle hides, and are covered by its entry.
 NOT_YET_MOVED: dict[tuple[str, str], str] = {
-    ("clusterwire.data.monitoring", "clusterwire"): "__version__: import clusterwire._version",
-    ("clusterwire.testing.suite", "clusterwire.protos.service_pb2"): "no reason to wait",
 }
 KNOWN_CYCLES: list[frozenset[str]] = [
     # Dataset's methods build ops and file datasets, which build Datasets; ops/__init__
@@ -74,10 +72,6 @@ KNOWN_CYCLES: list[frozenset[str]] = [
         "clusterwire.data.ops.global_shuffle", "clusterwire.data.ops.nested",
         "clusterwire.data.ops.sources", "clusterwire.data.ops.stateful",
         "clusterwire.data.provenance"}),
-    # data.cli imports its servers' classes from the package, whose names (under
-    # TYPE_CHECKING) include local_service's, which imports data.cli: import them from
-    # their modules (data.dispatcher, data.worker, data.config).
-    frozenset({"clusterwire.data", "clusterwire.data.cli", "clusterwire.data.local_service"}),
 ]
 
 

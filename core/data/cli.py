@@ -20,8 +20,11 @@ import time
 from typing import Any
 
 from clusterwire import errors
+from clusterwire.data.config import DispatcherConfig, WorkerConfig
+from clusterwire.data.dispatcher import DispatchServer
 from clusterwire.data.limits import PipelineLimits
 from clusterwire.data.quotas import limits_help, parse_limit
+from clusterwire.data.worker import WorkerServer
 from clusterwire.durations import format_duration
 from clusterwire.local_cluster import await_ready
 from clusterwire.ready_line import READY_PREFIX, say_ready
@@ -81,8 +84,6 @@ def _say_stopped(target: str, what: str, args: argparse.Namespace) -> None:
 
 
 def _dispatcher(args: argparse.Namespace) -> int:
-    from clusterwire.data import DispatcherConfig, DispatchServer
-
     import_modules(args.command, args.imports)
     config = DispatcherConfig(
         port=args.port, protocol=args.protocol, work_dir=args.work_dir,
@@ -115,8 +116,6 @@ def use_jemalloc_for_arrow(environ: dict[str, str] | os._Environ = os.environ) -
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from clusterwire.data import WorkerConfig, WorkerServer
-
     use_jemalloc_for_arrow()
     import_modules(args.command, args.imports)
     config = WorkerConfig(

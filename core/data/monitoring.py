@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 
+from clusterwire._version import __version__
 from clusterwire.metrics import catalog, snapshot
 from clusterwire.metrics.endpoint import MetricsEndpoint, serve_metrics
 from clusterwire.metrics.registry import ENABLED, REGISTRY, Source
@@ -61,8 +62,6 @@ class Monitoring:
                shells: Iterable[str] = ()) -> DataResponse:
         """A ``status_report`` response: identity and the samples of this server (and of
         ``shells``, its other listeners' names)."""
-        from clusterwire import __version__
-
         response = DataResponse()
         report = response.status_report
         report.kind, report.address, report.protocol = kind, address, protocol

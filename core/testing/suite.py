@@ -19,6 +19,7 @@ import pytest
 from clusterwire import codec, errors
 from clusterwire.local_cluster import READY_PREFIX, LocalCluster
 from clusterwire.plugins import get_plugin_manager
+from clusterwire.protos.service_pb2 import Value
 from clusterwire.security import Security, TlsConfig
 from clusterwire.server import Server
 from clusterwire.session import Session
@@ -346,8 +347,6 @@ class TransportSuite:
                  "empty": np.zeros((0, 4)), "text": "x", "raw": b"\x00\xff"}
         header, buffers = codec.encode(value)
         response = channel.call(Frame(header.SerializeToString(), buffers), timeout=30)
-        from clusterwire.protos.service_pb2 import Value
-
         result = codec.decode(Value.FromString(bytes(response.header)), list(response.buffers))
         np.testing.assert_array_equal(result["strided"], value["strided"])
         assert result["scalar"].shape == () and float(result["scalar"]) == 3.5
