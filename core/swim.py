@@ -388,6 +388,7 @@ class Swim:
         self._rounds = 0
         self._left = False
         self._changes: list[tuple[str, State]] = []
+        self._heard: set[str] = set()  # members a message came from: they know this one
         # Members started together do not probe in lockstep.
         self._next_round = now + self._rng.uniform(0, self.config.probe_interval)
 
@@ -434,7 +435,7 @@ class Swim:
         """Announce this member (alive at its incarnation, with its address) to the others."""
         self._broadcasts.queue(Update(self.name, State.ALIVE, self.incarnation, self.address))
 
-    def leave(self, now: float) -> Outgoing:
+    def leave(self) -> Outgoing:
         """Leave for good: the leave goes to ``indirect_checks`` live members at once (and
         spreads from them); from then on this member sends and takes nothing."""
         out: Outgoing = []
@@ -514,6 +515,7 @@ class Swim:
                     f"ping-reqs: {sender!r} should ask other members")
         for update in message.updates:
             self._apply(now, update, sender)
+        self._heard.add(sender)
         if kind == Kind.PING:
             out.append((sender, self._message(Kind.ACK, message.seq, sender, "")))
         elif kind == Kind.PING_REQ:
@@ -699,7 +701,10 @@ class Swim:
         if known is not None and known.state != State.ALIVE:
             # Tell the destination what this member thinks of it, so it can refute.
             updates.append(Update(destination, known.state, known.incarnation))
-            budget -= _encoded_size(updates[0])
+        if self.config.allow_joins and destination not in self._heard:
+            # A member that may not know this one yet refuses its messages without this.
+            updates.append(Update(self.name, State.ALIVE, self.incarnation, self.address))
+        budget -= sum(_encoded_size(update) for update in updates)
         if self._broadcasts:
             updates += self._broadcasts.take(
                 budget, MAX_UPDATES - len(updates),
