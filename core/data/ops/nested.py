@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -32,12 +32,13 @@ from clusterwire.errors import InvalidArgumentError
 #: the ``block_length``, so memory stays bounded.
 _READ_AHEAD = 8
 #: Bytes of elements the read threads of a parallel interleave hold ahead of the consumer,
-#: shared evenly among them (a read gives at least one element; the Dataset the consumer
-#: waits for is read regardless). Small on purpose: the consumer's thread frees what a read
-#: thread allocated, and once a thread's glibc arena has more than its trim threshold free
-#: at the top (twice the largest block allocated by mmap and freed), glibc returns it to
-#: the kernel and the next elements fault every page in again.
-_READ_AHEAD_BYTES = 4 << 20
+#: shared evenly among them (a read starts while a thread holds less than its share and
+#: gives at least one element; the Dataset the consumer waits for is read regardless). Small
+#: on purpose: the consumer's thread frees what a read thread allocated, and once a thread's
+#: glibc arena has more than its trim threshold free at the top (twice the largest block
+#: allocated by mmap and freed), glibc returns it to the kernel and the next elements fault
+#: every page in again (with 1 MiB records, 2 MiB a thread doubled the faults per MiB read).
+_READ_AHEAD_BYTES = 2 << 20
 
 _ENDED = object()  # what a drained slot whose Dataset has ended gives
 _ANY = object()  # the consumer of a non-deterministic interleave waits for any slot
@@ -130,8 +131,8 @@ class FlatMap(Op, Node):
 class Interleave(Op, Node):
     """``Dataset.interleave``: ``cycle_length`` of ``fn``'s Datasets open at once, taking
     ``block_length`` elements from each in turn; an ended one is replaced by the next
-    input's in its place. With ``num_parallel_calls`` threads read a block ahead of each
-    open Dataset; ``deterministic=False`` takes blocks in the order they are ready."""
+    input's in its place. With ``num_parallel_calls`` threads (at most ``cycle_length``) read
+    ahead of the open Datasets; ``deterministic=False`` takes blocks in the order they are ready."""
 
     kind = "interleave"
     cycle_length: int
@@ -153,7 +154,8 @@ class Interleave(Op, Node):
         cycle = default_cycle_length() if self.cycle_length == AUTOTUNE else self.cycle_length
         if self.num_parallel_calls == 0:
             return lambda: _Cycle(self._open, upstream(), cycle, self.block_length)
-        threads = cycle if self.num_parallel_calls == AUTOTUNE else self.num_parallel_calls
+        calls = cycle if self.num_parallel_calls == AUTOTUNE else self.num_parallel_calls
+        threads = min(calls, cycle)  # a thread more than the open Datasets would read none
         budget = self.budget
 
         def make() -> Iterator[Any]:
@@ -241,10 +243,11 @@ class _Failed:
 
 class _Slot:
     """One open Dataset of a parallel interleave: the elements read ahead of the consumer
-    (a ``_Failed`` last if the read stopped at an error), its read thread (``lane``), and
-    whether it has ended. Guarded by its cycle's condition."""
+    (a ``_Failed`` last if the read stopped at an error), its lane, whether it has ended,
+    and ``given``: how many elements at the head of ``buffer`` were read while the consumer
+    waited for them (not counted in the lane's ``held``). Guarded by its cycle's lock."""
 
-    __slots__ = ("element", "lane", "iterator", "buffer", "failed", "ended")
+    __slots__ = ("element", "lane", "iterator", "buffer", "failed", "ended", "given")
 
     def __init__(self, element: Any, lane: int):
         self.element = element  # the input element whose Dataset this is
@@ -252,19 +255,35 @@ class _Slot:
         self.iterator: Iterator[Any] | None = None  # opened by the first read
         self.buffer: deque[Any] = deque()
         self.failed = self.ended = False
+        self.given = 0
 
 
 class _Lane:
     """One read thread of a parallel interleave: the slots whose index is its own modulo
-    the threads are read on it, one read at a time; ``held``: the bytes of the elements it
-    read that the consumer has not taken."""
+    the lanes are read on it, one read at a time; ``held``: the bytes of the elements it
+    read that the consumer has not taken; ``wake``: locked while the thread has nothing
+    to read (whoever gives it work releases it once, setting ``busy``)."""
 
-    __slots__ = ("pool", "held", "busy")
+    __slots__ = ("wake", "held", "busy")
 
     def __init__(self) -> None:
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="clusterwire-interleave")
+        self.wake = threading.Lock()
+        self.wake.acquire()
         self.held = 0
-        self.busy = False  # a read task is queued or running
+        self.busy = False
+
+
+def _lane_thread(cycle: weakref.ref[_ParallelCycle], number: int,
+                 wake: threading.Lock) -> None:
+    """Lane ``number``'s thread: reads while there is something to read, then waits to be
+    woken. It holds its cycle only while reading, so an abandoned cycle is collected (and
+    closes, which wakes the thread to end)."""
+    while True:
+        wake.acquire()
+        reading = cycle()
+        if reading is None or not reading._read(number):
+            return
+        del reading
 
 
 def _nbytes(element: Any) -> int:
@@ -282,18 +301,19 @@ def _nbytes(element: Any) -> int:
 
 class _ParallelCycle:
     """The open Datasets of a parallel interleave, read ahead on ``threads`` read threads
-    (lanes) into a buffer each, up to ``_READ_AHEAD`` elements. Each open Dataset is read on
-    one lane (its slot's index modulo the threads). A lane reads an element at a time, each
-    time of the Dataset whose next unread element the consumer comes to first, while it
-    holds less than its share of ``_READ_AHEAD_BYTES`` (the Dataset the consumer waits for
-    is read regardless); its read task ends when there is nothing to read and the consumer
-    starts it again. The consumer takes elements in TF's cycle order (``deterministic``) or
-    from whichever Dataset has elements ready. An
-    ended Dataset's place goes to the next input element when the consumer finds it drained
-    (TF's cycle gives it that element when it comes back). A failed read fails one ``next``
-    in its place after the elements read before it, and the Dataset is read again (a
-    generator that raised then ends), as in TF; nothing is read past a failure before the
-    consumer took it. Its ``threads`` go back to ``budget`` when it ends or is dropped."""
+    (lanes) into a buffer each, up to
+    ``_READ_AHEAD`` elements. Each open Dataset is read on one lane (its slot's index modulo
+    the lanes). A lane reads an element at a time, each time of the Dataset whose next
+    unread element the consumer comes to first, while it holds less than its share of
+    ``_READ_AHEAD_BYTES`` (the Dataset the consumer waits for is read regardless, and what
+    it waited for is not held against the share); then its thread sleeps until the consumer
+    takes an element of its Datasets. The consumer takes elements in TF's cycle order
+    (``deterministic``) or from whichever Dataset has elements ready. An ended Dataset's
+    place goes to the next input element when the consumer finds it drained (TF's cycle
+    gives it that element when it comes back). A failed read fails one ``next`` in its place
+    after the elements read before it, and the Dataset is read again (a generator that
+    raised then ends), as in TF; nothing is read past a failure before the consumer took it.
+    Its ``threads`` go back to ``budget`` when it ends or is dropped."""
 
     def __init__(self, open_: Callable[[Any], Iterator[Any]], inputs: Iterator[Any],
                  cycle: int, block_length: int, threads: int, deterministic: bool,
@@ -301,9 +321,8 @@ class _ParallelCycle:
         self._budget, self._threads = budget, threads
         self._open, self._inputs, self._block_length = open_, inputs, block_length
         self._deterministic = deterministic
-        self._lanes = [_Lane() for _ in range(threads)]
-        self._lane_slots = [list(range(lane, cycle, threads)) for lane in range(threads)]
-        self._changed = threading.Condition()  # a read added an element, or finished
+        # A plain lock: Condition's default RLock costs more on every hand-off.
+        self._changed = threading.Condition(threading.Lock())
         # What the consumer waits for: a slot, _ANY slot, or None. A read wakes it only for
         # that (the consumer wakes once per element it needs, not for every element read).
         self._awaited: _Slot | object | None = None
@@ -312,6 +331,13 @@ class _ParallelCycle:
         self._index = 0
         self._left = block_length  # elements left in the current slot's block
         self._inputs_left = True
+        self._lanes = [_Lane() for _ in range(threads)]
+        self._lane_slots = [list(range(lane, cycle, threads)) for lane in range(threads)]
+        self._share = _READ_AHEAD_BYTES // threads
+        me = weakref.ref(self)
+        for number, lane in enumerate(self._lanes):
+            threading.Thread(target=_lane_thread, args=(me, number, lane.wake), daemon=True,
+                             name=f"clusterwire-interleave-{number}").start()
         for index in range(cycle):
             if not self._fill(index):
                 break
@@ -323,7 +349,7 @@ class _ParallelCycle:
         """The open Dataset lane ``number`` reads an element of next (under the lock): of its
         Datasets, the one whose first unread element the consumer comes to first (the rest of
         the current block, then a block per slot in cycle order). The one the consumer waits
-        for is read at any rate; the others while the lane holds less than
+        for is read at any rate; the others while the lane holds less than its share of
         ``_READ_AHEAD_BYTES`` and their buffer has room. None: nothing to read now."""
         if self._closed:
             return None
@@ -345,20 +371,20 @@ class _ParallelCycle:
                 visit = ahead // block
             if best_key is None or (visit, distance) < best_key:
                 best, best_key = slot, (visit, distance)
-        if self._lanes[number].held >= _READ_AHEAD_BYTES // len(self._lanes):
+        if self._lanes[number].held >= self._share:
             return None
         return best
 
-    def _read(self, number: int) -> None:
-        """Lane ``number``'s read task: an element at a time, each of the Dataset
-        ``_reads_next`` names (opened first), until it names none."""
+    def _read(self, number: int) -> bool:
+        """Lane ``number``'s reads: an element at a time, each of the Dataset ``_reads_next``
+        names (opened first), until it names none. False once the cycle is closed."""
         lane = self._lanes[number]
+        with self._changed:
+            slot = self._reads_next(number)
+            if slot is None:
+                lane.busy = False
+                return not self._closed
         while True:
-            with self._changed:
-                slot = self._reads_next(number)
-                if slot is None:
-                    lane.busy = False
-                    return
             element, failure, ended = _ENDED, None, False
             try:
                 if slot.iterator is None:
@@ -371,22 +397,29 @@ class _ParallelCycle:
                 failure, ended = _Failed(err, at_open), at_open
             with self._changed:
                 if element is not _ENDED:
+                    if self._awaited is slot and not slot.buffer:
+                        slot.given += 1  # the consumer takes it at once
+                    else:
+                        lane.held += _nbytes(element)
                     slot.buffer.append(element)
-                    lane.held += _nbytes(element)
                 if failure is not None:
                     slot.buffer.append(failure)
                     slot.failed = True
                 slot.ended = slot.ended or ended
                 if self._awaited in (slot, _ANY):
                     self._changed.notify()
+                slot = self._reads_next(number)
+                if slot is None:
+                    lane.busy = False
+                    return not self._closed
 
     def _feed(self, number: int) -> None:
-        """Start lane ``number``'s read task if it is idle and has something to read (under
-        the lock)."""
+        """Wake lane ``number``'s thread if it is idle and has something to read (under the
+        lock)."""
         lane = self._lanes[number]
         if not lane.busy and self._reads_next(number) is not None:
             lane.busy = True
-            lane.pool.submit(self._read, number)
+            lane.wake.release()
 
     def _fill(self, index: int) -> bool:
         """Open the next input's Dataset in slot ``index``; False if the input has ended."""
@@ -427,7 +460,7 @@ class _ParallelCycle:
 
     def _take(self, slot: _Slot) -> Any:
         """``slot``'s next buffered element (or ``_Failed``), waiting for its read; ``_ENDED``
-        if it has ended and is drained."""
+        if it has ended and is drained. Its lane is woken for its next read at once."""
         with self._changed:
             while not slot.buffer:
                 if slot.ended:
@@ -439,19 +472,17 @@ class _ParallelCycle:
             item = slot.buffer.popleft()
             if isinstance(item, _Failed):
                 slot.failed = False
+            elif slot.given:
+                slot.given -= 1
             else:
                 self._lanes[slot.lane].held -= _nbytes(item)
-            return item
-
-    def _taken(self, slot: _Slot) -> None:
-        """Start the next read of ``slot``'s lane, the consumer having moved on."""
-        with self._changed:
             self._feed(slot.lane)
+            return item
 
     def __next__(self) -> Any:
         while True:
             if all(s is None for s in self._slots):
-                self._close(cancel=False)
+                self._close()
                 raise StopIteration
             if not self._deterministic:
                 self._pick_ready()
@@ -469,10 +500,8 @@ class _ParallelCycle:
                 # failed to open as an element of the block, and finds it ended on its next visit.
                 if item.at_open:
                     self._count_one()
-                self._taken(slot)
                 raise item.error
             self._count_one()
-            self._taken(slot)
             return item
 
     def _count_one(self) -> None:
@@ -481,15 +510,21 @@ class _ParallelCycle:
         if not self._left:
             self._advance()
 
-    def _close(self, cancel: bool) -> None:
+    def _close(self) -> None:
+        """No more reads; idle lanes' threads are woken to end, busy ones end after their
+        read. Idempotent."""
         with self._changed:
+            if self._closed:
+                return
             self._closed = True
-        for lane in self._lanes:
-            lane.pool.shutdown(wait=False, cancel_futures=cancel)
+            for lane in self._lanes:
+                if not lane.busy:
+                    lane.busy = True
+                    lane.wake.release()
         budget, self._budget = self._budget, None
         if budget is not None:
             budget.give(self._threads)
 
     def __del__(self) -> None:
         if hasattr(self, "_lanes"):
-            self._close(cancel=True)
+            self._close()
