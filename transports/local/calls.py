@@ -21,6 +21,7 @@ from clusterwire.envelope import REPLY_LIMIT, Envelope
 from clusterwire.security import Security
 from clusterwire.thread_pool import WorkSlots, serve_parking
 from clusterwire.transport import ConnectionFailed, Frame, Handler, HandshakeFailed
+from clusterwire.transports._grpc_common.call_pool import IdleConnections, PooledConnection, left
 from clusterwire.transports.local import unix, wire
 from clusterwire.transports.local.pool import PoolRegistry
 from clusterwire.transports.local.probe import other_protocol
@@ -60,8 +61,6 @@ class CallListener(Protocol):
     def forget(self, connection: CallConnection) -> None:
         """Drop the closed ``connection``."""
 
-#: A channel closes call connections idle for this long (when it next returns one).
-_IDLE_CONNECTION_S = 30.0
 
 
 class CallConnection:
@@ -198,40 +197,12 @@ class CallConnection:
             self.sock.close()
 
 
-class ClientConnection:
-    """A channel's call connection: used by one call at a time, idle in the channel's pool
-    between calls."""
-
-    __slots__ = ("sock", "packet_limit", "idle_since", "receive_timeout")
+class ClientConnection(PooledConnection):
+    """A channel's call connection (``PooledConnection``) on a SEQPACKET socket."""
 
     def __init__(self, sock: socket.socket):
-        self.sock = sock
+        super().__init__(sock)
         self.packet_limit = unix.packet_limit(sock)
-        self.idle_since = 0.0
-        self.receive_timeout = 0.0  # SO_RCVTIMEO in seconds (0: none)
-
-    def arm(self, deadline: float | None) -> None:
-        """Set the receive timeout so a wait for the answer returns by ``deadline`` (None:
-        never gives up). Kept when it is already a little shorter than the time left, so a
-        steady stream of calls with the same timeout costs no system call (a receive that
-        times out early waits again, ``unix.read_message``)."""
-        if deadline is None:
-            if self.receive_timeout:
-                self.receive_timeout = unix.set_receive_timeout(self.sock, 0)
-            return
-        left = deadline - time.monotonic()
-        if not 0.9 * left <= self.receive_timeout <= left:
-            self.receive_timeout = unix.set_receive_timeout(self.sock, max(0.95 * left, 1e-6))
-
-
-def _left(deadline: float | None) -> float | None:
-    """Seconds until ``deadline`` (None: no deadline); DeadlineExceededError if none left."""
-    if deadline is None:
-        return None
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise errors.DeadlineExceededError("The deadline passed before the call was sent.")
-    return left
 
 
 class CallPool:
@@ -244,10 +215,7 @@ class CallPool:
         self._security = security
         self._client_id = client_id
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()
-        self._closed = threading.Event()
-        self._idle: list[ClientConnection] = []  # most recently used last
-        self._open: set[ClientConnection] = set()  # idle and in use
+        self._connections: IdleConnections[ClientConnection] = IdleConnections(address)
         #: Inodes of the listener's reply segments no longer mapped here, named in a RELEASE
         #: before the next call on any connection (the listener keeps one pool for all of
         #: this process's); appended by finalizers, from any thread.
@@ -256,18 +224,15 @@ class CallPool:
     def after_fork(self) -> None:
         """In a forked child: forget the parent's call connections (closing only the
         child's copies), so that the two processes never share one."""
-        self._lock = threading.Lock()  # another thread may have held it at the fork
-        connections, self._open, self._idle = self._open, set(), []
-        for connection in connections:
-            connection.sock.close()
+        self._connections.after_fork()
 
     def _connect(self, deadline: float | None) -> ClientConnection:
         """A new call connection, admitted by the listener (nothing of a call sent yet)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             try:
-                unix.connect(sock, unix.socket_name(self._address), _left(deadline))
-                sock.settimeout(_left(deadline))  # a Python timeout until admitted
+                unix.connect(sock, unix.socket_name(self._address), left(deadline))
+                sock.settimeout(left(deadline))  # a Python timeout until admitted
             except TimeoutError:
                 raise errors.DeadlineExceededError(
                     f"Connecting to the grpc+local server at {self._address} took past the "
@@ -282,10 +247,7 @@ class CallPool:
                     f"({err.strerror}); grpc+local connects only tasks of the same "
                     "host.") from None
             connection = ClientConnection(sock)
-            with self._lock:
-                if self._closed.is_set():
-                    raise errors.CancelledError(f"Channel to {self._address} is closed.")
-                self._open.add(connection)
+            self._connections.add(connection)
         except BaseException:
             sock.close()
             raise
@@ -322,43 +284,22 @@ class CallPool:
     def _take(self, deadline: float | None) -> tuple[ClientConnection, bool]:
         """An idle call connection (most recently used first), else a new one; and whether
         it was idle (then the listener may have closed it meanwhile)."""
-        with self._lock:
-            if self._closed.is_set():
-                raise errors.CancelledError(f"Channel to {self._address} is closed.")
-            if self._idle:
-                return self._idle.pop(), True
+        connection = self._connections.take()
+        if connection is not None:
+            return connection, True
         return self._connect(deadline), False
 
     def _put_back(self, connection: ClientConnection) -> None:
-        """Return a healthy connection to the pool; close those idle too long."""
-        now = time.monotonic()
-        connection.idle_since = now
-        stale = []
-        with self._lock:
-            if self._closed.is_set():
-                stale.append(connection)
-                self._open.discard(connection)
-            else:
-                self._idle.append(connection)
-                while self._idle and now - self._idle[0].idle_since > _IDLE_CONNECTION_S:
-                    stale.append(self._idle.pop(0))
-                    self._open.discard(stale[-1])
-        for old in stale:
-            unix.shutdown(old.sock)
+        self._connections.put_back(connection)
 
     def _discard(self, connection: ClientConnection) -> None:
-        """Close a connection that failed or may still get a late answer."""
-        with self._lock:
-            self._open.discard(connection)
-        unix.shutdown(connection.sock)
+        self._connections.discard(connection)
 
     def _fail(self, connection: ClientConnection, error: Exception) -> NoReturn:
         """Close ``connection`` after a failure and raise ``error``, or CancelledError if
         the channel was closed (closing it made the connection fail)."""
         self._discard(connection)
-        if self._closed.is_set():
-            raise errors.CancelledError(f"Channel to {self._address} was closed.") from None
-        raise error from None
+        raise self._connections.closed_error(error) from None
 
     def call(self, frame: Frame, timeout: float | None, segment_bytes: int) -> Frame:
         """Send ``frame`` on a pooled connection and wait for its answer (buffers from
@@ -371,7 +312,7 @@ class CallPool:
             while True:
                 connection, reused = self._take(deadline)
                 try:
-                    _left(deadline)
+                    left(deadline)
                 except errors.DeadlineExceededError:
                     self._put_back(connection)
                     raise
@@ -386,7 +327,7 @@ class CallPool:
                         self._fail(connection, errors.DeadlineExceededError(
                             f"No room to send within {timeout} s."))
                     if (reused and isinstance(err, (BrokenPipeError, ConnectionResetError))
-                            and not self._closed.is_set()):
+                            and not self._connections.closed):
                         self._discard(connection)
                         continue  # the listener closed this idle one: take another
                     self._fail(connection, ConnectionFailed(
@@ -451,12 +392,4 @@ class CallPool:
 
     def close(self) -> None:
         """Close every connection: calls waiting on one end with CancelledError."""
-        self._closed.set()
-        with self._lock:
-            connections, self._open = list(self._open), set()
-            idle, self._idle = self._idle, []
-        for connection in connections:  # wakes the calls waiting on them
-            with contextlib.suppress(OSError):
-                connection.sock.shutdown(socket.SHUT_RDWR)
-        for connection in idle:
-            connection.sock.close()
+        self._connections.close()

@@ -21,6 +21,8 @@ from typing import Any
 
 from clusterwire import errors
 from clusterwire.addressing import split_host_port
+from clusterwire.transports._grpc_common.call_pool import set_receive_timeout
+from clusterwire.transports._grpc_common.call_pool import timeval as _timeval
 from clusterwire.transports.local import sealed, wire
 
 #: The most descriptors held for one connection (received, not yet claimed).
@@ -28,7 +30,6 @@ MAX_HELD_FDS = 65536
 #: What ``read_message`` returns as the op of a control message (no op of the wire's).
 CONTROL = 0
 _UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
-_TIMEVAL = struct.Struct("ll")
 _ANCILLARY = socket.CMSG_SPACE(wire.MAX_FDS_PER_MESSAGE * 4)
 _RECV_FLAGS = socket.MSG_CMSG_CLOEXEC
 #: Socket buffer wanted on call connections: a SEQPACKET message must fit the sender's.
@@ -135,16 +136,6 @@ def packet_limit(sock: socket.socket) -> int:
     return max(min(wire.MAX_PACKET, buffer - 1024), 1024)
 
 
-def set_receive_timeout(sock: socket.socket, seconds: float) -> float:
-    """Make a blocking socket's receives give up after ``seconds`` (0: never); returns it.
-
-    A kernel timeout (SO_RCVTIMEO) rather than Python's: a socket with a Python timeout
-    polls before every receive, which costs a call about as much as the receive itself.
-    """
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
-    return seconds
-
-
 def connect(sock: socket.socket, path: str, seconds: float | None) -> None:
     """Connect a blocking ``sock`` to ``path``, waiting up to ``seconds`` (None: no limit)
     for room in the listener's accept queue; TimeoutError if none came.
@@ -162,15 +153,6 @@ def connect(sock: socket.socket, path: str, seconds: float | None) -> None:
     finally:
         if seconds is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(0))
-
-
-def _timeval(seconds: float) -> bytes:
-    """A struct timeval of ``seconds`` for a socket timeout option (0: none)."""
-    whole = int(seconds)
-    micro = int((seconds - whole) * 1e6)
-    if seconds and not whole and not micro:
-        micro = 1  # 0 would mean "no timeout"
-    return _TIMEVAL.pack(whole, micro)
 
 
 def ready(sock: socket.socket, timeout: float | None, events: int = select.POLLIN) -> bool:
@@ -197,8 +179,8 @@ def _receive(sock: socket.socket, deadline: float | None = None,
     ``Closed`` at end of file; ``ConnectionResetError`` if the peer closed with our last
     message unread (whatever it sent before that is returned first); ``Garbage`` if the
     message or its descriptors were truncated. A client's connection has a receive timeout
-    (``calls.ClientConnection.arm``): when it expires before ``deadline``, the wait goes
-    on; after it, ``TimeoutError``. ``received``: what a first ``recvmsg`` returned or
+    (``_grpc_common.call_pool.PooledConnection.arm``): when it expires before ``deadline``,
+    the wait goes on; after it, ``TimeoutError``. ``received``: what a first ``recvmsg`` returned or
     raised.
     """
     while True:
