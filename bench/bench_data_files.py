@@ -42,6 +42,7 @@ import argparse
 import glob
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -300,7 +301,8 @@ def _interleave_rows(pattern: str, runs: int) -> tuple[list[str], list[str]]:
     """c): the local interleave, sequential and with 2 and 8 parallel calls, and 2 plain
     threads, in alternation: 1 warm-up round, then ``runs`` rounds that read once in each way,
     so that the load of the machine meets them alike. The table's rows, and a line per
-    parallel read with its ratio to the sequential read of the same round, round by round."""
+    parallel read with its ratio to the sequential read of the same round, round by round,
+    and one with each read's minor page faults per MiB."""
     reads: dict[str, Callable[[], tuple[int, float]]] = {
         "c) local interleave(cycle_length=8), num_parallel_calls=None":
             lambda: _record_bytes(_tfrecord_pipeline(pattern, FILES, None)),
@@ -310,13 +312,17 @@ def _interleave_rows(pattern: str, runs: int) -> tuple[list[str], list[str]]:
         reads[f"c) local interleave(cycle_length={FILES}), num_parallel_calls={calls}"] = \
             lambda c=calls: _record_bytes(_tfrecord_pipeline(pattern, FILES, c))
     results = {name: (read(), []) for name, read in reads.items()}
+    faults: dict[str, list[float]] = {name: [] for name in reads}
     for _ in range(runs):
         for name, read in reads.items():
             cpu = _cpu_seconds()
+            minor = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             start = time.perf_counter()
             total, first = read()
             results[name][1].append(
                 (time.perf_counter() - start, first - start, _cpu_seconds() - cpu))
+            faults[name].append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - minor)
+                                / (total / MIB))
             if total != results[name][0][0]:
                 raise RuntimeError(f"{name}: a read gave {total} bytes, the warm-up "
                                    f"{results[name][0][0]}")
@@ -333,6 +339,10 @@ def _interleave_rows(pattern: str, runs: int) -> tuple[list[str], list[str]]:
         rounds.append(f"{name[3:]}: {', '.join(f'{r:.2f}x' for r in ratios)} (min "
                       f"{min(ratios):.2f}x, median {statistics.median(ratios):.2f}x, max "
                       f"{max(ratios):.2f}x)")
+    rounds.append("minor page faults per MiB read (medians; a record allocated on one thread "
+                  "and freed on another can make glibc trim and fault its pages in again): "
+                  + ", ".join(f"{name[3:].split(':')[0]} {statistics.median(faults[name]):.1f}"
+                              for name in names))
     return rows, rounds
 
 
@@ -350,7 +360,7 @@ def main() -> int:
     local = "grpc+local" if "grpc+local" in get_plugin_manager().protocols() else None
     print(f"machine: {cpu_model()}, {os.cpu_count()} cpus; pyarrow {pa.__version__}; "
           f"{args.runs} runs after a warm-up; MB/s over the whole read; load average "
-          f"{os.getloadavg()[0]:.1f} at the start\n")
+          "{:.1f} {:.1f} {:.1f} at the start\n".format(*os.getloadavg()))
     parts = set(args.parts)
     rows: list[str] = []
     with tempfile.TemporaryDirectory() as root:
@@ -379,7 +389,7 @@ def main() -> int:
         if "c" in parts:
             interleave_rows, rounds = _interleave_rows(pattern, args.runs)
             rows += interleave_rows
-    print(f"load average {os.getloadavg()[0]:.1f} at the end")
+    print("load average {:.1f} {:.1f} {:.1f} at the end".format(*os.getloadavg()))
     print(f"TFRecord: {FILES} files x {args.records_per_file} x 1 MiB ({tf_bytes / 1e6:,.0f} "
           f"MB); Parquet: {PARQUET_FILES} files x "
           f"{PARQUET_ROWS:,} rows x 8 numeric columns ({parquet_bytes / 1e6:,.0f} MB, row "
@@ -388,7 +398,7 @@ def main() -> int:
           "| ratio (medians) | target |\n|---|---:|---:|---:|---:|---:|---:|---|")
     print("\n".join(rows))
     if rounds:
-        print("\nc) each round's ratio to the sequential read of the same round:")
+        print("\nc) each round's ratio to the sequential read of the same round; faults:")
         print("\n".join(f"- {line}" for line in rounds))
     return 0
 

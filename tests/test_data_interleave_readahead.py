@@ -118,3 +118,15 @@ def test_a_read_thread_holds_about_read_ahead_bytes_ahead_over_its_datasets():
         wait_for(lambda t=taken: sum(produced) >= t + held - 1, what="the read ahead")
         with lock:
             assert sum(produced) <= taken + held, (taken, produced)
+
+
+def test_num_parallel_calls_above_cycle_length_reads_on_a_thread_per_open_dataset():
+    def interleave_threads():
+        return {t for t in threading.enumerate() if t.name.startswith("clusterwire-interleave")}
+
+    before = interleave_threads()
+    iterator = iter(D.range(4).interleave(lambda x: D.from_tensors(x).repeat(3), cycle_length=2,
+                                          num_parallel_calls=8))
+    assert int(next(iterator)) == 0
+    assert len(interleave_threads() - before) == 2
+    assert [int(x) for x in iterator] == [1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3]

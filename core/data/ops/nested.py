@@ -353,14 +353,18 @@ class _ParallelCycle:
         ``_READ_AHEAD_BYTES`` and their buffer has room. None: nothing to read now."""
         if self._closed:
             return None
+        awaited = self._awaited
+        if isinstance(awaited, _Slot) and awaited.lane == number and not (
+                awaited.buffer or awaited.ended or awaited.failed):
+            return awaited
+        if self._lanes[number].held >= self._share:
+            return None
         best, best_key = None, None
         count, block = len(self._slots), self._block_length
         for index in self._lane_slots[number]:
             slot = self._slots[index]
             if slot is None or slot.ended or slot.failed:
                 continue
-            if slot is self._awaited and not slot.buffer:
-                return slot
             ahead = len(slot.buffer)
             if ahead >= _READ_AHEAD:
                 continue
@@ -371,8 +375,6 @@ class _ParallelCycle:
                 visit = ahead // block
             if best_key is None or (visit, distance) < best_key:
                 best, best_key = slot, (visit, distance)
-        if self._lanes[number].held >= self._share:
-            return None
         return best
 
     def _read(self, number: int) -> bool:
