@@ -39,7 +39,6 @@ response for ``message_idle_timeout_seconds`` is cut off.
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import struct
 import threading
@@ -51,9 +50,10 @@ import numpy as np
 from clusterwire import errors
 from clusterwire.addressing import split_host_port
 from clusterwire.buffers import MIN_POOLED_BYTES, receive_buffers, split
-from clusterwire.pending import FairConnections, PendingConnections
 from clusterwire.transport import ListenOptions
 from clusterwire.transports.grpc.relay import Incoming, Relay, splice
+from clusterwire.transports.grpc.ticket_port import TicketPort, send_views
+from clusterwire.transports.grpc.ticket_port import shutdown as _shutdown
 
 _TICKET = struct.Struct("<Q")
 _STATUS = struct.Struct("<4sBQ")
@@ -61,7 +61,6 @@ _MAGIC = b"CWB1"
 _OK, _UNKNOWN, _UPSTREAM_FAILED = 0, 1, 2
 #: A connection that sends no further fetch id for this long is closed (its client reconnects).
 IDLE_SECONDS = 300.0
-_SEND_BATCH = 256  # buffers per sendmsg (well under IOV_MAX)
 _CONNECT_S = 5.0  # longer, and the port is taken for unreachable (firewalled)
 _MAX_IDLE = 4  # idle connections kept per server
 
@@ -79,126 +78,47 @@ class Unreachable(Exception):
         self.lasting = lasting
 
 
-class BulkServer:
+class BulkServer(TicketPort):
     """Serves announced responses on a TCP port of the listener's host."""
 
     def __init__(self, host: str, take: Callable[[int], Sequence[memoryview] | Relay | None],
                  limits: ListenOptions):
+        super().__init__(host, limits, "clusterwire-grpc-bulk")
         self._take = take
-        self._limits = limits
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        # "::" serves IPv4 clients too, as gRPC's own wildcard listener does.
-        self._socket = socket.create_server(
-            (host, 0), family=family, backlog=128,
-            dualstack_ipv6=host == "::" and socket.has_dualstack_ipv6())
-        self.port: int = self._socket.getsockname()[1]
-        # No fetch id yet (each thread keeps its own deadline).
-        self._pending: PendingConnections[socket.socket] = PendingConnections(
-            limits.max_pending_connections, limits.handshake_timeout_seconds)
-        # Admitted with their first fetch id, by peer (IP address).
-        self._connections: FairConnections[socket.socket] = FairConnections(
-            limits.max_connections)
-        self._threads: set[threading.Thread] = set()
-        self._lock = threading.Lock()
-        self._stopping = False
-        self._acceptor = threading.Thread(target=self._accept, name="clusterwire-grpc-bulk",
-                                          daemon=True)
-
-    def start(self) -> None:
-        """Accept connections."""
-        self._acceptor.start()
 
     def stop(self, grace: float | None) -> None:
         """Refuse new fetches; transfers running get ``grace`` seconds, then are cut."""
-        with self._lock:
-            self._stopping = True
-            connections = [*self._connections, *self._pending]
-        _shutdown(self._socket, socket.SHUT_RDWR)
-        self._socket.close()
-        for connection in connections:  # idle ones end at once, busy ones after sending
-            _shutdown(connection, socket.SHUT_RD)
-        deadline = time.monotonic() + (grace or 0.0)
-        for thread in self._serving():
-            thread.join(max(deadline - time.monotonic(), 0.0))
+        for connection in self._close_listening():  # idle ones end at once, busy ones
+            _shutdown(connection, socket.SHUT_RD)  # after sending
+        self._join(time.monotonic() + (grace or 0.0))
         with self._lock:
             connections = list(self._connections)
         for connection in connections:
             _shutdown(connection, socket.SHUT_RDWR)
-        if self._acceptor.is_alive():
-            self._acceptor.join(5)
-        for thread in self._serving():
-            thread.join(5)
-
-    def _serving(self) -> list[threading.Thread]:
-        with self._lock:
-            return list(self._threads)
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                connection, peer = self._socket.accept()
-            except OSError:
-                if self._stopping:
-                    return  # stop() closed the socket
-                time.sleep(0.1)  # out of descriptors or a connection aborted: keep serving
-                continue
-            with self._lock:
-                refused = self._stopping
-                if not refused:
-                    evicted = self._pending.add(connection, peer[0], time.monotonic())
-                    if evicted is not None:
-                        _shutdown(evicted, socket.SHUT_RDWR)  # its thread wakes and closes it
-                    thread = threading.Thread(target=self._serve, args=(connection, peer[0]),
-                                              name="clusterwire-grpc-bulk", daemon=True)
-                    self._threads.add(thread)
-                    thread.start()  # under the lock: stop() never joins an unstarted thread
-            if refused:
-                connection.close()
-
-    def _admit(self, connection: socket.socket, peer: str) -> bool:
-        """Move a connection of ``peer`` that sent its first fetch id from pending to
-        admitted; False if it was closed as the oldest pending one, or ``max_connections``
-        are admitted and none may be displaced."""
-        with self._lock:
-            if not self._pending.discard(connection):
-                return False
-            admitted, displaced = self._connections.add(connection, peer)
-        if displaced is not None:  # its thread wakes and closes it
-            _shutdown(displaced, socket.SHUT_RDWR)
-        return admitted
+        self._join_rest()
 
     def _serve(self, connection: socket.socket, peer: str) -> None:
-        try:
-            connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            ticket = bytearray(_TICKET.size)
-            deadline = time.monotonic() + self._limits.handshake_timeout_seconds
-            if not (_receive_into(connection, memoryview(ticket), deadline)
-                    and self._admit(connection, peer)):
-                return  # silent, too slow, pushed out, or over the limit: the id stays unread
-            while True:
-                source = self._take(_TICKET.unpack(ticket)[0])
-                if source is None:  # expired, fetched already, or a stranger's guess
-                    connection.sendall(_STATUS.pack(_MAGIC, _UNKNOWN, 0))
+        ticket = bytearray(_TICKET.size)
+        deadline = time.monotonic() + self._limits.handshake_timeout_seconds
+        if not (_receive_into(connection, memoryview(ticket), deadline)
+                and self._admit(connection, peer)):
+            return  # silent, too slow, pushed out, or over the limit: the id stays unread
+        while True:
+            source = self._take(_TICKET.unpack(ticket)[0])
+            if source is None:  # expired, fetched already, or a stranger's guess
+                connection.sendall(_STATUS.pack(_MAGIC, _UNKNOWN, 0))
+                return
+            connection.settimeout(self._limits.message_idle_timeout_seconds)
+            if isinstance(source, Relay):
+                if not _send_relay(connection, source,
+                                   self._limits.message_idle_timeout_seconds):
                     return
-                connection.settimeout(self._limits.message_idle_timeout_seconds)
-                if isinstance(source, Relay):
-                    if not _send_relay(connection, source,
-                                       self._limits.message_idle_timeout_seconds):
-                        return
-                else:
-                    connection.sendall(_STATUS.pack(_MAGIC, _OK, sum(v.nbytes for v in source)))
-                    _send_views(connection, list(source))
-                connection.settimeout(IDLE_SECONDS)
-                if not _receive_into(connection, memoryview(ticket)):
-                    return
-        except OSError:
-            pass  # the client went away, was too slow, or stop() cut the connection
-        finally:
-            with self._lock:
-                self._pending.discard(connection)
-                self._connections.discard(connection)
-                self._threads.discard(threading.current_thread())
-            connection.close()
+            else:
+                connection.sendall(_STATUS.pack(_MAGIC, _OK, sum(v.nbytes for v in source)))
+                send_views(connection, list(source))
+            connection.settimeout(IDLE_SECONDS)
+            if not _receive_into(connection, memoryview(ticket)):
+                return
 
 
 class BulkClient:
@@ -406,19 +326,6 @@ def _receive_exactly(connection: socket.socket, view: memoryview,
         raise ConnectionResetError("the bulk connection closed before the data")
 
 
-def _send_views(connection: socket.socket, views: list[memoryview]) -> None:
-    """Write every byte of ``views`` (partial sendmsg results resumed)."""
-    views = [v for v in views if v.nbytes]
-    first = 0
-    while first < len(views):
-        sent = connection.sendmsg(views[first:first + _SEND_BATCH])
-        while sent and sent >= views[first].nbytes:
-            sent -= views[first].nbytes
-            first += 1
-        if sent:
-            views[first] = views[first][sent:]
-
-
 class _BulkIncoming(Incoming):
     """A response being read from a bulk connection (the fetch id was answered OK)."""
 
@@ -469,6 +376,3 @@ def _send_relay(connection: socket.socket, relay: Relay, idle: float) -> bool:
     return True
 
 
-def _shutdown(connection: socket.socket, how: int) -> None:
-    with contextlib.suppress(OSError):  # not connected, or closed already
-        connection.shutdown(how)

@@ -39,6 +39,13 @@ def encode_inline(header: bytes, views: Sequence[memoryview]) -> bytes:
     return LAYOUT.encode(_NO_FIELDS, header, views)
 
 
+def inline_parts(header: bytes, views: Sequence[memoryview]) -> list[memoryview]:
+    """``encode_inline``'s message as parts to write one after the other (the buffers are
+    not copied)."""
+    return [memoryview(LAYOUT.encode_table(_NO_FIELDS, header, [v.nbytes for v in views])),
+            *views]
+
+
 def encode_bulk(header: bytes, lengths: Sequence[int], fetch_id: int = 0,
                 bulk_port: int = 0) -> bytes:
     """The envelope of a frame whose buffers (of ``lengths``) all follow as chunks."""

@@ -66,11 +66,12 @@ from clusterwire.transports._grpc_common.server import ControlServer
 from clusterwire.transports._grpc_common.status import abort, grpc_error, is_busy
 from clusterwire.transports.grpc import framing
 from clusterwire.transports.grpc.bulk import BulkClient, BulkServer, Unreachable
+from clusterwire.transports.grpc.lane import LaneClient, LaneServer
 from clusterwire.transports.grpc.relay import Incoming, Relay, RelayPart, relay_of
 from clusterwire.transports.grpc.uploads import Fetches, Upload, Uploads
 
 SERVICE = "clusterwire.Transport"
-_CALL, _UPLOAD, _FETCH = (f"/{SERVICE}/{m}" for m in ("Call", "Upload", "Fetch"))
+_CALL, _UPLOAD, _FETCH, _LANE = (f"/{SERVICE}/{m}" for m in ("Call", "Upload", "Fetch", "Lane"))
 _BULK_PLANES = ("tcp", "grpc")
 _BULK_RETRY_S = 30.0  # after the bulk port could not be reached, before it is tried again
 #: A streamed call refused as busy (every thread for streamed calls working; nothing of it
@@ -78,6 +79,9 @@ _BULK_RETRY_S = 30.0  # after the bulk port could not be reached, before it is t
 _BUSY_BACKOFF_S = (0.002, 0.1)
 _LOG = logging.getLogger(__name__)
 _T = TypeVar("_T")
+#: Failures of a lane ticket call that may pass: the lane is tried again at the next call.
+_PASSING = frozenset((grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                      grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED))
 
 
 def _message_limit(inline_bytes: int, chunk_bytes: int) -> int:
@@ -130,12 +134,18 @@ class GrpcListener(Listener):
         limit = _message_limit(transport.inline_bytes, transport.chunk_bytes)
         # No maximum_concurrent_rpcs: gRPC's Python-side accounting costs ~45 us per call
         # here; the cluster service enforces max_concurrent_calls itself.
-        self._control = ControlServer(address, SERVICE, {
+        lane = transport.fast_lane and self._security.tls is None
+        methods = {
             "Call": grpc.unary_unary_rpc_method_handler(self._call),
             "Upload": grpc.stream_unary_rpc_method_handler(self._upload),
             "Fetch": grpc.unary_stream_rpc_method_handler(self._fetch),
-        }, options, "grpc", "grpc", max_receive_bytes=limit)
+        }
+        if lane:
+            methods["Lane"] = grpc.unary_unary_rpc_method_handler(self._lane_ticket)
+        self._control = ControlServer(address, SERVICE, methods, options, "grpc", "grpc",
+                                      max_receive_bytes=limit)
         self._bulk = None
+        self._lane: LaneServer | None = None
         self._inline_response_bytes = transport.inline_bytes
         if transport.bulk_plane == "tcp" and self._security.tls is None:
             self._inline_response_bytes = min(transport.inline_bytes, transport.bulk_bytes)
@@ -148,6 +158,17 @@ class GrpcListener(Listener):
                     f"Could not open the bulk port beside {self.address}: {err}. Set "
                     "bulk_plane = \"grpc\" in [options.grpc] to serve everything on the gRPC "
                     "port.") from None
+        if lane:
+            try:
+                self._lane = LaneServer(split_host_port(self.address)[0], handler,
+                                        self._respond, options,
+                                        framing.LAYOUT.max_bytes(transport.inline_bytes),
+                                        transport.fetch_ttl, self.address)
+            except OSError as err:
+                self.stop(None)
+                raise errors.UnavailableError(
+                    f"Could not open the fast lane's port beside {self.address}: {err}. Set "
+                    "fast_lane = false in [options.grpc].") from None
 
     @property
     def address(self) -> str:
@@ -158,10 +179,17 @@ class GrpcListener(Listener):
         """The TCP port large responses are fetched from, None when they stay on gRPC."""
         return self._bulk.port if self._bulk else None
 
+    @property
+    def lane(self) -> LaneServer | None:
+        """The fast lane (``lane``), None when it is off or under TLS."""
+        return self._lane
+
     def start(self) -> None:
         self._control.start()
         if self._bulk:
             self._bulk.start()
+        if self._lane:
+            self._lane.start()
 
     def drain(self) -> None:
         self._control.drain()
@@ -172,7 +200,13 @@ class GrpcListener(Listener):
     def stop(self, grace: float | None = None) -> None:
         # One grace for both: calls in flight, then the bulk fetches of their responses.
         deadline = time.monotonic() + (grace or 0.0)
+        if self._lane:  # at the same time as the gRPC port: its calls share the grace
+            lane = threading.Thread(target=self._lane.stop, args=(grace,), daemon=True,
+                                    name="clusterwire-grpc-lane-stop")
+            lane.start()
         self._control.stop(grace)
+        if self._lane:
+            lane.join()
         if self._bulk:
             self._bulk.stop(max(deadline - time.monotonic(), 0.0))
         self._pending.clear()
@@ -204,6 +238,10 @@ class GrpcListener(Listener):
             abort(context, errors.ResourceExhaustedError(
                 f"Busy: the {self._stream_slots} threads for streamed requests "
                 "(max_workers - small_call_reserve) are all working."), busy=True)
+
+    def _lane_ticket(self, message: bytes, context: grpc.ServicerContext) -> bytes:
+        """A ticket for one fast-lane connection from the caller's peer (``lane``)."""
+        return self._lane.ticket(peer_host(context.peer()))
 
     def _call(self, message: bytes, context: grpc.ServicerContext) -> bytes:
         try:
@@ -291,6 +329,10 @@ class GrpcChannel(Channel):
         self._unary = self._channel.unary_unary(_CALL, _registered_method=True)
         self._upload = self._channel.stream_unary(_UPLOAD, _registered_method=True)
         self._fetch = self._channel.unary_stream(_FETCH, _registered_method=True)
+        self._lane: LaneClient | None = None
+        if transport.fast_lane and security.tls is None:
+            self._lane = LaneClient(address, self._lane_ticket, limit)
+            self._ticket_call = self._channel.unary_unary(_LANE, _registered_method=True)
 
     def call(self, frame: Frame, timeout: float | None = None) -> Frame:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -307,14 +349,30 @@ class GrpcChannel(Channel):
         views = framing.buffer_views(frame.buffers) if frame.buffers else []
         with self._errors():
             if sum(map(len, views)) <= self._transport.inline_bytes:
-                reply = self._unary(framing.encode_inline(frame.header, views), timeout=timeout,
-                                    metadata=self._metadata)
+                reply = None
+                if self._lane is not None:
+                    reply = self._lane.call(framing.inline_parts(frame.header, views), deadline)
+                    if reply is None and deadline is not None:  # over gRPC, in the time left
+                        timeout = max(deadline - time.monotonic(), 0.001)
+                if reply is None:
+                    reply = self._unary(framing.encode_inline(frame.header, views),
+                                        timeout=timeout, metadata=self._metadata)
             else:
                 first = framing.encode_bulk(frame.header, [v.nbytes for v in views])
                 reply = self._streamed(lambda remaining: self._upload(
                     itertools.chain([first], framing.chunks(views, self._transport.chunk_bytes)),
                     timeout=remaining, metadata=self._metadata), deadline)
             return framing.LAYOUT.decode(reply, REPLY_LIMIT)
+
+    def _lane_ticket(self, timeout: float | None) -> bytes:
+        """The listener's ``Lane`` reply; ``Unreachable`` (lasting unless the failure may
+        pass) if it gave none."""
+        try:
+            return self._ticket_call(b"", timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as err:
+            code = err.code() if hasattr(err, "code") else None
+            raise Unreachable(f"no lane ticket from {self._address}: {code}",
+                              lasting=code not in _PASSING) from None
 
     @contextlib.contextmanager
     def _errors(self) -> Iterator[None]:
@@ -394,6 +452,8 @@ class GrpcChannel(Channel):
             delay = min(2 * delay, _BUSY_BACKOFF_S[1])
 
     def close(self) -> None:
+        if self._lane is not None:
+            self._lane.close()
         self._bulk.close()
         self._channel.close()
 
@@ -410,7 +470,12 @@ class GrpcTransport(Transport):
         self.fetch_ttl = reader.positive("fetch_ttl_seconds", 60)
         self.bulk_plane = reader.choice("bulk_plane", "tcp", _BULK_PLANES)
         self.bulk_bytes = reader.positive("bulk_bytes", 256 << 10, integer=True)
+        self.fast_lane = reader.flag("fast_lane", False)
         reader.finish()
+        if self.fast_lane and self.bulk_plane == "grpc":
+            raise errors.InvalidArgumentError(
+                "grpc option fast_lane = true needs bulk_plane = \"tcp\" (bulk_plane = "
+                "\"grpc\" keeps every call on the gRPC port): drop one of the two.")
 
     def listen(self, address: str, handler: Handler, options: ListenOptions) -> Listener:
         return GrpcListener(self, address, handler, options)
@@ -422,8 +487,12 @@ class GrpcTransport(Transport):
         stream = f"grpc chunk stream ({self.chunk_bytes} B chunks)"
         if self.bulk_plane == "grpc":
             return {"control": "grpc", "data": stream}
-        return {"control": "grpc", "data": f"tcp bulk port for responses; {stream} for uploads "
-                                           "and under TLS"}
+        facts = {"control": "grpc", "data": f"tcp bulk port for responses; {stream} for "
+                                            "uploads and under TLS"}
+        if self.fast_lane:
+            facts["small_calls"] = (f"tcp fast lane (requests up to {self.inline_bytes} B; "
+                                    "grpc under TLS or when the peer has none)")
+        return facts
 
 
 def _stream_slots(options: ListenOptions) -> int:
