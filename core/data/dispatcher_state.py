@@ -114,14 +114,11 @@ class Job:
     def resume(self, consumer: str, handed: int, partial: dict[int, int],
                completed: set[int], generation: int) -> None:
         """``consumer`` restarts from a position saved after its first ``handed`` hand-outs:
-        the later ones (but those it had ``completed``) are its own again at the offsets
-        they were handed at, and the ``partial`` ones at the elements it had consumed (the
-        dispatcher checked all three)."""
-        base = self.handout_base.get(consumer, 0)
-        for split_id, offset in self.handouts.get(consumer, [])[handed - base:]:
-            if split_id not in completed:
-                self._reclaim(consumer, split_id, offset)
-        for split_id, offset in partial.items():
+        the splits it left unread (``unread_of``) are its own again, and the rest of those
+        still assigned to it are done (the dispatcher checked the position)."""
+        unread = self.unread_of(consumer, handed, partial, completed)
+        self._finish_read(consumer, unread)
+        for split_id, offset in unread.items():
             self._reclaim(consumer, split_id, offset)
         self.dormant.pop(consumer, None)
         self.released.discard(consumer)
@@ -131,18 +128,16 @@ class Job:
     def merge(self, merge_id: str, consumers: list[ConsumerPosition], merges_kept: int
               ) -> None:
         """The positions of ``consumers`` were merged (the dispatcher checked them): the
-        splits handed to each after its position (but those it had completed) go back to
-        the pool at their hand-out offsets, its partly read ones at the elements it had
-        returned, and the consumer is done."""
+        splits each left unread (``unread_of``) go back to the pool, the rest of those still
+        assigned to it are done, and the consumer is done."""
         for position in consumers:
             consumer = position.consumer_id
-            base = self.handout_base.get(consumer, 0)
-            completed = set(position.completed)
-            for split_id, offset in self.handouts.get(consumer, [])[position.handed - base:]:
-                if split_id not in completed:
-                    self._give_back(split_id, offset)
-            for at in position.partial:
-                self._give_back(at.split_id, at.offset)
+            unread = self.unread_of(consumer, position.handed,
+                                    {at.split_id: at.offset for at in position.partial},
+                                    set(position.completed))
+            self._finish_read(consumer, unread)
+            for split_id, offset in unread.items():
+                self._give_back(split_id, offset)
             for kept in (self.handouts, self.handout_base, self.dormant, self.generations,
                          self.consumers):
                 kept.pop(consumer, None)
@@ -153,6 +148,31 @@ class Job:
         # joins the job; of an older one, it is refused.
         while len(self.merges) > merges_kept:
             del self.merges[next(iter(self.merges))]
+
+    def unread_of(self, consumer: str, handed: int, partial: dict[int, int],
+                  completed: set[int]) -> dict[int, int]:
+        """What a position of ``consumer`` saved after its first ``handed`` hand-outs left
+        unread, split -> the offset to read it from: the splits handed to it later (but
+        those it had ``completed``) at the offsets they were handed at, then the
+        ``partial`` ones at the elements it had returned. Every other split handed to it was
+        read completely."""
+        base = self.handout_base.get(consumer, 0)
+        unread = {split_id: offset
+                  for split_id, offset in self.handouts.get(consumer, [])[handed - base:]
+                  if split_id not in completed}
+        unread.update(partial)
+        return unread
+
+    def _finish_read(self, consumer: str, unread: dict[int, int]) -> None:
+        """The splits still assigned to ``consumer`` but not ``unread`` are done: it read
+        them completely, but died (or was stopped) before its acknowledgement (the next split
+        request) reached the dispatcher. Else a resumed consumer would be sent them again
+        as lost, and after a merge they would stay assigned to a consumer that is gone."""
+        for split_id in [s for s, c in self.assigned.items()
+                         if c == consumer and s not in unread]:
+            del self.assigned[split_id]
+            self.offsets.pop(split_id, None)
+            self.splits_completed += 1
 
     def _give_back(self, split_id: int, offset: int) -> None:
         """Put ``split_id`` in the pool, to be read from ``offset``."""
