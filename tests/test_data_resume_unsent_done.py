@@ -22,6 +22,7 @@ from conftest import read_together
 from test_data_resume import COUNT, service, take  # noqa: F401 (the service fixture)
 
 from clusterwire import data, errors
+from clusterwire.data.reader import JobReader
 from clusterwire.data.rpc import DispatcherClient
 
 pytestmark = pytest.mark.timeout(120)
@@ -109,3 +110,39 @@ def test_a_merged_position_with_a_split_finished_unacknowledged_ends_the_epoch_o
     unsent_dones.dead.set()
     old.close()
     assert Counter(before + resumed) == Counter(range(COUNT))
+
+
+def test_a_consumer_stopping_before_acknowledging_a_split_gives_it_back_read(
+        service, monkeypatch):  # noqa: F811
+    """A consumer of a named job stops (close) after reading a split to its end but before
+    its next split request acknowledged it: the release gives the split back at its end
+    (its elements are the stopped consumer's), so another consumer does not read again the
+    elements the first one returned."""
+    dataset_id = data.register_dataset(service.target, data.Dataset.range(COUNT))
+    ending, stopped, finished = threading.Event(), threading.Event(), []
+    real = JobReader._next_split
+
+    def next_split(self):
+        if self._done_splits and self._options.job_name == "team" and not stopped.is_set():
+            if not ending.is_set():
+                finished.extend(s.split_id for s in self._done_splits)
+                ending.set()
+            stopped.wait(60)  # then ends as a slot seeing close() does, unacknowledged
+            return None
+        return real(self)
+
+    monkeypatch.setattr(JobReader, "_next_split", next_split)
+    first = iter(data.from_dataset_id("distributed_epoch", service.target, dataset_id,
+                                      job_name="team"))
+    seen = take(first, 1)
+    assert ending.wait(60), "no split was read to its end"
+    while any(split in first.position().partial for split in finished):
+        seen += take(first, 1)
+    first.close()
+    stopped.set()
+    seen += read_together([data.from_dataset_id("distributed_epoch", service.target,
+                                                dataset_id, job_name="team")], timeout=60)
+    counts = Counter(seen)
+    assert max(counts.values()) == 1, [x for x, n in counts.items() if n > 1]
+    split = range(finished[0] * 38, (finished[0] + 1) * 38)  # 600 / (2 workers x 8) units
+    assert all(counts[x] == 1 for x in split)

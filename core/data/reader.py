@@ -278,7 +278,8 @@ class JobReader(Iterator[Any]):
         self._running = 0
         self._orphans: list[_Split] = []
         self._held: dict[int, _Split] = {}
-        self._done_splits: list[int] = []
+        # Read to their end, not yet acknowledged to the dispatcher (by a split request).
+        self._done_splits: list[_Split] = []
         self._end_of_splits = False
         self._ended = False
         self._stalled = False
@@ -538,8 +539,12 @@ class JobReader(Iterator[Any]):
             self._released = True
             self._finished = True
             self._stop.set()
+            # A split read to its end whose acknowledgement was not sent (this consumer
+            # stopped first) is given back at its end: its elements are this consumer's.
             unfinished = [SplitOffset(split_id=s.split_id, offset=s.consumed, vouch=s.vouch)
-                          for s in self._held.values()]
+                          for s in self._held.values()] + [
+                SplitOffset(split_id=s.split_id, offset=s.received, vouch=s.received_vouch)
+                for s in self._done_splits]
             streams = {a: list(specs.values()) for a, specs in self._opened.items() if specs}
         with contextlib.suppress(queue.Full):  # full: __next__ is not waiting
             self._queue.put_nowait((_CLOSED, None, None, None))
@@ -928,9 +933,15 @@ class JobReader(Iterator[Any]):
             with self._lock:
                 done, self._done_splits = self._done_splits, []
                 held = list(self._held)
-            response, _ = self._dispatcher.call(DataRequest(get_split=GetSplitRequest(
-                job_id=self._job.job_id, consumer_id=self._consumer, held=held, done=done,
-                resumable=self._resumable, generation=self._generation)))
+            try:
+                response, _ = self._dispatcher.call(DataRequest(get_split=GetSplitRequest(
+                    job_id=self._job.job_id, consumer_id=self._consumer, held=held,
+                    done=[s.split_id for s in done], resumable=self._resumable,
+                    generation=self._generation)))
+            except errors.OpError:
+                with self._lock:  # still to acknowledge: with the release, at the latest
+                    self._done_splits[:0] = done
+                raise
             result = response.get_split
             with self._lock:
                 if result.end_of_splits:
@@ -973,7 +984,7 @@ class JobReader(Iterator[Any]):
             if end:
                 with self._lock:
                     del self._held[split.split_id]
-                    self._done_splits.append(split.split_id)
+                    self._done_splits.append(split)
                     split.ended = True
                     self._split_returned(split)
                 return True
