@@ -16,12 +16,14 @@ and snappy-compressed), each reader over the whole file (best and median of ``--
 of 500,000 rows; bench_data_files.py's b), read whole ``--rounds`` times, the reads of a round
 back to back in a rotating order so that load shifts hit each alike: pyarrow's ``read_table``
 in this process, and ``from_parquet(paths, batch_rows=65536)`` in ``distributed_epoch``
-through a ``LocalDataService`` (2 workers) over ``grpc+local``, twice: with the transport's
-reply pool (default) and without it (``reply_pool_bytes = 0``: a fresh sealed segment per
-reply, as before the pool). Each service read opens its connections anew (as an epoch
-does). Per round: the ratio of each service read's MB/s to pyarrow's of that round; the
-median, lowest and highest; and CPU ms per MB of every process of the read (this one and the
-services' dispatchers and workers, the idle service's heartbeats included).
+through a ``LocalDataService`` (2 workers) over ``grpc+local``, twice: as a ``clusterwire
+worker`` runs by default, and with Arrow's own jemalloc decay of 1 s
+(``JE_ARROW_MALLOC_CONF``, as workers ran before they kept jemalloc's 10 s). Each service
+read opens its connections anew (as an epoch does). Per round: the ratio of each service
+read's MB/s to pyarrow's of that round; the median, lowest and highest; CPU ms per MB of
+every process of the read (this one and the service's dispatcher and workers, their
+heartbeats included), and of each: the client (this process), the dispatcher, the 2 workers
+together, with the workers' minor page faults per MB.
 """
 
 from __future__ import annotations
@@ -93,18 +95,11 @@ def _time(fn, runs: int) -> tuple[float, float]:
     return min(times), statistics.median(times)
 
 
-def _cpu_seconds() -> float:
-    """CPU seconds (user + system) of this process and its live children, from /proc."""
-    user, system = os.times()[:2]
-    total = user + system
-    tick = os.sysconf("SC_CLK_TCK")
-    for task in os.listdir("/proc/self/task"):
-        with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/children") as kids:
-            for pid in kids.read().split():
-                with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as stat:
-                    fields = stat.read().rsplit(")", 1)[1].split()
-                    total += (int(fields[11]) + int(fields[12])) / tick
-    return total
+def _process_cpu(pid: int) -> tuple[float, int]:
+    """CPU seconds (user + system) and minor page faults of process ``pid``, from /proc."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), int(fields[7])
 
 
 def _pyarrow_files(paths: list[str]) -> int:
@@ -118,23 +113,42 @@ def _through(paths: list[str], target: str) -> int:
 
 
 @contextlib.contextmanager
-def _service(folder: str, pool: bool) -> Iterator[str]:
-    """A LocalDataService over grpc+local (with the reply pool, or reply_pool_bytes = 0)."""
-    saved = os.environ.get("CLUSTERWIRE_PLUGINS")
-    if not pool:  # the workers read their transport options from this file
-        config = os.path.join(folder, "no-pool.toml")
-        with open(config, "w") as handle:
-            handle.write('[options."grpc+local"]\nreply_pool_bytes = 0\n')
-        os.environ["CLUSTERWIRE_PLUGINS"] = config
+def _service(folder: str, env: dict[str, str]) -> Iterator[data.LocalDataService]:
+    """A LocalDataService over grpc+local whose processes start with ``env`` added."""
+    saved = dict(os.environ)
+    os.environ.update(env)
     try:
         service = data.LocalDataService(2, "grpc+local", readable_dirs=[folder])
     finally:
-        if saved is None:
-            os.environ.pop("CLUSTERWIRE_PLUGINS", None)
-        else:
-            os.environ["CLUSTERWIRE_PLUGINS"] = saved
+        os.environ.clear()
+        os.environ.update(saved)
     with service:
-        yield service.target
+        yield service
+
+
+class _Read:
+    """One kind of read, and the processes whose CPU it costs (None: this one)."""
+
+    def __init__(self, read: Callable[[], int], service: data.LocalDataService | None = None):
+        self.read = read
+        # The dispatcher first, then the workers (LocalDataService starts them so).
+        self.pids = [] if service is None else [p.pid for p in service._processes]
+        self.rates: list[float] = []
+        self.cpu: list[list[float]] = []  # per read: all, client, dispatcher, workers
+        self.faults: list[float] = []  # the workers' minor faults per MB
+
+    def run(self, nbytes: int) -> None:
+        before = [(sum(os.times()[:2]), 0)] + [_process_cpu(pid) for pid in self.pids]
+        start = time.perf_counter()
+        if self.read() != nbytes:
+            raise RuntimeError(f"a read returned other than {nbytes} bytes")
+        self.rates.append(nbytes / (time.perf_counter() - start) / 1e6)
+        after = [(sum(os.times()[:2]), 0)] + [_process_cpu(pid) for pid in self.pids]
+        ms = [(a[0] - b[0]) / nbytes * 1e9 for a, b in zip(after, before, strict=True)]
+        parts = [ms[0], ms[1], sum(ms[2:])] if self.pids else [ms[0], 0.0, 0.0]
+        self.cpu.append([sum(ms)] + parts)
+        self.faults.append(sum(a[1] - b[1] for a, b in zip(after[2:], before[2:], strict=True))
+                           / (nbytes / 1e6))
 
 
 def _service_rounds(folder: str, rounds: int) -> None:
@@ -148,49 +162,54 @@ def _service_rounds(folder: str, rounds: int) -> None:
         pq.write_table(pa.table(columns), paths[-1], row_group_size=SERVICE_GROUP_ROWS,
                        compression="none")
     nbytes = SERVICE_FILES * SERVICE_ROWS * _COLUMNS * 8
-    with _service(folder, pool=True) as pooled, _service(folder, pool=False) as fresh:
-        reads: dict[str, Callable[[], int]] = {
-            "pyarrow.parquet.read_table in the client": lambda: _pyarrow_files(paths),
-            "service, reply pool (default)": lambda: _through(paths, pooled),
-            "service, reply_pool_bytes = 0": lambda: _through(paths, fresh),
+    arrow_decay = {"JE_ARROW_MALLOC_CONF": "dirty_decay_ms:1000,muzzy_decay_ms:1000"}
+    with _service(folder, {}) as default, _service(folder, arrow_decay) as before:
+        reads = {
+            "pyarrow.parquet.read_table in the client": _Read(lambda: _pyarrow_files(paths)),
+            "service (worker defaults)": _Read(lambda: _through(paths, default.target),
+                                               default),
+            "service, Arrow's 1 s jemalloc decay": _Read(
+                lambda: _through(paths, before.target), before),
         }
         for read in reads.values():  # warm-up: page cache, workers' imports
-            assert read() == nbytes
+            assert read.read() == nbytes
         names = list(reads)
-        rates: dict[str, list[float]] = {name: [] for name in names}
-        cpu: dict[str, list[float]] = {name: [] for name in names}
         print(f"\nservice: {SERVICE_FILES} files x {SERVICE_ROWS:,} rows x {_COLUMNS} columns "
               f"({nbytes / 1e6:,.0f} MB), row groups of {SERVICE_GROUP_ROWS:,}, batch_rows="
               f"{SERVICE_BATCH_ROWS}; load average {os.getloadavg()[0]:.1f} at the start")
         for round_index in range(rounds):
             order = names[round_index % 3:] + names[:round_index % 3]
             for name in order:
-                start_cpu, start = _cpu_seconds(), time.perf_counter()
-                if reads[name]() != nbytes:
-                    raise RuntimeError(f"{name} read other than {nbytes} bytes")
-                rates[name].append(nbytes / (time.perf_counter() - start) / 1e6)
-                cpu[name].append((_cpu_seconds() - start_cpu) / nbytes * 1e9)
-            base = rates[names[0]][-1]
+                reads[name].run(nbytes)
+            base = reads[names[0]].rates[-1]
             print(f"  round {round_index + 1}: " + ", ".join(
-                f"{rates[n][-1]:,.0f} MB/s" + ("" if n == names[0] else
-                                               f" ({rates[n][-1] / base:.2f}x)")
+                f"{reads[n].rates[-1]:,.0f} MB/s" + ("" if n == names[0] else
+                                                     f" ({reads[n].rates[-1] / base:.2f}x)")
                 for n in names) + f"; load {os.getloadavg()[0]:.1f}", flush=True)
     # Both reads keep the 2 cores busy when the machine is quiet, so there the MB/s ratio
     # tends to the CPU ratio; on a loaded machine the service's processes get a larger
     # share of the CPU than pyarrow's one process, and the MB/s ratio flatters it.
-    print("\n| read | median MB/s | CPU ms/MB (median) | ratio to pyarrow: median (lowest-"
+    print("\n| read | median MB/s | CPU ms/MB (median) | of it: client / dispatcher / "
+          "workers | workers' minor faults per MB | ratio to pyarrow: median (lowest-"
           "highest) | CPU ratio (pyarrow's CPU ms/MB / this) | target |\n"
-          "|---|---:|---:|---:|---:|---|")
-    base_cpu = statistics.median(cpu[names[0]])
+          "|---|---:|---:|---:|---:|---:|---:|---|")
+    first = reads[names[0]]
+    base_cpu = statistics.median(cpu[0] for cpu in first.cpu)
     for name in names:
-        ratios = [ours / base for ours, base in zip(rates[name], rates[names[0]],
-                                                    strict=True)]
-        cells = "| | | |" if name == names[0] else (
-            f"| {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}x) | "
-            f"{base_cpu / statistics.median(cpu[name]):.2f}x | "
-            f">= {TARGET}x: {'met' if statistics.median(ratios) >= TARGET else 'NOT met'} |")
-        print(f"| {name} | {statistics.median(rates[name]):,.0f} | "
-              f"{statistics.median(cpu[name]):.2f} {cells}")
+        read = reads[name]
+        cpu = [statistics.median(c[i] for c in read.cpu) for i in range(4)]
+        ratios = [ours / theirs for ours, theirs in zip(read.rates, first.rates, strict=True)]
+        cells = [name, f"{statistics.median(read.rates):,.0f}", f"{cpu[0]:.2f}"]
+        if read is first:
+            cells += [""] * 5
+        else:
+            median = statistics.median(ratios)
+            cells += [f"{cpu[1]:.2f} / {cpu[2]:.2f} / {cpu[3]:.2f}",
+                      f"{statistics.median(read.faults):.0f}",
+                      f"{median:.2f}x ({min(ratios):.2f}-{max(ratios):.2f}x)",
+                      f"{base_cpu / cpu[0]:.2f}x",
+                      f">= {TARGET}x: {'met' if median >= TARGET else 'NOT met'}"]
+        print("| " + " | ".join(cells) + " |")
 
 
 def _local(folder: str, args: argparse.Namespace) -> None:

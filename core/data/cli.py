@@ -37,6 +37,8 @@ __all__ = ["READY_PREFIX", "add_commands", "await_ready", "import_modules"]
 #: again this long later, then at doubling intervals up to WAITING_REPORT_MAX_S.
 WAITING_REPORT_FIRST_S = 10.0
 WAITING_REPORT_MAX_S = 600.0
+#: A worker's jemalloc decay (see use_jemalloc_for_arrow): jemalloc's default, not Arrow's 1 s.
+_JEMALLOC_DECAY = "dirty_decay_ms:10000,muzzy_decay_ms:10000"
 
 
 def import_modules(command: str, modules: list[str]) -> None:
@@ -110,9 +112,16 @@ def use_jemalloc_for_arrow(environ: dict[str, str] | os._Environ = os.environ) -
     (``ARROW_DEFAULT_MEMORY_POOL``; read when pyarrow is first imported, so set first). With
     Arrow's default, mimalloc, a worker handing a row group out over several answers gave its
     pages back and faulted them in again as zeroed 2 MiB huge pages: twice the CPU per MB
-    (BENCHMARKS, Data files). Linux only: the pyarrow wheels elsewhere may lack jemalloc."""
+    (BENCHMARKS, Data files). Linux only: the pyarrow wheels elsewhere may lack jemalloc.
+
+    With that pool, jemalloc keeps freed pages for jemalloc's own default of 10 s
+    (``JE_ARROW_MALLOC_CONF``, unless the operator set it) where Arrow asks for 1 s: Parquet's
+    decode grows each batch's column buffers by reallocation, and with 1 s those new extents
+    were mostly pages already given back, faulted in and zeroed again."""
     if sys.platform == "linux":
         environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "jemalloc")
+        if environ["ARROW_DEFAULT_MEMORY_POOL"] == "jemalloc":
+            environ.setdefault("JE_ARROW_MALLOC_CONF", _JEMALLOC_DECAY)
 
 
 def _worker(args: argparse.Namespace) -> int:
