@@ -15,7 +15,9 @@ It measures, in one run (about 60 s on 2 cores):
    - worker process: this process hosts a task and reads through it from the
      owning task (TF's ps-variable read from a worker's training loop);
    - in-process: a Session on a task of this process reads its own store;
-   - same host: ``grpc+local`` between two processes.
+   - same host: ``grpc+local`` between two processes;
+   - grpc fast lane: ``grpc`` with ``fast_lane = true`` (a 2-task cluster of its own,
+     a temporary plugins.toml): direct, forwarded and worker process.
 2. 64 MiB ``Session.get`` throughput on the same topologies, next to raw TCP
    (``recv_into`` a preallocated buffer), one bare grpcio unary message, a
    bare grpcio chunk stream and a numpy memcpy.
@@ -78,8 +80,11 @@ REMOTE_TASK = "/job:worker/task:1"
 TARGETS = {"get8_vs_grpc": 1.3, "get64_vs_tcp": 0.33, "import_s": 0.3, "cluster_up_s": 1.0,
            "worker8_vs_tf": 0.6, "worker64_vs_tf": 1.8, "worker64_vs_tcp": 0.7,
            "inproc8_vs_grpc": 0.1, "inproc64_vs_memcpy": 0.01, "local8_us": 150,
+           "lane8_vs_tcp": 3.0, "lane_forwarded_vs_direct": 2.0,
            "local8_vs_grpc": 0.35}
 CW_GET = "clusterwire Session.get"
+LANE_GET = "clusterwire Session.get, grpc fast lane"
+LANE_CALL = "clusterwire Session.call (echo), grpc fast lane"
 LOCAL_GET = "clusterwire Session.get, grpc+local"
 TF_READ = "TensorFlow Session.run, ps variable read"
 TF_TOPOLOGIES = ("direct", "forwarded", "worker process")
@@ -233,8 +238,9 @@ def measure_transports(args: argparse.Namespace, payload: np.ndarray):
         same_host = stack.enter_context(
             LocalCluster({"worker": 1}, protocol="grpc+local", env=child_env()))
         local = stack.enter_context(Session(same_host.target("worker", 0)))
+        lane, lane_own, lane_other = _lane_sessions(stack)
         with Session(cluster.target("worker", 1)) as other:
-            for store in (session, other, own, local):
+            for store in (session, other, own, local, lane, lane_other):
                 store.put("small", small)
                 store.put("big", payload)
         info = session.status()["transport"]
@@ -250,6 +256,8 @@ def measure_transports(args: argparse.Namespace, payload: np.ndarray):
         _require(np.array_equal(own.get("small", task=REMOTE_TASK), small), "worker process")
         _require(np.array_equal(own.get("small"), small), "in-process get")
         _require(np.array_equal(local.get("small"), small), "grpc+local get")
+        _require(np.array_equal(lane.get("small", task=REMOTE_TASK), small), "lane forwarded")
+        _require(np.array_equal(lane_own.get("small", task=REMOTE_TASK), small), "lane worker")
         round_trips = {
             ("raw TCP ping-pong", "direct"): lambda: tcp.ping(eight),
             ("bare grpcio unary_unary", "direct"): lambda: bare.echo(eight),
@@ -267,6 +275,10 @@ def measure_transports(args: argparse.Namespace, payload: np.ndarray):
                 lambda: own.get("small", task=REMOTE_TASK),
             ("clusterwire Session.get", "in-process"): lambda: own.get("small"),
             ("clusterwire Session.get, grpc+local", "same host"): lambda: local.get("small"),
+            (LANE_GET, "direct"): lambda: lane.get("small"),
+            (LANE_CALL, "direct"): lambda: lane.call(ECHO, small),
+            (LANE_GET, "forwarded"): lambda: lane.get("small", task=REMOTE_TASK),
+            (LANE_GET, "worker process"): lambda: lane_own.get("small", task=REMOTE_TASK),
         }
         if tf is not None:
             for topology in TF_TOPOLOGIES:
@@ -308,6 +320,8 @@ def measure_transports(args: argparse.Namespace, payload: np.ndarray):
                 lambda: own.get("big", task=REMOTE_TASK),
             ("clusterwire Session.get", "in-process"): lambda: own.get("big"),
             ("clusterwire Session.get, grpc+local", "same host"): lambda: local.get("big"),
+            (LANE_GET, "direct"): lambda: lane.get("big"),
+            (LANE_GET, "forwarded"): lambda: lane.get("big", task=REMOTE_TASK),
         }
         if tf is not None:
             for topology in TF_TOPOLOGIES:
@@ -316,6 +330,36 @@ def measure_transports(args: argparse.Namespace, payload: np.ndarray):
         throughputs = [Throughput(name, topology, nbytes, seconds[name, topology])
                        for name, topology in transfers]
     return latencies, throughputs, info
+
+
+def _lane_sessions(stack: contextlib.ExitStack):
+    """Sessions over the grpc transport with ``fast_lane = true`` (a temporary plugins.toml
+    for a 2-task cluster and this process's transport): (a Session of task 0, a Session of
+    a task this process hosts, of task 1)."""
+    from clusterwire import Server, Session
+    from clusterwire.local_cluster import LocalCluster
+    from clusterwire.plugins import PluginManager, set_plugin_manager
+
+    tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="cw-bench-lane-"))
+    path = os.path.join(tmp, "plugins.toml")
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write("[options.grpc]\nfast_lane = true\n")
+    cluster = stack.enter_context(LocalCluster(
+        {"worker": 2}, imports=["_bench_remote"], env=child_env({"CLUSTERWIRE_PLUGINS": path})))
+    old = set_plugin_manager(PluginManager(path))
+    try:  # the Sessions and the Server keep the transport they were created with
+        session = stack.enter_context(Session(cluster.target("worker", 0)))
+        other = stack.enter_context(Session(cluster.target("worker", 1)))
+        workers = [cluster.target("worker", i).split("://")[1] for i in range(2)]
+        trainer = Server({"worker": workers, "trainer": ["127.0.0.1:0"]}, job_name="trainer",
+                         task_index=0)
+        stack.callback(trainer.stop)
+        own = stack.enter_context(Session(trainer.target))
+    finally:
+        set_plugin_manager(old)
+    data = session.status()["transport"]
+    _require("small_calls" in data, f"the lane cluster's transport has no lane: {data}")
+    return session, own, other
 
 
 def measure_chunk_sweep(args: argparse.Namespace, payload: np.ndarray):
@@ -543,6 +587,17 @@ def _fast_path_targets(args, latencies, throughputs) -> list[str]:
         rows.append("| worker-process paths against TF | not measured (tensorflow not "
                     "importable) | |")
     ok_local = local8 <= TARGETS["local8_us"] or local8 / grpc_us <= TARGETS["local8_vs_grpc"]
+    tcp8 = _find(latencies, "raw TCP ping-pong").median_us
+    lane8 = _find(latencies, LANE_GET).median_us
+    lane_forwarded = _find(latencies, LANE_GET, "forwarded").median_us / lane8
+    rows += [
+        f"| direct 8 B get over the grpc fast lane <= {TARGETS['lane8_vs_tcp']}x raw TCP "
+        f"ping-pong | {lane8 / tcp8:.2f}x ({lane8:.0f} us) "
+        f"| {_met(lane8 / tcp8 <= TARGETS['lane8_vs_tcp'])} |",
+        f"| forwarded 8 B get over the fast lane <= {TARGETS['lane_forwarded_vs_direct']}x "
+        f"direct | {lane_forwarded:.2f}x "
+        f"| {_met(lane_forwarded <= TARGETS['lane_forwarded_vs_direct'])} |",
+    ]
     rows += [
         f"| worker-process {args.size_mib} MiB get >= {TARGETS['worker64_vs_tcp']}x raw TCP "
         f"| {worker64 / tcp_gbs:.2f}x | {_met(worker64 / tcp_gbs >= TARGETS['worker64_vs_tcp'])} |",
