@@ -14,7 +14,10 @@ Options (plugins.toml ``[options.grpc]``): ``inline_bytes`` (default 1 MiB),
 an announced response waits for its fetch), ``bulk_plane`` ("tcp", the
 default, or "grpc": everything on the gRPC port), ``bulk_bytes`` (default
 256 KiB: responses larger than this use the bulk port when there is one;
-from about there on it beats a unary reply, whose bytes grpcio copies).
+from about there on it beats a unary reply, whose bytes grpcio copies), ``fast_lane``
+(default false: true sends calls whose requests fit ``inline_bytes`` over the listener's
+TCP fast lane instead of a unary call, see ``lane``; never under TLS, refused with
+``bulk_plane = "grpc"``).
 
 Limits (``ListenOptions``): gRPC core enforces the connection limits
 (``_grpc_common.server.connection_args``), with a token its port's door the pending
