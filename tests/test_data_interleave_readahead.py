@@ -1,6 +1,7 @@
 """A parallel interleave's read-ahead: elements reach the consumer as they are read, each
-open Dataset is read at most ``_READ_AHEAD`` elements ahead of the consumer, on one thread,
-and the read threads hold about ``_READ_AHEAD_BYTES`` of elements ahead over their Datasets."""
+open Dataset is read at most ``_READ_AHEAD`` elements ahead of the consumer, on one thread
+while its reads do not wait, the read threads hold about ``_READ_AHEAD_BYTES`` of elements
+ahead over their Datasets, and reads that wait do not hold up the others."""
 
 from __future__ import annotations
 
@@ -130,3 +131,20 @@ def test_num_parallel_calls_above_cycle_length_reads_on_a_thread_per_open_datase
     assert int(next(iterator)) == 0
     assert len(interleave_threads() - before) == 2
     assert [int(x) for x in iterator] == [1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3]
+
+
+def test_num_parallel_calls_datasets_that_wait_for_each_other_are_all_read_at_once():
+    """8 Datasets whose first element waits for all 8 readers: read on a thread per CPU
+    while reads only need the CPU, the reads that wait hand the other Datasets to spare
+    threads, so all 8 are read at once (as TF's 8 parallel calls) and none twice at once
+    (a generator read by two threads at once raises)."""
+    barrier = threading.Barrier(8, timeout=20)
+
+    def values(index):
+        barrier.wait()
+        yield np.int64(index)
+        yield np.int64(index + 10)
+
+    dataset = D.range(8).interleave(lambda x: D.from_generator(values, args=(int(x),)),
+                                    cycle_length=8, num_parallel_calls=8)
+    assert [int(x) for x in dataset] == [*range(8), *range(10, 18)]

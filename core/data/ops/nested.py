@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -31,14 +32,18 @@ from clusterwire.errors import InvalidArgumentError
 #: Elements read ahead of the consumer per open Dataset of a parallel interleave, whatever
 #: the ``block_length``, so memory stays bounded.
 _READ_AHEAD = 8
-#: Bytes of elements the read threads of a parallel interleave hold ahead of the consumer,
-#: shared evenly among them (a read starts while a thread holds less than its share and
-#: gives at least one element; the Dataset the consumer waits for is read regardless). Small
-#: on purpose: the consumer's thread frees what a read thread allocated, and once a thread's
-#: glibc arena has more than its trim threshold free at the top (twice the largest block
-#: allocated by mmap and freed), glibc returns it to the kernel and the next elements fault
-#: every page in again (with 1 MiB records, 2 MiB a thread doubled the faults per MiB read).
+#: Bytes of elements a parallel interleave's lanes (its threads reading for the CPU, one
+#: per core at most) hold ahead of the consumer, shared evenly among them (a read starts
+#: while a lane holds less than its share and gives at least one element; the Dataset the
+#: consumer waits for is read regardless). Small on purpose: the consumer's thread frees what
+#: a read thread allocated, and once a thread's glibc arena has more than its trim threshold
+#: free at the top (twice the largest block allocated by mmap and freed), glibc returns it to
+#: the kernel and the next elements fault every page in again (with 1 MiB records, 2 MiB a
+#: lane gave 2-3 times the faults per MiB of 1 MiB a lane).
 _READ_AHEAD_BYTES = 2 << 20
+#: Seconds a parallel interleave's read may take before the other Datasets of its thread go
+#: to spare threads: far above a read that only needs the CPU, below a wait on storage.
+_BLOCKED = 0.005
 
 _ENDED = object()  # what a drained slot whose Dataset has ended gives
 _ANY = object()  # the consumer of a non-deterministic interleave waits for any slot
@@ -131,8 +136,9 @@ class FlatMap(Op, Node):
 class Interleave(Op, Node):
     """``Dataset.interleave``: ``cycle_length`` of ``fn``'s Datasets open at once, taking
     ``block_length`` elements from each in turn; an ended one is replaced by the next
-    input's in its place. With ``num_parallel_calls`` threads (at most ``cycle_length``) read
-    ahead of the open Datasets; ``deterministic=False`` takes blocks in the order they are ready."""
+    input's in its place. With ``num_parallel_calls``, that many open Datasets (at most
+    ``cycle_length``) are read ahead at once, on a thread per CPU while their reads only
+    need the CPU; ``deterministic=False`` takes blocks in the order they are ready."""
 
     kind = "interleave"
     cycle_length: int
@@ -244,33 +250,48 @@ class _Failed:
 class _Slot:
     """One open Dataset of a parallel interleave: the elements read ahead of the consumer
     (a ``_Failed`` last if the read stopped at an error), its lane, whether it has ended,
-    and ``given``: how many elements at the head of ``buffer`` were read while the consumer
-    waited for them (not counted in the lane's ``held``). Guarded by its cycle's lock."""
+    whether a read of it is in flight, and ``given``: how many elements at the head of
+    ``buffer`` were read while the consumer waited for them (not counted in the lane's
+    ``held``). Guarded by its cycle's lock."""
 
-    __slots__ = ("element", "lane", "iterator", "buffer", "failed", "ended", "given")
+    __slots__ = ("element", "lane", "iterator", "buffer", "failed", "ended", "given",
+                 "reading")
 
     def __init__(self, element: Any, lane: int):
         self.element = element  # the input element whose Dataset this is
         self.lane = lane
         self.iterator: Iterator[Any] | None = None  # opened by the first read
         self.buffer: deque[Any] = deque()
-        self.failed = self.ended = False
+        self.failed = self.ended = self.reading = False
         self.given = 0
 
 
 class _Lane:
     """One read thread of a parallel interleave: the slots whose index is its own modulo
-    the lanes are read on it, one read at a time; ``held``: the bytes of the elements it
-    read that the consumer has not taken; ``wake``: locked while the thread has nothing
-    to read (whoever gives it work releases it once, setting ``busy``)."""
+    the lanes are read on it, one read at a time; ``held``: the bytes of the elements read
+    for them that the consumer has not taken; ``since``: when its read in flight started
+    (0: none); ``wake``: locked while the thread has nothing to read (whoever gives it work
+    releases it once, setting ``busy``)."""
 
-    __slots__ = ("wake", "held", "busy")
+    __slots__ = ("wake", "held", "busy", "since")
 
     def __init__(self) -> None:
         self.wake = threading.Lock()
         self.wake.acquire()
         self.held = 0
         self.busy = False
+        self.since = 0.0
+
+
+class _Spare:
+    """A thread that reads for a lane stuck in a read (``slot``: the Dataset it reads an
+    element of next); ``wake`` is locked while it has none."""
+
+    __slots__ = ("wake", "slot")
+
+    def __init__(self) -> None:
+        self.wake = threading.Lock()
+        self.slot: _Slot | None = None
 
 
 def _lane_thread(cycle: weakref.ref[_ParallelCycle], number: int,
@@ -282,6 +303,17 @@ def _lane_thread(cycle: weakref.ref[_ParallelCycle], number: int,
         wake.acquire()
         reading = cycle()
         if reading is None or not reading._read(number):
+            return
+        del reading
+
+
+def _spare_thread(cycle: weakref.ref[_ParallelCycle], spare: _Spare, watch: bool) -> None:
+    """A spare thread: reads what it is given; the first one (``watch``) also looks for
+    lanes stuck in a read every ``_BLOCKED`` seconds while it has nothing to do."""
+    while True:
+        woken = spare.wake.acquire(timeout=_BLOCKED if watch else -1)
+        reading = cycle()
+        if reading is None or not reading._spare_read(spare, woken):
             return
         del reading
 
@@ -300,20 +332,29 @@ def _nbytes(element: Any) -> int:
 
 
 class _ParallelCycle:
-    """The open Datasets of a parallel interleave, read ahead on ``threads`` read threads
-    (lanes) into a buffer each, up to
-    ``_READ_AHEAD`` elements. Each open Dataset is read on one lane (its slot's index modulo
-    the lanes). A lane reads an element at a time, each time of the Dataset whose next
-    unread element the consumer comes to first, while it holds less than its share of
+    """The open Datasets of a parallel interleave, read ahead into a buffer each (up to
+    ``_READ_AHEAD`` elements) on ``threads`` threads: a lane per CPU at most, and spares.
+
+    Each open Dataset belongs to a lane (its slot's index modulo the lanes), and a lane's
+    thread reads an element at a time, each time of its Dataset whose next unread element
+    the consumer comes to first, while it holds less than its share of
     ``_READ_AHEAD_BYTES`` (the Dataset the consumer waits for is read regardless, and what
-    it waited for is not held against the share); then its thread sleeps until the consumer
-    takes an element of its Datasets. The consumer takes elements in TF's cycle order
-    (``deterministic``) or from whichever Dataset has elements ready. An ended Dataset's
-    place goes to the next input element when the consumer finds it drained (TF's cycle
-    gives it that element when it comes back). A failed read fails one ``next`` in its place
-    after the elements read before it, and the Dataset is read again (a generator that
-    raised then ends), as in TF; nothing is read past a failure before the consumer took it.
-    Its ``threads`` go back to ``budget`` when it ends or is dropped."""
+    it waited for is not held against the share); then it sleeps until the consumer takes
+    an element of its Datasets. Reads that need the CPU thus stay on as many threads as
+    there are cores (more only take turns with the GIL, and each thread's allocator arena
+    and cache). A read that waits (I/O, or on another Dataset) must not hold up the lane's
+    other Datasets, though, nor the ``num_parallel_calls`` reads TF makes at once: once a
+    lane's read is in flight for ``_BLOCKED`` seconds, spare threads (up to ``threads`` in
+    all) read its other Datasets, an element at a time each, while that Dataset has none
+    buffered (or the consumer waits for it). A Dataset is never read by two threads at once.
+
+    The consumer takes elements in TF's cycle order (``deterministic``) or from whichever
+    Dataset has elements ready. An ended Dataset's place goes to the next input element
+    when the consumer finds it drained (TF's cycle gives it that element when it comes
+    back). A failed read fails one ``next`` in its place after the elements read before it,
+    and the Dataset is read again (a generator that raised then ends), as in TF; nothing is
+    read past a failure before the consumer took it. Its ``threads`` go back to ``budget``
+    when it ends or is dropped."""
 
     def __init__(self, open_: Callable[[Any], Iterator[Any]], inputs: Iterator[Any],
                  cycle: int, block_length: int, threads: int, deterministic: bool,
@@ -331,13 +372,18 @@ class _ParallelCycle:
         self._index = 0
         self._left = block_length  # elements left in the current slot's block
         self._inputs_left = True
-        self._lanes = [_Lane() for _ in range(threads)]
-        self._lane_slots = [list(range(lane, cycle, threads)) for lane in range(threads)]
-        self._share = _READ_AHEAD_BYTES // threads
-        me = weakref.ref(self)
+        lanes = min(threads, default_cycle_length())
+        self._lanes = [_Lane() for _ in range(lanes)]
+        self._lane_slots = [list(range(lane, cycle, lanes)) for lane in range(lanes)]
+        self._share = _READ_AHEAD_BYTES // lanes
+        self._spares_left = threads - lanes  # spare threads not started yet
+        self._idle: list[_Spare] = []  # idle spares; the last one idle is given work first
+        self._me = weakref.ref(self)
         for number, lane in enumerate(self._lanes):
-            threading.Thread(target=_lane_thread, args=(me, number, lane.wake), daemon=True,
-                             name=f"clusterwire-interleave-{number}").start()
+            threading.Thread(target=_lane_thread, args=(self._me, number, lane.wake),
+                             daemon=True, name=f"clusterwire-interleave-{number}").start()
+        if self._spares_left:
+            self._start_spare(None)  # the watch
         for index in range(cycle):
             if not self._fill(index):
                 break
@@ -355,18 +401,23 @@ class _ParallelCycle:
             return None
         awaited = self._awaited
         if isinstance(awaited, _Slot) and awaited.lane == number and not (
-                awaited.buffer or awaited.ended or awaited.failed):
+                awaited.buffer or awaited.ended or awaited.failed or awaited.reading):
             return awaited
         if self._lanes[number].held >= self._share:
             return None
+        return self._first_needed(number, _READ_AHEAD)
+
+    def _first_needed(self, number: int, room: int) -> _Slot | None:
+        """Of lane ``number``'s Datasets not being read, with fewer than ``room`` elements
+        buffered, the one whose first unread element the consumer comes to first."""
         best, best_key = None, None
         count, block = len(self._slots), self._block_length
         for index in self._lane_slots[number]:
             slot = self._slots[index]
-            if slot is None or slot.ended or slot.failed:
+            if slot is None or slot.reading or slot.ended or slot.failed:
                 continue
             ahead = len(slot.buffer)
-            if ahead >= _READ_AHEAD:
+            if ahead >= room:
                 continue
             distance = (index - self._index) % count
             if not distance:
@@ -377,6 +428,35 @@ class _ParallelCycle:
                 best, best_key = slot, (visit, distance)
         return best
 
+    def _put(self, slot: _Slot, element: Any, failure: _Failed | None, ended: bool) -> None:
+        """Record a read of ``slot`` (under the lock), waking the consumer if it waits for
+        it."""
+        slot.reading = False
+        if element is not _ENDED:
+            if self._awaited is slot and not slot.buffer:
+                slot.given += 1  # the consumer takes it at once
+            else:
+                self._lanes[slot.lane].held += _nbytes(element)
+            slot.buffer.append(element)
+        if failure is not None:
+            slot.buffer.append(failure)
+            slot.failed = True
+        slot.ended = slot.ended or ended
+        if self._awaited in (slot, _ANY):
+            self._changed.notify()
+
+    def _read_one(self, slot: _Slot) -> tuple[Any, _Failed | None, bool]:
+        """One read of ``slot`` (not under the lock): (element or _ENDED, failure, ended)."""
+        try:
+            if slot.iterator is None:
+                slot.iterator = self._open(slot.element)
+            return next(slot.iterator), None, False
+        except StopIteration:
+            return _ENDED, None, True
+        except BaseException as err:  # noqa: BLE001 - the consumer raises it in its place
+            at_open = slot.iterator is None
+            return _ENDED, _Failed(err, at_open), at_open
+
     def _read(self, number: int) -> bool:
         """Lane ``number``'s reads: an element at a time, each of the Dataset ``_reads_next``
         names (opened first), until it names none. False once the cycle is closed."""
@@ -386,34 +466,92 @@ class _ParallelCycle:
             if slot is None:
                 lane.busy = False
                 return not self._closed
+            slot.reading, lane.since = True, time.monotonic()
         while True:
-            element, failure, ended = _ENDED, None, False
-            try:
-                if slot.iterator is None:
-                    slot.iterator = self._open(slot.element)
-                element = next(slot.iterator)
-            except StopIteration:
-                ended = True
-            except BaseException as err:  # noqa: BLE001 - the consumer raises it in its place
-                at_open = slot.iterator is None
-                failure, ended = _Failed(err, at_open), at_open
+            element, failure, ended = self._read_one(slot)
             with self._changed:
-                if element is not _ENDED:
-                    if self._awaited is slot and not slot.buffer:
-                        slot.given += 1  # the consumer takes it at once
-                    else:
-                        lane.held += _nbytes(element)
-                    slot.buffer.append(element)
-                if failure is not None:
-                    slot.buffer.append(failure)
-                    slot.failed = True
-                slot.ended = slot.ended or ended
-                if self._awaited in (slot, _ANY):
-                    self._changed.notify()
+                self._put(slot, element, failure, ended)
                 slot = self._reads_next(number)
                 if slot is None:
-                    lane.busy = False
+                    lane.busy, lane.since = False, 0.0
                     return not self._closed
+                slot.reading, lane.since = True, time.monotonic()
+
+    def _rescue(self) -> _Slot | None:
+        """A Dataset for a spare to read an element of (under the lock): of a lane whose
+        read has been in flight for ``_BLOCKED`` seconds, the one the consumer waits for or
+        else the first it needs that has nothing buffered."""
+        if self._closed:
+            return None
+        now = time.monotonic()
+        for number, lane in enumerate(self._lanes):
+            if not lane.since or now - lane.since < _BLOCKED:
+                continue
+            awaited = self._awaited
+            if isinstance(awaited, _Slot) and awaited.lane == number and not (
+                    awaited.buffer or awaited.ended or awaited.failed or awaited.reading):
+                return awaited
+            slot = self._first_needed(number, 1)
+            if slot is not None:
+                return slot
+        return None
+
+    def _dispatch_spares(self) -> None:
+        """Give what ``_rescue`` finds to idle spares, starting spares as needed (under the
+        lock)."""
+        while self._idle or self._spares_left:
+            slot = self._rescue()
+            if slot is None:
+                return
+            slot.reading = True
+            if self._idle:
+                spare = self._idle.pop()
+                spare.slot = slot
+                spare.wake.release()
+            else:
+                self._start_spare(slot)
+
+    def _start_spare(self, slot: _Slot | None) -> None:
+        """Start a spare thread reading ``slot`` (None: idle, the first one, the watch; under
+        the lock or in the constructor)."""
+        spare = _Spare()
+        spare.slot = slot
+        if slot is None:
+            spare.wake.acquire()
+            self._idle.append(spare)
+        watch = self._spares_left == self._threads - len(self._lanes)
+        self._spares_left -= 1
+        threading.Thread(target=_spare_thread, args=(self._me, spare, watch), daemon=True,
+                         name="clusterwire-interleave-spare").start()
+
+    def _spare_read(self, spare: _Spare, woken: bool) -> bool:
+        """A spare's reads: the Dataset it was given (or, when the watch's wait timed out,
+        what ``_rescue`` finds), then what ``_rescue`` finds, until it finds nothing. False
+        once the cycle is closed (the thread ends)."""
+        with self._changed:
+            if self._closed:
+                return False
+            slot = spare.slot
+            if slot is None:  # the watch's wait timed out, and it was given nothing
+                slot = self._rescue()
+                if slot is None:
+                    return True
+                self._idle.remove(spare)
+                slot.reading = True
+            elif not woken:  # given a Dataset as its wait timed out: take that release
+                spare.wake.acquire(blocking=False)
+        while True:
+            element, failure, ended = self._read_one(slot)
+            with self._changed:
+                self._put(slot, element, failure, ended)
+                if self._closed:
+                    return False
+                slot = self._rescue()
+                if slot is None:
+                    spare.slot = None
+                    self._idle.append(spare)
+                    return True
+                slot.reading = True
 
     def _feed(self, number: int) -> None:
         """Wake lane ``number``'s thread if it is idle and has something to read (under the
@@ -442,6 +580,12 @@ class _ParallelCycle:
         self._index = (self._index + 1) % len(self._slots)
         self._left = self._block_length
 
+    def _wait(self) -> None:
+        """Wait for a read (under the lock), giving stuck lanes' Datasets to spares."""
+        self._dispatch_spares()
+        if not self._changed.wait(_BLOCKED if self._idle or self._spares_left else None):
+            self._dispatch_spares()
+
     def _pick_ready(self) -> None:
         """Move to a slot with something for the consumer (an element, an error, or its end;
         the current one first), waiting for a read if none has: ``deterministic=False``, a
@@ -457,7 +601,7 @@ class _ParallelCycle:
                             self._index, self._left = index, self._block_length
                         return
                 self._awaited = _ANY
-                self._changed.wait()
+                self._wait()
                 self._awaited = None
 
     def _take(self, slot: _Slot) -> Any:
@@ -469,7 +613,7 @@ class _ParallelCycle:
                     return _ENDED
                 self._awaited = slot
                 self._feed(slot.lane)
-                self._changed.wait()
+                self._wait()
                 self._awaited = None
             item = slot.buffer.popleft()
             if isinstance(item, _Failed):
@@ -513,8 +657,8 @@ class _ParallelCycle:
             self._advance()
 
     def _close(self) -> None:
-        """No more reads; idle lanes' threads are woken to end, busy ones end after their
-        read. Idempotent."""
+        """No more reads; idle threads are woken to end, busy ones end after their read.
+        Idempotent."""
         with self._changed:
             if self._closed:
                 return
@@ -523,6 +667,9 @@ class _ParallelCycle:
                 if not lane.busy:
                     lane.busy = True
                     lane.wake.release()
+            idle, self._idle = self._idle, []
+            for spare in idle:
+                spare.wake.release()
         budget, self._budget = self._budget, None
         if budget is not None:
             budget.give(self._threads)
