@@ -284,8 +284,9 @@ class _Lane:
 
 
 class _Spare:
-    """A thread that reads for a lane stuck in a read (``slot``: the Dataset it reads an
-    element of next); ``wake`` is locked while it has none."""
+    """A thread that reads for lanes stuck in a read (``slot``: the Dataset it reads an
+    element of next); ``wake`` is locked while it has none (whoever gives it one releases
+    it)."""
 
     __slots__ = ("wake", "slot")
 
@@ -307,13 +308,13 @@ def _lane_thread(cycle: weakref.ref[_ParallelCycle], number: int,
         del reading
 
 
-def _spare_thread(cycle: weakref.ref[_ParallelCycle], spare: _Spare, watch: bool) -> None:
-    """A spare thread: reads what it is given; the first one (``watch``) also looks for
-    lanes stuck in a read every ``_BLOCKED`` seconds while it has nothing to do."""
+def _spare_thread(cycle: weakref.ref[_ParallelCycle], spare: _Spare) -> None:
+    """A spare thread: reads what it is given, then waits to be given more (holding its
+    cycle only while reading, as a lane's thread)."""
     while True:
-        woken = spare.wake.acquire(timeout=_BLOCKED if watch else -1)
+        spare.wake.acquire()
         reading = cycle()
-        if reading is None or not reading._spare_read(spare, woken):
+        if reading is None or not reading._spare_read(spare):
             return
         del reading
 
@@ -344,9 +345,11 @@ class _ParallelCycle:
     there are cores (more only take turns with the GIL, and each thread's allocator arena
     and cache). A read that waits (I/O, or on another Dataset) must not hold up the lane's
     other Datasets, though, nor the ``num_parallel_calls`` reads TF makes at once: once a
-    lane's read is in flight for ``_BLOCKED`` seconds, spare threads (up to ``threads`` in
-    all) read its other Datasets, an element at a time each, while that Dataset has none
-    buffered (or the consumer waits for it). A Dataset is never read by two threads at once.
+    lane's read is in flight for ``_BLOCKED`` seconds (looked at when the consumer takes an
+    element, and every ``_BLOCKED`` seconds while it waits for one), spare threads (up to
+    ``threads`` in all, started as needed) read its other Datasets, an element at a time
+    each, while that Dataset has none buffered (or the consumer waits for it). A Dataset is
+    never read by two threads at once.
 
     The consumer takes elements in TF's cycle order (``deterministic``) or from whichever
     Dataset has elements ready. An ended Dataset's place goes to the next input element
@@ -382,8 +385,6 @@ class _ParallelCycle:
         for number, lane in enumerate(self._lanes):
             threading.Thread(target=_lane_thread, args=(self._me, number, lane.wake),
                              daemon=True, name=f"clusterwire-interleave-{number}").start()
-        if self._spares_left:
-            self._start_spare(None)  # the watch
         for index in range(cycle):
             if not self._fill(index):
                 break
@@ -511,35 +512,20 @@ class _ParallelCycle:
             else:
                 self._start_spare(slot)
 
-    def _start_spare(self, slot: _Slot | None) -> None:
-        """Start a spare thread reading ``slot`` (None: idle, the first one, the watch; under
-        the lock or in the constructor)."""
+    def _start_spare(self, slot: _Slot) -> None:
+        """Start a spare thread reading ``slot`` (under the lock)."""
         spare = _Spare()
         spare.slot = slot
-        if slot is None:
-            spare.wake.acquire()
-            self._idle.append(spare)
-        watch = self._spares_left == self._threads - len(self._lanes)
         self._spares_left -= 1
-        threading.Thread(target=_spare_thread, args=(self._me, spare, watch), daemon=True,
+        threading.Thread(target=_spare_thread, args=(self._me, spare), daemon=True,
                          name="clusterwire-interleave-spare").start()
 
-    def _spare_read(self, spare: _Spare, woken: bool) -> bool:
-        """A spare's reads: the Dataset it was given (or, when the watch's wait timed out,
-        what ``_rescue`` finds), then what ``_rescue`` finds, until it finds nothing. False
-        once the cycle is closed (the thread ends)."""
-        with self._changed:
-            if self._closed:
-                return False
-            slot = spare.slot
-            if slot is None:  # the watch's wait timed out, and it was given nothing
-                slot = self._rescue()
-                if slot is None:
-                    return True
-                self._idle.remove(spare)
-                slot.reading = True
-            elif not woken:  # given a Dataset as its wait timed out: take that release
-                spare.wake.acquire(blocking=False)
+    def _spare_read(self, spare: _Spare) -> bool:
+        """A spare's reads: the Dataset it was given, then what ``_rescue`` finds, until it
+        finds nothing. False once the cycle is closed (the thread ends)."""
+        slot = spare.slot
+        if slot is None or self._closed:  # woken by _close
+            return False
         while True:
             element, failure, ended = self._read_one(slot)
             with self._changed:
@@ -623,6 +609,8 @@ class _ParallelCycle:
             else:
                 self._lanes[slot.lane].held -= _nbytes(item)
             self._feed(slot.lane)
+            if self._idle or self._spares_left:
+                self._dispatch_spares()
             return item
 
     def __next__(self) -> Any:
