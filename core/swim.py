@@ -350,8 +350,11 @@ Outgoing = list[tuple[str, Message]]
 class Swim:
     """One member's SWIM state machine.
 
-    ``peers`` maps the other members' names to their addresses (all alive at incarnation
-    0); ``rng`` makes it deterministic. Call ``tick(now)`` at ``next_wakeup()`` (or later)
+    ``peers`` maps the members' names to their addresses (all alive at incarnation 0; this
+    member's own name may be among them). It is kept, not copied, so members simulated
+    together share one (it must not change); a member's record is made when its state
+    first changes, so a member's memory grows with the changes it saw, not with n.
+    ``rng`` makes it deterministic. Call ``tick(now)`` at ``next_wakeup()`` (or later)
     and ``receive(now, message)`` for each message, and send what they return;
     ``take_changes()`` says which members changed state since it was last called.
     """
@@ -363,19 +366,17 @@ class Swim:
         _check_int("incarnation", incarnation)
         self.name, self.address = name, address
         self.config = config or Config()
-        if len(peers) + 1 > self.config.max_members:
+        self._base = peers
+        self._records: dict[str, _Member] = {}  # members added or changed since the start
+        self._size = len(peers) - (name in peers)  # members known, besides this one
+        if self._size + 1 > self.config.max_members:
             raise errors.InvalidArgumentError(
-                f"SWIM member {name!r} was given {len(peers) + 1} members, more than "
+                f"SWIM member {name!r} was given {self._size + 1} members, more than "
                 f"max_members={self.config.max_members}: raise Config.max_members")
         self.incarnation = incarnation
         self.stats = Stats()
         self._rng = rng or random.Random()
-        self._members: dict[str, _Member] = {}
-        for peer, peer_address in peers.items():
-            _check_name("member name", peer, empty=False)
-            if peer != name:
-                self._members[peer] = _Member(peer_address, State.ALIVE, 0)
-        self._order = list(self._members)
+        self._order = [peer for peer in peers if peer != name]
         self._rng.shuffle(self._order)
         self._next = 0
         self._gone: dict[str, State] = {}  # members dead or left
@@ -398,12 +399,13 @@ class Swim:
         """``member``'s state in this view (None if unknown)."""
         if member == self.name:
             return State.LEFT if self._left else State.ALIVE
-        known = self._members.get(member)
-        return None if known is None else known.state
+        return self._state(member)
 
     def members(self) -> dict[str, tuple[State, int]]:
         """Every other known member's state and incarnation."""
-        return {name: (m.state, m.incarnation) for name, m in self._members.items()}
+        view = {peer: (State.ALIVE, 0) for peer in self._base if peer != self.name}
+        view.update((peer, (m.state, m.incarnation)) for peer, m in self._records.items())
+        return view
 
     def awareness(self) -> int:
         """The local health count (0: healthy), which stretches this member's timeouts."""
@@ -475,7 +477,7 @@ class Swim:
                 del self._forwards[seq]
         for member, suspicion in list(self._suspicions.items()):
             if now >= suspicion.deadline:
-                known = self._members[member]
+                known = self._lookup(member)
                 self._set_state(member, known, State.DEAD, known.incarnation)
                 self._broadcasts.queue(Update(member, State.DEAD, known.incarnation))
         if now >= self._next_round:
@@ -494,7 +496,7 @@ class Swim:
         if sender == self.name:
             raise errors.InvalidArgumentError(
                 f"SWIM member {self.name!r} got a message that says it is from itself")
-        if sender not in self._members and not (self.config.allow_joins and any(
+        if self._state(sender) is None and not (self.config.allow_joins and any(
                 u.member == sender and u.state == State.ALIVE for u in message.updates)):
             raise errors.PermissionDeniedError(
                 f"SWIM member {self.name!r} does not know {sender!r}: a new member joins "
@@ -519,7 +521,7 @@ class Swim:
         if kind == Kind.PING:
             out.append((sender, self._message(Kind.ACK, message.seq, sender, "")))
         elif kind == Kind.PING_REQ:
-            if message.target in self._members:
+            if self._state(message.target) is not None:
                 seq = self._next_seq()
                 window = self._scaled(self.config.probe_interval - self.config.probe_timeout)
                 self._forwards[seq] = _Forward(sender, message.seq, message.target,
@@ -575,7 +577,7 @@ class Swim:
                     return None
             member = self._order[self._next]
             self._next += 1
-            if self._members[member].state in (State.ALIVE, State.SUSPECT):
+            if self._state(member) in (State.ALIVE, State.SUSPECT):
                 return member
         return None
 
@@ -587,7 +589,7 @@ class Swim:
         # Nacks that did not come point at this member's own slowness (Lifeguard).
         missed = len(probe.helpers) - len(probe.nackers) if probe.helpers else 1
         self._awareness = min(self.config.max_awareness - 1, self._awareness + missed)
-        known = self._members.get(probe.target)
+        known = self._lookup(probe.target)
         if known is None or known.state not in (State.ALIVE, State.SUSPECT):
             return []
         # Of a member already suspect, this confirms the suspicion (Lifeguard).
@@ -603,7 +605,7 @@ class Swim:
         if member == self.name:
             self._about_self(update)
             return
-        known = self._members.get(member)
+        known = self._lookup(member)
         if known is None:
             self._join(update, sender)
             return
@@ -624,7 +626,7 @@ class Swim:
                 # A suspicion of a newer incarnation starts afresh: the member refuted
                 # the older one.
                 self._set_state(member, known, State.SUSPECT, incarnation)
-                live = len(self._members) + 1 - len(self._gone)
+                live = self._size + 1 - len(self._gone)
                 low, high = self.config.suspicion_bounds(live)
                 expected = self.config.suspicion_mult - 2
                 if live - 2 < expected:
@@ -670,13 +672,14 @@ class Swim:
             self.stats.refused["news of an unknown member"] += 1
         elif not self.config.allow_joins:
             self.stats.refused["join while joins are off"] += 1
-        elif len(self._members) + 1 >= self.config.max_members:
+        elif self._size + 1 >= self.config.max_members:
             self.stats.refused["join past max_members"] += 1
         elif update.incarnation > MAX_INCARNATION_STEP and sender != update.member:
             self.stats.refused["incarnation jump"] += 1
         else:
             known = _Member(update.address, State.ALIVE, update.incarnation)
-            self._members[update.member] = known
+            self._records[update.member] = known
+            self._size += 1
             self._order.insert(self._rng.randint(self._next, len(self._order)), update.member)
             self._changes.append((update.member, State.ALIVE))
             self._broadcasts.queue(update)
@@ -697,7 +700,7 @@ class Swim:
     def _message(self, kind: Kind, seq: int, destination: str, target: str) -> Message:
         updates: list[Update] = []
         budget = self.config.piggyback_bytes
-        known = self._members.get(destination)
+        known = self._records.get(destination)
         if known is not None and known.state != State.ALIVE:
             # Tell the destination what this member thinks of it, so it can refute.
             updates.append(Update(destination, known.state, known.incarnation))
@@ -708,7 +711,7 @@ class Swim:
         if self._broadcasts:
             updates += self._broadcasts.take(
                 budget, MAX_UPDATES - len(updates),
-                self.config.retransmits(len(self._members) + 1), skip=destination)
+                self.config.retransmits(self._size + 1), skip=destination)
         return Message(kind, seq, self.name, target, tuple(updates))
 
     def _live_sample(self, count: int, exclude: str) -> list[str]:
@@ -719,9 +722,22 @@ class Swim:
                 break
             member = order[self._rng.randrange(len(order))]
             if member != exclude and member not in chosen and (
-                    self._members[member].state == State.ALIVE):
+                    self._state(member) == State.ALIVE):
                 chosen.append(member)
         return chosen
+
+    def _state(self, member: str) -> State | None:
+        known = self._records.get(member)
+        if known is not None:
+            return known.state
+        return State.ALIVE if member in self._base and member != self.name else None
+
+    def _lookup(self, member: str) -> _Member | None:
+        """``member``'s record, made from ``peers`` when it is first needed."""
+        known = self._records.get(member)
+        if known is None and member in self._base and member != self.name:
+            known = self._records[member] = _Member(self._base[member], State.ALIVE, 0)
+        return known
 
     def _scaled(self, seconds: float) -> float:
         return seconds * (self._awareness + 1)

@@ -63,6 +63,22 @@ def test_a_killed_member_is_dead_everywhere_within_the_bound_of_the_constants(se
     assert net.false_dead == 0 and net.false_suspects == 0
 
 
+def test_a_member_probes_every_live_peer_once_per_pass_of_n_minus_1_rounds():
+    node = machine(peers=9)
+    targets = []
+    now = 0.0
+    for _ in range(27):
+        now = node.next_wakeup()
+        for destination, message in node.tick(now):
+            if message.kind == Kind.PING:
+                targets.append(destination)
+                node.receive(now, Message(Kind.ACK, message.seq, destination, ""))
+    assert len(targets) == 27
+    for start in (0, 9, 18):
+        assert sorted(targets[start:start + 9]) == sorted(f"m{i}" for i in range(1, 10))
+    assert targets[:9] != targets[9:18]  # each pass is shuffled anew
+
+
 @pytest.mark.parametrize("loss", [0.05, 0.10])
 @pytest.mark.parametrize("seed", [1, 2])
 def test_no_live_member_is_declared_dead_with_message_loss(loss, seed):

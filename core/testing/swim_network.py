@@ -37,9 +37,9 @@ class SimNetwork:
         names = [f"m{i}" for i in range(count)]
         addresses = {name: f"sim:{name}" for name in names}
         self.nodes: dict[str, Swim] = {}
-        for name in names:
-            peers = {peer: address for peer, address in addresses.items() if peer != name}
-            self.nodes[name] = Swim(name, addresses[name], peers, now=0.0, config=self.config,
+        for name in names:  # one shared map of the members: a member's memory is O(n)
+            self.nodes[name] = Swim(name, addresses[name], addresses, now=0.0,
+                                    config=self.config,
                                     rng=random.Random(self._rng.getrandbits(64)))
         self.killed: set[str] = set()
         self.sent: Counter = Counter()  # messages sent, by member
