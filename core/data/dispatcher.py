@@ -23,7 +23,9 @@ A distributed_epoch consumer whose position was saved (``state_dict()``; it says
 requests, ``resumable``) can be restarted from that position (``GetOrCreateJobRequest.resume``).
 The job remembers what it handed each consumer, and at which offset: the restarted consumer
 gets back every split handed to it after the saved position (at its hand-out offset) and the
-ones the position lists as partly read (at the elements it had returned). So that nobody
+ones the position lists as partly read (at the elements it had returned); any other split
+still assigned to it was read completely (its acknowledgement, the next split request, never
+came: the consumer died first) and is done, never sent again. So that nobody
 else reads them meanwhile, a resumable consumer that stops or dies keeps its splits
 (dormant) for job_gc_timeout_ms; only then do they go back to the pool.
 

@@ -9,7 +9,7 @@ bounded queue that ``__next__`` drains:
   received of each, and when a worker fails it moves the split to another
   worker, which skips the elements already received. For a deterministic
   pipeline no element is lost or repeated. Finished splits are acknowledged
-  to the dispatcher with the next split request.
+  to the dispatcher with the next split request (or, stopped first, with the release).
 
 Batches are decoded (and decompressed) in order on ``_DECODERS`` threads, so a
 reader thread asks for its next batch as soon as one arrives. Only the job's
