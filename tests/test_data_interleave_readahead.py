@@ -145,6 +145,11 @@ def test_num_parallel_calls_datasets_that_wait_for_each_other_are_all_read_at_on
         yield np.int64(index)
         yield np.int64(index + 10)
 
+    def interleave_threads():
+        return {t for t in threading.enumerate() if t.name.startswith("clusterwire-interleave")}
+
+    before = interleave_threads()
     dataset = D.range(8).interleave(lambda x: D.from_generator(values, args=(int(x),)),
                                     cycle_length=8, num_parallel_calls=8)
     assert [int(x) for x in dataset] == [*range(8), *range(10, 18)]
+    wait_for(lambda: not interleave_threads() - before, what="the lanes and spares to end")
