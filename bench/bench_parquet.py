@@ -23,7 +23,7 @@ read opens its connections anew (as an epoch does). Per round: the ratio of each
 read's MB/s to pyarrow's of that round; the median, lowest and highest; CPU ms per MB of
 every process of the read (this one and the service's dispatcher and workers, their
 heartbeats included), and of each: the client (this process), the dispatcher, the 2 workers
-together, with the workers' minor page faults per MB.
+together, with the workers' minor page faults per MB and their resident memory at the end.
 """
 
 from __future__ import annotations
@@ -102,6 +102,13 @@ def _process_cpu(pid: int) -> tuple[float, int]:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), int(fields[7])
 
 
+def _rss_mib(pid: int) -> int:
+    """Resident memory of process ``pid`` in MiB, from /proc."""
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) // 1024
+
+
 def _pyarrow_files(paths: list[str]) -> int:
     return sum(_pyarrow(path) for path in paths) * 8
 
@@ -136,6 +143,7 @@ class _Read:
         self.rates: list[float] = []
         self.cpu: list[list[float]] = []  # per read: all, client, dispatcher, workers
         self.faults: list[float] = []  # the workers' minor faults per MB
+        self.rss: list[int] = []  # the workers' resident MiB once the rounds are done
 
     def run(self, nbytes: int) -> None:
         before = [(sum(os.times()[:2]), 0)] + [_process_cpu(pid) for pid in self.pids]
@@ -186,13 +194,15 @@ def _service_rounds(folder: str, rounds: int) -> None:
                 f"{reads[n].rates[-1]:,.0f} MB/s" + ("" if n == names[0] else
                                                      f" ({reads[n].rates[-1] / base:.2f}x)")
                 for n in names) + f"; load {os.getloadavg()[0]:.1f}", flush=True)
+        for read in reads.values():
+            read.rss = [_rss_mib(pid) for pid in read.pids[1:]]
     # Both reads keep the 2 cores busy when the machine is quiet, so there the MB/s ratio
     # tends to the CPU ratio; on a loaded machine the service's processes get a larger
     # share of the CPU than pyarrow's one process, and the MB/s ratio flatters it.
     print("\n| read | median MB/s | CPU ms/MB (median) | of it: client / dispatcher / "
-          "workers | workers' minor faults per MB | ratio to pyarrow: median (lowest-"
-          "highest) | CPU ratio (pyarrow's CPU ms/MB / this) | target |\n"
-          "|---|---:|---:|---:|---:|---:|---:|---|")
+          "workers | workers' minor faults per MB | workers' RSS MiB at the end | ratio to "
+          "pyarrow: median (lowest-highest) | CPU ratio (pyarrow's CPU ms/MB / this) | target |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|---|")
     first = reads[names[0]]
     base_cpu = statistics.median(cpu[0] for cpu in first.cpu)
     for name in names:
@@ -201,11 +211,12 @@ def _service_rounds(folder: str, rounds: int) -> None:
         ratios = [ours / theirs for ours, theirs in zip(read.rates, first.rates, strict=True)]
         cells = [name, f"{statistics.median(read.rates):,.0f}", f"{cpu[0]:.2f}"]
         if read is first:
-            cells += [""] * 5
+            cells += [""] * 6
         else:
             median = statistics.median(ratios)
             cells += [f"{cpu[1]:.2f} / {cpu[2]:.2f} / {cpu[3]:.2f}",
                       f"{statistics.median(read.faults):.0f}",
+                      " + ".join(map(str, read.rss)),
                       f"{median:.2f}x ({min(ratios):.2f}-{max(ratios):.2f}x)",
                       f"{base_cpu / cpu[0]:.2f}x",
                       f">= {TARGET}x: {'met' if median >= TARGET else 'NOT met'}"]
