@@ -356,8 +356,9 @@ class _ServerConnection:
         self._closing = False
         self._waiting_since = self._started = 0.0  # of the read in progress
 
-    def send(self, data: bytes) -> None:
-        send_views(self.sock, [memoryview(data)])
+    def send(self, data: bytes | list[memoryview]) -> None:
+        """Send a message, whole or as its parts."""
+        send_views(self.sock, data if isinstance(data, list) else [memoryview(data)])
 
     def serve(self) -> None:
         server = self._server
@@ -402,15 +403,16 @@ class _ServerConnection:
             self._started = now
         return now - self._started > self._server._limits.message_idle_timeout_seconds
 
-    def _run(self, body: memoryview, limit: int) -> bytes:
-        """The answer message to the request envelope ``body``."""
+    def _run(self, body: memoryview, limit: int) -> bytes | list[memoryview]:
+        """The answer message to the request envelope ``body`` (or its parts)."""
         try:
             envelope = framing.LAYOUT.decode(body, limit)
             if BULK in envelope.kinds:
                 raise errors.InvalidArgumentError("Malformed frame: a lane call has inline "
                                                   "buffers only.")
             request = Frame(envelope.header, split_inline(envelope), peer=self.peer)
-            return message(REPLY, self._server.run(request))
+            reply = self._server.run(request)
+            return [memoryview(_MESSAGE.pack(MAGIC, REPLY, len(reply))), memoryview(reply)]
         except errors.OpError as err:
             return _error_message(err.error_code, err.message)
         except Exception as err:  # the handler's bug: an error answer, not a dead connection
@@ -421,7 +423,7 @@ class _ServerConnection:
         with self._lock, contextlib.suppress(OSError):
             self.send(data)
 
-    def _answer(self, data: bytes) -> bool:
+    def _answer(self, data: bytes | list[memoryview]) -> bool:
         """Send the call's answer unless ``cancel`` gave one; False if sending failed."""
         try:
             with self._lock:

@@ -350,16 +350,17 @@ class GrpcChannel(Channel):
         """Send ``frame``; the reply's envelope (its bulk buffers, if any, not fetched)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         views = framing.buffer_views(frame.buffers) if frame.buffers else []
+        small = sum(map(len, views)) <= self._transport.inline_bytes
+        if small and self._lane is not None:  # raises clusterwire errors itself
+            reply = self._lane.call(framing.inline_parts(frame.header, views), deadline)
+            if reply is not None:
+                return framing.LAYOUT.decode(reply, REPLY_LIMIT)
+            if deadline is not None:  # over gRPC, in the time left
+                timeout = max(deadline - time.monotonic(), 0.001)
         with self._errors():
-            if sum(map(len, views)) <= self._transport.inline_bytes:
-                reply = None
-                if self._lane is not None:
-                    reply = self._lane.call(framing.inline_parts(frame.header, views), deadline)
-                    if reply is None and deadline is not None:  # over gRPC, in the time left
-                        timeout = max(deadline - time.monotonic(), 0.001)
-                if reply is None:
-                    reply = self._unary(framing.encode_inline(frame.header, views),
-                                        timeout=timeout, metadata=self._metadata)
+            if small:
+                reply = self._unary(framing.encode_inline(frame.header, views),
+                                    timeout=timeout, metadata=self._metadata)
             else:
                 first = framing.encode_bulk(frame.header, [v.nbytes for v in views])
                 reply = self._streamed(lambda remaining: self._upload(
