@@ -567,9 +567,11 @@ class _ParallelCycle:
         self._left = self._block_length
 
     def _wait(self) -> None:
-        """Wait for a read (under the lock), giving stuck lanes' Datasets to spares."""
+        """Wait for a read (under the lock), giving stuck lanes' Datasets to spares (a
+        spare busy now may be idle by the next look)."""
         self._dispatch_spares()
-        if not self._changed.wait(_BLOCKED if self._idle or self._spares_left else None):
+        spares = self._threads > len(self._lanes)
+        if not self._changed.wait(_BLOCKED if spares else None):
             self._dispatch_spares()
 
     def _pick_ready(self) -> None:
