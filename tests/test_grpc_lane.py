@@ -331,3 +331,17 @@ def test_option_errors_name_the_fix():
         GrpcTransport({"fast_lane": "yes"})
     assert "small_calls" in GrpcTransport(LANE).info()
     assert "small_calls" not in GrpcTransport().info()
+
+
+def test_a_wildcard_ipv6_listener_serves_ipv4_clients_over_the_lane():
+    if not socket.has_dualstack_ipv6():
+        pytest.skip("no dual-stack IPv6 here")
+    listener = GrpcTransport(LANE).listen("[::]:0", echo_handler, ListenOptions())
+    listener.start()
+    channel = GrpcTransport(LANE).connect(f"127.0.0.1:{listener.address.rsplit(':', 1)[1]}")
+    try:
+        echo(channel)
+        assert channel._lane.calls == 1  # its ticket's peer matched the v4-mapped one
+    finally:
+        channel.close()
+        listener.stop(0)

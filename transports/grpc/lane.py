@@ -46,6 +46,7 @@ There is no TLS on the lane: a channel or listener with TLS never uses it.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import secrets
 import socket
@@ -234,7 +235,7 @@ class LaneServer(TicketPort):
         if owner is None:  # a stranger's guess, expired or used: closed unanswered
             return
         connection.settimeout(self._limits.message_idle_timeout_seconds)
-        if owner != peer:
+        if _address_of(owner) != _address_of(peer):
             connection.sendall(_error_message(
                 errors.PERMISSION_DENIED, f"This lane ticket was issued to {owner}, not "
                 f"{peer} (a proxy between them?): the calls go over gRPC."))
@@ -325,6 +326,17 @@ class LaneServer(TicketPort):
         # Not the threads of cancelled calls: their handlers end when they end (as on the
         # gRPC port); their connections are shut and answered already.
         self._join_acceptor()
+
+
+def _address_of(peer: str) -> str:
+    """A peer's IP address as one form (an IPv4 client of a dual-stack socket is
+    ``::ffff:a.b.c.d`` there, ``a.b.c.d`` to gRPC)."""
+    try:
+        address = ipaddress.ip_address(peer)
+    except ValueError:
+        return peer
+    mapped = getattr(address, "ipv4_mapped", None)
+    return str(mapped or address)
 
 
 def _receive_exactly(connection: socket.socket, view: memoryview, deadline: float) -> bool:
