@@ -285,10 +285,11 @@ def test_garbage_on_the_lane_closes_that_connection_only():
 
 def test_connections_over_max_connections_are_refused_and_calls_go_over_grpc():
     with listening(max_connections=2) as listener:
-        held = [hello(listener.lane.port, secret_of(listener)) for _ in range(2)]
+        held = []
         try:
-            for sock in held:
-                assert answer(sock) == (lane.READY, b"")
+            for _ in range(2):
+                held.append(hello(listener.lane.port, secret_of(listener)))
+                assert answer(held[-1]) == (lane.READY, b"")
             with hello(listener.lane.port, secret_of(listener)) as third:
                 op, body = answer(third)
                 assert op == lane.ERROR and b"max_connections" in body
@@ -302,10 +303,11 @@ def test_connections_over_max_connections_are_refused_and_calls_go_over_grpc():
 
 def test_a_connection_from_another_peer_displaces_the_peer_holding_the_most():
     with listening(max_connections=3) as listener:
-        held = [hello(listener.lane.port, secret_of(listener)) for _ in range(3)]
+        held = []
         try:
-            for sock in held:
-                assert answer(sock) == (lane.READY, b"")
+            for _ in range(3):  # admitted one after the other: held[0] is the oldest
+                held.append(hello(listener.lane.port, secret_of(listener)))
+                assert answer(held[-1]) == (lane.READY, b"")
             other = socket.create_connection(("127.0.0.1", listener.lane.port), timeout=10,
                                               source_address=("127.0.0.2", 0))
             with other:
