@@ -6,6 +6,7 @@ ahead over their Datasets, and reads that wait do not hold up the others."""
 from __future__ import annotations
 
 import itertools
+import random
 import threading
 
 import numpy as np
@@ -153,3 +154,40 @@ def test_num_parallel_calls_datasets_that_wait_for_each_other_are_all_read_at_on
                                     cycle_length=8, num_parallel_calls=8)
     assert [int(x) for x in dataset] == [*range(8), *range(10, 18)]
     wait_for(lambda: not interleave_threads() - before, what="the lanes and spares to end")
+
+
+def _elements_and_errors(dataset):
+    out, iterator = [], iter(dataset)
+    while True:
+        try:
+            element = next(iterator)
+        except StopIteration:
+            return out
+        except ValueError as error:
+            out.append(str(error))
+            continue
+        out.append(np.asarray(element).tobytes())
+
+
+def _varied(seed):
+    rng = random.Random(int(seed))
+    fail = rng.randint(0, 14)
+    for index in range(rng.randint(0, 10)):
+        if index == fail:
+            raise ValueError(f"Dataset {int(seed)} fails at {index}")
+        yield bytes([int(seed) % 256]) * rng.choice([0, 1, 1000, 100_000]) + bytes([index])
+
+
+def test_parallel_reads_give_the_sequential_interleaves_elements_and_errors_in_order():
+    rng = random.Random(7)
+    for _ in range(40):
+        first, count = rng.randint(0, 10**6), rng.randint(0, 10)
+        cycle, block = rng.randint(1, 8), rng.randint(1, 3)
+
+        def interleave(calls, first=first, count=count, cycle=cycle, block=block):
+            return D.range(first, first + count).interleave(
+                lambda seed: D.from_generator(_varied, args=(seed,)), cycle_length=cycle,
+                block_length=block, num_parallel_calls=calls)
+        expected = _elements_and_errors(interleave(None))
+        for calls in (1, 2, 3, 8):
+            assert _elements_and_errors(interleave(calls)) == expected, (cycle, block, calls)
