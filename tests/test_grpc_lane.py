@@ -8,6 +8,7 @@ and every socket, channel and listener is closed at the end.
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -347,3 +348,18 @@ def test_a_wildcard_ipv6_listener_serves_ipv4_clients_over_the_lane():
     finally:
         channel.close()
         listener.stop(0)
+
+
+def test_a_forked_child_does_not_share_the_parents_lane_connections():
+    with listening() as listener, channel_to(listener.address) as channel:
+        echo(channel)
+        (parent_side,) = channel._lane._connections._open
+        pid = os.fork()
+        if pid == 0:  # the child: no grpc call here, only what the fork left it
+            pool = channel._lane._connections
+            os._exit(0 if pool.take() is None and not pool._open
+                     and parent_side.sock.fileno() == -1 else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        echo(channel)  # the parent's connection still serves it
+        assert channel._lane.calls == 2 and len(listener.lane._served) == 1

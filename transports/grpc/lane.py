@@ -48,11 +48,13 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import logging
+import os
 import secrets
 import socket
 import struct
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -496,6 +498,7 @@ class LaneClient:
         self._after = 0.0  # monotonic time from which the lane is tried again
         #: Calls answered with a reply (not an error) over the lane so far.
         self.calls = 0
+        _clients.add(self)
 
     def call(self, parts: Sequence[memoryview], deadline: float | None) -> Any:
         """Send the request envelope ``parts`` (concatenated) on a lane connection; the
@@ -633,9 +636,25 @@ class LaneClient:
             self._connections.discard(connection)
         return reply
 
+    def after_fork(self) -> None:
+        """In a forked child: forget the parent's lane connections (closing only the
+        child's copies), so that the two processes never share one."""
+        self._connections.after_fork()
+
     def close(self) -> None:
         """Close every lane connection: calls waiting on one end with CancelledError."""
         self._connections.close()
+
+
+_clients: weakref.WeakSet[LaneClient] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for client in list(_clients):
+        client.after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _never() -> bool:
