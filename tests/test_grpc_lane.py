@@ -297,6 +297,8 @@ def test_connections_over_max_connections_are_refused_and_calls_go_over_grpc():
             with channel_to(listener.address) as channel:
                 echo(channel)  # over gRPC: the lane is full
                 assert channel._lane.calls == 0
+                # Not asked again for every call meanwhile (a ticket, a refused connection).
+                assert channel._lane._after > time.monotonic()
         finally:
             for sock in held:
                 sock.close()

@@ -39,7 +39,8 @@ Errors: ERROR ``UNAVAILABLE`` only for a call the listener did not run (it is st
 ``ConnectionFailed`` at the caller), ``CANCELLED`` for a call still running when its grace
 ran out. A channel falls back to gRPC for a call whenever it gets no lane connection (the
 peer has no lane, the port cannot be reached within ``_CONNECT_S``, the listener is at its
-connection limit, the ticket is refused), and for ``_RETRY_S`` after a lasting failure.
+connection limit, the ticket is refused); calls that would need a new connection stay on
+gRPC for ``_RETRY_S`` after a lasting failure, ``_BUSY_S`` after a passing one.
 There is no TLS on the lane: a channel or listener with TLS never uses it.
 """
 
@@ -86,6 +87,7 @@ _SECRET_BYTES = 16
 IDLE_SECONDS = 300.0
 _CONNECT_S = 5.0  # longer, and the lane's port is taken for unreachable (firewalled)
 _RETRY_S = 30.0  # after a lasting failure, before the lane is tried again
+_BUSY_S = 1.0  # after a passing one (see LaneClient._passing)
 _SCRATCH_BYTES = 64 << 10  # a connection's receive buffer: most messages arrive in one read
 _MAX_ERROR_TEXT = 4000
 _LOG = logging.getLogger(__name__)
@@ -503,12 +505,12 @@ class LaneClient:
     def call(self, parts: Sequence[memoryview], deadline: float | None) -> Any:
         """Send the request envelope ``parts`` (concatenated) on a lane connection; the
         reply envelope, or None: no lane connection now, the call is to go over gRPC."""
-        if time.monotonic() < self._after:
-            return None
         for _ in range(2):  # an idle connection the listener closed: once more
             connection = self._connections.take()
             reused = connection is not None
             if connection is None:
+                if time.monotonic() < self._after:
+                    return None
                 connection = self._connect(deadline)
                 if connection is None:
                     return None
@@ -522,6 +524,12 @@ class LaneClient:
         _LOG.warning("Calls to %s go over gRPC for %.0f s: %s", self._address, _RETRY_S, err)
         self._after = time.monotonic() + _RETRY_S
 
+    def _passing(self) -> None:
+        """No new lane connection for ``_BUSY_S`` (the listener was at its limits, stopping
+        or unreachable for the moment): calls without an idle one go over gRPC meanwhile,
+        rather than each asking for a ticket first."""
+        self._after = max(self._after, time.monotonic() + _BUSY_S)
+
     def _connect(self, deadline: float | None) -> LaneConnection | None:
         """A new admitted lane connection, or None (the call goes over gRPC)."""
         try:
@@ -534,6 +542,8 @@ class LaneClient:
         except Unreachable as err:
             if err.lasting:
                 self._lasting(err)
+            else:
+                self._passing()
             return None
         remaining = left(deadline)
         timeout = _CONNECT_S if remaining is None else min(remaining, _CONNECT_S)
@@ -558,13 +568,15 @@ class LaneClient:
                 raise errors.DeadlineExceededError(
                     f"The lane of {self._address} did not admit the connection within the "
                     "deadline.") from None
+            self._passing()
             return None  # closed unanswered: at its limits, or stopping
         if answer is None or answer[0] != READY:
             sock.close()
-            if answer is not None and answer[0] == ERROR:
-                code, text = _decode_error(answer[1])
-                if code == errors.PERMISSION_DENIED:
-                    self._lasting(errors.PermissionDeniedError(text))
+            if answer is not None and answer[0] == ERROR and \
+                    _decode_error(answer[1])[0] == errors.PERMISSION_DENIED:
+                self._lasting(errors.PermissionDeniedError(_decode_error(answer[1])[1]))
+            else:
+                self._passing()
             return None
         sock.settimeout(None)  # blocking: calls wait with a kernel timeout (arm)
         try:
