@@ -95,7 +95,11 @@ class ParquetReader:
         self._batch_rows = batch_rows
         self._file = open_readable(path, readable_prefixes)
         try:
-            self._parquet = pq.ParquetFile(self._file)
+            # Pre-buffered (ParquetFile's default only since apache/arrow#49924): a row
+            # group's column chunks come in a few coalesced reads, held until the next row
+            # group's; read chunk by chunk through the Python file, a worker faulted fresh
+            # memory in for each (BENCHMARKS, Data files).
+            self._parquet = pq.ParquetFile(self._file, pre_buffer=True)
         except Exception as error:
             self._file.close()
             raise DataLossError(
