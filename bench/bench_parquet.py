@@ -219,7 +219,8 @@ def _service_rounds(folder: str, rounds: int) -> None:
                       " + ".join(map(str, read.rss)),
                       f"{median:.2f}x ({min(ratios):.2f}-{max(ratios):.2f}x)",
                       f"{base_cpu / cpu[0]:.2f}x",
-                      f">= {TARGET}x: {'met' if median >= TARGET else 'NOT met'}"]
+                      f">= {TARGET}x: {'met' if median >= TARGET else 'NOT met'} by MB/s at "
+                      f"load {os.getloadavg()[0]:.1f}"]
         print("| " + " | ".join(cells) + " |")
 
 
