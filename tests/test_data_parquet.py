@@ -114,6 +114,38 @@ def test_numeric_columns_reach_numpy_without_a_copy(parquet_file):
         assert not batch[name].flags.owndata and not batch[name].flags.writeable
 
 
+def test_a_row_groups_columns_come_in_fewer_reads_than_columns(tmp_path, monkeypatch):
+    """Pre-buffered: the 8 column chunks of a row group (160 KB each) are read in a few
+    coalesced reads, not one or more per chunk (pyarrow reads them so only when asked
+    before apache/arrow#49924)."""
+    import io
+
+    from clusterwire.data import parquet
+
+    path = tmp_path / "wide.parquet"
+    rng = np.random.default_rng(3)
+    pq.write_table(pa.table({f"c{k}": rng.random(40_000) for k in range(8)}), path,
+                   row_group_size=20_000)
+    reads = []
+
+    class CountingFile(io.FileIO):
+        def readinto(self, buffer):
+            reads.append(len(buffer))
+            return super().readinto(buffer)
+
+        def read(self, size=-1):
+            reads.append(size)
+            return super().read(size)
+
+    monkeypatch.setattr(parquet, "open_readable",
+                        lambda path, prefixes: io.BufferedReader(CountingFile(path, "rb")))
+    with ParquetReader(path, batch_rows=5000, readable_prefixes=None) as reader:
+        opened = len(reads)
+        elements = list(reader.read(1, 2))
+    assert sum(len(element["c0"]) for element in elements) == 20_000
+    assert 1 <= len(reads) - opened < 8, reads[opened:]
+
+
 def test_a_missing_column_names_the_column_and_the_file(parquet_file):
     with pytest.raises(InvalidArgumentError) as caught:
         ParquetReader(parquet_file, columns=["i64", "label"], readable_prefixes=None)
