@@ -297,6 +297,9 @@ class JobReader(Iterator[Any]):
         self._handed = 0
         self._handouts: set[int] = set()
         self._completed: dict[int, int] = {}
+        # A resumed position's completed splits: never handed again, so `_handed` stays below
+        # each and every later position lists them.
+        self._resumed_completed: frozenset[int] = frozenset()
         self._resumable = False  # the dispatcher keeps this consumer's splits for a resume
         self._generation = 0  # of a resumed consumer: later than any earlier iterator's
         self._start_offsets: dict[str, Offset] = {}
@@ -375,6 +378,7 @@ class JobReader(Iterator[Any]):
                                            vouch=offset.vouch)
                                for split, offset in position.partial.items())
         request.completed.extend(position.completed)
+        self._resumed_completed = frozenset(position.completed)
         request.generation = self._generation = time.time_ns()
         self._resumable = True
         return request
@@ -410,8 +414,8 @@ class JobReader(Iterator[Any]):
                 "job_name.")
         with self._lock:
             partial = {s.split_id: Offset(s.consumed, s.vouch) for s in self._unread.values()}
-            completed = tuple(split for split, at in self._completed.items()
-                              if at >= self._handed)
+            completed = tuple(sorted(self._resumed_completed.union(
+                split for split, at in self._completed.items() if at >= self._handed)))
             streams = {address: Offset(p.consumed, p.vouch)
                        for address, p in self._positions.items()}
             workers = self._round_workers or (sorted(self._workers)
