@@ -71,7 +71,7 @@ from clusterwire.data.journal import (
 )
 from clusterwire.data.lease import Lease
 from clusterwire.data.modes import STATIC_POLICIES, ShardingPolicy, mode_name, policy_of
-from clusterwire.data.monitoring import Monitoring
+from clusterwire.data.monitoring import MonitoredServer, Monitoring
 from clusterwire.data.pipeline import INFINITE, split_plan
 from clusterwire.data.position import check_split_offset, group_of, merge_id, split_limit
 from clusterwire.data.rpc import serve
@@ -106,7 +106,7 @@ _STOP_CHECK_S = 1.0  # how often wait_serving looks whether the dispatcher was s
 log = logging.getLogger("clusterwire")
 
 
-class DispatchServer:
+class DispatchServer(MonitoredServer):
     """A tf.data service dispatcher (``tf.data.experimental.service.DispatchServer``).
 
     ``DispatchServer(port=0, protocol="grpc", start=True, config=None)``; as in
@@ -291,16 +291,6 @@ class DispatchServer:
     def config(self) -> DispatcherConfig:
         """The configuration, with the bound port."""
         return self._config._replace(port=self._endpoint.port)
-
-    @property
-    def metrics_name(self) -> str:
-        """The ``server`` label of this dispatcher's metrics."""
-        return self._monitoring.name
-
-    @property
-    def metrics_url(self) -> str | None:
-        """``http(s)://host:port/metrics`` of the metrics endpoint (metrics_port), or None."""
-        return self._monitoring.url
 
     def start(self) -> None:
         """Start serving (idempotent); FailedPreconditionError after stop()."""

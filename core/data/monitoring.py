@@ -23,6 +23,23 @@ _lock = threading.Lock()
 _names: set[str] = set()
 
 
+class MonitoredServer:
+    """What a data-service server (dispatcher, worker) shows of its ``Monitoring``."""
+
+    _monitoring: Monitoring
+
+    @property
+    def metrics_name(self) -> str:
+        """The ``server`` label of this server's metrics (a worker's data-transfer
+        listener's requests: ``metrics_name + "/transfer"``)."""
+        return self._monitoring.name
+
+    @property
+    def metrics_url(self) -> str | None:
+        """``http(s)://host:port/metrics`` of the metrics endpoint (metrics_port), or None."""
+        return self._monitoring.url
+
+
 class Monitoring:
     """A data-service server's name, metrics source and metrics endpoint.
 

@@ -59,7 +59,7 @@ from clusterwire.data.config import (
 from clusterwire.data.cross_trainer_cache import cache_plan, machine_memory
 from clusterwire.data.limits import ThreadBudget
 from clusterwire.data.modes import COMPRESSION_SNAPPY, ShardingPolicy
-from clusterwire.data.monitoring import Monitoring
+from clusterwire.data.monitoring import MonitoredServer, Monitoring
 from clusterwire.data.permissions import WorkerPermissions
 from clusterwire.data.pipeline import Pipeline, split_plan
 from clusterwire.data.position import check_stream_offset
@@ -106,7 +106,7 @@ def _substitute(address: str, placeholder: str, port: int) -> str:
     return address.replace(placeholder, str(port))
 
 
-class WorkerServer:
+class WorkerServer(MonitoredServer):
     """A tf.data service worker (``tf.data.experimental.service.WorkerServer``).
 
     ``WorkerServer(port=0, dispatcher_address=None, protocol="grpc",
@@ -235,17 +235,6 @@ class WorkerServer:
     def config(self) -> WorkerConfig:
         """The configuration, with the bound port."""
         return self._config._replace(port=self._endpoint.port)
-
-    @property
-    def metrics_name(self) -> str:
-        """The ``server`` label of this worker's metrics (its data-transfer listener's
-        requests: ``metrics_name + "/transfer"``)."""
-        return self._monitoring.name
-
-    @property
-    def metrics_url(self) -> str | None:
-        """``http(s)://host:port/metrics`` of the metrics endpoint (metrics_port), or None."""
-        return self._monitoring.url
 
     def start(self) -> None:
         """Serve and register with the dispatcher (waits up to 5 s for the registration;
