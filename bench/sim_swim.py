@@ -1,8 +1,9 @@
 """SWIM membership simulated to 10,000 members: the module's own code, in virtual time.
 
-Runs ``clusterwire.swim``'s state machines with their default constants (``swim.Config``)
-on ``clusterwire.testing.swim_network``, a discrete-event network (message latency 0.5-2
-ms, no sockets, no sleeps). It is a simulation of the protocol's code, not a measurement of
+Runs ``clusterwire.swim``'s state machines with their default constants (``swim.Config``;
+``--probe-interval`` and ``--probe-timeout`` change those two) on
+``clusterwire.testing.swim_network``, a discrete-event network (message latency 0.5-2 ms,
+no sockets, no sleeps). It is a simulation of the protocol's code, not a measurement of
 the runtime: nothing here is wired into a task yet. Run from the repository root, under
 ``nice -n 19`` on a shared machine::
 
@@ -31,14 +32,15 @@ import math
 import os
 import resource
 import time
+from dataclasses import replace
 
 from clusterwire.swim import Config, State
 from clusterwire.testing.swim_network import SimNetwork
 
 
-def detect_and_join(n: int, warmup: float, seed: int) -> dict:
+def detect_and_join(n: int, warmup: float, seed: int, base: Config) -> dict:
     """Kill one member and join another at once after ``warmup``; time both."""
-    config = Config(allow_joins=True, max_members=n + 16)
+    config = replace(base, allow_joins=True, max_members=n + 16)
     net = SimNetwork(n, config=config, seed=seed)
     net.run_until(warmup / 2)
     before = sum(net.sent.values())
@@ -77,9 +79,10 @@ def detect_and_join(n: int, warmup: float, seed: int) -> dict:
     }
 
 
-def false_positives(n: int, seconds: float, loss: float, lag: float, seed: int) -> dict:
+def false_positives(n: int, seconds: float, loss: float, lag: float, seed: int,
+                    base: Config) -> dict:
     """Run ``seconds`` with ``loss`` and one member lagging ``lag``; count false news."""
-    net = SimNetwork(n, config=Config(max_members=n + 16), seed=seed, loss=loss)
+    net = SimNetwork(n, config=replace(base, max_members=n + 16), seed=seed, loss=loss)
     net.load("m1", lag)
     net.watch("m1")
     net.run_until(seconds)
@@ -101,24 +104,29 @@ def main() -> None:
                         help="virtual seconds of the false-positive run (at most 60 past "
                              "1,024 members, to bound the run's time)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--probe-interval", type=float, default=Config.probe_interval,
+                        help="seconds (every time above scales with it)")
+    parser.add_argument("--probe-timeout", type=float, default=Config.probe_timeout)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    config = Config(probe_interval=args.probe_interval, probe_timeout=args.probe_timeout)
     rows = []
     for n in (int(size) for size in args.sizes.split(",")):
         began = time.perf_counter()
-        row = detect_and_join(n, args.warmup, args.seed)
+        row = detect_and_join(n, args.warmup, args.seed, config)
         seconds = args.loss_seconds if n <= 1024 else min(args.loss_seconds, 60.0)
-        row.update(false_positives(n, seconds, args.loss, args.lag, args.seed))
+        row.update(false_positives(n, seconds, args.loss, args.lag, args.seed, config))
         row["wall_s"] = round(time.perf_counter() - began, 1)
         row["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
         rows.append(row)
     load = os.getloadavg()
     if args.json:
-        print(json.dumps({"rows": rows, "config": Config().__dict__,
+        constants = {key: value for key, value in config.__dict__.items()
+                     if key not in ("allow_joins", "max_members")}  # set per run
+        print(json.dumps({"rows": rows, "config": constants,
                           "loadavg": [round(x, 2) for x in load]}))
         return
-    config = Config()
-    print(f"SWIM simulated (clusterwire.swim, defaults: probe {config.probe_interval} s, "
+    print(f"SWIM simulated (clusterwire.swim; probe {config.probe_interval} s, "
           f"timeout {config.probe_timeout} s, k={config.indirect_checks}, suspicion "
           f"{config.suspicion_mult}*max(1,log10 n) intervals up to x"
           f"{config.suspicion_max_mult}, retransmits {config.retransmit_mult}*ceil(ln(n+1))); "

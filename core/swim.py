@@ -233,10 +233,11 @@ class Config:
     max_members: int = MAX_TASKS
 
     def __post_init__(self) -> None:
-        if not 0 < self.probe_timeout < self.probe_interval:
+        if not 0 < self.probe_timeout < self.probe_interval < math.inf:
             raise errors.InvalidArgumentError(
-                f"SWIM probe_timeout {self.probe_timeout} must be in (0, probe_interval="
-                f"{self.probe_interval}): the indirect probes need the rest of the round")
+                f"SWIM probe_timeout={self.probe_timeout} and probe_interval="
+                f"{self.probe_interval} must be finite with 0 < probe_timeout < "
+                "probe_interval: the indirect probes need the rest of the round")
         for name, low, high in (("indirect_checks", 0, 16), ("suspicion_mult", 1, 64),
                                 ("suspicion_max_mult", 1, 64), ("retransmit_mult", 1, 64),
                                 ("max_awareness", 1, 64), ("dead_probe_rounds", 0, 1 << 20),
@@ -353,7 +354,8 @@ class Swim:
     ``peers`` maps the members' names to their addresses (all alive at incarnation 0; this
     member's own name may be among them). It is kept, not copied, so members simulated
     together share one (it must not change); a member's record is made when its state
-    first changes, so a member's memory grows with the changes it saw, not with n.
+    first changes, so besides its probe order (one list of the n names) a member's
+    memory grows with the changes it saw, not with n.
     ``rng`` makes it deterministic. Call ``tick(now)`` at ``next_wakeup()`` (or later)
     and ``receive(now, message)`` for each message, and send what they return;
     ``take_changes()`` says which members changed state since it was last called.

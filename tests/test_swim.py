@@ -321,6 +321,7 @@ def test_piggybacked_updates_stay_within_the_byte_budget():
 
 @pytest.mark.parametrize("config,words", [
     ({"probe_timeout": 2.0}, "probe_timeout"),
+    ({"probe_interval": float("inf")}, "finite"),
     ({"indirect_checks": -1}, "indirect_checks"),
     ({"max_members": 10**6}, "max_members"),
     ({"piggyback_bytes": MAX_MESSAGE_BYTES}, "piggyback_bytes"),
