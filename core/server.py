@@ -39,6 +39,7 @@ class Server:
     metrics_port and metrics_host (an HTTP endpoint of the process's metrics, protected by
     the server's security: see clusterwire.metrics), membership_heartbeat_seconds,
     membership_timeout_seconds and allow_membership_changes (see clusterwire.membership),
+    membership_protocol ("swim": see clusterwire.swim_driver),
     and the security options tls_cert_file,
     tls_key_file, tls_ca_file, tls_client_auth, auth_token_file: see clusterwire.security).
 
@@ -84,7 +85,8 @@ class Server:
             cluster, sd.job_name, sd.task_index, sd.protocol, lambda: self.target,
             options.peer_timeout_seconds or _DEFAULT_PEER_TIMEOUT, transport.info, self._security,
             options.max_store_bytes or None, options.membership_heartbeat_seconds,
-            options.membership_timeout_seconds, options.allow_membership_changes)
+            options.membership_timeout_seconds, options.allow_membership_changes,
+            options.membership_protocol)
         # ServerOptions has a field of the same name for every limit of ListenOptions.
         shell_options = listen_options(security=self._security, **{
             f.name: getattr(options, f.name) for f in fields(ListenOptions)
@@ -209,7 +211,7 @@ class Server:
             if not self._started:
                 self._shell.start()
                 self._shell.reachable_at(join_host_port(self._host, self._port))
-                self._service.membership.start()
+                self._service.start_membership()
                 self._started = True
 
     def join(self, timeout: float | None = None) -> bool:

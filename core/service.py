@@ -21,7 +21,7 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from clusterwire import barrier, barrier_tree, codec, errors, functions, in_process
+from clusterwire import barrier, barrier_tree, codec, errors, functions, in_process, swim
 from clusterwire._version import __version__
 from clusterwire.addressing import split_host_port
 from clusterwire.barrier import Arrival, Releases, Rounds, Subtrees
@@ -49,12 +49,14 @@ from clusterwire.protos.service_pb2 import (
 )
 from clusterwire.rpc import RequestClient
 from clusterwire.security import Security
+from clusterwire.swim_driver import SwimDriver
 from clusterwire.thread_pool import parked
 from clusterwire.transport import Buffer, Frame
 
 _MAX_HOPS = 2
 #: Methods answered without waiting for other requests (here, or forwarded to their task).
-_AT_ONCE = frozenset({"get", "put", "delete", "list", "status", "heartbeat", "identify"})
+_AT_ONCE = frozenset({"get", "put", "delete", "list", "status", "heartbeat", "identify",
+                      "swim"})
 #: Answered at once as well: a malformed request or an unknown method (an error).
 SERVED_AT_ONCE = _AT_ONCE | {"unknown"}
 #: Every method a task serves (a metric's ``method`` label is one of these or "unknown").
@@ -139,7 +141,7 @@ class ClusterService:
                  transport_info: Callable[[], dict[str, str]],
                  security: Security | None = None, max_store_bytes: int | None = None,
                  heartbeat_seconds: float = 0.0, membership_timeout: float = 0.0,
-                 allow_membership_changes: bool = False):
+                 allow_membership_changes: bool = False, membership_protocol: str = ""):
         self.job, self.index, self.protocol = job, index, protocol
         self.name = f"/job:{job}/task:{index}"
         self._target = target
@@ -161,6 +163,23 @@ class ClusterService:
         # doubles as the client certificate under mutual TLS).
         self._peers = RequestClient(protocol, timeout=peer_timeout, security=security)
         link = PeerLink(self._send_heartbeat, self._identify_peer, self._peers.drop)
+        self._swim: SwimDriver | None = None
+        if membership_protocol == "swim":
+            if membership_timeout:
+                raise errors.InvalidArgumentError(
+                    f"membership_timeout_seconds={membership_timeout} does not apply with "
+                    'membership_protocol="swim" (its suspicion timeout says when a task is '
+                    "down): leave it 0.")
+            interval = heartbeat_seconds or swim.Config.probe_interval
+            self._swim = SwimDriver((job, index), lambda: self.membership.view,
+                                    self._send_swim, swim.Config(
+                                        probe_interval=interval, probe_timeout=interval / 2,
+                                        allow_joins=allow_membership_changes))
+            heartbeat_seconds = 0.0  # SWIM's rounds replace the heartbeats
+        elif membership_protocol not in ("", "heartbeats"):
+            raise errors.InvalidArgumentError(
+                f"membership_protocol {membership_protocol!r} is not one of \"heartbeats\" "
+                '(the default) or "swim".')
         self.membership = Membership((job, index), cluster, self._membership_changed, link,
                                      heartbeat_seconds, membership_timeout,
                                      allow_membership_changes)
@@ -208,6 +227,32 @@ class ClusterService:
             version=view.version, cluster=view.cluster.as_cluster_def())).SerializeToString(),
             [])
 
+    def start_membership(self) -> None:
+        """Start heartbeats or SWIM, as configured (idempotent)."""
+        self.membership.start()
+        if self._swim is not None:
+            self._swim.start()
+
+    def _send_swim(self, address: str, data: bytes, timeout: float) -> bytes:
+        request = Request(method="swim", swim=data,
+                          from_task=TaskRef(job=self.job, index=self.index))
+        response, _ = self._peers.send(address, request, timeout=timeout, retry=False)
+        return response.swim
+
+    def _take_swim(self, request: Request) -> Frame:
+        """A peer's SWIM message, answered at once (its direct ack, if any)."""
+        if self._swim is None:
+            raise errors.FailedPreconditionError(
+                f"{self.name} does not run SWIM: start every task of the cluster with "
+                'membership_protocol="swim" (server config).')
+        sender = (request.from_task.job, request.from_task.index)
+        if not request.HasField("from_task") or sender not in self.membership.view.tasks():
+            raise errors.PermissionDeniedError(
+                f"A SWIM message to {self.name} must come from a task of its membership "
+                f"view (from_task /job:{sender[0]}/task:{sender[1]} is not one).")
+        return Frame(Response(swim=self._swim.receive(sender, request.swim))
+                     .SerializeToString(), [])
+
     def _identify_peer(self, task: tuple[str, int], address: str, timeout: float) -> None:
         """Raise unless ``address`` answers ``identify`` as ``task``, with the proof."""
         nonce = secrets.token_bytes(32)
@@ -244,6 +289,8 @@ class ClusterService:
     def close(self) -> None:
         """Release peer connections; stop reporting metrics."""
         self.membership.stop()
+        if self._swim is not None:
+            self._swim.close()
         self._peers.close()
         self._stop_reporting()
         for family in (self._forwarded, self._barrier_waits):
@@ -388,11 +435,13 @@ class ClusterService:
             return self._heartbeat(request)
         if method == "identify":
             return self._identify(request)
+        if method == "swim":
+            return self._take_swim(request)
         raise errors.UnimplementedError(
             f"Unknown method {method!r}; this server serves: status, put, get, delete, list, "
             "call, barrier, complete_cluster, update_cluster (and, between tasks, "
             "barrier_arrive, barrier_release, barrier_withdraw, barrier_report, "
-            "barrier_missing, heartbeat, identify).")
+            "barrier_missing, heartbeat, identify, swim).")
 
     def _store_put(self, name: str, stored: _Stored) -> None:
         """Store ``stored`` as ``name`` (replacing it) within max_store_bytes."""
@@ -777,5 +826,6 @@ class ClusterService:
         status.peers.extend(
             PeerState(task=TaskRef(job=job, index=index), address=address,
                       last_seen_unix_seconds=seen, down=down)
-            for (job, index), address, seen, down in self.membership.peers())
+            for (job, index), address, seen, down in (
+                self._swim.peers() if self._swim is not None else self.membership.peers()))
         return status

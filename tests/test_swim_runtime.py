@@ -1,0 +1,140 @@
+"""SWIM failure detection wired into the runtime (``membership_protocol="swim"``), on real
+task processes on 127.0.0.1 (LocalCluster) and in-process servers: a SIGKILLed task is down
+in every other task's status within the bound the protocol's constants give; an idle
+cluster marks no task down; hostile swim requests are refused with the right error and the
+task keeps serving; the default (heartbeats) path has no SWIM."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from conftest import in_process_job, wait_for
+
+import clusterwire
+from clusterwire import errors, swim
+from clusterwire.local_cluster import LocalCluster
+from clusterwire.protos.service_pb2 import Request, TaskRef
+from clusterwire.rpc import RequestClient
+
+pytestmark = pytest.mark.timeout(180)
+
+INTERVAL = 0.3
+SWIM = {"membership_protocol": "swim", "membership_heartbeat_seconds": INTERVAL,
+        "peer_timeout_seconds": 5.0}
+CONFIG = swim.Config(probe_interval=INTERVAL, probe_timeout=INTERVAL / 2)
+TASKS = 5
+#: How long the idle cluster is watched: this many probe rounds.
+IDLE_ROUNDS = 30
+
+
+def detection_bound(tasks: int, config: swim.Config) -> float:
+    """Seconds until a killed member is dead at every other one, from the constants: a pass
+    of a prober's round robin finds it, the slowest suspicion timeout (no confirmations)
+    expires, and the death is piggybacked for as many rounds as an update is sent."""
+    _, slowest = config.suspicion_bounds(tasks)
+    rounds = (tasks - 1) + config.retransmits(tasks)
+    return rounds * config.probe_interval + slowest
+
+
+def down_map(session: clusterwire.Session) -> dict[str, bool]:
+    return {p["task"]: p["down"] for p in session.status()["peers"]}
+
+
+def raw(address: str, request: Request):
+    """``request`` sent over the wire as any client could."""
+    client = RequestClient("grpc", timeout=10, in_process=False)
+    try:
+        return client.send(address, request, retry=False)
+    finally:
+        client.close()
+
+
+def swim_request(message: bytes, sender: tuple[str, int]) -> Request:
+    return Request(method="swim", swim=message, from_task=TaskRef(job=sender[0],
+                                                                   index=sender[1]))
+
+
+@pytest.fixture(scope="module")
+def idle_cluster():
+    with LocalCluster({"w": TASKS}, config=SWIM) as cluster:
+        yield cluster
+
+
+def test_an_idle_cluster_marks_no_task_down(idle_cluster):
+    """Every task's status is read, in turn, for IDLE_ROUNDS probe rounds: no task is ever
+    down at another, and every peer was heard from (SWIM probes ran)."""
+    sessions = [clusterwire.Session(idle_cluster.target("w", i), timeout=10)
+                for i in range(TASKS)]
+    end = time.monotonic() + IDLE_ROUNDS * INTERVAL
+    reads = 0
+    while time.monotonic() < end:
+        for index, session in enumerate(sessions):
+            peers = session.status()["peers"]
+            assert len(peers) == TASKS - 1
+            assert not [p["task"] for p in peers if p["down"]], f"false down at w:{index}"
+            reads += 1
+    assert reads >= TASKS
+    for session in sessions:
+        assert all(p["last_seen"] > 0 for p in session.status()["peers"])
+
+
+def test_hostile_swim_requests_are_refused_and_the_task_serves(idle_cluster):
+    address = idle_cluster.target("w", 0).split("://")[1]
+    ping = swim.Message(swim.Kind.PING, 1, "w:1", "w:0")
+    with pytest.raises(errors.ResourceExhaustedError, match="MAX_MESSAGE_BYTES=16384"):
+        raw(address, swim_request(b"[" * (swim.MAX_MESSAGE_BYTES + 1), ("w", 1)))
+    with pytest.raises(errors.PermissionDeniedError,
+                       match=r"/job:w/task:2 says it is from 'w:1'.*only as itself \('w:2'\)"):
+        raw(address, swim_request(ping.to_bytes(), ("w", 2)))
+    with pytest.raises(errors.PermissionDeniedError, match="from_task /job:ghost/task:0"):
+        raw(address, swim_request(ping.to_bytes(), ("ghost", 0)))
+    with pytest.raises(errors.InvalidArgumentError, match="not a SWIM message"):
+        raw(address, swim_request(b"{not json", ("w", 1)))
+    lying = swim.Message(swim.Kind.PING, 2, "w:1", "w:0", (
+        swim.Update("w:3", swim.State.DEAD, 10**6),))
+    raw(address, swim_request(lying.to_bytes(), ("w", 1)))  # taken, its update dropped
+    response, _ = raw(address, swim_request(ping.to_bytes(), ("w", 1)))
+    ack = swim.Message.from_bytes(response.swim)
+    assert (ack.kind, ack.seq, ack.sender) == (swim.Kind.ACK, 1, "w:0")
+    session = clusterwire.Session(idle_cluster.target("w", 0), timeout=10)
+    session.put("still", 7)
+    assert session.get("still") == 7
+    assert not any(down_map(session).values())
+
+
+def test_a_killed_task_is_down_everywhere_within_the_bound():
+    bound = detection_bound(TASKS, CONFIG)
+    with LocalCluster({"w": TASKS}, config=SWIM) as cluster:
+        sessions = [clusterwire.Session(cluster.target("w", i), timeout=10)
+                    for i in range(TASKS - 1)]
+        for session in sessions:
+            wait_for(lambda s=session: s.status()["peers"] and all(
+                p["last_seen"] > 0 for p in s.status()["peers"]), 30, "every peer probed")
+        cluster.process("w", TASKS - 1).kill()
+        killed = time.monotonic()
+        victim = f"/job:w/task:{TASKS - 1}"
+        for session in sessions:
+            wait_for(lambda s=session: down_map(s)[victim], bound, f"{victim} down")
+        took = time.monotonic() - killed
+        assert took < bound
+        for session in sessions:
+            assert [t for t, down in down_map(session).items() if down] == [victim]
+
+
+def test_the_default_path_has_no_swim_and_refuses_swim_requests():
+    with in_process_job("w", 2, protocol="grpc") as servers:
+        address = servers[0].target.split("://")[1]
+        ping = swim.Message(swim.Kind.PING, 1, "w:1", "w:0")
+        with pytest.raises(errors.FailedPreconditionError, match='membership_protocol="swim"'):
+            raw(address, swim_request(ping.to_bytes(), ("w", 1)))
+        assert clusterwire.Session(servers[0].target).status()["peers"] == []
+
+
+def test_membership_protocol_settings_are_checked():
+    with pytest.raises(errors.InvalidArgumentError, match="'gossip' is not one of"):
+        clusterwire.Server({"w": ["127.0.0.1:0"]}, config={"membership_protocol": "gossip"},
+                           start=False)
+    with pytest.raises(errors.InvalidArgumentError, match="membership_timeout_seconds=2.0"):
+        clusterwire.Server({"w": ["127.0.0.1:0"]}, config={
+            "membership_protocol": "swim", "membership_timeout_seconds": 2.0}, start=False)
