@@ -234,9 +234,20 @@ class ClusterService:
             self._swim.start()
 
     def _send_swim(self, address: str, data: bytes, timeout: float) -> bytes:
-        request = Request(method="swim", swim=data,
+        """Send a SWIM message; when the receiver's membership version differs from this
+        task's, exchange views with it (a heartbeat: the newer view spreads with the probes,
+        as there are no heartbeats to carry it)."""
+        view = self.membership.view
+        request = Request(method="swim", swim=data, membership_version=view.version,
                           from_task=TaskRef(job=self.job, index=self.index))
         response, _ = self._peers.send(address, request, timeout=timeout, retry=False)
+        if response.membership.version != view.version:
+            try:
+                self.membership.receive(self._send_heartbeat(address, view, timeout), None,
+                                        solicited=True)
+            except errors.OpError as err:  # the next probe of this peer tries again
+                _LOG.debug("clusterwire: %s: membership views not exchanged with %s: %s",
+                           self.name, address, err.message)
         return response.swim
 
     def _take_swim(self, request: Request) -> Frame:
@@ -250,8 +261,9 @@ class ClusterService:
             raise errors.PermissionDeniedError(
                 f"A SWIM message to {self.name} must come from a task of its membership "
                 f"view (from_task /job:{sender[0]}/task:{sender[1]} is not one).")
-        return Frame(Response(swim=self._swim.receive(sender, request.swim))
-                     .SerializeToString(), [])
+        answer = self._swim.receive(sender, request.swim)
+        return Frame(Response(swim=answer, membership=MembershipView(
+            version=self.membership.view.version)).SerializeToString(), [])
 
     def _identify_peer(self, task: tuple[str, int], address: str, timeout: float) -> None:
         """Raise unless ``address`` answers ``identify`` as ``task``, with the proof."""

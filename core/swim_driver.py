@@ -48,6 +48,7 @@ class SwimDriver:
         self._view, self._send = view, send
         self._lock = threading.Lock()
         self._swim: swim.Swim | None = None
+        self._members: dict[str, str] = {}  # the addresses the member began with
         self._names: tuple[bytes, dict[str, str]] = (b"", {})  # view digest -> addresses
         self._heard: dict[str, float] = {}  # member -> last message from it (time.time())
         self.dropped: Counter = Counter()  # messages not sent, by reason
@@ -63,12 +64,32 @@ class SwimDriver:
         with self._lock:
             if self._swim is not None:
                 return
-            addresses = self._addresses()
-            self._swim = swim.Swim(self.name, addresses[self.name], addresses,
-                                   now=time.monotonic(), config=self.config)
-            if self.config.allow_joins:
-                self._swim.join()
+            self._begin(0)
         self._thread.start()
+
+    def _begin(self, incarnation: int) -> None:
+        """A fresh member for the view's tasks at their current addresses (under the lock)."""
+        addresses = self._addresses()
+        self._members = addresses
+        self._swim = swim.Swim(self.name, addresses[self.name], addresses,
+                               now=time.monotonic(), config=self.config,
+                               incarnation=incarnation)
+        if self.config.allow_joins:
+            self._swim.join()
+
+    def _follow_moves(self) -> None:
+        """Begin afresh when a member's address changed in the view (a port bound after a
+        port-0 start, a task restarted elsewhere): SWIM refuses news of a known member at
+        another address, so its refutations would be refused. The states it held are
+        found again by probing."""
+        addresses = self._addresses()
+        if addresses is self._members:
+            return
+        if any(addresses.get(member, address) != address
+               for member, address in self._members.items()):
+            self._begin(self._swim.incarnation)
+        else:
+            self._members = addresses
 
     def receive(self, sender: Task, data: bytes) -> bytes:
         """Take the message ``data`` that task ``sender`` sent; the direct answer's bytes
@@ -133,6 +154,7 @@ class SwimDriver:
         while not self._stopped.is_set():
             self._wake.clear()
             with self._lock:
+                self._follow_moves()
                 now = time.monotonic()
                 out = self._swim.tick(now)
                 wakeup = self._swim.next_wakeup()

@@ -122,6 +122,54 @@ def test_a_killed_task_is_down_everywhere_within_the_bound():
             assert [t for t, down in down_map(session).items() if down] == [victim]
 
 
+def test_a_joined_task_is_probed_and_found_down_when_it_stops():
+    """A task joins through update_cluster (identify), announces itself to SWIM
+    (allow_membership_changes), is heard from by every task, and is down at every task
+    within the bound once it stops."""
+    config = {**SWIM, "allow_membership_changes": True}
+    with in_process_job("w", 3, protocol="grpc", config=config) as servers:
+        addresses = [s.target.split("://")[1] for s in servers]
+        joined = clusterwire.Server({"w": [*addresses, "127.0.0.1:0"]}, job_name="w",
+                                    task_index=3, protocol="grpc", config=config)
+        try:
+            servers[0].update_cluster(joined.cluster_spec)
+            sessions = [clusterwire.Session(s.target, timeout=10) for s in servers]
+            for session in sessions:
+                wait_for(lambda s=session: [p["last_seen"] > 0 for p in s.status()["peers"]
+                                            if p["task"] == "/job:w/task:3"] == [True], 30,
+                         "the joined task heard from")
+        finally:
+            joined.stop()
+        stopped = time.monotonic()
+        bound = detection_bound(4, CONFIG)
+        for session in sessions:
+            wait_for(lambda s=session: down_map(s)["/job:w/task:3"], bound, "w:3 down")
+        assert time.monotonic() - stopped < bound
+        for session in sessions:
+            assert [t for t, down in down_map(session).items() if down] == ["/job:w/task:3"]
+
+
+def test_a_false_suspicion_is_refuted_on_a_cluster_started_on_port_0():
+    """A suspicion of a live task (sent by a token holder as another task's news) is refuted
+    by the suspect with a higher incarnation before any task holds it dead: the members
+    follow the ports bound after the port-0 start, so the refutation's address is the one
+    they know."""
+    with in_process_job("w", 3, protocol="grpc", config=SWIM) as servers:
+        sessions = [clusterwire.Session(s.target, timeout=10) for s in servers]
+        wait_for(lambda: all(p["last_seen"] > 0 for s in sessions
+                             for p in s.status()["peers"]), 30, "every peer heard")
+        rumour = swim.Message(swim.Kind.PING, 1, "w:2", "w:0", (
+            swim.Update("w:1", swim.State.SUSPECT, 0, origin="w:2"),))
+        raw(servers[0].target.split("://")[1], swim_request(rumour.to_bytes(), ("w", 2)))
+        _, slowest = CONFIG.suspicion_bounds(3)
+        end = time.monotonic() + slowest + CONFIG.retransmits(3) * INTERVAL
+        while time.monotonic() < end:
+            assert not any(down for s in sessions for down in down_map(s).values())
+        for server in servers[::2]:
+            state, incarnation = server._service._swim._swim.members()["w:1"]
+            assert (state, incarnation >= 1) == (swim.State.ALIVE, True)
+
+
 def test_the_default_path_has_no_swim_and_refuses_swim_requests():
     with in_process_job("w", 2, protocol="grpc") as servers:
         address = servers[0].target.split("://")[1]
