@@ -20,6 +20,7 @@ import clusterwire
 from clusterwire import errors
 from clusterwire.metrics import REGISTRY, catalog, endpoint, snapshot
 from clusterwire.metrics.endpoint import serve_metrics
+from clusterwire.metrics.registry import Registry, Sample
 from clusterwire.protos.service_pb2 import Request
 from clusterwire.rpc import RequestClient
 from clusterwire.shell import Shell, listen_options
@@ -256,6 +257,48 @@ def test_silent_connections_cannot_lock_a_scraper_out():
         finally:
             for connection in silent:
                 connection.close()
+
+
+def _peer(connection: socket.socket):
+    try:
+        return connection.getpeername()
+    except OSError:  # closed meanwhile
+        return None
+
+
+def test_a_scrape_being_answered_is_not_closed_for_newer_connections():
+    """A flood of new connections closes the oldest of those still waiting for their request,
+    never one being answered (the flood cut a token holder's scrape between its headers and
+    its body)."""
+    rendering, release = threading.Event(), threading.Event()
+
+    def slow_source():
+        rendering.set()
+        assert release.wait(30)
+        return [Sample(catalog.SERVING, ("slow",), 1)]
+
+    registry = Registry()
+    registry.add_source(slow_source)
+    metrics = serve_metrics(0, registry=registry)
+    answers: list = []
+    scraper = threading.Thread(target=lambda: answers.append(scrape(metrics.url)))
+    scraper.start()
+    silent = []
+    try:
+        assert rendering.wait(30)  # the scrape's request came: it is being answered
+        silent = [socket.create_connection(("127.0.0.1", metrics.port))
+                  for _ in range(3 * endpoint.MAX_CONNECTIONS)]
+        last = silent[-1].getsockname()
+        wait_for(lambda: any(_peer(held) == last
+                             for held in list(metrics._server._open.values())), 30,
+                 "the endpoint to take the flood's last connection")
+    finally:
+        release.set()
+        scraper.join(30)
+        for connection in silent:
+            connection.close()
+        metrics.close()
+    assert [value(answer, "clusterwire_serving", server="slow") for answer in answers] == [1]
 
 
 @pytest.mark.parametrize("port", [-1, 70000, "9100", True])

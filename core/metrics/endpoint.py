@@ -11,8 +11,11 @@ TOKEN`` (Prometheus' ``authorization`` / ``bearer_token_file``); with their TLS,
 endpoint speaks HTTPS with the same certificate (and asks for client certificates under
 mutual TLS). ``/healthz`` and ``/readyz`` say only up or down, and answer without a token,
 as gRPC health does. A connection gets ``TIMEOUT_S`` to send its request and at most
-``MAX_CONNECTIONS`` are open at once (a new one closes the oldest, the likeliest to be a
-silent one), so a hostile peer can neither pin the endpoint's threads nor lock a scraper out.
+``MAX_CONNECTIONS`` are waiting for theirs at once (a new one closes the oldest, the likeliest
+to be a silent one); a connection whose request came is being answered and is never closed for
+a newer one (what a tokenless peer is answered fits a socket's buffer, so its answers end at
+once), so a hostile peer can neither pin the endpoint's threads nor lock a scraper out, nor cut
+a scrape short.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         endpoint = self.server.endpoint
+        self.server.answering()
         path = self.path.split("?", 1)[0]
         if path == "/healthz":
             self._answer(200, b"ok\n")
@@ -115,8 +119,10 @@ class _HttpServer(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], context: ssl.SSLContext | None):
         self._context = context
-        self._open: OrderedDict[int, socket.socket] = OrderedDict()  # oldest first
+        # The connections waiting for their request, oldest first (the ones evicted).
+        self._open: OrderedDict[int, socket.socket] = OrderedDict()
         self._open_lock = threading.Lock()
+        self._connection = threading.local()  # the key of the thread's connection
         super().__init__(address, _Handler)
 
     def process_request(self, request: socket.socket, client_address) -> None:
@@ -129,6 +135,12 @@ class _HttpServer(ThreadingHTTPServer):
         request.settimeout(TIMEOUT_S)
         super().process_request(request, client_address)
 
+    def answering(self) -> None:
+        """The calling thread's connection sent its request: it is no longer one a newer
+        connection may close."""
+        with self._open_lock:
+            self._open.pop(self._connection.key, None)
+
     def handle_error(self, request, client_address) -> None:
         """A client that hung up or went silent while it was answered is no news (the
         default prints a traceback to stderr); anything else is logged."""
@@ -139,6 +151,7 @@ class _HttpServer(ThreadingHTTPServer):
 
     def process_request_thread(self, request: socket.socket, client_address) -> None:
         raw = request
+        self._connection.key = id(raw)
         try:
             if self._context is not None:
                 try:
