@@ -365,3 +365,52 @@ def test_a_forked_child_does_not_share_the_parents_lane_connections():
         assert os.waitstatus_to_exitcode(status) == 0
         echo(channel)  # the parent's connection still serves it
         assert channel._lane.calls == 2 and len(listener.lane._served) == 1
+
+
+class _ShortWrites:
+    """A socket whose sendmsg writes at most ``most`` bytes, as a full send buffer under a
+    send timeout does (the lane's listener sets SO_SNDTIMEO)."""
+
+    def __init__(self, sock: socket.socket, most: int):
+        self._sock, self._most = sock, most
+        self.sendmsg_calls = 0
+
+    def sendmsg(self, views: list) -> int:
+        self.sendmsg_calls += 1
+        room, taken = self._most, []
+        for view in views:
+            if room <= 0:
+                break
+            taken.append(memoryview(view)[:room])
+            room -= taken[-1].nbytes
+        return self._sock.sendmsg(taken)
+
+
+def test_send_views_resumes_partial_sends_and_leaves_the_parts_as_they_were():
+    """sendmsg takes part of the parts at a time, and every byte still arrives once, in
+    order (empty parts skipped); the caller's list is unchanged; 600 parts go in batches."""
+    parts = [memoryview(bytes([index]) * size)
+             for index, size in enumerate([0, 5, 30_000, 0, 7, 100_000, 1])]
+    parts += [memoryview(b"%03d" % index) for index in range(600)]
+    expected = b"".join(parts)
+    before = list(parts)
+    writer, reader = socket.socketpair()
+    with writer, reader:
+        received = bytearray()
+
+        def read() -> None:
+            while len(received) < len(expected):
+                chunk = reader.recv(65536)
+                if not chunk:
+                    return
+                received.extend(chunk)
+
+        thread = threading.Thread(target=read, daemon=True)
+        thread.start()
+        short = _ShortWrites(writer, 4099)
+        lane.send_views(short, parts)
+        thread.join(30)
+        assert not thread.is_alive()
+    assert bytes(received) == expected
+    assert parts == before
+    assert short.sendmsg_calls >= len(expected) // 4099

@@ -94,44 +94,47 @@ class IdleConnections(Generic[C]):
     def __init__(self, address: str):
         self._address = address
         self._lock = threading.Lock()
-        self._closed = threading.Event()
+        self._closed = False  # set once, by close()
         self._idle: list[C] = []  # most recently used last
         self._open: set[C] = set()  # idle and in use
 
     @property
     def closed(self) -> bool:
         """Whether ``close`` ran (the channel was closed)."""
-        return self._closed.is_set()
+        return self._closed
 
-    def _refuse_closed(self) -> None:
-        if self._closed.is_set():
-            raise errors.CancelledError(f"Channel to {self._address} is closed.")
+    def _raise_closed(self) -> None:
+        raise errors.CancelledError(f"Channel to {self._address} is closed.")
 
     def take(self) -> C | None:
         """The most recently used idle connection, None if none; CancelledError once
         closed."""
         with self._lock:
-            self._refuse_closed()
+            if self._closed:
+                self._raise_closed()
             return self._idle.pop() if self._idle else None
 
     def add(self, connection: C) -> None:
         """Count a new connection as open (in use); CancelledError once closed (the caller
         closes it)."""
         with self._lock:
-            self._refuse_closed()
+            if self._closed:
+                self._raise_closed()
             self._open.add(connection)
 
     def put_back(self, connection: C) -> None:
         """Return a healthy connection to the pool; close those idle too long."""
         now = time.monotonic()
         connection.idle_since = now
-        stale = []
         with self._lock:
-            if self._closed.is_set():
-                stale.append(connection)
+            if self._closed:
                 self._open.discard(connection)
+                stale = [connection]
             else:
                 self._idle.append(connection)
+                if now - self._idle[0].idle_since <= IDLE_CONNECTION_S:
+                    return
+                stale = []
                 while self._idle and now - self._idle[0].idle_since > IDLE_CONNECTION_S:
                     stale.append(self._idle.pop(0))
                     self._open.discard(stale[-1])
@@ -147,7 +150,7 @@ class IdleConnections(Generic[C]):
     def closed_error(self, error: Exception) -> Exception:
         """``error``, or CancelledError if the channel was closed (closing it is what made
         the connection fail)."""
-        if self._closed.is_set():
+        if self._closed:
             return errors.CancelledError(f"Channel to {self._address} was closed.")
         return error
 
@@ -161,7 +164,7 @@ class IdleConnections(Generic[C]):
 
     def close(self) -> None:
         """Close every connection: calls waiting on one end (their receive fails)."""
-        self._closed.set()
+        self._closed = True
         with self._lock:
             connections, self._open = list(self._open), set()
             idle, self._idle = self._idle, []

@@ -136,7 +136,20 @@ def read_message(sock: socket.socket, scratch: memoryview, limit: int,
     for the message (TimeoutError); ``give_up_rest``: for the rest of it once begun.
     ``Garbage``, ``Oversized`` (over ``limit``: nothing of the body read), ConnectionError
     (the connection ended inside the message)."""
-    filled = 0
+    try:  # the common case: the whole message in one receive
+        filled = sock.recv_into(scratch)
+    except BlockingIOError:
+        if give_up_first():
+            raise TimeoutError from None
+        filled = 0
+    else:
+        if not filled:
+            return None
+        if filled > _MESSAGE.size:
+            magic, op, length = _MESSAGE.unpack_from(scratch)
+            if filled == _MESSAGE.size + length and magic == MAGIC and op in _OPS \
+                    and length <= limit:
+                return op, scratch[_MESSAGE.size:filled], False
     while filled < _MESSAGE.size:
         count = _receive(sock, scratch[filled:], give_up_rest if filled else give_up_first)
         if not count:
@@ -216,12 +229,12 @@ class LaneServer(TicketPort):
         self._tickets = _Tickets(ticket_ttl,
                                  limits.max_pending_connections + limits.max_connections)
         self.slots = WorkSlots(limits.max_workers)
-        self._calls = threading.Condition(threading.Lock())  # for the three below
+        self._calls = threading.Condition(threading.Lock())  # for the two below
         self._served: dict[socket.socket, _ServerConnection] = {}  # admitted
-        self._busy: set[_ServerConnection] = set()  # running a call
+        self._retired_calls = 0  # served by connections no longer in _served
+        # Set once, by stop(); a connection marks itself busy before reading it (begin), so
+        # without a lock per call either it sees the flag or stop() sees it busy.
         self._draining = False
-        #: Calls served over the lane so far.
-        self.calls = 0
 
     def ticket(self, peer: str) -> bytes:
         """The ``Lane`` reply for ``peer``: this port and a new secret."""
@@ -262,25 +275,32 @@ class LaneServer(TicketPort):
             served.serve()
         finally:
             with self._calls:
-                self._served.pop(connection, None)
+                if self._served.pop(connection, None) is not None:
+                    self._retired_calls += served.calls
+
+    @property
+    def calls(self) -> int:
+        """Calls served over the lane so far."""
+        with self._calls:
+            return self._retired_calls + sum(served.calls for served in self._served.values())
 
     def begin(self, connection: _ServerConnection) -> bool:
         """``connection`` starts running a call; False (not to run) once stopping."""
-        with self._calls:
-            if self._draining:
-                return False
-            self._busy.add(connection)
-            self.calls += 1
-            return True
+        connection.busy = True
+        if self._draining:
+            self.end(connection)
+            return False
+        connection.calls += 1
+        return True
 
     def end(self, connection: _ServerConnection) -> bool:
         """``connection``'s call was answered; False if it is to close (stopping)."""
-        with self._calls:
-            self._busy.discard(connection)
-            if self._draining:
+        connection.busy = False
+        if self._draining:
+            with self._calls:
                 self._calls.notify_all()
-                return False
-            return True
+            return False
+        return True
 
     def run(self, request: Frame) -> bytes:
         """The reply envelope for ``request``, the handler run under a work slot."""
@@ -322,8 +342,8 @@ class LaneServer(TicketPort):
         for connection in served:
             connection.close_when_idle()
         with self._calls:
-            self._calls.wait_for(lambda: not self._busy, grace or 0.0)
-            running = list(self._busy)
+            self._calls.wait_for(lambda: not any(c.busy for c in served), grace or 0.0)
+            running = [connection for connection in served if connection.busy]
         for connection in running:
             connection.cancel()
         self.slots.close()
@@ -369,6 +389,8 @@ class _ServerConnection:
         self.peer = peer
         self._lock = threading.Lock()  # one answer per call; CLOSING once
         self._answered = True
+        self.busy = False  # running a call (LaneServer.begin to end)
+        self.calls = 0  # calls begun
         self._closing = False
         self._waiting_since = self._started = 0.0  # of the read in progress
 
@@ -589,12 +611,12 @@ class LaneClient:
     def _exchange(self, connection: LaneConnection, parts: Sequence[memoryview],
                   deadline: float | None, reused: bool) -> Any:
         """One call on ``connection``: the reply envelope, or ``_NOT_READ``."""
-        try:
-            left(deadline)
-        except errors.DeadlineExceededError:
+        if deadline is not None and time.monotonic() >= deadline:
             self._connections.put_back(connection)
-            raise
-        length = sum(part.nbytes for part in parts)
+            left(deadline)  # raises
+        length = 0
+        for part in parts:
+            length += part.nbytes
         try:
             send_views(connection.sock, [memoryview(_MESSAGE.pack(MAGIC, CALL, length)),
                                          *parts])
@@ -607,8 +629,9 @@ class LaneClient:
                 f"Sending to the lane of {self._address} failed: {err}")) from None
         try:
             connection.arm(deadline)
+            passed = _never if deadline is None else lambda: time.monotonic() >= deadline
             received = read_message(connection.sock, connection.scratch, self._reply_limit,
-                                    lambda: _passed(deadline), lambda: _passed(deadline))
+                                    passed, passed)
         except TimeoutError:  # its answer may still come: the connection is not reused
             self._connections.discard(connection)
             raise errors.DeadlineExceededError(
@@ -671,7 +694,3 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 def _never() -> bool:
     return False
-
-
-def _passed(deadline: float | None) -> bool:
-    return deadline is not None and time.monotonic() >= deadline

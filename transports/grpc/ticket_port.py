@@ -140,16 +140,21 @@ class TicketPort(abc.ABC):
 
 
 def send_views(connection: socket.socket, views: list[memoryview]) -> None:
-    """Write every byte of ``views`` (partial sendmsg results resumed)."""
-    views = [v for v in views if v.nbytes]
-    first = 0
-    while first < len(views):
-        sent = connection.sendmsg(views[first:first + _SEND_BATCH])
-        while sent and sent >= views[first].nbytes:
+    """Write every byte of ``views`` (partial sendmsg results resumed); ``views`` is left
+    as it was."""
+    sent = connection.sendmsg(views if len(views) <= _SEND_BATCH else views[:_SEND_BATCH])
+    first, copied = 0, False
+    while True:  # skip what was sent; most often all of it at the first sendmsg
+        while first < len(views) and sent >= views[first].nbytes:
             sent -= views[first].nbytes
             first += 1
+        if first == len(views):
+            return
         if sent:
+            if not copied:
+                views, copied = list(views), True
             views[first] = views[first][sent:]
+        sent = connection.sendmsg(views[first:first + _SEND_BATCH])
 
 
 def shutdown(connection: socket.socket, how: int) -> None:
