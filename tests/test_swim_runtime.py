@@ -6,16 +6,19 @@ task keeps serving; the default (heartbeats) path has no SWIM."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
-from conftest import in_process_job, wait_for
+from conftest import child_env, in_process_job, wait_for
+from emulated_hosts import requires_netns
 
 import clusterwire
 from clusterwire import errors, swim
 from clusterwire.local_cluster import LocalCluster
 from clusterwire.protos.service_pb2 import Request, TaskRef
 from clusterwire.rpc import RequestClient
+from clusterwire.testing.hosts import EmulatedHosts
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -120,6 +123,46 @@ def test_a_killed_task_is_down_everywhere_within_the_bound():
         assert took < bound
         for session in sessions:
             assert [t for t, down in down_map(session).items() if down] == [victim]
+
+
+@requires_netns
+def test_a_cut_hosts_tasks_are_down_at_the_other_host_within_the_bound():
+    """2 emulated hosts x 4 task processes: every peer heard, IDLE_ROUNDS rounds with no task
+    down, then host 1's link is cut (its probes time out: nothing refuses them) and its 4
+    tasks are down at each of host 0's within the bound, and nothing else is."""
+    per_host, port = 4, 2300
+    with EmulatedHosts(2) as hosts:
+        addresses = [f"{host.address}:{port + i}" for host in hosts for i in range(per_host)]
+        cluster = json.dumps({"w": addresses})
+        served = [hosts[task // per_host].serve(
+            "serve", "--cluster", cluster, "--job-name", "w", "--task-index", str(task),
+            "--config", json.dumps(SWIM), env=child_env()) for task in range(len(addresses))]
+        for task in served:
+            task.wait_ready()
+        client = hosts[0].interpreter(child_env())
+        client.exec("import clusterwire")
+
+        def peers(address: str) -> list[dict]:
+            return client.eval(f"[{{'task': p['task'], 'down': p['down'], 'seen': "
+                               f"p['last_seen']}} for p in clusterwire.Session("
+                               f"'grpc://{address}', timeout=5).status()['peers']]")
+
+        local = addresses[:per_host]
+        for address in local:
+            wait_for(lambda a=address: all(p["seen"] > 0 for p in peers(a)), 30,
+                     f"every peer heard at {address}")
+        end = time.monotonic() + IDLE_ROUNDS * INTERVAL
+        while time.monotonic() < end:
+            for address in local:
+                assert not [p["task"] for p in peers(address) if p["down"]], address
+        hosts.cut(1)
+        cut = time.monotonic()
+        bound = detection_bound(len(addresses), CONFIG)
+        gone = {f"/job:w/task:{task}" for task in range(per_host, 2 * per_host)}
+        for address in local:
+            wait_for(lambda a=address: {p["task"] for p in peers(a) if p["down"]} == gone,
+                     bound, f"host 1's tasks down at {address}")
+        assert time.monotonic() - cut < bound
 
 
 def test_a_joined_task_is_probed_and_found_down_when_it_stops():
