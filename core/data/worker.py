@@ -80,6 +80,7 @@ from clusterwire.protos.data_service_pb2 import (
     WorkerHeartbeatRequest,
     WorkerInfo,
 )
+from clusterwire.security import Security
 from clusterwire.shell import Shell
 from clusterwire.waiting import wait_event
 
@@ -106,6 +107,24 @@ def _substitute(address: str, placeholder: str, port: int) -> str:
     return address.replace(placeholder, str(port))
 
 
+def _worker_config(config: WorkerConfig | dict | None, dispatcher_address: str | None,
+                   port: Any, protocol: str | None) -> WorkerConfig:
+    """The worker's config: ``config`` (or one made of the arguments) with the arguments
+    given beside it in place of its fields."""
+    config = as_config(config, WorkerConfig)
+    if config is None:
+        return WorkerConfig(dispatcher_address=dispatcher_address, port=port or 0,
+                            protocol=protocol)
+    overrides = {k: v for k, v in (("dispatcher_address", dispatcher_address),
+                                   ("port", port), ("protocol", protocol)) if v is not None}
+    if not overrides:
+        return config
+    # Validate only the overrides: re-building the whole config would turn its stored 0 ms
+    # fields (runtime defaults) into 1 ms (TF's mapping of 0).
+    checked = WorkerConfig(**{"dispatcher_address": config.dispatcher_address, **overrides})
+    return config._replace(**{k: getattr(checked, k) for k in overrides})
+
+
 class WorkerServer(MonitoredServer):
     """A tf.data service worker (``tf.data.experimental.service.WorkerServer``).
 
@@ -125,21 +144,7 @@ class WorkerServer(MonitoredServer):
                  config: WorkerConfig | dict | None = None):
         if isinstance(port, (WorkerConfig, dict)):
             port, config = None, port
-        config = as_config(config, WorkerConfig)
-        if config is None:
-            config = WorkerConfig(dispatcher_address=dispatcher_address, port=port or 0,
-                                  protocol=protocol)
-        else:
-            overrides = {k: v for k, v in (("dispatcher_address", dispatcher_address),
-                                           ("port", port), ("protocol", protocol))
-                         if v is not None}
-            if overrides:
-                # Validate only the overrides: re-building the whole config would turn its
-                # stored 0 ms fields (runtime defaults) into 1 ms (TF's mapping of 0).
-                checked = WorkerConfig(**{"dispatcher_address": config.dispatcher_address,
-                                          **overrides})
-                config = config._replace(**{k: getattr(checked, k) for k in overrides})
-        self._config = config
+        self._config = config = _worker_config(config, dispatcher_address, port, protocol)
         self._quotas = server_limits(config)
         warn_if_unsafe(config, "worker")
         self._permissions = WorkerPermissions(config.function_modules, config.readable_dirs)
@@ -148,42 +153,11 @@ class WorkerServer(MonitoredServer):
                         ThreadBudget(config.pipeline_limits.max_pipeline_threads))
         security = server_security(config)
         self._worker_token = worker_auth.load(config.worker_token_file, security)
-        options = server_listen_options(security)
-        host = split_host_port(_substitute(config.worker_address, "%port%", 0))[0]
-        self._monitoring = Monitoring("data-worker")
-        name = self._monitoring.name
-        try:
-            self._endpoint = serve(config.protocol, host, config.port, self._handle, name,
-                                   options, config.send_tracebacks)
-        except BaseException:
-            self._monitoring.close()
-            raise
-        info = WorkerInfo(address=_substitute(config.worker_address, "%port%",
-                                              self._endpoint.port),
-                          protocol=config.protocol)
-        self._transfer: Shell | None = None
         self._streams: dict[tuple[int, int, str, int], Stream] = {}
         self._lock = threading.Lock()
-        try:
-            if config.data_transfer_protocol:
-                transfer_host = split_host_port(
-                    _substitute(config.data_transfer_address, "%dts_port%", 0))[0]
-                self._transfer = serve(config.data_transfer_protocol, transfer_host, 0,
-                                       self._handle, f"{name}/transfer", options,
-                                       config.send_tracebacks)
-                info.transfer_protocol = config.data_transfer_protocol
-                info.transfer_address = _substitute(config.data_transfer_address, "%dts_port%",
-                                                    self._transfer.port)
-            self._monitoring.start(functools.partial(_samples, name, self._streams, self._lock),
-                                   config.metrics_port, config.metrics_host, security)
-        except BaseException:
-            for endpoint in self._endpoints():
-                endpoint.stop(0)
-            self._monitoring.close()
-            raise
+        self._info = self._serve(config, security)
         self._sent = REGISTRY.family(catalog.DATA_ELEMENTS)
         self._sent_bytes = REGISTRY.family(catalog.DATA_ELEMENT_BYTES)
-        self._info = info
         _, dispatcher = split_target(config.dispatcher_address)
         self._dispatcher = DispatcherClient(
             config.protocol, dispatcher,
@@ -220,6 +194,43 @@ class WorkerServer(MonitoredServer):
                                        self._dispatcher, self._streams, self._monitoring, None)
         if start:
             self.start()
+
+    def _serve(self, config: WorkerConfig, security: Security) -> WorkerInfo:
+        """Start the listeners (the worker's and, with data_transfer_protocol, the
+        data-transfer one) and the metrics; what the dispatcher is told of them. On failure
+        nothing started is left serving."""
+        options = server_listen_options(security)
+        host = split_host_port(_substitute(config.worker_address, "%port%", 0))[0]
+        self._monitoring = Monitoring("data-worker")
+        name = self._monitoring.name
+        self._transfer: Shell | None = None
+        try:
+            self._endpoint = serve(config.protocol, host, config.port, self._handle, name,
+                                   options, config.send_tracebacks)
+        except BaseException:
+            self._monitoring.close()
+            raise
+        info = WorkerInfo(address=_substitute(config.worker_address, "%port%",
+                                              self._endpoint.port),
+                          protocol=config.protocol)
+        try:
+            if config.data_transfer_protocol:
+                transfer_host = split_host_port(
+                    _substitute(config.data_transfer_address, "%dts_port%", 0))[0]
+                self._transfer = serve(config.data_transfer_protocol, transfer_host, 0,
+                                       self._handle, f"{name}/transfer", options,
+                                       config.send_tracebacks)
+                info.transfer_protocol = config.data_transfer_protocol
+                info.transfer_address = _substitute(config.data_transfer_address, "%dts_port%",
+                                                    self._transfer.port)
+            self._monitoring.start(functools.partial(_samples, name, self._streams, self._lock),
+                                   config.metrics_port, config.metrics_host, security)
+        except BaseException:
+            for endpoint in self._endpoints():
+                endpoint.stop(0)
+            self._monitoring.close()
+            raise
+        return info
 
     def _endpoints(self) -> list[Shell]:
         return [e for e in (self._endpoint, self._transfer) if e is not None]
