@@ -89,14 +89,32 @@ def response_value(frame: Frame) -> Any:
 MAX_CHANNELS = 256
 
 
+class _InProcessChannel:
+    """The channel to a server of this process: its shell serves the frame in the caller's
+    thread, no transport in between (``clusterwire.in_process``)."""
+
+    def __init__(self, shell: in_process.InProcessShell, security: Security,
+                 closing: threading.Event):
+        self._serve, self._security, self._closing = shell.call_in_process, security, closing
+
+    def call(self, frame: Frame, timeout: float | None = None) -> Frame:
+        return self._serve(frame, timeout, self._security, self._closing)
+
+    call_relayed = call  # nothing in between to relay through
+
+    def close(self) -> None:
+        pass
+
+
 class _Pooled:
     """A client's channel to one address, the calls using it now, and whether it left the
     pool (then it closes when the last of them ends)."""
 
-    __slots__ = ("channel", "users", "evicted")
+    __slots__ = ("channel", "users", "evicted", "shell")
 
-    def __init__(self, channel: Channel):
+    def __init__(self, channel: Channel, shell: in_process.InProcessShell | None = None):
         self.channel, self.users, self.evicted = channel, 0, False
+        self.shell = shell  # an in-process channel's server (such a channel is never closed)
 
 
 class RequestClient:
@@ -125,6 +143,7 @@ class RequestClient:
         self.in_process = in_process
         self._transport = get_plugin_manager().transport(protocol)
         self._channels: OrderedDict[str, _Pooled] = OrderedDict()  # least recently used first
+        self._in_process: dict[str, _Pooled] = {}  # address -> the channel to its shell here
         self._lock = threading.Lock()
         self._closed = False
         self._closing = threading.Event()  # wakes a retry's backoff
@@ -134,8 +153,19 @@ class RequestClient:
         self.failures = 0
 
     def _acquire(self, address: str) -> _Pooled:
-        """The channel to ``address`` (opened if needed), counted as used until
-        ``_release``."""
+        """The channel to ``address``: a server of this process's own (unless
+        ``in_process`` is False), else the transport's (opened if needed), counted as used
+        until ``_release``."""
+        shell = in_process.lookup(self.protocol, address) if self.in_process else None
+        if shell is not None and shell.takes_in_process(self.security):
+            local = self._in_process.get(address)
+            if local is None or local.shell is not shell:
+                local = _Pooled(_InProcessChannel(shell, self.security, self._closing), shell)
+                with self._lock:
+                    self._in_process[address] = local
+                    while len(self._in_process) > self._max_channels:
+                        del self._in_process[next(iter(self._in_process))]
+            return local
         closing: list[_Pooled] = []
         with self._lock:
             if self._closed:
@@ -197,16 +227,12 @@ class RequestClient:
             if attempt_timeout is not None:
                 remaining = min(remaining, attempt_timeout)
             try:
-                shell = in_process.lookup(self.protocol, address) if self.in_process else None
-                if shell is not None and shell.takes_in_process(self.security):
-                    reply = shell.call_in_process(frame, max(remaining, 0.001), self.security,
-                                                  self._closing)
-                else:
-                    pooled = self._acquire(address)
-                    try:
-                        send = pooled.channel.call_relayed if relay else pooled.channel.call
-                        reply = send(frame, timeout=max(remaining, 0.001))
-                    finally:
+                pooled = self._acquire(address)
+                try:
+                    send = pooled.channel.call_relayed if relay else pooled.channel.call
+                    reply = send(frame, timeout=max(remaining, 0.001))
+                finally:
+                    if pooled.shell is None:  # an in-process channel is not pooled
                         self._release(pooled)
                 if self._unreachable:
                     self._reached(address)
@@ -279,5 +305,6 @@ class RequestClient:
         with self._lock:
             self._closed = True
             channels, self._channels = list(self._channels.values()), OrderedDict()
+            self._in_process.clear()
         for pooled in channels:
             pooled.channel.close()
