@@ -449,9 +449,10 @@ def _add_top(commands: Any) -> None:
                     "streams, requests/s, errors/s) and jobs (consumers, splits, elements/s). "
                     "Needs rich: pip install 'clusterwire[top]'.")
     top.add_argument("target", nargs="?", help="a task of the cluster, e.g. grpc://127.0.0.1:2222")
-    top.add_argument("--dispatcher", metavar="HOST:PORT",
+    top.add_argument("--dispatcher", metavar="HOST:PORT[,HOST:PORT]",
                      help="show the data service instead: its dispatcher, every worker it "
-                          "lists, and the jobs")
+                          "lists, and the jobs (a primary and its standbys, comma-separated: "
+                          "the one that serves)")
     top.add_argument("--protocol",
                      help="the data service's protocol (with --dispatcher; default grpc)")
     top.add_argument("--interval", type=float, default=1.0,

@@ -403,7 +403,9 @@ class DataPoller:
     """Asks the dispatcher at ``address`` for its status, then the workers it lists, all
     at once, each within ``timeout`` seconds, over the dispatcher's protocol: at most
     ``MAX_SERVERS`` - 1 worker addresses in all, the first listed (a reply cannot send top
-    to other addresses on every refresh); one connection to each, kept."""
+    to other addresses on every refresh); one connection to each, kept. ``address`` may list
+    a primary and its standbys (``HOST1:P1,HOST2:P2``): top shows the one that serves,
+    asking the one that served last first."""
 
     def __init__(self, address: str, protocol: str, timeout: float,
                  security: Security | None = None):
@@ -411,7 +413,10 @@ class DataPoller:
             from clusterwire.data.modes import parse_service
 
             protocol, address = parse_service(address)
-        self.address, self.protocol = address, protocol
+        from clusterwire.data.addresses import dispatcher_addresses
+
+        self.addresses = dispatcher_addresses(address)
+        self.address, self.protocol = self.addresses[0], protocol
         self._timeout = timeout
         self._security = security or load_security()
         self._client = RequestClient(protocol, timeout=timeout, security=self._security)
@@ -438,11 +443,23 @@ class DataPoller:
                                       code=err.error_code)
         return DataServerSnapshot(address, time.monotonic(), status)
 
+    def _ask_dispatcher(self) -> DataServerSnapshot:
+        """The answer of the listed dispatcher that serves (a standby answers that it
+        stands by), the one that served last asked first; else the first one's error."""
+        first = None
+        for address in [self.address, *(a for a in self.addresses if a != self.address)]:
+            answer = self._ask(address)
+            if answer.status is not None:
+                self.address = address
+                return answer
+            first = first or answer
+        return first
+
     def poll(self) -> DataSnapshot:
         """The dispatcher's answer, then its workers'. The first poll raises
         UnavailableError if the dispatcher does not answer (``server_kind.first_failure``'s
         error when it says why); any poll InvalidArgumentError if a worker answers."""
-        dispatcher = self._ask(self.address)
+        dispatcher = self._ask_dispatcher()
         if dispatcher.status is not None and dispatcher.status.kind == WORKER:
             raise wrong_kind_error(self.protocol, self.address, WORKER)
         if dispatcher.status is not None:
@@ -625,7 +642,8 @@ def data_view(address: str, protocol: str, interval: float, timeout: float,
     def render(previous: DataSnapshot | None, current: DataSnapshot) -> Any:
         status = current.dispatcher.status
         asked = len(current.workers)
-        heading = (f"clusterwire top --dispatcher {address}: "
+        serving = f" (serving: {poller.address})" if len(poller.addresses) > 1 else ""
+        heading = (f"clusterwire top --dispatcher {address}{serving}: "
                    + (f"{len(status.workers)} workers"
                       + (f" (top asks {asked})" if len(status.workers) > asked else "")
                       + f", {len(status.jobs)} jobs"

@@ -18,7 +18,7 @@ from conftest import wait_for
 from cw_data_procs import ServerProcess
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from clusterwire import data, errors
+from clusterwire import data, errors, top
 from clusterwire.data import worker_auth
 from clusterwire.data.cli import await_ready
 from clusterwire.data.journal import JOURNAL_DIR, JOURNAL_FILE
@@ -222,6 +222,24 @@ def test_a_client_follows_the_dispatcher_that_serves_in_either_order(tmp_path, m
             assert client.address == primary.target.split("://")[1]
         finally:
             client.close()
+
+
+def test_top_given_the_standby_first_shows_the_dispatcher_that_serves(tmp_path, monkeypatch):
+    monkeypatch.setenv(worker_auth.ENV, "a worker token both dispatchers know")
+    config = data.DispatcherConfig(work_dir=str(tmp_path), fault_tolerant_mode=True,
+                                   bind_address="127.0.0.1")
+    with data.DispatchServer(config) as primary, \
+            data.DispatchServer(config._replace(standby=True)) as standby:
+        serving = primary.target.split("://")[1]
+        poller = top.DataPoller(f"grpc://{standby.target.split('://')[1]},{serving}", "grpc",
+                                10)
+        try:
+            snapshot = poller.poll()
+        finally:
+            poller.close()
+        assert (snapshot.dispatcher.address, snapshot.dispatcher.status.kind) == (
+            serving, "dispatcher")
+        assert poller.address == serving
 
 
 def data_status_request():

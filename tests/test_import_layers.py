@@ -36,6 +36,7 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
     # The command line imports what a subcommand needs when it runs: `--help`, `top` or a
     # data-service command do not load the server stack, nor `serve` the data service.
     ("clusterwire.cli", "*"): "one subcommand's modules, when it runs",
+    ("clusterwire.top", "clusterwire.data.addresses"): "the data service, only for its servers",
     ("clusterwire.top", "clusterwire.data.modes"): "the data service, only for its servers",
     ("clusterwire.top", "clusterwire.data.rpc"): "the data service, only for its servers",
     ("clusterwire.server_kind", "clusterwire.data.rpc"): "the data service, only to ask one",
