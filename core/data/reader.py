@@ -65,7 +65,7 @@ import time
 import uuid
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from time import perf_counter
@@ -159,6 +159,53 @@ class _Split:
     # The service's word for ``consumed`` and for ``received`` (data/vouches.py; None at 0).
     vouch: Vouch | None = None
     received_vouch: Vouch | None = None
+
+
+class _SplitLedger:
+    """A distributed_epoch consumer's splits, as its position counts them (callers hold the
+    reader's lock): every split handed before hand-out ``handed`` is in ``unread`` or was
+    read completely; later ones read completely are in ``_completed`` (split -> hand-out),
+    the others' hand-outs in ``_handouts``. A resumed position's completed splits are never
+    handed again, so ``handed`` stays below each and every later position lists them."""
+
+    def __init__(self) -> None:
+        self.unread: dict[int, _Split] = {}
+        self.handed = 0
+        self._handouts: set[int] = set()
+        self._completed: dict[int, int] = {}
+        self._resumed_completed: frozenset[int] = frozenset()
+
+    def resume(self, handed: int, completed: Iterable[int]) -> None:
+        """Start from a saved position's hand-out count and completed splits."""
+        self.handed, self._resumed_completed = handed, frozenset(completed)
+
+    def handed_out(self, split: _Split) -> None:
+        """The job handed this consumer ``split``."""
+        self.unread[split.split_id] = split
+        if split.handout >= self.handed:
+            self._handouts.add(split.handout)
+            while self.handed in self._handouts:
+                self._handouts.discard(self.handed)
+                self.handed += 1
+
+    def returned(self, split: _Split) -> None:
+        """Once ``split`` is read to its end and all of it returned, it leaves the
+        position's partial ones."""
+        if split.ended and split.consumed >= split.received and \
+                self.unread.pop(split.split_id, None) is not None:
+            if split.handout >= self.handed:
+                self._completed[split.split_id] = split.handout
+            for done in [s for s, at in self._completed.items() if at < self.handed]:
+                del self._completed[done]
+
+    def partial(self) -> dict[int, Offset]:
+        """The splits handed and not all returned: the elements returned of each."""
+        return {s.split_id: Offset(s.consumed, s.vouch) for s in self.unread.values()}
+
+    def completed(self) -> tuple[int, ...]:
+        """The splits handed after ``handed`` and read completely."""
+        return tuple(sorted(self._resumed_completed.union(
+            split for split, at in self._completed.items() if at >= self.handed)))
 
 
 @dataclass
@@ -288,18 +335,10 @@ class JobReader(Iterator[Any]):
         self._released = False
         self._delivered = False  # a batch was read (later splits start with a whole batch)
         # The consumer's position (state_dict): elements returned, each worker stream's
-        # (parallel_epochs, static) and, in distributed_epoch, the splits handed to it: every
-        # one before hand-out `_handed` is in `_unread` or read completely; later ones read
-        # completely are in `_completed` (split -> hand-out), the others in `_handouts`.
+        # (parallel_epochs, static) and, in distributed_epoch, the splits handed to it.
         self._elements = 0
         self._positions: dict[str, _StreamPosition] = {}
-        self._unread: dict[int, _Split] = {}
-        self._handed = 0
-        self._handouts: set[int] = set()
-        self._completed: dict[int, int] = {}
-        # A resumed position's completed splits: never handed again, so `_handed` stays below
-        # each and every later position lists them.
-        self._resumed_completed: frozenset[int] = frozenset()
+        self._splits = _SplitLedger()
         self._resumable = False  # the dispatcher keeps this consumer's splits for a resume
         self._generation = 0  # of a resumed consumer: later than any earlier iterator's
         self._start_offsets: dict[str, Offset] = {}
@@ -373,12 +412,12 @@ class JobReader(Iterator[Any]):
             return request
         self._consumer = request.consumer_id = position.consumer_id
         request.job_key, request.resume = position.job_key, True
-        request.handed = self._handed = position.handed
+        request.handed = position.handed
         request.partial.extend(SplitOffset(split_id=split, offset=offset.count,
                                            vouch=offset.vouch)
                                for split, offset in position.partial.items())
         request.completed.extend(position.completed)
-        self._resumed_completed = frozenset(position.completed)
+        self._splits.resume(position.handed, position.completed)
         request.generation = self._generation = time.time_ns()
         self._resumable = True
         return request
@@ -413,9 +452,7 @@ class JobReader(Iterator[Any]):
                 "distributed_epoch reads (each split is one consumer's), or read without "
                 "job_name.")
         with self._lock:
-            partial = {s.split_id: Offset(s.consumed, s.vouch) for s in self._unread.values()}
-            completed = tuple(sorted(self._resumed_completed.union(
-                split for split, at in self._completed.items() if at >= self._handed)))
+            partial, completed = self._splits.partial(), self._splits.completed()
             streams = {address: Offset(p.consumed, p.vouch)
                        for address, p in self._positions.items()}
             workers = self._round_workers or (sorted(self._workers)
@@ -423,7 +460,7 @@ class JobReader(Iterator[Any]):
         return Position(
             dataset_id=self._options.dataset_id, processing_mode=int(policy),
             iteration=self._iteration, job_key=self._key, consumer_id=self._consumer,
-            handed=self._handed, partial=partial, completed=completed,
+            handed=self._splits.handed, partial=partial, completed=completed,
             streams={**self._start_offsets, **streams}, elements=self._elements,
             workers=tuple(workers), consumer_index=self._options.consumer_index or 0,
             num_consumers=self._options.num_consumers, finished=self._returned_all,
@@ -440,25 +477,6 @@ class JobReader(Iterator[Any]):
                 job_id=self._job.job_id, consumer_id=self._consumer, resumable=True,
                 generation=self._generation)))
             self._resumable = True
-
-    def _handed_out(self, split: _Split) -> None:
-        """Track a split the job handed this consumer; call with the lock held."""
-        self._unread[split.split_id] = split
-        if split.handout >= self._handed:
-            self._handouts.add(split.handout)
-            while self._handed in self._handouts:
-                self._handouts.discard(self._handed)
-                self._handed += 1
-
-    def _split_returned(self, split: _Split) -> None:
-        """Once a split is read to its end and all of it returned, it leaves the position's
-        partial ones; call with the lock held."""
-        if split.ended and split.consumed >= split.received and \
-                self._unread.pop(split.split_id, None) is not None:
-            if split.handout >= self._handed:
-                self._completed[split.split_id] = split.handout
-            for done in [s for s, at in self._completed.items() if at < self._handed]:
-                del self._completed[done]
 
     # ---- iteration ----
 
@@ -509,7 +527,7 @@ class JobReader(Iterator[Any]):
                 self._credits.popleft()
                 if isinstance(credit[0], _Split):
                     with self._lock:
-                        self._split_returned(credit[0])
+                        self._splits.returned(credit[0])
         return self._batch.popleft()
 
     def _finish(self) -> None:
@@ -959,7 +977,7 @@ class JobReader(Iterator[Any]):
                                handout=result.split.handout, handed_at=result.split.offset,
                                vouch=handed_at, received_vouch=handed_at)
                 self._held[split.split_id] = split
-                self._handed_out(split)
+                self._splits.handed_out(split)
         self._fill_idle_workers()
         return split
 
@@ -990,7 +1008,7 @@ class JobReader(Iterator[Any]):
                     del self._held[split.split_id]
                     self._done_splits.append(split)
                     split.ended = True
-                    self._split_returned(split)
+                    self._splits.returned(split)
                 return True
         return False
 
