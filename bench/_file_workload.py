@@ -10,3 +10,9 @@ from clusterwire import data
 def records_of(name):
     """A TFRecord file's records: ``interleave``'s map_func, as TF's ``TFRecordDataset``."""
     return data.TFRecordDataset(name)
+
+
+@data.function
+def gzip_records_of(name):
+    """A GZIP-compressed TFRecord file's records (the ``--gzip`` rows of c)."""
+    return data.TFRecordDataset(name, compression_type="GZIP")

@@ -30,7 +30,10 @@ c) ``interleave(TFRecordDataset, cycle_length=8, num_parallel_calls=8)`` over th
    ``num_parallel_calls=None`` (sequential); beside them 2 plain threads reading 4 files
    each with ``TFRecordReader`` (no interleave): how far two readers that release the GIL
    scale on this machine at this moment. The files are in the page cache, so this
-   measures CPU work (CRC-32C checks, copies, page faults), not disk latency.
+   measures CPU work (CRC-32C checks, copies, page faults), not disk latency: one thread
+   copies near the memory's speed, so the plain threads show how much a second one adds.
+   With ``--gzip``, c) reads 8 GZIP-compressed files instead (1 MiB records of bytes drawn
+   from 16 values, so inflating them is the work, as with real compressed shards).
 
 Prints a Markdown table with the ratios and targets. Every process started here is stopped
 at the end, also on error.
@@ -59,7 +62,7 @@ os.environ["PYTHONPATH"] = HERE + os.pathsep + os.environ.get("PYTHONPATH", "")
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
-from _file_workload import records_of  # noqa: E402
+from _file_workload import gzip_records_of, records_of  # noqa: E402
 from _machine import cpu_model  # noqa: E402
 
 from clusterwire import data  # noqa: E402
@@ -181,6 +184,19 @@ def _write_tfrecords(root: str, per_file: int) -> int:
     return FILES * per_file * MIB
 
 
+def _write_gzip_tfrecords(root: str, per_file: int) -> str:
+    """8 GZIP TFRecord files of compressible 1 MiB records; their glob pattern."""
+    rng = np.random.default_rng(2)
+    folder = os.path.join(root, "gzip")
+    os.mkdir(folder)
+    for index in range(FILES):
+        with data.TFRecordWriter(os.path.join(folder, f"train-{index}.tfrecord.gz"),
+                                 compression_type="GZIP") as writer:
+            for _ in range(per_file):
+                writer.write(rng.integers(0, 16, MIB, dtype=np.uint8).tobytes())
+    return os.path.join(folder, "*.tfrecord.gz")
+
+
 def _write_parquet(root: str) -> tuple[list[str], int]:
     rng = np.random.default_rng(1)
     paths = []
@@ -193,9 +209,11 @@ def _write_parquet(root: str) -> tuple[list[str], int]:
     return paths, PARQUET_FILES * PARQUET_ROWS * 8 * 8
 
 
-def _tfrecord_pipeline(pattern: str, cycle: int, parallel: int | None) -> data.Dataset:
+def _tfrecord_pipeline(pattern: str, cycle: int, parallel: int | None,
+                       gzip: bool = False) -> data.Dataset:
     return data.Dataset.list_files(pattern, shuffle=False).interleave(
-        records_of, cycle_length=cycle, num_parallel_calls=parallel)
+        gzip_records_of if gzip else records_of, cycle_length=cycle,
+        num_parallel_calls=parallel)
 
 
 def _through(dataset: data.Dataset, target: str, transfer: str | None) -> data.Dataset:
@@ -274,7 +292,7 @@ def _service_tfrecord_rows(args: argparse.Namespace, target: str, local: str | N
     return rows
 
 
-def _threads(pattern: str) -> tuple[int, float]:
+def _threads(pattern: str, gzip: bool = False) -> tuple[int, float]:
     """The TFRecord files read whole by 2 threads, half the files each (bytes, and when
     the first record was read): how far 2 readers releasing the GIL scale here."""
     names = sorted(glob.glob(pattern))
@@ -284,7 +302,7 @@ def _threads(pattern: str) -> tuple[int, float]:
     def read(part: list[str]) -> None:
         total = 0
         for name in part:
-            for record in data.TFRecordReader(name):
+            for record in data.TFRecordReader(name, "GZIP" if gzip else None):
                 if not total:
                     firsts.append(time.perf_counter())
                 total += len(record)
@@ -297,20 +315,22 @@ def _threads(pattern: str) -> tuple[int, float]:
     return sum(totals), min(firsts)
 
 
-def _interleave_rows(pattern: str, runs: int) -> tuple[list[str], list[str]]:
+def _interleave_rows(pattern: str, runs: int, gzip: bool
+                     ) -> tuple[list[str], list[str]]:
     """c): the local interleave, sequential and with 2 and 8 parallel calls, and 2 plain
     threads, in alternation: 1 warm-up round, then ``runs`` rounds that read once in each way,
     so that the load of the machine meets them alike. The table's rows, and a line per
     parallel read with its ratio to the sequential read of the same round, round by round,
     and one with each read's minor page faults per MiB."""
+    files = "GZIP files, " if gzip else ""
     reads: dict[str, Callable[[], tuple[int, float]]] = {
-        "c) local interleave(cycle_length=8), num_parallel_calls=None":
-            lambda: _record_bytes(_tfrecord_pipeline(pattern, FILES, None)),
-        "c) 2 plain threads reading 4 files each (TFRecordReader, no interleave): what the "
-        "machine gives": lambda: _threads(pattern)}
+        f"c) local interleave({files}cycle_length=8), num_parallel_calls=None":
+            lambda: _record_bytes(_tfrecord_pipeline(pattern, FILES, None, gzip)),
+        f"c) 2 plain threads reading 4 {'GZIP ' if gzip else ''}files each (TFRecordReader, no "
+        "interleave): what the machine gives": lambda: _threads(pattern, gzip)}
     for calls in (2, FILES):
-        reads[f"c) local interleave(cycle_length={FILES}), num_parallel_calls={calls}"] = \
-            lambda c=calls: _record_bytes(_tfrecord_pipeline(pattern, FILES, c))
+        reads[f"c) local interleave({files}cycle_length={FILES}), num_parallel_calls={calls}"] = \
+            lambda c=calls: _record_bytes(_tfrecord_pipeline(pattern, FILES, c, gzip))
     results = {name: (read(), []) for name, read in reads.items()}
     faults: dict[str, list[float]] = {name: [] for name in reads}
     for _ in range(runs):
@@ -354,6 +374,8 @@ def main() -> int:
     parser.add_argument("--parts", default="abc",
                         help="which reads to time, of a (TFRecord service), b (Parquet "
                              "service), c (local interleave)")
+    parser.add_argument("--gzip", action="store_true",
+                        help="c) reads GZIP-compressed TFRecord files (inflating is the work)")
     parser.add_argument("--tf-python", default=os.environ.get("CLUSTERWIRE_TF_PYTHON"),
                         help="a Python with tensorflow for the tf.data service rows")
     args = parser.parse_args()
@@ -387,7 +409,9 @@ def main() -> int:
                         TARGETS["b"] if batch == BATCH_ROWS else None))
         rounds: list[str] = []
         if "c" in parts:
-            interleave_rows, rounds = _interleave_rows(pattern, args.runs)
+            if args.gzip:
+                pattern = _write_gzip_tfrecords(root, args.records_per_file)
+            interleave_rows, rounds = _interleave_rows(pattern, args.runs, args.gzip)
             rows += interleave_rows
     print("load average {:.1f} {:.1f} {:.1f} at the end".format(*os.getloadavg()))
     print(f"TFRecord: {FILES} files x {args.records_per_file} x 1 MiB ({tf_bytes / 1e6:,.0f} "
