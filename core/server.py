@@ -253,9 +253,10 @@ class Server:
 
 def _shutdown(shell: Shell, service: ClusterService, grace: float | None = None,
               metrics: MetricsEndpoint | None = None) -> None:
-    """Drain for ``grace`` s, cancel what is left, close the listener, then the peers and
-    the metrics endpoint."""
+    """Say goodbye to the peers (see ``ClusterService.leave``), drain for ``grace`` s,
+    cancel what is left, close the listener, then the peers and the metrics endpoint."""
     try:
+        service.leave()
         shell.stop(grace)
     finally:
         service.close()

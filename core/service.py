@@ -286,6 +286,12 @@ class ClusterService:
                                "proof": identity_proof(self._peers.security.token,
                                                        request.nonce, me, address)})
 
+    def leave(self) -> None:
+        """A stopping task's goodbye to its peers: with SWIM, a leave they take at once
+        (heartbeats have none: a stopped task is found down)."""
+        if self._swim is not None:
+            self._swim.leave()
+
     def cancel_waits(self) -> None:
         """Answer the waits left with CancelledError (the server's shell is stopping):
         barrier waits, and requests waiting on a peer (forwarded, or a barrier arrival held

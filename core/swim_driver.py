@@ -19,13 +19,17 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent import futures
 
 from clusterwire import errors, swim
 from clusterwire.membership import Task, View
 
 #: Messages a task has in flight at once (more are dropped, as lost).
 SENDERS = 16
+
+#: How long a stopping task waits for its leave to be taken (sent once in its life, so it
+#: may wait longer than a probe).
+LEAVE_SECONDS = 1.0
 
 #: ``send(address, message bytes, timeout)``: the receiver's answer's bytes (b"": none).
 Send = Callable[[str, bytes, float], bytes]
@@ -53,7 +57,7 @@ class SwimDriver:
         self._heard: dict[str, float] = {}  # member -> last message from it (time.time())
         self.dropped: Counter = Counter()  # messages not sent, by reason
         self._free = threading.BoundedSemaphore(senders)
-        self._senders = ThreadPoolExecutor(senders, thread_name_prefix="clusterwire-swim")
+        self._senders = futures.ThreadPoolExecutor(senders, thread_name_prefix="clusterwire-swim")
         self._wake = threading.Event()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True,
@@ -140,8 +144,26 @@ class SwimDriver:
                 for task, address in sorted(self._view().tasks().items())
                 if task != self.me]
 
+    def leave(self) -> None:
+        """Tell the others this task leaves (a server stopping does this before it drains):
+        the leave goes at once to up to ``indirect_checks`` live members, which mark this
+        task left and spread it, so no one has to find it dead. Waits at most
+        ``LEAVE_SECONDS`` (or the probe timeout, if longer) for those messages; from then
+        on this member sends and takes nothing. A task killed outright sends nothing and is
+        found dead, as before."""
+        with self._lock:
+            if self._swim is None:
+                return
+            out = self._swim.leave()
+            addresses = self._addresses()
+        timeout = max(self.config.probe_timeout, LEAVE_SECONDS)
+        sends = [self._senders.submit(self._send, addresses[member], message.to_bytes(),
+                                      timeout)
+                 for member, message in out if member in addresses]
+        futures.wait(sends, timeout)
+
     def close(self) -> None:
-        """Stop ticking and sending (without a leave: a stopped task is found dead)."""
+        """Stop ticking and sending (without a leave: see ``leave``)."""
         self._stopped.set()
         self._wake.set()
         if self._thread.ident is not None and self._thread is not threading.current_thread():

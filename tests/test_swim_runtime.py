@@ -1,8 +1,8 @@
 """SWIM failure detection wired into the runtime (``membership_protocol="swim"``), on real
 task processes on 127.0.0.1 (LocalCluster) and in-process servers: a SIGKILLed task is down
 in every other task's status within the bound the protocol's constants give; an idle
-cluster marks no task down; hostile swim requests are refused with the right error and the
-task keeps serving; the default (heartbeats) path has no SWIM."""
+cluster marks no task down; a stopped task leaves; hostile swim requests are refused with
+the right error and the task keeps serving; the default (heartbeats) path has no SWIM."""
 
 from __future__ import annotations
 
@@ -188,6 +188,26 @@ def test_a_joined_task_is_probed_and_found_down_when_it_stops():
         for session in sessions:
             wait_for(lambda s=session: down_map(s)["/job:w/task:3"], bound, "w:3 down")
         assert time.monotonic() - stopped < bound
+        for session in sessions:
+            assert [t for t, down in down_map(session).items() if down] == ["/job:w/task:3"]
+
+
+def test_a_stopped_task_leaves_and_is_marked_left_not_found_dead():
+    """A task stopped with ``stop()`` sends SWIM's leave before it drains: the others hold
+    it LEFT (a leave taken), not DEAD (a failure found by probes and suspicion), and show
+    it down; the rest stay alive. A killed task sends nothing (the tests above)."""
+    with in_process_job("w", 4, protocol="grpc", config=SWIM) as servers:
+        sessions = [clusterwire.Session(s.target, timeout=10) for s in servers[:3]]
+        wait_for(lambda: all(p["last_seen"] > 0 for s in sessions
+                             for p in s.status()["peers"]), 30, "every peer heard")
+        servers[3].stop()
+        for server in servers[:3]:
+            # LEFT is final; a probe that met w:3 just after its leave may suspect it first.
+            wait_for(lambda s=server: s._service._swim.states()[("w", 3)] == swim.State.LEFT,
+                     30, "w:3 left (not suspected or dead)")
+            states = server._service._swim.states()
+            del states[("w", 3)]
+            assert set(states.values()) == {swim.State.ALIVE}
         for session in sessions:
             assert [t for t, down in down_map(session).items() if down] == ["/job:w/task:3"]
 
