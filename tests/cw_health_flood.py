@@ -6,7 +6,8 @@ the server closes it. ``watch`` (the default): each is a gRPC channel of its own
 ``Watch``, opening a new one whenever the server ends it. ``silent``: each is a TCP
 connection (from ``SOURCE_IP`` if given: another peer than the test's clients, e.g.
 127.0.0.2) that sends HTTP/2's preface and then nothing. Prints every second a JSON line:
-watches ended so far by status code, or ``{"connects": N}``.
+watches ended so far by status code, or ``{"connects": N, "closed": M}`` (M of them closed
+by the server).
 
 It runs at the lowest CPU priority (nice 19): the tests measure the port's rules, not how a
 busy machine shares its cores between the flood and the server (the flood still reconnects
@@ -59,7 +60,7 @@ async def watches(address: str, count: int) -> None:
 
 def silent(address: str, count: int, source: str = "") -> None:
     host, port = address.rsplit(":", 1)
-    selector, connects, reported = selectors.DefaultSelector(), 0, time.monotonic()
+    selector, connects, closed, reported = selectors.DefaultSelector(), 0, 0, time.monotonic()
 
     def connect() -> None:
         nonlocal connects
@@ -77,19 +78,20 @@ def silent(address: str, count: int, source: str = "") -> None:
     while True:
         for key, _ in selector.select(0.1):
             try:
-                closed = not key.fileobj.recv(65536)
+                ended = not key.fileobj.recv(65536)
             except BlockingIOError:
-                closed = False
+                ended = False
             except OSError:
-                closed = True
-            if closed:
+                ended = True
+            if ended:
                 selector.unregister(key.fileobj)
                 key.fileobj.close()
+                closed += 1
         for _ in range(count - len(selector.get_map())):
             connect()
         if time.monotonic() - reported >= 1:
             reported = time.monotonic()
-            print(json.dumps({"connects": connects}), flush=True)
+            print(json.dumps({"connects": connects, "closed": closed}), flush=True)
 
 
 if __name__ == "__main__":
