@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import random
 import signal
@@ -270,8 +271,8 @@ def test_distributed_epoch_waits_out_a_stalled_worker_and_uses_it_again(processe
     The victim is resumed once its reads timed out, and the other worker is held from then
     until the victim reads a split again: splits are left for it however fast the other
     worker reads (with a fixed stall, the other worker could read them all first)."""
-    monkeypatch.setattr(reader, "_READ_WAIT_S", 0.2)
-    monkeypatch.setattr(reader, "_READ_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(reader, "TIMINGS", dataclasses.replace(
+        reader.TIMINGS, read_wait_s=0.2, read_timeout_s=2.0))
     dispatcher = processes("dispatcher", "--port", "0")
     servers = [processes("worker", *worker_args(dispatcher), env={"CW_DATA_SLOW_S": "0.0005"})
                for _ in range(workers)]
@@ -331,16 +332,15 @@ def test_a_worker_the_dispatcher_stops_listing_loses_its_reads_at_once(processes
     stalled_at = stall.resumes_at - 30.0
     moved = [when - stalled_at for address, when in orphaned
              if address == f"localhost:{servers[0].port}"]
-    assert moved and max(moved) < reader._READ_TIMEOUT_S - 5, moved
-    assert time.monotonic() - stalled_at < reader._READ_TIMEOUT_S  # the victim still stalled
+    assert moved and max(moved) < reader.TIMINGS.read_timeout_s - 5, moved
+    assert time.monotonic() - stalled_at < reader.TIMINGS.read_timeout_s  # the victim still stalled
 
 
 @pytest.mark.timeout(60)
 def test_distributed_epoch_fails_clearly_when_no_worker_serves_an_orphaned_split(
         processes, monkeypatch):
-    monkeypatch.setattr(reader, "_READ_WAIT_S", 0.2)
-    monkeypatch.setattr(reader, "_READ_TIMEOUT_S", 1.0)
-    monkeypatch.setattr(reader, "_STALLED_S", 2.0)
+    monkeypatch.setattr(reader, "TIMINGS", dataclasses.replace(
+        reader.TIMINGS, read_wait_s=0.2, read_timeout_s=1.0, stalled_s=2.0))
     dispatcher = processes("dispatcher", "--port", "0")
     worker = processes("worker", *worker_args(dispatcher))
     ds = data.Dataset.range(10 ** 6).apply(data.distribute("distributed_epoch",
@@ -359,8 +359,8 @@ def test_parallel_epochs_waits_out_a_stalled_worker_instead_of_truncating(proces
     """The issue: the iteration ended normally after 1025 of 200000 elements. A worker the
     dispatcher still lists is read again once it answers: nothing lost, nothing repeated.
     (Before, a worker failing reads for 5 s was given up: here from 1 s + 5 s on.)"""
-    monkeypatch.setattr(reader, "_READ_WAIT_S", 0.2)
-    monkeypatch.setattr(reader, "_READ_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(reader, "TIMINGS", dataclasses.replace(
+        reader.TIMINGS, read_wait_s=0.2, read_timeout_s=1.0))
     dispatcher = processes("dispatcher", "--port", "0")
     worker = processes("worker", *worker_args(dispatcher))
     count = 100_000

@@ -7,6 +7,7 @@ every consumer once ``max_open_streams`` (``ServiceLimits``) of them piled up.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import Counter
@@ -63,9 +64,9 @@ def test_early_stopped_iterations_past_the_stream_table_leave_the_worker_serving
     """The issue's reproduction: before, iteration 64 (parallel_epochs) or 33
     (distributed_epoch) of 70 was refused by a worker's table of 64 streams. Here the table
     holds 8 and 12 iterations run: the same rule, at a sixth of the iterations. A refusal is
-    not waited out (_BUSY_S is short): each stop must have released its streams by the time
+    not waited out (busy_s is short): each stop must have released its streams by the time
     close() returns."""
-    monkeypatch.setattr(reader, "_BUSY_S", 0.2)
+    monkeypatch.setattr(reader, "TIMINGS", dataclasses.replace(reader.TIMINGS, busy_s=0.2))
     dispatcher, _ = service
     ds = distributed(data.Dataset.range(10 ** 6), mode, dispatcher.target, job_name=job_name)
     for _ in range(12):
@@ -113,7 +114,7 @@ def test_a_refused_consumer_waits_for_room_then_reads_everything(service):
 
 @limits(max_open_streams=1)
 def test_a_refusal_that_lasts_fails_with_the_workers_reason(service, monkeypatch):
-    monkeypatch.setattr(reader, "_BUSY_S", 0.5)
+    monkeypatch.setattr(reader, "TIMINGS", dataclasses.replace(reader.TIMINGS, busy_s=0.5))
     dispatcher, _ = service
     first = iter(distributed(data.Dataset.range(10 ** 6), "parallel_epochs",
                              dispatcher.target))
@@ -180,7 +181,7 @@ def test_an_abandoned_shared_stream_makes_room_and_a_late_joiner_is_told(service
                                                                          monkeypatch):
     """A named job's stream every consumer released stays (a consumer may join the job
     later, as in TF) until another stream needs its room; then that job cannot go on."""
-    monkeypatch.setattr(reader, "_BUSY_S", 0.2)
+    monkeypatch.setattr(reader, "TIMINGS", dataclasses.replace(reader.TIMINGS, busy_s=0.2))
     dispatcher, _ = service
 
     def named(name):

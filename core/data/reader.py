@@ -25,16 +25,16 @@ exported when the training process serves its metrics
 (``clusterwire.metrics.endpoint.serve_metrics``). Each reader counts into its own histogram
 (no lock per element); a scrape adds up the live readers' and those of readers gone.
 
-Workers that stop answering (a read times out after ``_READ_TIMEOUT_S`` or fails) are
+Workers that stop answering (a read times out after ``read_timeout_s`` or fails) are
 retried while the dispatcher lists them:
 
 * distributed_epoch: the worker's splits move to the other workers at once; the worker is
   probed with backoff and, once it answers, reads splits again (orphaned ones first). A
-  split that no worker could take for ``_STALLED_S`` fails the iteration with an
+  split that no worker could take for ``stalled_s`` fails the iteration with an
   UnavailableError: never a silent hang.
 * parallel_epochs (and static sharding): the read is repeated (same sequence number:
   nothing lost) with backoff. A worker the dispatcher drops (or that does not answer for
-  ``_STALLED_S``) is given up, as in TF: the other workers' elements keep coming and a
+  ``stalled_s``) is given up, as in TF: the other workers' elements keep coming and a
   warning names the worker and what is lost. If that leaves a partial copy of the data (or
   a static shard incomplete), the iteration ends with a DataLossError, not a normal end: a
   user counting on whole epochs must not mistake a truncated one for complete, while an
@@ -42,7 +42,10 @@ retried while the dispatcher lists them:
   one that never joined (one copy fewer, none partial): a warning only.
 
 A worker refusing a stream over its stream limits (other consumers hold them) is asked again
-with backoff for up to ``_BUSY_S`` before its ResourceExhaustedError is raised.
+with backoff for up to ``busy_s`` before its ResourceExhaustedError is raised.
+
+These windows, timeouts and idle times are the fields of ``TIMINGS``
+(``clusterwire.data.read_timings.ReadTimings``).
 
 Stopping early (``close()``, a ``take``/``break``, or the reader collected) releases what
 the consumer held: its streams on every worker it read from (each named with the grant the
@@ -76,6 +79,7 @@ from clusterwire.addressing import split_host_port
 from clusterwire.data import elements, provenance
 from clusterwire.data.modes import STATIC_POLICIES, ShardingPolicy, mode_name
 from clusterwire.data.position import JobPosition, Offset, Position, group_of
+from clusterwire.data.read_timings import ReadTimings
 from clusterwire.data.rpc import DispatcherClient, WorkerChannels
 from clusterwire.data.streams import OVER_LIMITS
 from clusterwire.metrics import REGISTRY, catalog
@@ -97,27 +101,11 @@ from clusterwire.protos.data_service_pb2 import (
 log = logging.getLogger(__name__)
 
 SLOTS_PER_WORKER = 2
-HEARTBEAT_S = 0.5
-_NO_WORKER_POLL_S = 0.02
-_READ_WAIT_S = 1.0
-_READ_TIMEOUT_S = 15.0
 _MAX_ELEMENTS = 1024
 _MAX_BYTES = 8 << 20
-# Backoff between attempts at a failed or busy worker: doubling from _RETRY_S to _RETRY_MAX_S.
-_RETRY_S = 0.05
-_RETRY_MAX_S = 2.0
-# How long a worker refusing a stream over its stream limits is asked again.
-_BUSY_S = 60.0
-# How long a worker may fail every read (and every probe) before its elements are given up
-# (parallel_epochs), and how long an orphaned split may find no worker (distributed_epoch).
-# Twice the dispatcher's default worker timeout: a worker restarted in its place is waited for.
-_STALLED_S = 120.0
-_PROBE_TIMEOUT_S = 2.0
-# A release frees a worker's stream: worth waiting for where the worker's handlers share its
-# GIL with a pipeline that computes without producing (2 s was overrun there).
-_RELEASE_TIMEOUT_S = 15.0
-# close() waits this long for the releases; they go on in the background after that.
-_RELEASE_WAIT_S = 2.0
+#: The readers' retry windows, timeouts and idle times (``clusterwire.data.read_timings``);
+#: a reader takes the table as it is when the reader is made.
+TIMINGS = ReadTimings()
 _WORKER_FAILURES = (errors.UnavailableError, errors.DeadlineExceededError, errors.CancelledError)
 _END = object()
 _CLOSED = object()  # wakes a __next__ waiting when close() comes from another thread
@@ -220,8 +208,8 @@ class _StreamPosition:
 class _Failure:
     """A distributed_epoch worker that failed a read, probed with backoff."""
 
-    delay: float = _RETRY_S
-    next_try: float = 0.0
+    delay: float
+    next_try: float
     probing: bool = False
 
 
@@ -284,10 +272,6 @@ def _is_local(address: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-def _backoff(delay: float) -> float:
-    return min(delay * 2, _RETRY_MAX_S)
-
-
 class JobReader(Iterator[Any]):
     """Iterates over the elements of one job (created or joined on construction).
 
@@ -302,6 +286,7 @@ class JobReader(Iterator[Any]):
                  position: Position | JobPosition | None = None):
         self._dispatcher = dispatcher
         self._options = options
+        self._times = TIMINGS
         self._iteration = iteration
         self._consumer = uuid.uuid4().hex
         self._channels = WorkerChannels(dispatcher.security)
@@ -545,8 +530,8 @@ class JobReader(Iterator[Any]):
     def close(self) -> None:
         """Stop reading and release the consumer's streams and its job (idempotent).
 
-        Waits up to ``_RELEASE_WAIT_S`` for the workers and the dispatcher to confirm; the
-        releases go on in the background after that.
+        Waits up to ``release_wait_s`` (``TIMINGS``) for the workers and the dispatcher to
+        confirm; the releases go on in the background after that.
         """
         self._release(finished=False)
 
@@ -579,7 +564,7 @@ class JobReader(Iterator[Any]):
                                   daemon=True, name="clusterwire-data-release")
         sender.start()
         if wait:
-            sender.join(_RELEASE_WAIT_S)
+            sender.join(self._times.release_wait_s)
 
     def _send_releases(self, request: DataRequest, streams: dict[str, list[StreamSpec]]
                        ) -> None:
@@ -604,7 +589,7 @@ class JobReader(Iterator[Any]):
         request = DataRequest(release_streams=ReleaseStreamsRequest(
             consumer_id=self._consumer, streams=specs))
         try:
-            self._channels.call(*endpoint, request, _RELEASE_TIMEOUT_S)
+            self._channels.call(*endpoint, request, self._times.release_timeout_s)
         except errors.OpError as err:
             log.debug("Releasing %d streams on worker %s failed: %s", len(specs), address, err)
 
@@ -633,7 +618,9 @@ class JobReader(Iterator[Any]):
     # ---- workers ----
 
     def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S if self._workers else _NO_WORKER_POLL_S):
+        times = self._times
+        while not self._stop.wait(times.heartbeat_s if self._workers
+                                  else times.no_worker_poll_s):
             request = DataRequest(client_heartbeat=ClientHeartbeatRequest(
                 job_id=self._job.job_id, consumer_id=self._consumer,
                 resumable=self._resumable, generation=self._generation))
@@ -781,7 +768,7 @@ class JobReader(Iterator[Any]):
         request = DataRequest(get_elements=GetElementsRequest(
             stream=spec, consumer_id=self._consumer, request_seq=seq, offset=offset,
             max_elements=1 if first else self._options.max_elements, max_bytes=_MAX_BYTES,
-            wait_seconds=_READ_WAIT_S, position=position, vouch=vouch))
+            wait_seconds=self._times.read_wait_s, position=position, vouch=vouch))
         key = spec.split_id if spec.is_split else "job"
         self._track(address, key, spec, ended=False)
         response, buffers = self._call_when_not_busy(address, request)
@@ -793,24 +780,25 @@ class JobReader(Iterator[Any]):
 
     def _call_when_not_busy(self, address: str, request: DataRequest) -> tuple[Any, list]:
         """Call the worker; while it refuses the stream over its stream limits, call again
-        with backoff for up to ``_BUSY_S``."""
-        deadline, delay = None, _RETRY_S
+        with backoff for up to ``busy_s``."""
+        times = self._times
+        deadline, delay = None, times.retry_s
         while True:
             endpoint = self._endpoint(address)
             if endpoint is None:
                 raise errors.UnavailableError(f"Worker {address} left the job.")
             try:
-                return self._channels.call(*endpoint, request, _READ_TIMEOUT_S)
+                return self._channels.call(*endpoint, request, times.read_timeout_s)
             except errors.ResourceExhaustedError as err:
                 if OVER_LIMITS not in err.message:
                     raise
-                deadline = deadline or time.monotonic() + _BUSY_S
+                deadline = deadline or time.monotonic() + times.busy_s
                 if time.monotonic() + delay > deadline:
                     raise errors.ResourceExhaustedError(
-                        f"{err.message} (asked again for {_BUSY_S:g} s)") from None
+                        f"{err.message} (asked again for {times.busy_s:g} s)") from None
             if self._stop.wait(delay):
                 raise errors.CancelledError("The reader was closed.")
-            delay = _backoff(delay)
+            delay = times.backoff(delay)
 
     def _spec(self) -> StreamSpec:
         return StreamSpec(job_id=self._job.job_id, dataset_id=self._job.dataset_id,
@@ -857,8 +845,9 @@ class JobReader(Iterator[Any]):
     def _read_retrying(self, address: str, spec: StreamSpec, **read: Any
                        ) -> tuple[_Batch, bool] | None:
         """``_read`` repeated (same sequence number, backoff) while the worker fails but the
-        dispatcher lists it, for up to ``_STALLED_S``; None when the worker is given up."""
-        seq, failing_since, delay = next(self._seq), None, _RETRY_S
+        dispatcher lists it, for up to ``stalled_s``; None when the worker is given up."""
+        times = self._times
+        seq, failing_since, delay = next(self._seq), None, times.retry_s
         while not self._stop.is_set():
             try:
                 return self._read(address, spec, seq, **read)
@@ -867,10 +856,10 @@ class JobReader(Iterator[Any]):
                 failing_since = failing_since or now
                 with self._lock:
                     gone = address not in self._workers
-                if gone or now - failing_since > _STALLED_S:
+                if gone or now - failing_since > times.stalled_s:
                     return None
                 self._stop.wait(delay)
-                delay = _backoff(delay)
+                delay = times.backoff(delay)
         return _Batch([], []), True
 
     def _drop(self, address: str, spec: StreamSpec, received: int) -> None:
@@ -882,7 +871,7 @@ class JobReader(Iterator[Any]):
             return
         with self._lock:
             why = ("the dispatcher no longer lists it" if address not in self._workers
-                   else f"it did not answer for {_STALLED_S:g} s")
+                   else f"it did not answer for {self._times.stalled_s:g} s")
         cardinality = self._job.cardinality
         lost = (f"{cardinality - received} of its {cardinality} elements dropped"
                 if cardinality > 0 and not spec.num_shards
@@ -1018,7 +1007,8 @@ class JobReader(Iterator[Any]):
         if self._stop.is_set():
             return
         with self._lock:
-            self._failed.setdefault(address, _Failure(next_try=time.monotonic() + _RETRY_S))
+            retry = self._times.retry_s
+            self._failed.setdefault(address, _Failure(retry, time.monotonic() + retry))
             split.orphaned_at = time.monotonic()
             self._orphans.append(split)
             alive = [a for a in self._workers if a not in self._failed]
@@ -1028,22 +1018,23 @@ class JobReader(Iterator[Any]):
 
     def _revive(self) -> None:
         """Probe the failed workers the dispatcher still lists (with backoff); fail the
-        iteration if an orphaned split found no worker for ``_STALLED_S``."""
+        iteration if an orphaned split found no worker for ``stalled_s``."""
         now = time.monotonic()
         with self._lock:
             due = [a for a, f in self._failed.items()
                    if a in self._workers and not f.probing and f.next_try <= now]
             for address in due:
                 self._failed[address].probing = True
-            stuck = [s for s in self._orphans if now - s.orphaned_at > _STALLED_S]
+            stuck = [s for s in self._orphans
+                     if now - s.orphaned_at > self._times.stalled_s]
             failed = sorted(self._failed)
         if stuck and not self._stalled:
             self._stalled = True
             who = f"worker(s) {', '.join(failed)}" if failed else "its worker(s)"
             self._fail(errors.UnavailableError(
                 f"No tf.data service worker could read split {stuck[0].split_id} of job "
-                f"{self._job.job_id} for {_STALLED_S:g} s: {who} stopped answering and no "
-                "other worker is available. Check those workers, or add workers; the "
+                f"{self._job.job_id} for {self._times.stalled_s:g} s: {who} stopped answering "
+                "and no other worker is available. Check those workers, or add workers; the "
                 "elements returned so far are complete and unrepeated."))
         for address in due:
             threading.Thread(target=self._probe, args=(address,), daemon=True,
@@ -1061,7 +1052,8 @@ class JobReader(Iterator[Any]):
         if answered:
             try:
                 self._channels.call(*endpoint, DataRequest(release_streams=ReleaseStreamsRequest(
-                    consumer_id=self._consumer, streams=stale.values())), _PROBE_TIMEOUT_S)
+                    consumer_id=self._consumer, streams=stale.values())),
+                    self._times.probe_timeout_s)
             except errors.OpError:
                 answered = False
         with self._lock:
@@ -1077,7 +1069,7 @@ class JobReader(Iterator[Any]):
             else:
                 failure.probing = False
                 failure.next_try = time.monotonic() + failure.delay
-                failure.delay = _backoff(failure.delay)
+                failure.delay = self._times.backoff(failure.delay)
         if not self._stop.is_set():
             self._start_slots(slots)
 

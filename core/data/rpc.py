@@ -9,8 +9,9 @@
   idempotent -- for up to ``dispatcher_timeout`` (so a restarting dispatcher
   is waited for). Given a primary and its standbys (``"H1:P1,H2:P2"``), it
   follows the one that serves.
-* ``WorkerChannels``: direct channels to workers for element reads; the
-  caller decides about failures (a dead worker's split moves elsewhere).
+* ``WorkerChannels``: element reads from workers through the same ``RequestClient``,
+  one attempt each; the caller decides about failures (a dead worker's split moves
+  elsewhere).
 """
 
 from __future__ import annotations
@@ -27,12 +28,11 @@ from clusterwire import errors
 from clusterwire.addressing import join_host_port
 from clusterwire.data.addresses import dispatcher_addresses
 from clusterwire.durations import format_duration
-from clusterwire.plugins import get_plugin_manager
 from clusterwire.protos.data_service_pb2 import DataRequest, DataResponse
 from clusterwire.rpc import RequestClient, jittered, raise_for_status
 from clusterwire.security import Security
 from clusterwire.shell import Shell, warn_if_exposed
-from clusterwire.transport import Channel, Frame, ListenOptions
+from clusterwire.transport import Frame, ListenOptions
 
 log = logging.getLogger("clusterwire")
 
@@ -175,36 +175,50 @@ class DispatcherClient:
 
 
 class WorkerChannels:
-    """One channel per (protocol, address), shared by threads."""
+    """Element reads and stream releases to workers, through the core ``RequestClient``
+    (one per protocol: a worker may serve its elements over a data-transfer protocol of its
+    own), so the channel choice, the deadline and the error mapping are the client's. Elements
+    always travel through the worker's transport, also from a worker of this process: its
+    transfer paths (bulk port, shared segments, verbs) and its metrics count them as sent.
+
+    No retries here: the caller decides what a failed worker means (a read is repeated
+    with the same sequence number, or its split moves to another worker).
+    """
 
     def __init__(self, security: Security) -> None:
         self._security = security
-        self._channels: dict[tuple[str, str], Channel] = {}
+        self._clients: dict[str, RequestClient] = {}
         self._lock = threading.Lock()
+
+    def _client(self, protocol: str) -> RequestClient:
+        client = self._clients.get(protocol)
+        if client is None:
+            with self._lock:
+                client = self._clients.setdefault(protocol, RequestClient(
+                    protocol, security=self._security, in_process=False,
+                    peer="tf.data service worker"))
+        return client
 
     def call(self, protocol: str, address: str, request: DataRequest,
              timeout: float) -> tuple[DataResponse, list[Any]]:
-        """One request to a worker, no retries."""
-        key = (protocol, address)
-        with self._lock:
-            channel = self._channels.get(key)
-            if channel is None:
-                channel = self._channels[key] = get_plugin_manager().transport(
-                    protocol).connect(address, self._security)
-        reply = channel.call(Frame(request.SerializeToString(), []), timeout=timeout)
+        """One request to a worker, no retries: the OK response and its buffers, or the
+        clusterwire error it stands for (UnavailableError naming the worker if unreachable,
+        DeadlineExceededError after ``timeout`` s)."""
+        reply = self._client(protocol).send_frame(
+            address, Frame(request.SerializeToString(), []),
+            f"data.{request.WhichOneof('kind')}", timeout, retry=False)
         return parse(reply), list(reply.buffers)
 
     def close_channel(self, protocol: str, address: str) -> None:
         """Close the channel to ``address`` if open: its calls in flight end with
         CancelledError; a later call connects anew."""
-        with self._lock:
-            channel = self._channels.pop((protocol, address), None)
-        if channel is not None:
-            channel.close()
+        client = self._clients.get(protocol)
+        if client is not None:
+            client.drop(address)
 
     def close(self) -> None:
-        """Close every channel."""
+        """Close every channel; later calls end with CancelledError."""
         with self._lock:
-            channels, self._channels = list(self._channels.values()), {}
-        for channel in channels:
-            channel.close()
+            clients = list(self._clients.values())
+        for client in clients:
+            client.close()
