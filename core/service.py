@@ -14,10 +14,10 @@ import secrets
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from google.protobuf.message import DecodeError
 
@@ -68,6 +68,17 @@ _RELEASE_SENDERS = 8
 #: How long a peer that could not be reached counts as unreachable (unless reached since).
 UNREACHABLE_WINDOW_S = 60.0
 _LOG = logging.getLogger("clusterwire")
+
+
+class _Route(NamedTuple):
+    """Where requests with one header go: kept per header while the view is the same."""
+
+    view: View  # the membership view ``address`` is of
+    address: str
+    header: bytes  # the header as forwarded
+    method: str
+    label: str  # the method as a metric label (one of METHODS, or "unknown")
+    timeout: float | None  # the request's own bound on the forward, if any
 
 
 def value_response(value: Any) -> Frame:
@@ -186,6 +197,7 @@ class ClusterService:
         # Request header -> what serves it (see _prepare); its method (method_of).
         self._prepared: dict[bytes, Serve] = {}
         self._methods: dict[bytes, str] = {}
+        self._routes: dict[bytes, _Route] = {}  # header of a request for another task -> route
         self._forwarded = REGISTRY.family(catalog.FORWARDED)
         self._barrier_waits = REGISTRY.family(catalog.BARRIER_WAITS)
         self._stop_reporting = REGISTRY.add_source(self._samples)
@@ -323,13 +335,19 @@ class ClusterService:
         header = frame.header if type(frame.header) is bytes else bytes(frame.header)
         serve = self._prepared.get(header)
         if serve is None:
+            route = self._routes.get(header)
+            if route is not None and route.view is self.membership.view:
+                return self._send_on(route, frame.buffers)
             try:
                 request = Request.FromString(header)
             except DecodeError as err:
                 raise errors.InvalidArgumentError(f"Malformed request header: {err}") from None
             if request.has_task and (request.task.job, request.task.index) != (
                     self.job, self.index):
-                return self._forward(request, frame)
+                route = self._route(request)
+                if len(header) <= codec.PLAN_KEY_MAX:
+                    codec.remember(self._routes, header, route)
+                return self._send_on(route, frame.buffers)
             serve = self._prepare(request)
             if serve is None:
                 return self._serve(request, list(frame.buffers))
@@ -372,14 +390,16 @@ class ClusterService:
                 self._peers.note_unreachable(address, err.message)
             raise
 
-    def _forward(self, request: Request, frame: Frame) -> Frame:
+    def _route(self, request: Request) -> _Route:
+        """Where ``request`` (for another task) goes in the current view, with its header as
+        forwarded: one more hop, nothing else changed."""
         if request.hops >= _MAX_HOPS:
             raise errors.InternalError(
                 f"Request for /job:{request.task.job}/task:{request.task.index} was forwarded "
                 f"{request.hops} times: the tasks disagree on the cluster spec.")
+        view = self.membership.view
         address = self._address_of(request.task.job, request.task.index)
         request.hops += 1
-        self._forwarded.inc(self.name, self.method_of(frame))
         timeout = None
         if request.method == "barrier" and request.timeout_seconds:
             timeout = request.timeout_seconds + self._peers.timeout
@@ -387,15 +407,32 @@ class ClusterService:
             # The caller's budget (Session.status): a task that does not answer is named
             # in this task's error before the caller's own deadline passes.
             timeout = min(request.timeout_seconds, self._peers.timeout)
+        method = request.method
+        return _Route(view, address, request.SerializeToString(), method,
+                      method if method in METHODS else "unknown", timeout)
+
+    def _forward(self, request: Request, buffers: Sequence[Buffer]) -> Frame:
+        return self._send_on(self._route(request), buffers)
+
+    def _send_on(self, route: _Route, buffers: Sequence[Buffer]) -> Frame:
+        """Forward a request along ``route``: the peer's answer."""
+        self._forwarded.inc(self.name, route.label)
+        timeout = route.timeout
         left = in_process.time_left()  # a caller of this process waits for this long
         if left is not None:
             timeout = min(timeout or self._peers.timeout, left)
-        with parked(), self._silence_is_unreachable(address, request.method):
-            # A caller of this process takes the buffers themselves; for one on the wire,
-            # they may stream through this task's listener as they arrive (cut-through).
-            reply = self._peers.send_frame(
-                address, Frame(request.SerializeToString(), frame.buffers), request.method,
-                timeout, relay=not in_process.serving())
+        with parked():
+            try:
+                # A caller of this process takes the buffers themselves; for one on the
+                # wire, they may stream through this task's listener as they arrive
+                # (cut-through).
+                reply = self._peers.send_frame(
+                    route.address, Frame(route.header, buffers), route.method, timeout,
+                    relay=not in_process.serving())
+            except errors.DeadlineExceededError as err:
+                if route.method in _AT_ONCE:  # as _silence_is_unreachable says
+                    self._peers.note_unreachable(route.address, err.message)
+                raise
         # Received for this request alone: an in-process caller may share them.
         return Frame(reply.header, reply.buffers, frozen=True)
 
@@ -512,7 +549,7 @@ class ClusterService:
         if method == "barrier" and tree is not None and (job, index) != (self.job, self.index):
             # Counted on the task it arrives as: the caller waits there.
             request.task.CopyFrom(TaskRef(job=job, index=index))
-            return self._forward(request, Frame(request.SerializeToString(), []))
+            return self._forward(request, [])
         if method == "barrier":
             started = time.monotonic()
             try:

@@ -12,10 +12,10 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 from conftest import wait_for
+from grpc_listeners import TOKEN, channel_to, listening
 
 from clusterwire import errors
 from clusterwire.security import Security
@@ -25,30 +25,8 @@ from clusterwire.transport import Frame, ListenOptions
 from clusterwire.transports.grpc import lane
 from clusterwire.transports.grpc.transport import GrpcTransport
 
-TOKEN = b"t" * 32
 FLOOD = 1024
 LANE = {"fast_lane": True}
-
-
-@contextlib.contextmanager
-def listening(options: dict | None = None, handler=echo_handler, **limits) -> Iterator:
-    listener = GrpcTransport(LANE if options is None else options).listen(
-        "127.0.0.1:0", handler, ListenOptions(security=Security(token=TOKEN), **limits))
-    listener.start()
-    try:
-        yield listener
-    finally:
-        listener.stop(0)
-
-
-@contextlib.contextmanager
-def channel_to(address: str, options: dict | None = None, token: bytes = TOKEN) -> Iterator:
-    channel = GrpcTransport(LANE if options is None else options).connect(
-        address, Security(token=token))
-    try:
-        yield channel
-    finally:
-        channel.close()
 
 
 def echo(channel, payload: bytes = b"8 bytes!", timeout: float = 10) -> float:
@@ -81,7 +59,7 @@ def secret_of(listener, peer: str = "127.0.0.1") -> bytes:
 
 
 def test_a_peer_without_the_lane_is_called_over_grpc():
-    with listening(options={}) as listener, channel_to(listener.address) as channel:
+    with listening({}) as listener, channel_to(listener.address, transport_options=LANE) as channel:
         assert listener.lane is None
         for _ in range(3):
             echo(channel)
@@ -105,9 +83,9 @@ def test_a_lane_port_that_cannot_be_reached_keeps_calls_on_grpc(monkeypatch, blo
                 filler.setblocking(False)
                 stack.callback(filler.close)
                 filler.connect_ex(("127.0.0.1", port))
-        listener = stack.enter_context(listening())
+        listener = stack.enter_context(listening(LANE))
         monkeypatch.setattr(listener.lane, "port", port)  # the tickets announce that port
-        channel = stack.enter_context(channel_to(listener.address))
+        channel = stack.enter_context(channel_to(listener.address, transport_options=LANE))
         took = echo(channel)
         assert took < lane._CONNECT_S + 2.0, f"the first call took {took:.2f} s"
         assert echo(channel) < 1.0  # the lane is not tried again for a while
@@ -137,7 +115,7 @@ def test_tls_keeps_calls_on_grpc(tmp_path):
 
 
 def test_a_stopped_listener_fails_the_next_call_at_once():
-    with listening() as listener:
+    with listening(LANE) as listener:
         address = listener.address
         channel = GrpcTransport(LANE).connect(address, Security(token=TOKEN))
         try:
@@ -152,7 +130,8 @@ def test_a_stopped_listener_fails_the_next_call_at_once():
 
 
 def test_an_idle_connection_the_listener_closed_is_replaced():
-    with listening() as listener, channel_to(listener.address) as channel:
+    with listening(LANE) as listener, \
+            channel_to(listener.address, transport_options=LANE) as channel:
         echo(channel)
         (served,) = listener.lane._served.values()
         served.close_when_idle()  # as when displaced: CLOSING, then closed
@@ -161,7 +140,8 @@ def test_an_idle_connection_the_listener_closed_is_replaced():
 
 
 def test_a_call_past_its_deadline_leaves_the_lane_usable():
-    with listening() as listener, channel_to(listener.address) as channel:
+    with listening(LANE) as listener, \
+            channel_to(listener.address, transport_options=LANE) as channel:
         with pytest.raises(errors.DeadlineExceededError):
             channel.call(Frame(SLEEP + b"2", []), timeout=0.2)
         echo(channel)
@@ -176,7 +156,8 @@ def test_stop_cancels_a_call_on_the_lane_after_its_grace():
         time.sleep(3)
         return frame
 
-    with listening(handler=handler) as listener, channel_to(listener.address) as channel:
+    with listening(LANE, handler=handler) as listener, \
+            channel_to(listener.address, transport_options=LANE) as channel:
         outcome: list[object] = []
 
         def call() -> None:
@@ -200,12 +181,12 @@ def test_stop_cancels_a_call_on_the_lane_after_its_grace():
 @pytest.mark.timeout(120)
 def test_a_token_holders_call_is_answered_within_1s_under_a_lane_connection_flood():
     require_descriptors(4 * FLOOD + 4096)
-    with listening(handshake_timeout_seconds=0.5) as listener:
+    with listening(LANE, handshake_timeout_seconds=0.5) as listener:
         flood = SilentFlood(FLOOD, socket.AF_INET, socket.SOCK_STREAM,
                             ("127.0.0.1", listener.lane.port))
         try:
             opened = time.monotonic()
-            with channel_to(listener.address) as channel:
+            with channel_to(listener.address, transport_options=LANE) as channel:
                 took = echo(channel)  # a fresh channel: ticket, lane connection, call
                 assert took < 1.0, f"a token holder's call took {took:.3f} s"
                 assert channel._lane.calls == 1  # it went over the lane, beside the flood
@@ -221,20 +202,20 @@ def test_a_token_holders_call_is_answered_within_1s_under_a_lane_connection_floo
 
 @pytest.mark.timeout(60)
 def test_the_lane_keeps_the_newest_pending_connections():
-    with listening(handshake_timeout_seconds=60, max_pending_connections=4) as listener:
+    with listening(LANE, handshake_timeout_seconds=60, max_pending_connections=4) as listener:
         flood = SilentFlood(10, socket.AF_INET, socket.SOCK_STREAM,
                             ("127.0.0.1", listener.lane.port))
         try:
             wait_for(lambda: flood.closed() >= 6, 10, "the 6 oldest closed")
             assert flood.closed() == 6
-            with channel_to(listener.address) as channel:
+            with channel_to(listener.address, transport_options=LANE) as channel:
                 assert echo(channel) < 1.0 and channel._lane.calls == 1
         finally:
             flood.close()
 
 
 def test_a_wrong_or_used_secret_is_closed_unanswered():
-    with listening() as listener:
+    with listening(LANE) as listener:
         with hello(listener.lane.port, b"\x00" * 16) as guess:
             assert answer(guess) is None
         secret = secret_of(listener)
@@ -245,7 +226,7 @@ def test_a_wrong_or_used_secret_is_closed_unanswered():
 
 
 def test_a_ticket_of_another_peer_is_refused():
-    with listening() as listener:
+    with listening(LANE) as listener:
         with hello(listener.lane.port, secret_of(listener, "127.0.0.2")) as sock:
             op, body = answer(sock)
             assert op == lane.ERROR and b"127.0.0.2" in body
@@ -253,7 +234,7 @@ def test_a_ticket_of_another_peer_is_refused():
 
 
 def test_an_oversized_frame_is_refused_before_it_is_read():
-    with listening() as listener, hello(listener.lane.port, secret_of(listener)) as sock:
+    with listening(LANE) as listener, hello(listener.lane.port, secret_of(listener)) as sock:
         assert answer(sock) == (lane.READY, b"")
         sock.sendall(lane._MESSAGE.pack(lane.MAGIC, lane.CALL, 1 << 40))
         op, body = answer(sock)
@@ -261,13 +242,13 @@ def test_an_oversized_frame_is_refused_before_it_is_read():
             errors.RESOURCE_EXHAUSTED
         assert b"over the" in body
         assert answer(sock) is None  # then closed
-        with channel_to(listener.address) as channel:
+        with channel_to(listener.address, transport_options=LANE) as channel:
             echo(channel)
 
 
 def test_a_request_over_max_message_bytes_is_resource_exhausted_on_the_lane():
-    with listening(max_message_bytes=1024) as listener, \
-            channel_to(listener.address) as channel:
+    with listening(LANE, max_message_bytes=1024) as listener, \
+            channel_to(listener.address, transport_options=LANE) as channel:
         with pytest.raises(errors.ResourceExhaustedError):
             channel.call(Frame(b"big", [b"x" * 4096]), timeout=10)
         echo(channel)  # the same connection serves on
@@ -275,17 +256,17 @@ def test_a_request_over_max_message_bytes_is_resource_exhausted_on_the_lane():
 
 
 def test_garbage_on_the_lane_closes_that_connection_only():
-    with listening() as listener, hello(listener.lane.port, secret_of(listener)) as sock:
+    with listening(LANE) as listener, hello(listener.lane.port, secret_of(listener)) as sock:
         assert answer(sock) == (lane.READY, b"")
         sock.sendall(b"GET / HTTP/1.1\r\n\r\n")
         assert answer(sock) is None
-        with channel_to(listener.address) as channel:
+        with channel_to(listener.address, transport_options=LANE) as channel:
             echo(channel)
             assert channel._lane.calls == 1
 
 
 def test_connections_over_max_connections_are_refused_and_calls_go_over_grpc():
-    with listening(max_connections=2) as listener:
+    with listening(LANE, max_connections=2) as listener:
         held = []
         try:
             for _ in range(2):
@@ -294,7 +275,7 @@ def test_connections_over_max_connections_are_refused_and_calls_go_over_grpc():
             with hello(listener.lane.port, secret_of(listener)) as third:
                 op, body = answer(third)
                 assert op == lane.ERROR and b"max_connections" in body
-            with channel_to(listener.address) as channel:
+            with channel_to(listener.address, transport_options=LANE) as channel:
                 echo(channel)  # over gRPC: the lane is full
                 assert channel._lane.calls == 0
                 # Not asked again for every call meanwhile (a ticket, a refused connection).
@@ -305,7 +286,7 @@ def test_connections_over_max_connections_are_refused_and_calls_go_over_grpc():
 
 
 def test_a_connection_from_another_peer_displaces_the_peer_holding_the_most():
-    with listening(max_connections=3) as listener:
+    with listening(LANE, max_connections=3) as listener:
         held = []
         try:
             for _ in range(3):  # admitted one after the other: held[0] is the oldest
@@ -323,7 +304,8 @@ def test_a_connection_from_another_peer_displaces_the_peer_holding_the_most():
 
 
 def test_without_the_token_no_ticket_and_no_call():
-    with listening() as listener, channel_to(listener.address, token=b"x" * 32) as channel:
+    with listening(LANE) as listener, \
+            channel_to(listener.address, token=b"x" * 32, transport_options=LANE) as channel:
         with pytest.raises(errors.UnauthenticatedError):
             echo(channel)
         assert listener.lane.calls == 0
@@ -353,7 +335,8 @@ def test_a_wildcard_ipv6_listener_serves_ipv4_clients_over_the_lane():
 
 
 def test_a_forked_child_does_not_share_the_parents_lane_connections():
-    with listening() as listener, channel_to(listener.address) as channel:
+    with listening(LANE) as listener, \
+            channel_to(listener.address, transport_options=LANE) as channel:
         echo(channel)
         (parent_side,) = channel._lane._connections._open
         pid = os.fork()

@@ -6,7 +6,6 @@ condition with a deadline, and every socket, call and listener is closed at the 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import resource
@@ -22,6 +21,7 @@ import grpc
 import numpy as np
 import pytest
 from conftest import wait_for
+from grpc_listeners import TOKEN, channel_to, listening
 
 from clusterwire import Server, Session, errors
 from clusterwire.local_cluster import LocalCluster
@@ -35,7 +35,6 @@ from clusterwire.transports._grpc_common.status import grpc_error
 from clusterwire.transports.grpc import framing
 from clusterwire.transports.grpc.transport import GrpcTransport
 
-TOKEN = b"t" * 32
 SILENT = 1024
 # A client's HTTP/2 preface and an empty SETTINGS frame: a connection that never sends a call.
 HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
@@ -53,27 +52,6 @@ def descriptors():
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
     yield
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-
-
-@contextlib.contextmanager
-def listening(transport_options: dict | None = None, **limits) -> Iterator:
-    """A started grpc listener serving the echo handler, with a token and ``limits``."""
-    listener = GrpcTransport(transport_options).listen(
-        "127.0.0.1:0", echo_handler, ListenOptions(security=Security(token=TOKEN), **limits))
-    listener.start()
-    try:
-        yield listener
-    finally:
-        listener.stop(0)
-
-
-@contextlib.contextmanager
-def channel_to(address: str, token: bytes | None = TOKEN) -> Iterator:
-    channel = GrpcTransport().connect(address, Security(token=token))
-    try:
-        yield channel
-    finally:
-        channel.close()
 
 
 def timed_call(channel, payload: bytes = b"8 bytes!") -> float:

@@ -44,13 +44,15 @@ def set_receive_timeout(sock: socket.socket, seconds: float) -> float:
     return seconds
 
 
-def left(deadline: float | None) -> float | None:
-    """Seconds until ``deadline`` (None: no deadline); DeadlineExceededError if none left."""
+def left(deadline: float | None,
+         error: type[Exception] = errors.DeadlineExceededError) -> float | None:
+    """Seconds until ``deadline`` (a ``time.monotonic`` time; None: no deadline); ``error``
+    (DeadlineExceededError, or e.g. TimeoutError where a socket's would be) if none left."""
     if deadline is None:
         return None
     remaining = deadline - time.monotonic()
     if remaining <= 0:
-        raise errors.DeadlineExceededError("The deadline passed before the call was sent.")
+        raise error("The deadline passed before the call was sent.")
     return remaining
 
 

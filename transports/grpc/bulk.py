@@ -51,6 +51,7 @@ from clusterwire import errors
 from clusterwire.addressing import split_host_port
 from clusterwire.buffers import MIN_POOLED_BYTES, receive_buffers, split
 from clusterwire.transport import ListenOptions
+from clusterwire.transports._grpc_common.call_pool import left
 from clusterwire.transports.grpc.relay import Incoming, Relay, splice
 from clusterwire.transports.grpc.ticket_port import TicketPort, send_views
 from clusterwire.transports.grpc.ticket_port import shutdown as _shutdown
@@ -219,7 +220,7 @@ class BulkClient:
             idle = self._idle.get(port)
             if reuse and idle:
                 return idle.pop(), True
-        timeout = _CONNECT_S if deadline is None else min(_remaining(deadline), _CONNECT_S)
+        timeout = _CONNECT_S if deadline is None else min(left(deadline, TimeoutError), _CONNECT_S)
         try:
             connection = socket.create_connection((self._host, port), timeout=timeout)
         except TimeoutError:
@@ -242,7 +243,7 @@ class BulkClient:
     def _ask(self, connection: socket.socket, fetch_id: int,
              deadline: float | None) -> tuple[int, int]:
         """Send the fetch id; the server's (status, total length)."""
-        connection.settimeout(_remaining(deadline))
+        connection.settimeout(left(deadline, TimeoutError))
         connection.sendall(_TICKET.pack(fetch_id))
         status = bytearray(_STATUS.size)
         if not _receive_into(connection, memoryview(status), deadline):
@@ -272,22 +273,13 @@ class BulkClient:
         return err
 
 
-def _remaining(deadline: float | None) -> float | None:
-    if deadline is None:
-        return None
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
-        raise TimeoutError
-    return remaining
-
-
 def _receive_into(connection: socket.socket, view: memoryview,
                   deadline: float | None = None) -> bool:
     """Fill ``view``; False on a clean end of stream before the first byte."""
     filled = 0
     while filled < view.nbytes:
         if deadline is not None:
-            connection.settimeout(_remaining(deadline))
+            connection.settimeout(left(deadline, TimeoutError))
         count = connection.recv_into(view[filled:])
         if count == 0:
             if filled == 0:

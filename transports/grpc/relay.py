@@ -114,6 +114,26 @@ def relay_of(buffers: Sequence[object]) -> Relay | None:
     return relay
 
 
+class Verbatim(list):
+    """A forwarded response's inline buffers (views of ``envelope``), with the reply envelope
+    they came in: a listener of this transport sends that envelope on as it is, rather than
+    encoding the same bytes again (``verbatim_of``)."""
+
+    __slots__ = ("header", "envelope")
+
+    def __init__(self, header: bytes, buffers: Sequence[memoryview], envelope: bytes):
+        super().__init__(buffers)
+        self.header, self.envelope = header, envelope
+
+
+def verbatim_of(header: bytes, buffers: Sequence[object]) -> bytes | None:
+    """The envelope a response of ``header`` and ``buffers`` arrived in, if it is passed on
+    unchanged (``Verbatim``); else None."""
+    if type(buffers) is Verbatim and buffers.header is header:
+        return buffers.envelope
+    return None
+
+
 def splice(source: socket.socket, destination: socket.socket, total: int,
            deadline: float | None, idle: float) -> None:
     """Move ``total`` bytes from ``source`` to ``destination`` through a pipe, in the

@@ -70,7 +70,14 @@ from clusterwire.transports._grpc_common.status import abort, grpc_error, is_bus
 from clusterwire.transports.grpc import framing
 from clusterwire.transports.grpc.bulk import BulkClient, BulkServer, Unreachable
 from clusterwire.transports.grpc.lane import LaneClient, LaneServer
-from clusterwire.transports.grpc.relay import Incoming, Relay, RelayPart, relay_of
+from clusterwire.transports.grpc.relay import (
+    Incoming,
+    Relay,
+    RelayPart,
+    Verbatim,
+    relay_of,
+    verbatim_of,
+)
 from clusterwire.transports.grpc.uploads import Fetches, Upload, Uploads
 
 SERVICE = "clusterwire.Transport"
@@ -216,6 +223,9 @@ class GrpcListener(Listener):
         self._fetches.close()
 
     def _respond(self, response: Frame) -> bytes:
+        verbatim = verbatim_of(response.header, response.buffers)
+        if verbatim is not None:
+            return verbatim
         relay = relay_of(response.buffers)
         if relay is not None:  # a forwarded response, passed on as it arrives
             if relay.nbytes > self._inline_response_bytes:
@@ -339,22 +349,23 @@ class GrpcChannel(Channel):
 
     def call(self, frame: Frame, timeout: float | None = None) -> Frame:
         deadline = None if timeout is None else time.monotonic() + timeout
-        envelope = self._reply(frame, timeout)
+        envelope = framing.LAYOUT.decode(self._reply(frame, timeout), REPLY_LIMIT)
         if BULK not in envelope.kinds:
             return Frame(envelope.header, split_inline(envelope))
         with self._errors():
             return Frame(envelope.header, interleave(
                 envelope.kinds, split_inline(envelope), self._fetched(envelope, deadline)))
 
-    def _reply(self, frame: Frame, timeout: float | None) -> Envelope:
-        """Send ``frame``; the reply's envelope (its bulk buffers, if any, not fetched)."""
+    def _reply(self, frame: Frame, timeout: float | None) -> Any:
+        """Send ``frame``; the reply message (an envelope whose bulk buffers, if any, are
+        still to be fetched)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         views = framing.buffer_views(frame.buffers) if frame.buffers else []
         small = sum(map(len, views)) <= self._transport.inline_bytes
         if small and self._lane is not None:  # raises clusterwire errors itself
             reply = self._lane.call(framing.inline_parts(frame.header, views), deadline)
             if reply is not None:
-                return framing.LAYOUT.decode(reply, REPLY_LIMIT)
+                return reply
             if deadline is not None:  # over gRPC, in the time left
                 timeout = max(deadline - time.monotonic(), 0.001)
         with self._errors():
@@ -366,7 +377,7 @@ class GrpcChannel(Channel):
                 reply = self._streamed(lambda remaining: self._upload(
                     itertools.chain([first], framing.chunks(views, self._transport.chunk_bytes)),
                     timeout=remaining, metadata=self._metadata), deadline)
-            return framing.LAYOUT.decode(reply, REPLY_LIMIT)
+            return reply
 
     def _lane_ticket(self, timeout: float | None) -> bytes:
         """The listener's ``Lane`` reply; ``Unreachable`` (lasting unless the failure may
@@ -391,9 +402,13 @@ class GrpcChannel(Channel):
     def call_relayed(self, frame: Frame, timeout: float | None = None) -> Frame:
         """``call``, with a bulk response returned as a ``Relay`` (see ``relay``): fetched
         only when a listener of this transport sends it on, within ``timeout`` from then."""
-        reply = self._reply(frame, timeout)
+        message = self._reply(frame, timeout)
+        reply = framing.LAYOUT.decode(message, REPLY_LIMIT)
         if BULK not in reply.kinds:
-            return Frame(reply.header, split_inline(reply))
+            if type(message) is not bytes:  # a large lane reply, in a buffer of its own
+                return Frame(reply.header, split_inline(reply))
+            return Frame(reply.header, Verbatim(reply.header, split_inline(reply, copy=False),
+                                                message))
         lengths = bulk_lengths(reply)
         budget = self._transport.fetch_ttl if timeout is None else timeout
         relay = Relay(lengths, lambda: self._incoming(reply, time.monotonic() + budget))
