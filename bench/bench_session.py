@@ -18,13 +18,17 @@ It measures, in one run (about 60 s on 2 cores):
    - same host: ``grpc+local`` between two processes;
    - grpc fast lane: ``grpc`` with ``fast_lane = true`` (a 2-task cluster of its own,
      a temporary plugins.toml): direct, forwarded and worker process.
-2. 64 MiB ``Session.get`` throughput on the same topologies, next to raw TCP
+2. 1 KiB calls per second, ``--rate-threads`` (8) client threads of this process against
+   one task, each thread with a Session (a grpcio channel) of its own: ``Session.call`` of
+   an echo over gRPC and over the fast lane, next to bare grpcio unary echoes (the same
+   server process as above), in interleaved rounds.
+3. 64 MiB ``Session.get`` throughput on the same topologies, next to raw TCP
    (``recv_into`` a preallocated buffer), one bare grpcio unary message, a
    bare grpcio chunk stream and a numpy memcpy.
-3. ``import clusterwire`` time, and that it does not import grpc.
-4. Local cluster start-up (ps:1, worker:2) until a status call through worker 0
+4. ``import clusterwire`` time, and that it does not import grpc.
+5. Local cluster start-up (ps:1, worker:2) until a status call through worker 0
    reaches the ps task.
-5. A sweep of the grpc transport's ``chunk_bytes`` for the 64 MiB direct get
+6. A sweep of the grpc transport's ``chunk_bytes`` for the 64 MiB direct get
    fetched as a gRPC chunk stream (``bulk_plane = "grpc"``: the path under TLS)
    (``--chunk-bytes``; each size runs a fresh task with a temporary
    plugins.toml).
@@ -61,6 +65,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -80,11 +85,14 @@ REMOTE_TASK = "/job:worker/task:1"
 TARGETS = {"get8_vs_grpc": 1.3, "get64_vs_tcp": 0.33, "import_s": 0.3, "cluster_up_s": 1.0,
            "worker8_vs_tf": 0.6, "worker64_vs_tf": 1.8, "worker64_vs_tcp": 0.7,
            "inproc8_vs_grpc": 0.1, "inproc64_vs_memcpy": 0.01, "local8_us": 150,
-           "lane8_vs_tcp": 3.0, "lane_forwarded_vs_direct": 2.0,
+           "lane8_vs_tcp": 3.0, "lane_forwarded_vs_direct": 2.0, "lane_rate_vs_grpc": 3.0,
            "local8_vs_grpc": 0.35}
 CW_GET = "clusterwire Session.get"
 LANE_GET = "clusterwire Session.get, grpc fast lane"
 LANE_CALL = "clusterwire Session.call (echo), grpc fast lane"
+RATE_BARE = "bare grpcio unary_unary, 1 KiB echo"
+RATE_CW = "clusterwire Session.call (1 KiB echo) over gRPC"
+RATE_LANE = "clusterwire Session.call (1 KiB echo), grpc fast lane"
 LOCAL_GET = "clusterwire Session.get, grpc+local"
 TF_READ = "TensorFlow Session.run, ps variable read"
 TF_TOPOLOGIES = ("direct", "forwarded", "worker process")
@@ -158,6 +166,75 @@ def interleaved_round_trips(variants: dict[Hashable, Callable[[], object]], iter
     return samples
 
 
+@dataclass
+class Rate:
+    name: str
+    calls_per_s: list[float]  # one per round
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.calls_per_s)
+
+
+#: A caller of its own for one thread: (one call, what closes it).
+Caller = tuple[Callable[[], object], Callable[[], None]]
+
+
+def interleaved_rates(variants: dict[str, Callable[[], Caller]], threads: int,
+                      seconds: float, rounds: int) -> dict[str, list[float]]:
+    """Calls per second of every variant, ``threads`` threads each calling with a caller of
+    its own (made once per thread by the variant's factory) for ``seconds``; ``rounds``
+    rounds, every variant in turn (rotating the order), after a short untimed one."""
+    callers = {name: [make() for _ in range(threads)] for name, make in variants.items()}
+    try:
+        names = list(variants)
+        rates: dict[str, list[float]] = {name: [] for name in names}
+        for round_index in range(-1, rounds):  # -1: warm-up
+            shift = max(round_index, 0) % len(names)
+            for name in names[shift:] + names[:shift]:
+                rate = _calls_per_second([call for call, _ in callers[name]],
+                                         seconds if round_index >= 0 else min(seconds, 0.3))
+                if round_index >= 0:
+                    rates[name].append(rate)
+        return rates
+    finally:
+        for made in callers.values():
+            for _, close in made:
+                close()
+
+
+def _calls_per_second(calls: list[Callable[[], object]], seconds: float) -> float:
+    """Every call of ``calls`` made again and again on a thread of its own for ``seconds``:
+    the calls answered per second, all threads together."""
+    counts = [0] * len(calls)
+    failures: list[BaseException] = []
+    start = threading.Barrier(len(calls) + 1)
+
+    def work(index: int) -> None:
+        call, clock, count = calls[index], time.perf_counter, 0
+        start.wait()
+        deadline = clock() + seconds
+        try:
+            while clock() < deadline:
+                call()
+                count += 1
+        except BaseException as err:  # re-raised by the caller
+            failures.append(err)
+        counts[index] = count
+
+    workers = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(calls))]
+    for worker in workers:
+        worker.start()
+    start.wait()
+    began = time.perf_counter()
+    for worker in workers:
+        worker.join()
+    elapsed = time.perf_counter() - began
+    if failures:
+        raise failures[0]
+    return sum(counts) / elapsed
+
+
 def interleaved_transfers(variants: dict[Hashable, Callable[[], object]],
                           check: Callable[[object], bool],
                           transfers: int) -> dict[Hashable, list[float]]:
@@ -202,7 +279,8 @@ def _same_bytes(expected: np.ndarray) -> Callable[[object], bool]:
 
 
 def measure_transports(args: argparse.Namespace, payload: np.ndarray):
-    """Baselines and clusterwire side by side: (latencies, throughputs, transport info).
+    """Baselines and clusterwire side by side: (latencies, throughputs, calls/s rates,
+    transport info).
 
     All servers run at once (raw TCP, bare grpcio, a 2-task LocalCluster), each
     in its own process; this process is the client of all of them.
@@ -238,7 +316,7 @@ def measure_transports(args: argparse.Namespace, payload: np.ndarray):
         same_host = stack.enter_context(
             LocalCluster({"worker": 1}, protocol="grpc+local", env=child_env()))
         local = stack.enter_context(Session(same_host.target("worker", 0)))
-        lane, lane_own, lane_other = _lane_sessions(stack)
+        lane, lane_own, lane_other, lane_session = _lane_sessions(stack)
         with Session(cluster.target("worker", 1)) as other:
             for store in (session, other, own, local, lane, lane_other):
                 store.put("small", small)
@@ -289,6 +367,27 @@ def measure_transports(args: argparse.Namespace, payload: np.ndarray):
         latencies = [Latency(name, topology, samples[name, topology])
                      for name, topology in round_trips]
 
+        kib = np.arange(1024, dtype=np.uint8)
+        _require(np.array_equal(lane.call(ECHO, kib), kib), "lane 1 KiB echo")
+
+        def bare_caller() -> Caller:
+            client = _baselines.GrpcClient(grpc_server.port)
+            payload_kib = kib.tobytes()
+            return (lambda: client.echo(payload_kib)), client.close
+
+        def session_caller(make: Callable[[], Session]) -> Callable[[], Caller]:
+            def caller() -> Caller:
+                own_session = make()
+                return (lambda: own_session.call(ECHO, kib)), own_session.close
+            return caller
+
+        rate_samples = interleaved_rates({
+            RATE_BARE: bare_caller,
+            RATE_CW: session_caller(lambda: Session(cluster.target("worker", 0))),
+            RATE_LANE: session_caller(lane_session),
+        }, args.rate_threads, args.rate_seconds, args.rate_rounds)
+        rates = [Rate(name, values) for name, values in rate_samples.items()]
+
         def tcp_fetch():
             tcp.fetch_blob(out_view)
             return out
@@ -329,13 +428,13 @@ def measure_transports(args: argparse.Namespace, payload: np.ndarray):
         seconds = interleaved_transfers(transfers, _same_bytes(payload), args.transfers)
         throughputs = [Throughput(name, topology, nbytes, seconds[name, topology])
                        for name, topology in transfers]
-    return latencies, throughputs, info
+    return latencies, throughputs, rates, info
 
 
 def _lane_sessions(stack: contextlib.ExitStack):
     """Sessions over the grpc transport with ``fast_lane = true`` (a temporary plugins.toml
     for a 2-task cluster and this process's transport): (a Session of task 0, a Session of
-    a task this process hosts, of task 1)."""
+    a task this process hosts, of task 1, what makes another Session of task 0)."""
     from clusterwire import Server, Session
     from clusterwire.local_cluster import LocalCluster
     from clusterwire.plugins import PluginManager, set_plugin_manager
@@ -346,7 +445,8 @@ def _lane_sessions(stack: contextlib.ExitStack):
         handle.write("[options.grpc]\nfast_lane = true\n")
     cluster = stack.enter_context(LocalCluster(
         {"worker": 2}, imports=["_bench_remote"], env=child_env({"CLUSTERWIRE_PLUGINS": path})))
-    old = set_plugin_manager(PluginManager(path))
+    manager = PluginManager(path)
+    old = set_plugin_manager(manager)
     try:  # the Sessions and the Server keep the transport they were created with
         session = stack.enter_context(Session(cluster.target("worker", 0)))
         other = stack.enter_context(Session(cluster.target("worker", 1)))
@@ -359,7 +459,15 @@ def _lane_sessions(stack: contextlib.ExitStack):
         set_plugin_manager(old)
     data = session.status()["transport"]
     _require("small_calls" in data, f"the lane cluster's transport has no lane: {data}")
-    return session, own, other
+
+    def new_session() -> Session:
+        previous = set_plugin_manager(manager)
+        try:
+            return Session(cluster.target("worker", 0))
+        finally:
+            set_plugin_manager(previous)
+
+    return session, own, other, new_session
 
 
 def measure_chunk_sweep(args: argparse.Namespace, payload: np.ndarray):
@@ -548,6 +656,10 @@ def _find(rows, name: str, topology: str = "direct"):
     return next(r for r in rows if r.name == name and r.topology == topology)
 
 
+def _find_rate(rates: list[Rate], name: str) -> float:
+    return next(row.median for row in rates if row.name == name)
+
+
 def _against_tensorflow(latencies, throughputs) -> list[str]:
     """One sentence comparing clusterwire with TF's rows of this run, if there are any."""
     if not any(row.name == TF_READ for row in latencies):
@@ -614,7 +726,8 @@ def _fast_path_targets(args, latencies, throughputs) -> list[str]:
     return rows
 
 
-def render(args, env, latencies, throughputs, info, sweep, imports, ups, elapsed) -> str:
+def render(args, env, latencies, throughputs, rates, info, sweep, imports, ups,
+           elapsed) -> str:
     grpc_us = _find(latencies, "bare grpcio unary_unary").median_us
     tcp_gbs = _find(throughputs, "raw TCP, recv_into preallocated").median_gbs
     get8 = _find(latencies, CW_GET).median_us / grpc_us
@@ -649,6 +762,20 @@ def render(args, env, latencies, throughputs, info, sweep, imports, ups, elapsed
             target = f"<= {TARGETS['get8_vs_grpc']}x: {_met(ratio <= TARGETS['get8_vs_grpc'])}"
         lines.append(f"| {row.name} | {row.topology} | {row.median_us:.0f} | {row.p99_us:.0f} "
                      f"| {ratio:.2f}x | {target} |")
+    bare_rate = _find_rate(rates, RATE_BARE)
+    lines += [
+        "",
+        f"## 1 KiB calls per second, {args.rate_threads} client threads against one task",
+        "",
+        f"Each thread of this process calls with a Session (a grpcio channel) of its own for "
+        f"{args.rate_seconds:g} s a round; {args.rate_rounds} interleaved rounds per path.",
+        "",
+        "| Path | Median calls/s | Min-max | x bare grpcio |",
+        "|---|---:|---:|---:|",
+    ]
+    for row in rates:
+        lines.append(f"| {row.name} | {row.median:,.0f} | {min(row.calls_per_s):,.0f}-"
+                     f"{max(row.calls_per_s):,.0f} | {row.median / bare_rate:.2f}x |")
     lines += [
         "",
         f"## {args.size_mib} MiB transfer (GB/s = 1e9 B/s; median of {args.transfers})",
@@ -731,6 +858,10 @@ def render(args, env, latencies, throughputs, info, sweep, imports, ups, elapsed
         f"| local cluster up < {TARGETS['cluster_up_s']} s | {up:.3f} s "
         f"| {_met(up < TARGETS['cluster_up_s'])} |",
         *_fast_path_targets(args, latencies, throughputs),
+        f"| 1 KiB calls/s over the fast lane, {args.rate_threads} threads >= "
+        f"{TARGETS['lane_rate_vs_grpc']}x bare grpcio | "
+        f"{_find_rate(rates, RATE_LANE) / bare_rate:.2f}x "
+        f"| {_met(_find_rate(rates, RATE_LANE) / bare_rate >= TARGETS['lane_rate_vs_grpc'])} |",
         "",
         "## Reference, not measured here",
         "",
@@ -774,6 +905,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=200, help="untimed round trips per path")
     parser.add_argument("--rounds", type=int, default=40, help="interleaved rounds of round trips")
     parser.add_argument("--transfers", type=int, default=8, help="timed bulk transfers per path")
+    parser.add_argument("--rate-threads", type=int, default=8,
+                        help="client threads of the 1 KiB calls/s paths")
+    parser.add_argument("--rate-seconds", type=float, default=1.0,
+                        help="seconds of each calls/s round")
+    parser.add_argument("--rate-rounds", type=int, default=5,
+                        help="interleaved calls/s rounds per path")
     parser.add_argument("--size-mib", type=int, default=64, help="bulk transfer size in MiB")
     parser.add_argument("--repeats", type=int, default=5, help="import timing repeats")
     parser.add_argument("--cluster-repeats", type=int, default=3, help="cluster start-ups")
@@ -812,13 +949,13 @@ def main(argv: list[str] | None = None) -> int:
     step("local cluster start-up")
     ups = measure_cluster_up(args.cluster_repeats)
     step("round trips and transfers: raw TCP, bare grpcio, clusterwire direct and forwarded")
-    latencies, throughputs, info = measure_transports(args, payload)
+    latencies, throughputs, rates, info = measure_transports(args, payload)
     sweep = []
     if args.chunk_bytes:
         step(f"chunk_bytes sweep: {', '.join(_size(c) for c in args.chunk_bytes)}")
         sweep = measure_chunk_sweep(args, payload)
     env["load_end"] = os.getloadavg()[0]
-    report = render(args, env, latencies, throughputs, info, sweep, imports, ups,
+    report = render(args, env, latencies, throughputs, rates, info, sweep, imports, ups,
                     time.perf_counter() - started)
     print(report)
     output = args.output or os.path.join(
