@@ -137,13 +137,39 @@ def test_a_row_groups_columns_come_in_fewer_reads_than_columns(tmp_path, monkeyp
             reads.append(size)
             return super().read(size)
 
+    class PythonFile(io.BufferedReader):  # read as a Python file (as fsspec's), counted
+        pass
+
     monkeypatch.setattr(parquet, "open_readable",
-                        lambda path, prefixes: io.BufferedReader(CountingFile(path, "rb")))
+                        lambda path, prefixes: PythonFile(CountingFile(path, "rb")))
     with ParquetReader(path, batch_rows=5000, readable_prefixes=None) as reader:
         opened = len(reads)
         elements = list(reader.read(1, 2))
     assert sum(len(element["c0"]) for element in elements) == 20_000
     assert 1 <= len(reads) - opened < 8, reads[opened:]
+
+
+def _open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
+def test_a_local_file_is_read_by_arrow_and_no_descriptor_outlives_the_reader(parquet_file,
+                                                                          tmp_path):
+    """A local file is read through an Arrow OSFile over the descriptor open_readable checked
+    (not through Python's file object); closing the reader, or a file that is no Parquet,
+    leaves no descriptor open."""
+    before = _open_descriptors()
+    with ParquetReader(parquet_file, batch_rows=40, readable_prefixes=None) as reader:
+        assert isinstance(reader._file, pa.OSFile)
+        assert _open_descriptors() == before + 1
+        assert [len(element["i64"]) for element in reader.read(3, 4)] == [40, 40, 20]
+    assert _open_descriptors() == before
+    bad = tmp_path / "not.parquet"
+    bad.write_bytes(b"not parquet at all")
+    with pytest.raises(DataLossError, match="not.parquet"):
+        ParquetReader(bad, readable_prefixes=None)
+    assert _open_descriptors() == before
 
 
 def test_a_missing_column_names_the_column_and_the_file(parquet_file):

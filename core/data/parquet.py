@@ -14,6 +14,7 @@ pyarrow is imported when a file is opened, never by ``import clusterwire.data``.
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -93,12 +94,12 @@ class ParquetReader:
         _, pq = _pyarrow()
         self._path = os.fspath(path)
         self._batch_rows = batch_rows
-        self._file = open_readable(path, readable_prefixes)
+        self._file = _native(open_readable(path, readable_prefixes))
         try:
             # Pre-buffered (ParquetFile's default only since apache/arrow#49924): a row
             # group's column chunks come in a few coalesced reads, held until the next row
-            # group's; read chunk by chunk through the Python file, a worker faulted fresh
-            # memory in for each (BENCHMARKS, Data files).
+            # group's; read chunk by chunk, a worker faulted fresh memory in for each
+            # (BENCHMARKS, Data files).
             self._parquet = pq.ParquetFile(self._file, pre_buffer=True)
         except Exception as error:
             self._file.close()
@@ -201,6 +202,20 @@ class ParquetReader:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _native(file: Any) -> Any:
+    """A local file (opened and checked by ``open_readable``) as an Arrow ``OSFile`` over the
+    same open file: Arrow then reads it itself, into its own memory pool, rather than through
+    Python's file object (a new ``bytes`` of fresh memory for every read, each under the
+    GIL). Other files (fsspec's, or a subclass that reads its own way) as they are."""
+    if type(file) not in (io.BufferedReader, io.FileIO):
+        return file
+    pa, _ = _pyarrow()
+    try:
+        return pa.OSFile(os.dup(file.fileno()))  # owns (and closes) the duplicate
+    finally:
+        file.close()
 
 
 def _values(array: Any, per_row: bool) -> Any:
