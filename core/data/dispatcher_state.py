@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,55 @@ class DatasetRecord:
         return sum(memoryview(b).nbytes for b in self.buffers)
 
 
+class Assignments:
+    """A job's assigned splits, split id -> consumer id, with each consumer's splits at
+    hand (``of``): a consumer's request looks at its own splits, not at every split the job
+    handed out."""
+
+    def __init__(self, items: dict[int, str] | None = None) -> None:
+        self._consumer_of: dict[int, str] = {}
+        self._splits_of: dict[str, dict[int, None]] = {}  # consumer -> its splits, in order
+        for split_id, consumer in (items or {}).items():
+            self[split_id] = consumer
+
+    def __setitem__(self, split_id: int, consumer: str) -> None:
+        self.pop(split_id, None)
+        self._consumer_of[split_id] = consumer
+        self._splits_of.setdefault(consumer, {})[split_id] = None
+
+    def __delitem__(self, split_id: int) -> None:
+        consumer = self._consumer_of.pop(split_id)
+        splits = self._splits_of[consumer]
+        del splits[split_id]
+        if not splits:
+            del self._splits_of[consumer]
+
+    def pop(self, split_id: int, default: str | None = None) -> str | None:
+        """Unassign ``split_id``; its consumer (``default`` if it was not assigned)."""
+        consumer = self._consumer_of.get(split_id)
+        if consumer is None:
+            return default
+        del self[split_id]
+        return consumer
+
+    def get(self, split_id: int) -> str | None:
+        return self._consumer_of.get(split_id)
+
+    def of(self, consumer: str) -> list[int]:
+        """The splits assigned to ``consumer``, in the order they were assigned."""
+        return list(self._splits_of.get(consumer, ()))
+
+    def items(self) -> Iterator[tuple[int, str]]:
+        return iter(self._consumer_of.items())
+
+    def consumers(self) -> set[str]:
+        """The consumers holding splits."""
+        return set(self._splits_of)
+
+    def __len__(self) -> int:
+        return len(self._consumer_of)
+
+
 @dataclass
 class Job:
     """A job: a dataset being read in one processing mode by one or more consumers."""
@@ -60,11 +110,13 @@ class Job:
     total_units: int = 0
     epochs: int = 1
     next_split: int = 0
-    assigned: dict[int, str] = field(default_factory=dict)  # split id -> consumer id
+    assigned: Assignments = field(default_factory=Assignments)
     pool: list[int] = field(default_factory=list)  # splits given back, to hand out again
     # split id -> elements of it already consumed (its consumer stopped early)
     offsets: dict[int, int] = field(default_factory=dict)
-    consumers: dict[str, float] = field(default_factory=dict)  # consumer -> last seen
+    # consumer -> last seen, least recently seen first (``saw``): the timed-out ones are the
+    # first ones, found without looking at the others
+    consumers: OrderedDict[str, float] = field(default_factory=OrderedDict)
     released: set[str] = field(default_factory=set)
     last_active: float = field(default_factory=time.monotonic)
     # consumer -> its hand-outs (split, offset handed at), the first handout_base dropped
@@ -76,6 +128,11 @@ class Job:
     merges: dict[str, None] = field(default_factory=dict)  # merge ids applied, oldest first
     splits_handed: int = 0  # hand-outs (a split given back and handed again counts again)
     splits_completed: int = 0
+
+    def saw(self, consumer: str, now: float) -> None:
+        """``consumer`` was heard from at ``now`` (the latest time yet)."""
+        self.consumers[consumer] = now
+        self.consumers.move_to_end(consumer)
 
     def is_stale(self, consumer: str, generation: int) -> bool:
         """A request of an earlier generation of a resumed consumer (an old iterator)."""
@@ -122,7 +179,7 @@ class Job:
             self._reclaim(consumer, split_id, offset)
         self.dormant.pop(consumer, None)
         self.released.discard(consumer)
-        self.consumers[consumer] = time.monotonic()
+        self.saw(consumer, time.monotonic())
         self.generations[consumer] = generation
 
     def merge(self, merge_id: str, consumers: list[ConsumerPosition], merges_kept: int
@@ -168,8 +225,7 @@ class Job:
         them completely, but died (or was stopped) before its acknowledgement (the next split
         request) reached the dispatcher. Else a resumed consumer would be sent them again
         as lost, and after a merge they would stay assigned to a consumer that is gone."""
-        for split_id in [s for s, c in self.assigned.items()
-                         if c == consumer and s not in unread]:
+        for split_id in [s for s in self.assigned.of(consumer) if s not in unread]:
             del self.assigned[split_id]
             self.offsets.pop(split_id, None)
             self.splits_completed += 1
@@ -209,6 +265,17 @@ class Job:
         return self.next_split >= self.total_splits and not self.assigned and not self.pool
 
 
+@dataclass(eq=False)
+class LiveWorkers:
+    """The live workers as ``DispatcherState.live_view`` found them: heard from within
+    ``timeout_s``, every one of them until ``until`` at least."""
+
+    timeout_s: float
+    until: float
+    addresses: frozenset[str]
+    workers: tuple[WorkerInfo, ...]
+
+
 class DispatcherState:
     """Datasets, jobs, split assignments and workers; mutated by ``apply`` only."""
 
@@ -225,6 +292,7 @@ class DispatcherState:
         self.job_keys: dict[str, int] = {}
         self.workers: dict[str, WorkerInfo] = {}
         self.worker_seen: dict[str, float] = {}
+        self._live: LiveWorkers | None = None  # live_view's last answer
         self.grant_key = b""
         # Jobs no consumer has read yet and datasets no job has used, oldest first: what a
         # full table gives up first. A consumer's first heartbeat or split request marks its
@@ -352,6 +420,7 @@ class DispatcherState:
                       now: float) -> None:
         self.workers[entry.worker.address] = entry.worker
         self.worker_seen[entry.worker.address] = now
+        self._live = None
 
     def _apply_grant_key(self, entry: JournalEntry, buffers: list[Any], peer: str,
                          now: float) -> None:
@@ -375,7 +444,7 @@ class DispatcherState:
         job = self.jobs.get(p.job_id)
         if job is not None:
             job.next_split, job.pool = p.next_split, list(p.pool)
-            job.assigned = {a.split_id: a.consumer_id for a in p.assigned}
+            job.assigned = Assignments({a.split_id: a.consumer_id for a in p.assigned})
             job.info.finished = p.finished
             job.offsets = dict(p.offsets)
             job.handouts = {h.consumer_id: list(zip(h.split_ids, h.offsets, strict=True))
@@ -387,7 +456,7 @@ class DispatcherState:
             job.dormant = dict.fromkeys(p.dormant, now)
             job.splits_handed, job.splits_completed = p.splits_handed, p.splits_completed
             job.merges = dict.fromkeys(p.merges)
-            for consumer in set(job.assigned.values()) - set(job.dormant):
+            for consumer in job.assigned.consumers() - set(job.dormant):
                 job.consumers.setdefault(consumer, now)  # else never timed out
 
     def snapshot(self) -> list[JournalEntry]:
@@ -436,9 +505,33 @@ class DispatcherState:
     def live_workers(self, timeout_s: float, order: list[str] | None = None) -> list[WorkerInfo]:
         """Workers heard from within ``timeout_s``, in ``order`` if given (static sharding)."""
         now = time.monotonic()
-        names = order if order is not None else sorted(self.workers)
-        return [self.workers[a] for a in names
+        if order is None:
+            return list(self.live_view(timeout_s, now).workers)
+        return [self.workers[a] for a in order
                 if a in self.workers and now - self.worker_seen.get(a, 0) <= timeout_s]
+
+    def live_view(self, timeout_s: float, now: float) -> LiveWorkers:
+        """The workers heard from within ``timeout_s`` at ``now``, sorted by address: the same
+        object until that list changes, so what is made of it can be kept as long."""
+        view = self._live
+        if view is None or view.timeout_s != timeout_s or now > view.until:
+            live = [a for a in sorted(self.workers)
+                    if now - self.worker_seen.get(a, 0) <= timeout_s]
+            # None of them times out before the one heard from longest ago.
+            until = min((self.worker_seen[a] for a in live), default=float("inf")) + timeout_s
+            workers = tuple(self.workers[a] for a in live)
+            if view is None or workers != view.workers or view.timeout_s != timeout_s:
+                view = LiveWorkers(timeout_s, until, frozenset(live), workers)
+            else:
+                view.until = until
+            self._live = view
+        return view
+
+    def saw_worker(self, address: str, now: float) -> None:
+        """A known worker's heartbeat, at ``now``."""
+        self.worker_seen[address] = now
+        if self._live is not None and address not in self._live.addresses:
+            self._live = None  # back from the dead: listed again
 
 
 #: The handler of each kind of journal entry (``DispatcherState.apply``).
