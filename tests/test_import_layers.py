@@ -4,9 +4,9 @@ An AST walk over core/ (``clusterwire``), transports/ and resolvers/ builds the 
 which module imports which, counting module-level imports, imports inside functions and
 imports under ``if TYPE_CHECKING:`` (a type that must come from above is a dependency
 too). The graph must have no cycle, and an import inside a function is allowed only where
-``LAZY_IMPORTS`` lists it with its reason: a lazy import is how a cycle hides. The cycles
-and lazy imports left in modules other changes own are listed apart (``KNOWN_CYCLES``,
-``NOT_YET_MOVED``), and must be unlisted once gone. Above the modules, the layers: the core
+``LAZY_IMPORTS`` lists it with its reason: a lazy import is how a cycle hides. The lazy
+imports left in modules other changes own are listed apart (``NOT_YET_MOVED``), and must be
+unlisted once gone. Above the modules, the layers: the core
 imports no transport and no resolver (plugins register through entry points), a transport
 no other transport (only the shared gRPC code, ``_grpc_common``), a resolver no transport.
 
@@ -50,6 +50,8 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
     ("clusterwire.transports.verbs", "clusterwire.transports.verbs.transport"): "plugin hook",
     # The C helper may be missing (built without a compiler) and binds to UCX once loaded.
     ("clusterwire.transports.verbs.engine", "clusterwire.transports.verbs._ucp"): "optional C",
+    # Element ids' rules (a module as long as the Dataset's) load only when ids are asked for.
+    ("clusterwire.data.dataset", "clusterwire.data.provenance"): "only for with_element_ids",
     # Optional extras: pyarrow (Parquet), and the tar reader only for tar shards.
     ("clusterwire.data.file_datasets", "clusterwire.data.parquet"): "pyarrow, an extra",
     ("clusterwire.data.ops.formats", "clusterwire.data.parquet"): "pyarrow, an extra",
@@ -60,20 +62,9 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
 }
 
 #: Left as found in modules other changes own (core/data, core/testing): each should move
-#: to the top (or its cycle be broken), then leave this table. Lazy imports between the
-#: modules of a listed cycle are how that cycle hides, and are covered by its entry.
+#: to the top, then leave this table.
 NOT_YET_MOVED: dict[tuple[str, str], str] = {
 }
-KNOWN_CYCLES: list[frozenset[str]] = [
-    # Dataset's methods build ops and file datasets, which build Datasets; ops/__init__
-    # loads the op modules, which import it.
-    frozenset({
-        "clusterwire.data.dataset", "clusterwire.data.file_datasets", "clusterwire.data.ops",
-        "clusterwire.data.ops.batching", "clusterwire.data.ops.formats",
-        "clusterwire.data.ops.global_shuffle", "clusterwire.data.ops.nested",
-        "clusterwire.data.ops.sources", "clusterwire.data.ops.stateful",
-        "clusterwire.data.provenance"}),
-]
 
 
 @dataclass(frozen=True)
@@ -235,22 +226,18 @@ def _describe(cycle: list[str], every: list[Import]) -> str:
 
 
 def unlisted_lazy(every: list[Import]) -> list[Import]:
-    """Imports inside functions that no table lists, nor a known cycle covers."""
+    """Imports inside functions that no table lists."""
     return [imp for imp in every if imp.lazy
             and (imp.importer, imp.target) not in LAZY_IMPORTS
             and (imp.importer, "*") not in LAZY_IMPORTS
-            and (imp.importer, imp.target) not in NOT_YET_MOVED
-            and not any({imp.importer, imp.target} <= cycle for cycle in KNOWN_CYCLES)]
+            and (imp.importer, imp.target) not in NOT_YET_MOVED]
 
 
 def test_no_import_cycles():
     graph, every = import_graph()
     found = tangles(graph)
-    new = [tangle for tangle in found if tangle not in KNOWN_CYCLES]
-    assert not new, "import cycles (one path through each set of modules that import one " \
-        "another):\n" + "\n".join(_describe(_cycle_in(tangle, graph), every) for tangle in new)
-    gone = [sorted(cycle) for cycle in KNOWN_CYCLES if cycle not in found]
-    assert not gone, f"these cycles changed or are broken: update KNOWN_CYCLES: {gone}"
+    assert not found, "import cycles (one path through each set of modules that import one " \
+        "another):\n" + "\n".join(_describe(_cycle_in(tangle, graph), every) for tangle in found)
 
 
 def test_lazy_imports_are_listed():
@@ -321,8 +308,7 @@ def test_the_walk_sees_every_kind_of_import(tmp_path, monkeypatch):
 if __name__ == "__main__":
     graph, every = import_graph()
     for tangle in tangles(graph):
-        known = " (known)" if tangle in KNOWN_CYCLES else ""
-        print(f"cycle{known}:", _describe(_cycle_in(tangle, graph), every))
+        print("cycle:", _describe(_cycle_in(tangle, graph), every))
         print("  its modules:", ", ".join(sorted(tangle)))
     for imp in unlisted_lazy(every):
         print(f"unlisted lazy import: {imp.importer}:{imp.line} imports {imp.target}")

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
         service_status,
     )
     from clusterwire.data.config import DispatcherConfig, WorkerConfig
-    from clusterwire.data.dataset import Dataset
+    from clusterwire.data.dataset import Dataset, TFRecordDataset
     from clusterwire.data.dispatcher import DispatchServer
     from clusterwire.data.example import (
         FixedLenFeature,
@@ -32,7 +32,6 @@ if TYPE_CHECKING:
         parse_example,
         parse_single_example,
     )
-    from clusterwire.data.file_datasets import TFRecordDataset
     from clusterwire.data.limits import PipelineLimits
     from clusterwire.data.local_service import LocalDataService
     from clusterwire.data.modes import ShardingPolicy
@@ -72,7 +71,7 @@ _EXPORTS = {
     "service_status": ("client", "service_status"),
     "TFRecordReader": ("tfrecord", "TFRecordReader"),
     "TFRecordWriter": ("tfrecord", "TFRecordWriter"),
-    "TFRecordDataset": ("file_datasets", "TFRecordDataset"),
+    "TFRecordDataset": ("dataset", "TFRecordDataset"),
     "ParquetReader": ("parquet", "ParquetReader"),
     "TarShardReader": ("tar_shards", "TarShardReader"),
     "FixedLenFeature": ("example", "FixedLenFeature"),

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from clusterwire.data import pipeline
+from clusterwire.data import file_datasets, pipeline
 from clusterwire.data.ops import batching, global_shuffle, nested, sources, stateful
 from clusterwire.data.pipeline import (
     Batch,
@@ -38,6 +38,7 @@ from clusterwire.data.pipeline import (
     Take,
     Unbatch,
 )
+from clusterwire.data.splits import RECORD_BLOCK_BYTES
 from clusterwire.errors import InvalidArgumentError
 
 
@@ -165,22 +166,20 @@ class Dataset:
     def list_files(file_pattern: Any, shuffle: bool | None = None,
                    seed: int | None = None) -> Dataset:
         """File names matching a glob, sorted then shuffled (``file_datasets.list_files``)."""
-        from clusterwire.data import file_datasets
-        return file_datasets.list_files(file_pattern, shuffle, seed)
+        names = _dataset(file_datasets.list_files(file_pattern))
+        return names if shuffle is False else names.shuffle(names.cardinality(), seed=seed)
 
     @staticmethod
     def from_parquet(paths: Any, columns: Sequence[str] | None = None,
                      batch_rows: int | None = None) -> Dataset:
         """The rows of Parquet files; a row group is a split (``file_datasets.from_parquet``)."""
-        from clusterwire.data import file_datasets
-        return file_datasets.from_parquet(paths, columns, batch_rows)
+        return _dataset(file_datasets.from_parquet(paths, columns, batch_rows))
 
     @staticmethod
     def from_tar_shards(paths: Any, indexed: bool = False) -> Dataset:
         """The samples of WebDataset tar shards; a shard is a split; ``indexed=True`` counts
         their samples for ``global_shuffle`` (``file_datasets.from_tar_shards``)."""
-        from clusterwire.data import file_datasets
-        return file_datasets.from_tar_shards(paths, indexed)
+        return _dataset(file_datasets.from_tar_shards(paths, indexed))
 
     @staticmethod
     def from_tensors(tensors: Any) -> Dataset:
@@ -373,7 +372,7 @@ class Dataset:
         ``size``) elements; each a Dataset (a structure of Datasets for structured
         elements), for ``flat_map(lambda w: w.batch(size))`` and the like."""
         return self._with(batching.Window(size, size if shift is None else shift, stride,
-                                          bool(drop_remainder)))
+                                          bool(drop_remainder), dataset_type=Dataset))
 
     def group_by_window(self, key_func: Callable[..., Any],
                         reduce_func: Callable[[Any, Dataset], Dataset],
@@ -386,7 +385,8 @@ class Dataset:
             0 if window_size is None else window_size, _function(key_func, "key_func"),
             _function(reduce_func, "reduce_func"),
             None if window_size_func is None else _function(window_size_func,
-                                                            "window_size_func")))
+                                                            "window_size_func"),
+            dataset_type=Dataset))
 
     def shard(self, num_shards: int, index: int) -> Dataset:
         """Every ``num_shards``-th element, from the ``index``-th."""
@@ -422,9 +422,9 @@ class Dataset:
         element (a batch: the list of its rows'), the ids ``distribute(...,
         element_ids=True)`` gives (see ``clusterwire.data.provenance``); InvalidArgumentError
         naming a transformation through which ids are not defined."""
-        from clusterwire.data import provenance
-        pipe = provenance.with_public_ids(self._pipeline)
-        return Dataset(pipe.source, pipe.ops)
+        from clusterwire.data import provenance  # its rules load only for element ids
+
+        return _dataset(provenance.with_public_ids(self._pipeline))
 
     def apply(self, transformation_func: Callable[[Dataset], Dataset]) -> Dataset:
         """``transformation_func(self)``, e.g. ``apply(distribute(...))``."""
@@ -454,3 +454,30 @@ class Dataset:
     def __repr__(self) -> str:
         ops = ".".join(type(op).__name__.lower() for op in self._pipeline.ops)
         return f"<Dataset {type(self._pipeline.source).__name__}{'.' + ops if ops else ''}>"
+
+
+def _dataset(pipe: Pipeline) -> Dataset:
+    return Dataset(pipe.source, pipe.ops)
+
+
+def TFRecordDataset(filenames: Any, compression_type: str | None = None,  # noqa: N802 - TF's name
+                    buffer_size: int | None = None,
+                    num_parallel_reads: int | None = None, *,
+                    index_filenames: Any = None,
+                    block_bytes: int = RECORD_BLOCK_BYTES) -> Dataset:
+    """The records (bytes) of TFRecord files, as ``tf.data.TFRecordDataset``.
+
+    ``filenames``: a file name, a list of them, or a Dataset of names (``list_files``'s).
+    ``compression_type``: None (or ""), "GZIP" or "ZLIB". ``buffer_size``: bytes read at a
+    time (None: 256 KiB). ``num_parallel_reads``: None reads the files one after the other;
+    N (or AUTOTUNE) reads N at once, interleaving their records one at a time in TF's order.
+    A damaged record is DataLossError naming the file and offset, where the consumer reads.
+
+    ``index_filenames`` (clusterwire's; uncompressed files named in a list): the files'
+    indexes (``clusterwire.data.tfrecord``'s format), one per file, or True for
+    ``<file>.idx``. They are read here, and distributed_epoch then hands out blocks of records
+    (about ``block_bytes`` each) of one file per split, not whole files (a split's records
+    in file order, whatever ``num_parallel_reads``).
+    """
+    return _dataset(file_datasets.tfrecords(filenames, compression_type, buffer_size,
+                                            num_parallel_reads, index_filenames, block_bytes))

@@ -1,5 +1,6 @@
-"""Datasets read from files: ``TFRecordDataset``, ``Dataset.list_files``,
-``Dataset.from_parquet`` and ``Dataset.from_tar_shards``.
+"""The pipelines of the Datasets read from files: ``TFRecordDataset``, ``Dataset.list_files``,
+``Dataset.from_parquet`` and ``Dataset.from_tar_shards`` (``clusterwire.data.dataset`` makes
+them Datasets; this module is below it, and takes a Dataset of names by its ``pipeline``).
 
 Each is a dataset of file names (a ``FileNamesSource``, or Parquet ``(file, row group)`` pairs
 in a ``RowGroupsSource``) followed by the format's read (``clusterwire.data.ops.formats``), so
@@ -15,7 +16,6 @@ from typing import Any
 
 import numpy as np
 
-from clusterwire.data.dataset import Dataset
 from clusterwire.data.filesystems import is_url
 from clusterwire.data.ops.formats import (
     FileNamesSource,
@@ -27,43 +27,36 @@ from clusterwire.data.ops.formats import (
     TFRecordRead,
     names_array,
 )
-from clusterwire.data.splits import RECORD_BLOCK_BYTES, record_blocks
+from clusterwire.data.pipeline import Pipeline
+from clusterwire.data.splits import record_blocks
 from clusterwire.data.tfrecord import index_path, read_index
 from clusterwire.errors import FailedPreconditionError, InvalidArgumentError
 
 
-def TFRecordDataset(filenames: Any, compression_type: str | None = None,  # noqa: N802 - TF's name
-                    buffer_size: int | None = None,
-                    num_parallel_reads: int | None = None, *,
-                    index_filenames: Any = None,
-                    block_bytes: int = RECORD_BLOCK_BYTES) -> Dataset:
-    """The records (bytes) of TFRecord files, as ``tf.data.TFRecordDataset``.
+def _names_pipeline(filenames: Any) -> Pipeline | None:
+    """The pipeline of ``filenames`` if it is a Dataset (of names), else None."""
+    pipe = getattr(filenames, "pipeline", None)
+    return pipe if isinstance(pipe, Pipeline) else None
 
-    ``filenames``: a file name, a list of them, or a Dataset of names (``list_files``'s).
-    ``compression_type``: None (or ""), "GZIP" or "ZLIB". ``buffer_size``: bytes read at a
-    time (None: 256 KiB). ``num_parallel_reads``: None reads the files one after the other;
-    N (or AUTOTUNE) reads N at once, interleaving their records one at a time in TF's order.
-    A damaged record is DataLossError naming the file and offset, where the consumer reads.
 
-    ``index_filenames`` (clusterwire's; uncompressed files named in a list): the files'
-    indexes (``clusterwire.data.tfrecord``'s format), one per file, or True for
-    ``<file>.idx``. They are read here, and distributed_epoch then hands out blocks of records
-    (about ``block_bytes`` each) of one file per split, not whole files (a split's records
-    in file order, whatever ``num_parallel_reads``).
-    """
+def tfrecords(filenames: Any, compression_type: str | None, buffer_size: int | None,
+              num_parallel_reads: int | None, index_filenames: Any, block_bytes: int
+              ) -> Pipeline:
+    """``TFRecordDataset``'s pipeline (see its arguments there)."""
     if index_filenames is not None:
         return _indexed(filenames, compression_type, buffer_size, num_parallel_reads,
                         index_filenames, block_bytes)
     read = TFRecordRead(compression_type, buffer_size, num_parallel_reads)
-    if isinstance(filenames, Dataset):
-        return filenames._with(read)
-    return Dataset(FileNamesSource(names_array(filenames, "TFRecordDataset")), (read,))
+    names = _names_pipeline(filenames)
+    if names is not None:
+        return Pipeline(names.source, (*names.ops, read))
+    return Pipeline(FileNamesSource(names_array(filenames, "TFRecordDataset")), (read,))
 
 
 def _indexed(filenames: Any, compression_type: str | None, buffer_size: int | None,
              num_parallel_reads: int | None, index_filenames: Any, block_bytes: int
-             ) -> Dataset:
-    if isinstance(filenames, Dataset) or compression_type:
+             ) -> Pipeline:
+    if _names_pipeline(filenames) is not None or compression_type:
         raise InvalidArgumentError(
             "TFRecordDataset(index_filenames=...) reads uncompressed files named in a list: "
             "give a list of names and compression_type=None (got "
@@ -91,23 +84,20 @@ def _indexed(filenames: Any, compression_type: str | None, buffer_size: int | No
     source = RecordBlocksSource((np.array(columns[0], dtype=bytes),
                                  *(np.array(c, dtype=np.int64) for c in columns[1:4]),
                                  np.array(columns[4], dtype=bytes)))
-    return Dataset(source, (TFRecordBlockRead(buffer_size, num_parallel_reads),))
+    return Pipeline(source, (TFRecordBlockRead(buffer_size, num_parallel_reads),))
 
 
-def list_files(file_pattern: str | os.PathLike | list, shuffle: bool | None = None,
-               seed: int | None = None) -> Dataset:
+def list_files(file_pattern: str | os.PathLike | list) -> Pipeline:
     """The file names (bytes) matching ``file_pattern`` (a glob, or a list of globs; local
-    or an fsspec URL), sorted, then shuffled unless ``shuffle=False`` (a new order each
-    epoch, fixed by ``seed``), as ``tf.data.Dataset.list_files``. No match is
-    InvalidArgumentError naming the pattern."""
+    or an fsspec URL), sorted, as ``tf.data.Dataset.list_files`` lists them before its
+    shuffle. No match is InvalidArgumentError naming the pattern."""
     patterns = [file_pattern] if isinstance(file_pattern, (str, bytes, os.PathLike)) \
         else list(file_pattern)
     names = sorted({name for pattern in patterns for name in _glob(os.fsdecode(pattern))})
     if not names:
         raise InvalidArgumentError(
             f"No files matched pattern: {', '.join(os.fsdecode(p) for p in patterns)}")
-    dataset = Dataset(FileNamesSource(names_array(names, "list_files")))
-    return dataset if shuffle is False else dataset.shuffle(len(names), seed=seed)
+    return Pipeline(FileNamesSource(names_array(names, "list_files")))
 
 
 def _glob(pattern: str) -> list[str]:
@@ -123,7 +113,7 @@ def _glob(pattern: str) -> list[str]:
 
 
 def from_parquet(paths: Any, columns: list[str] | None = None,
-                 batch_rows: int | None = None) -> Dataset:
+                 batch_rows: int | None = None) -> Pipeline:
     """The rows of Parquet files (see ``clusterwire.data.parquet``): dicts column -> value,
     or with ``batch_rows`` column -> array of up to that many rows of one row group. The
     files' footers are read here to list their row groups, the splits of distributed_epoch."""
@@ -135,11 +125,11 @@ def from_parquet(paths: Any, columns: list[str] | None = None,
     files = [np.full(info.row_groups, info.path.encode(), dtype=object) for info in plan.files]
     groups = [np.arange(info.row_groups, dtype=np.int64) for info in plan.files]
     rows = [np.array(info.row_group_rows, dtype=np.int64) for info in plan.files]
-    return Dataset(RowGroupsSource((np.concatenate(files).astype(bytes), np.concatenate(groups),
-                                    np.concatenate(rows))), (read,))
+    return Pipeline(RowGroupsSource((np.concatenate(files).astype(bytes),
+                                     np.concatenate(groups), np.concatenate(rows))), (read,))
 
 
-def from_tar_shards(paths: Any, indexed: bool = False) -> Dataset:
+def from_tar_shards(paths: Any, indexed: bool = False) -> Pipeline:
     """The samples of WebDataset tar shards (``TarShardReader``'s dicts ``{ext: bytes,
     "__key__": key}``), shard after shard; a shard is a split of distributed_epoch.
     ``indexed=True`` reads the (uncompressed) shards' headers here to count their samples,
@@ -156,4 +146,4 @@ def from_tar_shards(paths: Any, indexed: bool = False) -> Dataset:
     elif indexed is not False:
         raise InvalidArgumentError(f"from_tar_shards `indexed` must be a bool, got "
                                    f"{indexed!r:.80}.")
-    return Dataset(FileNamesSource(names), (TarShardRead(counts),))
+    return Pipeline(FileNamesSource(names), (TarShardRead(counts),))

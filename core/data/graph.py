@@ -16,6 +16,7 @@ from typing import Any
 
 from clusterwire import codec
 from clusterwire.data import functions, ops, pipeline
+from clusterwire.data.dataset import Dataset
 from clusterwire.data.limits import PipelineLimits, ThreadBudget
 from clusterwire.data.ops import formats
 from clusterwire.data.permissions import WorkerPermissions
@@ -211,7 +212,7 @@ class _Reader:
             fns[field] = self.function(named, f"{node.kind} {field}")
         inputs = tuple(self.pipeline(child) for child in node.inputs)
         try:
-            built = cls.build(params, fns, inputs, self.guard)
+            built = cls.build(params, fns, inputs, self.guard, Dataset)
         except TypeError as err:
             raise InvalidArgumentError(f"Malformed dataset: {node.kind!r}: {err}") from None
         if self.permissions is not None:

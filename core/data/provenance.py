@@ -678,13 +678,11 @@ def replay(dataset: Any, ids: Iterable[Any]) -> list[tuple[Any, Any]]:
     same way. InvalidArgumentError for an id not in the epoch (outside the source, left out
     by a ``filter``), an id where the dataset yields batches (or a list where it does not),
     or a pipeline whose elements cannot be made again from their ids alone."""
-    from clusterwire.data.dataset import Dataset
-
-    if not isinstance(dataset, Dataset):
+    pipe = getattr(dataset, "pipeline", None)  # a Dataset's (the Dataset module imports this)
+    if not isinstance(pipe, Pipeline):
         raise InvalidArgumentError(
             f"replay takes the clusterwire.data.Dataset the ids came from, got "
             f"{type(dataset).__name__}.")
-    pipe = dataset.pipeline
     if isinstance(pipe.source, TaggedSource):
         raise InvalidArgumentError(
             "replay takes the dataset without with_element_ids(): the ids say which elements.")

@@ -5,117 +5,34 @@ Each is a ``Node``: a frozen dataclass whose fields say how it travels to worker
 allowed on workers by default deny, as ``map``'s), the ``inputs`` field holds the
 pipelines it reads (zip's datasets, concatenate's second one), a ``guard`` field receives
 what a worker does to a Dataset a user function returns (its functions and files checked
-as the client's own), and every other field is an argument sent as a value.
+as the client's own), a ``dataset_type`` field the Dataset class (for nodes whose elements
+are Datasets), and every other field is an argument sent as a value.
+
+``Node`` and ``register`` are in ``base``, which every node module imports; this package
+loads the node modules, so importing it makes every kind known to ``graph.from_def``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
-from typing import Any, ClassVar
+from clusterwire.data.ops import (  # noqa: F401 - each registers its node kinds
+    batching,
+    formats,
+    global_shuffle,
+    nested,
+    sources,
+    stateful,
+)
+from clusterwire.data.ops.base import (
+    NODES,
+    Guard,
+    Node,
+    count,
+    dataset_type_field,
+    fn_field,
+    guard_field,
+    no_guard,
+    register,
+)
 
-import numpy as np
-
-from clusterwire.data.pipeline import Pipeline
-from clusterwire.errors import InvalidArgumentError
-
-#: What a worker applies to a pipeline a user function returned (identity locally).
-Guard = Callable[[Pipeline], Pipeline]
-
-_FN = "fn"
-#: Fields not sent as argument values: the inputs (sent as pipelines), the worker's Guard,
-#: what ``Op.limited`` sets there and the readable dirs a worker gives a file format's read.
-_SKIPPED = ("inputs", "guard", "budget", "limits", "readable")
-
-NODES: dict[str, type[Node]] = {}
-
-
-def fn_field(optional: bool = False) -> Any:
-    """A dataclass field holding a user function (None allowed when ``optional``)."""
-    if optional:
-        return dataclasses.field(default=None, metadata={_FN: True})
-    return dataclasses.field(metadata={_FN: True})
-
-
-def guard_field() -> Any:
-    """The field where a worker's Guard goes (None: run what a function returns as is)."""
-    return dataclasses.field(default=None, compare=False, repr=False)
-
-
-def no_guard(pipe: Pipeline) -> Pipeline:
-    return pipe
-
-
-def count(value: Any, name: str, fix: str, minimum: int = 1, allow: tuple[int, ...] = ()
-          ) -> int:
-    """``value`` as an int >= ``minimum`` (or one of ``allow``); else InvalidArgumentError
-    naming the argument ``name`` and the ``fix``."""
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and (
-            value >= minimum or value in allow):
-        return int(value)
-    raise InvalidArgumentError(f"`{name}` must be an int >= {minimum}, got {value!r}. {fix}")
-
-
-class Node:
-    """A source or transformation that travels as a ``NodeDef`` (see the module docstring)."""
-
-    kind: ClassVar[str]
-
-    def params(self) -> dict[str, Any]:
-        """The arguments sent as values."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)  # type: ignore
-                if f.name not in _SKIPPED and not f.metadata.get(_FN)}
-
-    def functions(self) -> dict[str, Callable[..., Any]]:
-        """The user functions set, by field name."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)  # type: ignore
-                if f.metadata.get(_FN) and getattr(self, f.name) is not None}
-
-    def inputs_of(self) -> tuple[Pipeline, ...]:
-        """The pipelines this node reads."""
-        return tuple(getattr(self, "inputs", ()))
-
-    def _count(self, name: str, fix: str, minimum: int = 1, allow: tuple[int, ...] = ()
-               ) -> None:
-        """Check field ``name`` (see ``count``): nodes check their arguments where they
-        are made, so a worker checks a client's as the client's own Dataset call did."""
-        object.__setattr__(self, name, count(getattr(self, name), name, fix, minimum, allow))
-
-    def check_on_worker(self) -> None:
-        """Raise if a worker must not run this node as the client sent it."""
-
-    @classmethod
-    def build(cls, params: dict[str, Any], fns: dict[str, Callable[..., Any]],
-              inputs: tuple[Pipeline, ...], guard: Guard | None) -> Node:
-        fields = dataclasses.fields(cls)  # type: ignore[arg-type]
-        names = {f.name for f in fields}
-        fn_names = {f.name for f in fields if f.metadata.get(_FN)}
-        if set(params) & (fn_names | set(_SKIPPED)) or not set(fns) <= fn_names:
-            raise InvalidArgumentError(
-                f"Malformed dataset: {cls.kind!r} gets functions {sorted(fns)} and arguments "
-                f"{sorted(params)}.")
-        extra = {"inputs": inputs} if "inputs" in names else {}
-        if "guard" in names:
-            extra["guard"] = guard
-        return cls(**params, **fns, **extra)
-
-
-def register(cls: type[Node]) -> type[Node]:
-    """Make ``cls`` known to graph.from_def under ``cls.kind``."""
-    NODES[cls.kind] = cls
-    return cls
-
-
-def _load() -> None:
-    # The node modules register themselves; they import this package's names above.
-    from clusterwire.data.ops import (  # noqa: F401
-        batching,
-        formats,
-        global_shuffle,
-        nested,
-        sources,
-        stateful,
-    )
-
-
-_load()
+__all__ = ["NODES", "Guard", "Node", "count", "dataset_type_field", "fn_field", "guard_field",
+           "no_guard", "register"]

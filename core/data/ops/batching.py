@@ -11,7 +11,15 @@ from typing import Any
 import numpy as np
 
 from clusterwire.data.limits import PipelineLimits, ThreadBudget, refuse_above
-from clusterwire.data.ops import Guard, Node, count, fn_field, guard_field, register
+from clusterwire.data.ops.base import (
+    Guard,
+    Node,
+    count,
+    dataset_type_field,
+    fn_field,
+    guard_field,
+    register,
+)
 from clusterwire.data.ops.nested import returned_pipeline
 from clusterwire.data.ops.sources import ElementsSource
 from clusterwire.data.pipeline import (
@@ -19,6 +27,7 @@ from clusterwire.data.pipeline import (
     UNKNOWN,
     Factory,
     Op,
+    Source,
     _leaves,
     _map_structure,
     call,
@@ -232,14 +241,13 @@ def _concat(parts: list[Any]) -> Any:
     return np.concatenate([np.asarray(p) for p in parts])
 
 
-def window_dataset(elements: list[Any]) -> Any:
-    """A window as TF makes it: the element structure with a Dataset per component."""
-    from clusterwire.data.dataset import Dataset  # the Dataset module imports this one
-
+def window_dataset(elements: list[Any], dataset_type: Callable[[Source], Any]) -> Any:
+    """A window as TF makes it: the element structure with a Dataset (of ``dataset_type``)
+    per component."""
     counter = itertools.count()
     indexed = _map_structure(lambda _: next(counter), elements[0])
     columns = list(zip(*(_leaves(e) for e in elements), strict=True))
-    return _map_structure(lambda i: Dataset(ElementsSource(list(columns[i]))), indexed)
+    return _map_structure(lambda i: dataset_type(ElementsSource(list(columns[i]))), indexed)
 
 
 @register
@@ -253,6 +261,7 @@ class Window(Op, Node):
     shift: int
     stride: int
     drop_remainder: bool
+    dataset_type: Callable[[Source], Any] = dataset_type_field()
 
     def __post_init__(self) -> None:
         for name in ("size", "shift", "stride"):
@@ -275,7 +284,7 @@ class Window(Op, Node):
                     ended = len(buffer) < target
                 if not buffer or (self.drop_remainder and len(buffer) < target):
                     return
-                yield window_dataset(buffer[::self.stride][:self.size])
+                yield window_dataset(buffer[::self.stride][:self.size], self.dataset_type)
                 if self.shift >= len(buffer):
                     if not ended:  # discard up to the next window's start, keeping none
                         gap = self.shift - len(buffer)
@@ -351,6 +360,7 @@ class GroupByWindow(Op, Node):
     reduce_func: Callable[..., Any] = fn_field()
     window_size_func: Callable[..., Any] | None = fn_field(optional=True)
     guard: Guard | None = guard_field()
+    dataset_type: Callable[[Source], Any] = dataset_type_field()
     limits: PipelineLimits | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -374,7 +384,8 @@ class GroupByWindow(Op, Node):
             windows = grouped(upstream(), lambda e: _key(call(self.key_func, e), "key_func"),
                               size_of, self.limits)
             for key, window in windows:
-                result = self.reduce_func(np.int64(key), window_dataset(window))
+                result = self.reduce_func(np.int64(key),
+                                          window_dataset(window, self.dataset_type))
                 yield from returned_pipeline(self.reduce_func, result, self.guard,
                                              "reduce_func").run()
         return run

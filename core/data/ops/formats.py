@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from clusterwire.data.limits import PipelineLimits, ThreadBudget, refuse_cycle
-from clusterwire.data.ops import Node, register
+from clusterwire.data.ops.base import Node, register
 from clusterwire.data.ops.nested import _Cycle, _ParallelCycle, default_cycle_length
 from clusterwire.data.pipeline import (
     AUTOTUNE,

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from clusterwire.data.index_shuffle import IndexPermutation
-from clusterwire.data.ops import Node, register
+from clusterwire.data.ops.base import Node, register
 from clusterwire.data.pipeline import Map, Pipeline, Prefetch, Skip, Source, Take
 from clusterwire.errors import InvalidArgumentError
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from clusterwire.data.limits import PipelineLimits, ThreadBudget, refuse_cycle
-from clusterwire.data.ops import Guard, Node, fn_field, guard_field, no_guard, register
+from clusterwire.data.ops.base import Guard, Node, fn_field, guard_field, no_guard, register
 from clusterwire.data.pipeline import (
     AUTOTUNE,
     INFINITE,

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from clusterwire.data.ops import Node, register
+from clusterwire.data.ops.base import Node, register
 from clusterwire.data.pipeline import INFINITE, UNKNOWN, Pipeline, Source
 from clusterwire.errors import InvalidArgumentError
 

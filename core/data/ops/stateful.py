@@ -16,7 +16,7 @@ import numpy as np
 
 from clusterwire import codec
 from clusterwire.data.limits import PipelineLimits, ThreadBudget
-from clusterwire.data.ops import Node, fn_field, register
+from clusterwire.data.ops.base import Node, fn_field, register
 from clusterwire.data.pipeline import INFINITE, UNKNOWN, Factory, Op, _leaves, call, normalize
 from clusterwire.errors import (
     DataLossError,
