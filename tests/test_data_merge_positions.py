@@ -10,6 +10,7 @@ and positions that do not merge say why."""
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +20,7 @@ from conftest import in_process_data_service, wait_for
 from test_data_resume import run_trainers, start_trainer
 
 from clusterwire import data, errors
-from clusterwire.data import position
+from clusterwire.data import position, splits
 from clusterwire.data.rpc import DispatcherClient
 from clusterwire.data.splits import PROVIDERS
 from clusterwire.protos.data_service_pb2 import DataRequest, GetOrCreateJobRequest
@@ -30,6 +31,9 @@ pytestmark = pytest.mark.timeout(240)
 # 40 splits of 4096 elements (MAX_SPLIT_UNITS) on 2 workers: 8 consumers holding 4 each
 # (SLOTS_PER_WORKER) leave some never handed out before the save.
 COUNT = 40 * 4096
+# The in-process service (``service``) cuts the same 40 splits at 512 elements: an eighth of
+# the elements to read, the same splits to hand out, save, merge and resume.
+SERVICE_SPLIT_UNITS = 512
 WORKERS = 2
 SEED = 7
 TAKE = 60  # elements each old consumer returns before its position is saved
@@ -117,7 +121,9 @@ def _by_split(read: list[int], index: dict[int, int], units: int) -> dict[int, l
 
 
 @pytest.fixture
-def service():
+def service(monkeypatch):
+    monkeypatch.setattr(splits, "MAX_SPLIT_UNITS", SERVICE_SPLIT_UNITS)
+    monkeypatch.setattr(sys.modules[__name__], "COUNT", 40 * SERVICE_SPLIT_UNITS)
     with in_process_data_service(workers=WORKERS) as dispatcher:
         yield dispatcher
 
