@@ -28,7 +28,7 @@ from clusterwire.data.limits import MAX_SKIP_IDS
 
 pytestmark = pytest.mark.timeout(240)
 
-COUNT = 16 * 4096  # 16 splits of MAX_SPLIT_UNITS on 2 workers
+COUNT = 16 * 512  # 16 splits (SPLITS_PER_WORKER on each of 2 workers) of 512 elements
 BATCH = 8
 
 
