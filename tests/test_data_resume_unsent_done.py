@@ -123,9 +123,9 @@ def test_a_consumer_stopping_before_acknowledging_a_split_gives_it_back_read(
     real = JobReader._next_split
 
     def next_split(self):
-        if self._done_splits and self._options.job_name == "team" and not stopped.is_set():
+        if self._reading.done and self._options.job_name == "team" and not stopped.is_set():
             if not ending.is_set():
-                finished.extend(s.split_id for s in self._done_splits)
+                finished.extend(s.split_id for s in self._reading.done)
                 ending.set()
             stopped.wait(60)  # then ends as a slot seeing close() does, unacknowledged
             return None

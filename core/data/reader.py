@@ -70,7 +70,7 @@ import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any
 
@@ -214,6 +214,39 @@ class _Failure:
 
 
 @dataclass
+class _WorkerTable:
+    """What a reader knows of its job's workers (callers hold the reader's lock)."""
+
+    listed: dict[str, WorkerInfo] = field(default_factory=dict)  # by the dispatcher, now
+    failed: dict[str, _Failure] = field(default_factory=dict)  # probed (distributed_epoch)
+    threads: dict[str, int] = field(default_factory=dict)  # worker -> its reader threads
+    running: int = 0  # reader threads, in all
+    opened: dict[str, dict[Any, StreamSpec]] = field(default_factory=dict)  # not ended
+    dropped: dict[str, str] = field(default_factory=dict)  # given up -> what was lost
+
+
+@dataclass
+class _SplitsInFlight:
+    """A distributed_epoch reader's splits between the dispatcher and its position
+    (callers hold the reader's lock)."""
+
+    orphans: list[_Split] = field(default_factory=list)  # off a failed worker, to read
+    held: dict[int, _Split] = field(default_factory=dict)  # handed, not read to the end
+    done: list[_Split] = field(default_factory=list)  # read to the end, not acknowledged
+    end_of_splits: bool = False  # the dispatcher said no split is left to hand out
+
+
+@dataclass
+class _Resumed:
+    """Where a read resumed from a saved position starts (empty for a new read)."""
+
+    offsets: dict[str, Offset] = field(default_factory=dict)  # worker stream -> elements
+    first_round: int = 0  # round-robin reads: resumed from this round
+    workers: list[str] | None = None  # the round-robin position's workers
+    exhausted: Position | None = None  # resumed after the end: this position
+
+
+@dataclass
 class _Batch:
     """Received elements, decoded (and decompressed) on a decoder thread, so the reader
     thread asks for the next batch at once."""
@@ -302,17 +335,8 @@ class JobReader(Iterator[Any]):
         # Attempts at splits grow across processes: a resumed consumer's reads (same consumer
         # id) must not land in the streams its earlier process opened.
         self._attempts = itertools.count(time.time_ns())
-        self._workers: dict[str, WorkerInfo] = {}
-        self._failed: dict[str, _Failure] = {}
-        self._started: dict[str, int] = {}  # worker -> running reader threads
-        self._opened: dict[str, dict[Any, StreamSpec]] = {}  # worker -> streams not ended
-        self._dropped: dict[str, str] = {}  # parallel_epochs worker given up -> what was lost
-        self._running = 0
-        self._orphans: list[_Split] = []
-        self._held: dict[int, _Split] = {}
-        # Read to their end, not yet acknowledged to the dispatcher (by a split request).
-        self._done_splits: list[_Split] = []
-        self._end_of_splits = False
+        self._workers = _WorkerTable()
+        self._reading = _SplitsInFlight()
         self._ended = False
         self._stalled = False
         self._round_robin_started = False
@@ -326,12 +350,9 @@ class JobReader(Iterator[Any]):
         self._splits = _SplitLedger()
         self._resumable = False  # the dispatcher keeps this consumer's splits for a resume
         self._generation = 0  # of a resumed consumer: later than any earlier iterator's
-        self._start_offsets: dict[str, Offset] = {}
-        self._first_round = 0  # round-robin reads: resumed from this round
+        self._resumed = _Resumed()
         self._round_workers: list[str] | None = None  # the workers rounds go to (in order)
-        self._saved_workers: list[str] | None = None  # the resumed position's
         self._private = options.job_name is None  # no other consumer reads its streams
-        self._exhausted: Position | None = None  # resumed after the end: this position
         self._returned_all = False  # the iteration ended (not stopped early)
         self._waits = _WAITS.track(self) if ENABLED else None
         # Element ids the position leaves out: read with ids, dropped in __next__.
@@ -339,13 +360,7 @@ class JobReader(Iterator[Any]):
         self._publish = (provenance.Publisher(frozenset(self._skip), options.element_ids)
                          if options.element_ids or self._skip else None)
         if position is not None and position.finished:
-            _check_resumable(options, position)
-            self._exhausted = position if isinstance(position, Position) else Position(
-                position.dataset_id, position.processing_mode, position.iteration,
-                position.job_key, self._consumer, finished=True, group=position.group,
-                skip=position.skip)
-            self._job = JobInfo(sharding_policy=options.policy)
-            self._finished = self._released = True
+            self._resume_after_the_end(options, position)
             return
         request = self._job_request(options, iteration, position)
         self._key = request.job_key
@@ -358,6 +373,18 @@ class JobReader(Iterator[Any]):
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True,
                                            name="clusterwire-data-client-heartbeat")
         self._heartbeat.start()
+
+    def _resume_after_the_end(self, options: ReadOptions,
+                              position: Position | JobPosition) -> None:
+        """Resumed from a position saved after the iteration ended: it ends at once, and
+        its position stays that one."""
+        _check_resumable(options, position)
+        self._resumed.exhausted = position if isinstance(position, Position) else Position(
+            position.dataset_id, position.processing_mode, position.iteration,
+            position.job_key, self._consumer, finished=True, group=position.group,
+            skip=position.skip)
+        self._job = JobInfo(sharding_policy=options.policy)
+        self._finished = self._released = True
 
     def _job_request(self, options: ReadOptions, iteration: int,
                      position: Position | JobPosition | None) -> GetOrCreateJobRequest:
@@ -387,13 +414,14 @@ class JobReader(Iterator[Any]):
             request.job_key = f"{key}/round-{position.elements}" + (
                 f"/{position.group}" if position.group else "")
             request.resume_group, request.resume_round = group, position.elements
-            self._first_round, self._saved_workers = position.elements, list(position.workers)
-            self._start_offsets = dict(position.streams)  # the vouches for the skips
+            self._resumed.first_round = position.elements
+            self._resumed.workers = list(position.workers)
+            self._resumed.offsets = dict(position.streams)  # the vouches for the skips
             return request
         if options.policy != ShardingPolicy.DYNAMIC:
             # A job of its own whose worker streams skip what was returned before.
             request.named, self._private = False, True
-            self._start_offsets = dict(position.streams)
+            self._resumed.offsets = dict(position.streams)
             return request
         self._consumer = request.consumer_id = position.consumer_id
         request.job_key, request.resume = position.job_key, True
@@ -426,8 +454,8 @@ class JobReader(Iterator[Any]):
         """The position ``state_dict()`` would return now, without ``keep_splits()``: for
         an iterator handing this one's elements on later (one that prefetches), which
         remembers the position of each element it holds."""
-        if self._exhausted is not None:
-            return self._exhausted
+        if self._resumed.exhausted is not None:
+            return self._resumed.exhausted
         policy = ShardingPolicy(self._job.sharding_policy)
         if policy != ShardingPolicy.DYNAMIC and not self._private \
                 and not self._options.num_consumers:
@@ -440,13 +468,13 @@ class JobReader(Iterator[Any]):
             partial, completed = self._splits.partial(), self._splits.completed()
             streams = {address: Offset(p.consumed, p.vouch)
                        for address, p in self._positions.items()}
-            workers = self._round_workers or (sorted(self._workers)
+            workers = self._round_workers or (sorted(self._workers.listed)
                                               if self._options.num_consumers else [])
         return Position(
             dataset_id=self._options.dataset_id, processing_mode=int(policy),
             iteration=self._iteration, job_key=self._key, consumer_id=self._consumer,
             handed=self._splits.handed, partial=partial, completed=completed,
-            streams={**self._start_offsets, **streams}, elements=self._elements,
+            streams={**self._resumed.offsets, **streams}, elements=self._elements,
             workers=tuple(workers), consumer_index=self._options.consumer_index or 0,
             num_consumers=self._options.num_consumers, finished=self._returned_all,
             group=group_of(self._job.grant)
@@ -517,12 +545,12 @@ class JobReader(Iterator[Any]):
 
     def _finish(self) -> None:
         self._release(finished=True)
-        self._returned_all = not self._dropped  # a resumed iteration ends at once
-        if self._dropped:
+        self._returned_all = not self._workers.dropped  # a resumed iteration ends at once
+        if self._workers.dropped:
             raise errors.DataLossError(
                 "The parallel_epochs iteration ended without the rest of the elements of "
-                f"{len(self._dropped)} worker(s): "
-                + "; ".join(f"{a} ({lost})" for a, lost in sorted(self._dropped.items()))
+                f"{len(self._workers.dropped)} worker(s): "
+                + "; ".join(f"{a} ({lost})" for a, lost in sorted(self._workers.dropped.items()))
                 + ". Each worker's copy of the data is its own (as in TF); keep workers up "
                 "(or raise the dispatcher's worker_timeout_ms), or use distributed_epoch, "
                 "which moves a lost worker's splits to the others.")
@@ -549,10 +577,11 @@ class JobReader(Iterator[Any]):
             # A split read to its end whose acknowledgement was not sent (this consumer
             # stopped first) is given back at its end: its elements are this consumer's.
             unfinished = [SplitOffset(split_id=s.split_id, offset=s.consumed, vouch=s.vouch)
-                          for s in self._held.values()] + [
+                          for s in self._reading.held.values()] + [
                 SplitOffset(split_id=s.split_id, offset=s.received, vouch=s.received_vouch)
-                for s in self._done_splits]
-            streams = {a: list(specs.values()) for a, specs in self._opened.items() if specs}
+                for s in self._reading.done]
+            streams = {a: list(specs.values())
+                       for a, specs in self._workers.opened.items() if specs}
         with contextlib.suppress(queue.Full):  # full: __next__ is not waiting
             self._queue.put_nowait((_CLOSED, None, None, None))
         self._decoder.shutdown(wait=False, cancel_futures=True)
@@ -619,7 +648,7 @@ class JobReader(Iterator[Any]):
 
     def _heartbeat_loop(self) -> None:
         times = self._times
-        while not self._stop.wait(times.heartbeat_s if self._workers
+        while not self._stop.wait(times.heartbeat_s if self._workers.listed
                                   else times.no_worker_poll_s):
             request = DataRequest(client_heartbeat=ClientHeartbeatRequest(
                 job_id=self._job.job_id, consumer_id=self._consumer,
@@ -641,16 +670,16 @@ class JobReader(Iterator[Any]):
         dynamic = self._job.sharding_policy == ShardingPolicy.DYNAMIC
         with self._lock:
             listed = {w.address: w for w in workers}
-            unlisted = [w for a, w in self._workers.items() if a not in listed]
-            self._workers = listed
-            for address in [a for a in self._failed if a not in self._workers]:
-                del self._failed[address]  # listed again later: a fresh start
-            new = [w.address for w in workers if w.address not in self._started]
+            unlisted = [w for a, w in self._workers.listed.items() if a not in listed]
+            self._workers.listed = listed
+            for address in [a for a in self._workers.failed if a not in self._workers.listed]:
+                del self._workers.failed[address]  # listed again later: a fresh start
+            new = [w.address for w in workers if w.address not in self._workers.threads]
             if dynamic:
                 slots = self._reserve_slots(new) or self._reserve_poller()
             else:
                 for address in new:
-                    self._started[address] = 0
+                    self._workers.threads[address] = 0
         if self._stop.is_set():
             return
         if dynamic and not self._options.num_consumers:
@@ -675,8 +704,8 @@ class JobReader(Iterator[Any]):
 
     def _reserve(self, address: str, threads: int = 1) -> None:
         """Count reader threads about to start (call with the lock held)."""
-        self._running += threads
-        self._started[address] = self._started.get(address, 0) + threads
+        self._workers.running += threads
+        self._workers.threads[address] = self._workers.threads.get(address, 0) + threads
 
     def _start(self, target: Any, address: str) -> None:
         threading.Thread(target=self._run, args=(target, address), daemon=True,
@@ -687,12 +716,13 @@ class JobReader(Iterator[Any]):
     def _reserve_slots(self, addresses: list[str]) -> list[str]:
         """Reserve split slots up to ``SLOTS_PER_WORKER`` on each listed, unfailed worker of
         ``addresses`` while splits may come; the addresses to start them on (lock held)."""
-        if self._end_of_splits and not self._orphans:
+        if self._reading.end_of_splits and not self._reading.orphans:
             return []
         slots = []
+        workers = self._workers
         for address in addresses:
-            missing = SLOTS_PER_WORKER - self._started.get(address, 0)
-            if address in self._workers and address not in self._failed and missing > 0:
+            missing = SLOTS_PER_WORKER - workers.threads.get(address, 0)
+            if address in workers.listed and address not in workers.failed and missing > 0:
                 self._reserve(address, missing)
                 slots += [address] * missing
         return slots
@@ -700,9 +730,9 @@ class JobReader(Iterator[Any]):
     def _reserve_poller(self) -> list[str]:
         """With no slot running and the splits not ended, one slot asks the dispatcher again
         (another consumer may give splits back); lock held."""
-        if self._running or (self._end_of_splits and not self._orphans):
+        if self._workers.running or (self._reading.end_of_splits and not self._reading.orphans):
             return []
-        idle = [a for a in self._workers if a not in self._failed]
+        idle = [a for a in self._workers.listed if a not in self._workers.failed]
         if idle:
             self._reserve(idle[0])
         return idle[:1]
@@ -714,7 +744,7 @@ class JobReader(Iterator[Any]):
     def _fill_idle_workers(self) -> None:
         """A split came (more may follow): every listed worker gets its slots again."""
         with self._lock:
-            slots = self._reserve_slots(list(self._workers))
+            slots = self._reserve_slots(list(self._workers.listed))
         if not self._stop.is_set():
             self._start_slots(slots)
 
@@ -727,17 +757,19 @@ class JobReader(Iterator[Any]):
             self._put("error", errors.InternalError(f"{type(err).__name__}: {err}"))
         finally:
             with self._lock:
-                self._running -= 1
-                self._started[address] -= 1
-                ended = not self._ended and self._running == 0 and not self._orphans and (
-                    self._job.sharding_policy != ShardingPolicy.DYNAMIC or self._end_of_splits)
+                self._workers.running -= 1
+                self._workers.threads[address] -= 1
+                reading = self._reading
+                ended = not self._ended and self._workers.running == 0 and not reading.orphans \
+                    and (self._job.sharding_policy != ShardingPolicy.DYNAMIC
+                         or reading.end_of_splits)
                 self._ended = self._ended or ended
             if ended:
                 self._put(_END)
 
     def _endpoint(self, address: str) -> tuple[str, str] | None:
         with self._lock:
-            worker = self._workers.get(address)
+            worker = self._workers.listed.get(address)
         return None if worker is None else self._endpoint_of(worker)
 
     def _endpoint_of(self, worker: WorkerInfo) -> tuple[str, str]:
@@ -750,7 +782,7 @@ class JobReader(Iterator[Any]):
     def _track(self, address: str, key: Any, spec: StreamSpec, ended: bool) -> None:
         """Remember the streams this consumer has open on each worker (to release them)."""
         with self._lock:
-            specs = self._opened.setdefault(address, {})
+            specs = self._workers.opened.setdefault(address, {})
             if ended:
                 specs.pop(key, None)
             else:
@@ -818,7 +850,7 @@ class JobReader(Iterator[Any]):
         order = list(self._job.worker_order)
         if self._job.sharding_policy in STATIC_POLICIES and address in order:
             spec.shard_index, spec.num_shards = order.index(address), len(order)
-        start = self._start_offsets.get(address, Offset(0))
+        start = self._resumed.offsets.get(address, Offset(0))
         offset = start.count
         with self._lock:
             position = self._positions.setdefault(address,
@@ -855,7 +887,7 @@ class JobReader(Iterator[Any]):
                 now = time.monotonic()
                 failing_since = failing_since or now
                 with self._lock:
-                    gone = address not in self._workers
+                    gone = address not in self._workers.listed
                 if gone or now - failing_since > times.stalled_s:
                     return None
                 self._stop.wait(delay)
@@ -870,7 +902,7 @@ class JobReader(Iterator[Any]):
         if self._stop.is_set():
             return
         with self._lock:
-            why = ("the dispatcher no longer lists it" if address not in self._workers
+            why = ("the dispatcher no longer lists it" if address not in self._workers.listed
                    else f"it did not answer for {self._times.stalled_s:g} s")
         cardinality = self._job.cardinality
         lost = (f"{cardinality - received} of its {cardinality} elements dropped"
@@ -878,7 +910,7 @@ class JobReader(Iterator[Any]):
                 else f"its elements after the first {received} dropped")
         partial = received > 0 or spec.num_shards > 0
         if partial:
-            self._dropped[address] = lost
+            self._workers.dropped[address] = lost
         log.warning("tf.data service worker %s of job %d stopped answering and %s: %s. The "
                     "iteration goes on with the other workers%s.", address, self._job.job_id,
                     why, lost, " and will end with a DataLossError" if partial else "")
@@ -889,19 +921,19 @@ class JobReader(Iterator[Any]):
         """Round r comes from worker r mod W, the same for every consumer (strict order).
         Resumed from round R, worker w's stream skips the elements of the rounds before R."""
         with self._lock:
-            workers = self._round_workers = sorted(self._workers)
-        if self._saved_workers is not None and workers != self._saved_workers:
+            workers = self._round_workers = sorted(self._workers.listed)
+        if self._resumed.workers is not None and workers != self._resumed.workers:
             raise errors.FailedPreconditionError(
-                f"The saved round-robin position read from workers {self._saved_workers}, "
+                f"The saved round-robin position read from workers {self._resumed.workers}, "
                 f"but the job has {workers}: rounds go to other workers now. Resume with the "
                 "same workers, or start a new iteration.")
         spec = self._spec()
         spec.num_consumers = consumers = self._options.num_consumers
-        first, count = self._first_round, len(workers)
+        first, count = self._resumed.first_round, len(workers)
         skipped = {address: ((first + (i - first) % count) // count) * consumers
                    for i, address in enumerate(workers)}
         # Rounds returned from each worker, with its vouch for the last one's element.
-        starts = {address: self._start_offsets.get(address, Offset(0)) for address in workers}
+        starts = {address: self._resumed.offsets.get(address, Offset(0)) for address in workers}
         with self._lock:
             returned = {address: self._positions.setdefault(
                 address, _StreamPosition(starts[address].count, starts[address].vouch))
@@ -928,7 +960,7 @@ class JobReader(Iterator[Any]):
     def _split_slot(self, address: str) -> None:
         while not self._stop.is_set():
             with self._lock:
-                if address in self._failed or address not in self._workers:
+                if address in self._workers.failed or address not in self._workers.listed:
                     return
             split = self._next_split()
             if split is None:
@@ -938,12 +970,12 @@ class JobReader(Iterator[Any]):
 
     def _next_split(self) -> _Split | None:
         with self._lock:
-            if self._orphans:
-                return self._orphans.pop()
+            if self._reading.orphans:
+                return self._reading.orphans.pop()
         with self._split_lock:
             with self._lock:
-                done, self._done_splits = self._done_splits, []
-                held = list(self._held)
+                done, self._reading.done = self._reading.done, []
+                held = list(self._reading.held)
             try:
                 response, _ = self._dispatcher.call(DataRequest(get_split=GetSplitRequest(
                     job_id=self._job.job_id, consumer_id=self._consumer, held=held,
@@ -951,12 +983,12 @@ class JobReader(Iterator[Any]):
                     generation=self._generation)))
             except errors.OpError:
                 with self._lock:  # still to acknowledge: with the release, at the latest
-                    self._done_splits[:0] = done
+                    self._reading.done[:0] = done
                 raise
             result = response.get_split
             with self._lock:
                 if result.end_of_splits:
-                    self._end_of_splits = True
+                    self._reading.end_of_splits = True
                 if not result.has_split:
                     return None
                 handed_at = result.split.vouch if result.split.HasField("vouch") else None
@@ -965,7 +997,7 @@ class JobReader(Iterator[Any]):
                                received=result.split.offset, consumed=result.split.offset,
                                handout=result.split.handout, handed_at=result.split.offset,
                                vouch=handed_at, received_vouch=handed_at)
-                self._held[split.split_id] = split
+                self._reading.held[split.split_id] = split
                 self._splits.handed_out(split)
         self._fill_idle_workers()
         return split
@@ -994,8 +1026,8 @@ class JobReader(Iterator[Any]):
                 self._put("batch", batch, split)
             if end:
                 with self._lock:
-                    del self._held[split.split_id]
-                    self._done_splits.append(split)
+                    del self._reading.held[split.split_id]
+                    self._reading.done.append(split)
                     split.ended = True
                     self._splits.returned(split)
                 return True
@@ -1008,11 +1040,11 @@ class JobReader(Iterator[Any]):
             return
         with self._lock:
             retry = self._times.retry_s
-            self._failed.setdefault(address, _Failure(retry, time.monotonic() + retry))
+            self._workers.failed.setdefault(address, _Failure(retry, time.monotonic() + retry))
             split.orphaned_at = time.monotonic()
-            self._orphans.append(split)
-            alive = [a for a in self._workers if a not in self._failed]
-            target = min(alive, key=lambda a: self._started.get(a, 0)) if alive else None
+            self._reading.orphans.append(split)
+            alive = [a for a in self._workers.listed if a not in self._workers.failed]
+            target = min(alive, key=lambda a: self._workers.threads.get(a, 0)) if alive else None
         if target is not None:
             self._spawn(self._split_slot, target)
 
@@ -1021,13 +1053,13 @@ class JobReader(Iterator[Any]):
         iteration if an orphaned split found no worker for ``stalled_s``."""
         now = time.monotonic()
         with self._lock:
-            due = [a for a, f in self._failed.items()
-                   if a in self._workers and not f.probing and f.next_try <= now]
+            due = [a for a, f in self._workers.failed.items()
+                   if a in self._workers.listed and not f.probing and f.next_try <= now]
             for address in due:
-                self._failed[address].probing = True
-            stuck = [s for s in self._orphans
+                self._workers.failed[address].probing = True
+            stuck = [s for s in self._reading.orphans
                      if now - s.orphaned_at > self._times.stalled_s]
-            failed = sorted(self._failed)
+            failed = sorted(self._workers.failed)
         if stuck and not self._stalled:
             self._stalled = True
             who = f"worker(s) {', '.join(failed)}" if failed else "its worker(s)"
@@ -1044,9 +1076,9 @@ class JobReader(Iterator[Any]):
         """Release this consumer's stale split streams on a failed worker (those it reads
         elsewhere now): answered, the worker reads splits again."""
         with self._lock:
-            opened = self._opened.get(address, {})
+            opened = self._workers.opened.get(address, {})
             stale = {key: spec for key, spec in opened.items()
-                     if key not in self._held or self._held[key].address != address}
+                     if key not in self._reading.held or self._reading.held[key].address != address}
         endpoint = self._endpoint(address)
         answered = endpoint is not None
         if answered:
@@ -1057,14 +1089,14 @@ class JobReader(Iterator[Any]):
             except errors.OpError:
                 answered = False
         with self._lock:
-            failure = self._failed.get(address)
+            failure = self._workers.failed.get(address)
             if failure is None:
                 return
             slots = []
             if answered:
                 for key in stale:
                     opened.pop(key, None)
-                del self._failed[address]
+                del self._workers.failed[address]
                 slots = self._reserve_slots([address])
             else:
                 failure.probing = False
