@@ -53,28 +53,11 @@ class Server:
     def __init__(self, server_or_cluster_def: Any, job_name: str | None = None,
                  task_index: int | None = None, protocol: str | None = None,
                  config: Any = None, start: bool = True):
-        if job_name is not None and not isinstance(job_name, str):
-            raise TypeError(f"job_name must be a string, got {job_name!r}")
-        if task_index is not None and (isinstance(task_index, bool)
-                                       or not isinstance(task_index, int)):
-            raise TypeError(f"task_index must be an int, got {task_index!r}")
-        if protocol is not None and not isinstance(protocol, str):
-            raise TypeError(f"protocol must be a string such as 'grpc', got {protocol!r}")
-        self._server_def = make_server_def(server_or_cluster_def, job_name, task_index,
-                                           protocol, config)
+        self._server_def = _server_def(server_or_cluster_def, job_name, task_index, protocol,
+                                       config)
         sd = self._server_def
         cluster = ClusterSpec(sd.cluster)
-        if sd.job_name not in cluster.jobs:
-            raise errors.InvalidArgumentError(
-                f'Job "{sd.job_name}" was not defined in cluster {cluster!r}; '
-                f"pick job_name from {cluster.jobs}.")
-        if sd.task_index not in cluster.task_indices(sd.job_name):
-            raise errors.InvalidArgumentError(
-                f'Task {sd.task_index} was not defined in job "{sd.job_name}"; its tasks are '
-                f"{cluster.task_indices(sd.job_name)}.")
-        host, port = split_host_port(cluster.task_address(sd.job_name, sd.task_index))
-        if sd.port:
-            port = sd.port
+        self._host, port = _task_address(cluster, sd)
         options = sd.clusterwire_options
         transport = get_plugin_manager().transport(sd.protocol)
         self._lock = threading.Lock()
@@ -87,31 +70,7 @@ class Server:
             options.max_store_bytes or None, options.membership_heartbeat_seconds,
             options.membership_timeout_seconds, options.allow_membership_changes,
             options.membership_protocol)
-        # ServerOptions has a field of the same name for every limit of ListenOptions.
-        shell_options = listen_options(security=self._security, **{
-            f.name: getattr(options, f.name) for f in fields(ListenOptions)
-            if f.name != "security"})
-        bind_host = options.bind_address or host
-        name = f"/job:{sd.job_name}/task:{sd.task_index}"
-        try:
-            self._shell = Shell(sd.protocol, join_host_port(bind_host, port),
-                                self._service.handle, name, shell_options,
-                                self._service.cancel_waits, options.send_tracebacks,
-                                self._service.method_of, SERVED_AT_ONCE)
-        except BaseException:
-            self._service.close()
-            raise
-        warn_if_exposed(bind_host, shell_options, f"Task {name}")
-        self._metrics: MetricsEndpoint | None = None
-        if options.HasField("metrics_port"):
-            try:
-                self._metrics = serve_metrics(options.metrics_port,
-                                              options.metrics_host or "127.0.0.1",
-                                              self._security)
-            except BaseException:
-                _shutdown(self._shell, self._service, None, None)
-                raise
-        self._host = host
+        self._shell, self._metrics = self._serve(port)
         self._port = self._shell.port
         self._publish_bound_port(cluster)
         self._finalizer = stop_at_exit(self, _shutdown, self._shell, self._service,
@@ -119,6 +78,35 @@ class Server:
         self._watch: ResolverWatch | None = None
         if start:
             self.start()
+
+    def _serve(self, port: int) -> tuple[Shell, MetricsEndpoint | None]:
+        """Start the task's listener (on ``port`` of the bind address) and, with
+        metrics_port, the metrics endpoint. On failure nothing started is left serving and
+        the cluster service is closed."""
+        sd = self._server_def
+        options = sd.clusterwire_options
+        # ServerOptions has a field of the same name for every limit of ListenOptions.
+        shell_options = listen_options(security=self._security, **{
+            f.name: getattr(options, f.name) for f in fields(ListenOptions)
+            if f.name != "security"})
+        bind_host = options.bind_address or self._host
+        name = f"/job:{sd.job_name}/task:{sd.task_index}"
+        try:
+            shell = Shell(sd.protocol, join_host_port(bind_host, port), self._service.handle,
+                          name, shell_options, self._service.cancel_waits,
+                          options.send_tracebacks, self._service.method_of, SERVED_AT_ONCE)
+        except BaseException:
+            self._service.close()
+            raise
+        warn_if_exposed(bind_host, shell_options, f"Task {name}")
+        if not options.HasField("metrics_port"):
+            return shell, None
+        try:
+            return shell, serve_metrics(options.metrics_port,
+                                        options.metrics_host or "127.0.0.1", self._security)
+        except BaseException:
+            _shutdown(shell, self._service, None, None)
+            raise
 
     def _publish_bound_port(self, cluster: ClusterSpec) -> None:
         sd = self._server_def
@@ -249,6 +237,35 @@ class Server:
         sd = self._server_def
         state = "stopped" if self._stopped.is_set() else "serving" if self._started else "created"
         return f"<Server /job:{sd.job_name}/task:{sd.task_index} {self.target} {state}>"
+
+
+def _server_def(server_or_cluster_def: Any, job_name: str | None, task_index: int | None,
+                protocol: str | None, config: Any) -> ServerDef:
+    """The ServerDef of ``Server``'s arguments (see ``make_server_def``), after checking the
+    types of those that override the definition."""
+    if job_name is not None and not isinstance(job_name, str):
+        raise TypeError(f"job_name must be a string, got {job_name!r}")
+    if task_index is not None and (isinstance(task_index, bool)
+                                   or not isinstance(task_index, int)):
+        raise TypeError(f"task_index must be an int, got {task_index!r}")
+    if protocol is not None and not isinstance(protocol, str):
+        raise TypeError(f"protocol must be a string such as 'grpc', got {protocol!r}")
+    return make_server_def(server_or_cluster_def, job_name, task_index, protocol, config)
+
+
+def _task_address(cluster: ClusterSpec, sd: ServerDef) -> tuple[str, int]:
+    """The host and port ``sd``'s task listens on (its ``port`` overrides the cluster's);
+    InvalidArgumentError if the cluster does not define the task."""
+    if sd.job_name not in cluster.jobs:
+        raise errors.InvalidArgumentError(
+            f'Job "{sd.job_name}" was not defined in cluster {cluster!r}; '
+            f"pick job_name from {cluster.jobs}.")
+    if sd.task_index not in cluster.task_indices(sd.job_name):
+        raise errors.InvalidArgumentError(
+            f'Task {sd.task_index} was not defined in job "{sd.job_name}"; its tasks are '
+            f"{cluster.task_indices(sd.job_name)}.")
+    host, port = split_host_port(cluster.task_address(sd.job_name, sd.task_index))
+    return host, sd.port or port
 
 
 def _shutdown(shell: Shell, service: ClusterService, grace: float | None = None,
