@@ -9,7 +9,8 @@ as the client's own), a ``dataset_type`` field the Dataset class (for nodes whos
 are Datasets), and every other field is an argument sent as a value.
 
 ``Node`` and ``register`` are in ``base``, which every node module imports; this package
-loads the node modules, so importing it makes every kind known to ``graph.from_def``.
+loads the node modules, so importing it makes every kind known to ``graph.from_def``
+(``NODES``).
 """
 
 from __future__ import annotations
@@ -22,17 +23,6 @@ from clusterwire.data.ops import (  # noqa: F401 - each registers its node kinds
     sources,
     stateful,
 )
-from clusterwire.data.ops.base import (
-    NODES,
-    Guard,
-    Node,
-    count,
-    dataset_type_field,
-    fn_field,
-    guard_field,
-    no_guard,
-    register,
-)
+from clusterwire.data.ops.base import NODES, Guard, Node
 
-__all__ = ["NODES", "Guard", "Node", "count", "dataset_type_field", "fn_field", "guard_field",
-           "no_guard", "register"]
+__all__ = ["NODES", "Guard", "Node"]
