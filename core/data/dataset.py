@@ -165,7 +165,9 @@ class Dataset:
     @staticmethod
     def list_files(file_pattern: Any, shuffle: bool | None = None,
                    seed: int | None = None) -> Dataset:
-        """File names matching a glob, sorted then shuffled (``file_datasets.list_files``)."""
+        """The file names matching a glob (or a list of globs; see
+        ``file_datasets.list_files``), sorted, then shuffled unless ``shuffle=False`` (a new
+        order each epoch, fixed by ``seed``), as ``tf.data.Dataset.list_files``."""
         names = _dataset(file_datasets.list_files(file_pattern))
         return names if shuffle is False else names.shuffle(names.cardinality(), seed=seed)
 
