@@ -71,7 +71,7 @@ _TICKS = os.sysconf("SC_CLK_TCK")
 def _serve_dispatcher(protocol: str, token_file: str) -> None:
     """Serve a dispatcher until stdin closes; print its port first."""
     server = data.DispatchServer(DispatcherConfig(
-        port=0, protocol=protocol, worker_token_file=token_file))
+        port=0, protocol=protocol, worker_token_file=token_file, bind_address="127.0.0.1"))
     print(server.config.port, flush=True)
     sys.stdin.read()
     server.stop()
@@ -244,7 +244,8 @@ def _measure(n: int, args: argparse.Namespace, token_file: str) -> dict[str, Any
              "--token-file", token_file], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             text=True)
         started.append(dispatcher)
-        address = f"localhost:{int(dispatcher.stdout.readline())}"
+        # An IP address: "localhost" may be ::1 to gRPC and 127.0.0.1 to the fast lane.
+        address = f"127.0.0.1:{int(dispatcher.stdout.readline())}"
         jobs = _jobs(address, args.protocol)
         idle_cpu = _cpu_s(dispatcher.pid)
         peers = []
