@@ -103,7 +103,7 @@ def test_an_unreachable_worker_is_an_unavailable_error_naming_it():
 def test_a_workers_refusal_comes_back_as_its_class_and_closed_channels_cancel():
     """A worker's error status maps to its clusterwire class (a stream the dispatcher did
     not grant: PermissionDeniedError, with the worker's words); once closed, the channels
-    refuse further calls with CancelledError."""
+    refuse further calls with CancelledError, also over a protocol they had not opened."""
     with in_process_data_service(workers=1) as dispatcher:
         [worker] = data.service_status(dispatcher.target).workers
         channels = WorkerChannels(Security())
@@ -115,5 +115,6 @@ def test_a_workers_refusal_comes_back_as_its_class_and_closed_channels_cancel():
                 channels.call("grpc", worker.address, request, 10.0)
         finally:
             channels.close()
-        with pytest.raises(errors.CancelledError):
-            channels.call("grpc", worker.address, request, 10.0)
+        for protocol in ("grpc", "grpc+local"):  # one it used, one it never opened
+            with pytest.raises(errors.CancelledError):
+                channels.call(protocol, worker.address, request, 10.0)

@@ -189,14 +189,19 @@ class WorkerChannels:
         self._security = security
         self._clients: dict[str, RequestClient] = {}
         self._lock = threading.Lock()
+        self._closed = False
 
     def _client(self, protocol: str) -> RequestClient:
         client = self._clients.get(protocol)
         if client is None:
             with self._lock:
-                client = self._clients.setdefault(protocol, RequestClient(
-                    protocol, security=self._security, in_process=False,
-                    peer="tf.data service worker"))
+                if self._closed:
+                    raise errors.CancelledError("The worker channels were closed.")
+                client = self._clients.get(protocol)
+                if client is None:
+                    client = self._clients[protocol] = RequestClient(
+                        protocol, security=self._security, in_process=False,
+                        peer="tf.data service worker")
         return client
 
     def call(self, protocol: str, address: str, request: DataRequest,
@@ -219,6 +224,7 @@ class WorkerChannels:
     def close(self) -> None:
         """Close every channel; later calls end with CancelledError."""
         with self._lock:
+            self._closed = True
             clients = list(self._clients.values())
         for client in clients:
             client.close()
