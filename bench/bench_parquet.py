@@ -12,14 +12,18 @@ and snappy-compressed), each reader over the whole file (best and median of ``--
   a dict of numpy arrays (views of Arrow's buffers);
 * the same reader on one element per row, on the first 200,000 rows only (per-row cost).
 
+Each also in CPU ms per MB (median; this process's CPU, Arrow's threads included): the
+figure that survives a loaded machine.
+
 ``service`` (issue 30's target, >= 0.7x): 4 uncompressed files of 2,000,000 rows (row groups
 of 500,000 rows; bench_data_files.py's b), read whole ``--rounds`` times, the reads of a round
 back to back in a rotating order so that load shifts hit each alike: pyarrow's ``read_table``
-in this process, and ``from_parquet(paths, batch_rows=65536)`` in ``distributed_epoch``
-through a ``LocalDataService`` (2 workers) over ``grpc+local``, twice: as a ``clusterwire
-worker`` runs by default, and with Arrow's own jemalloc decay of 1 s
-(``JE_ARROW_MALLOC_CONF``, as workers ran before they kept jemalloc's 10 s). Each service
-read opens its connections anew (as an epoch does). Per round: the ratio of each service
+in this process; ``from_parquet(paths, batch_rows=65536)`` in ``distributed_epoch``
+through a ``LocalDataService`` (2 workers) over ``grpc+local``; and, as the floor of what the
+service itself costs a MB, the same service sending elements of the same shape (8 columns of
+65536 8-byte values) from memory, no Parquet: ``from_tensors(element).repeat(61)`` in
+``parallel_epochs`` (each worker sends it all: 512 MB). Each service read opens its
+connections anew (as an epoch does). Per round: the ratio of each service
 read's MB/s to pyarrow's of that round; the median, lowest and highest; CPU ms per MB of
 every process of the read (this one and the service's dispatcher and workers, their
 heartbeats included), and of each: the client (this process), the dispatcher, the 2 workers
@@ -29,12 +33,11 @@ together, with the workers' minor page faults per MB and their resident memory a
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -47,6 +50,8 @@ from clusterwire.data.parquet import ParquetReader
 _COLUMNS = 8
 SERVICE_FILES, SERVICE_ROWS, SERVICE_GROUP_ROWS, SERVICE_BATCH_ROWS = 4, 2_000_000, 500_000, 65536
 TARGET = 0.7
+#: Elements each of the 2 workers sends in the in-memory read (2 x 61 x 4 MiB: 512 MB).
+_IN_MEMORY_REPEATS = 61
 
 
 def _write(path: str, rows: int, row_group_rows: int, compression: str) -> int:
@@ -86,13 +91,16 @@ def _per_row(path: str, rows: int) -> int:
     return seen
 
 
-def _time(fn, runs: int) -> tuple[float, float]:
-    times = []
+def _time(fn, runs: int) -> tuple[float, float, float]:
+    """Best and median seconds of ``runs`` calls of ``fn``, and their median CPU seconds
+    (this process's, Arrow's threads included)."""
+    times, cpu = [], []
     for _ in range(runs):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), sum(os.times()[:2])
         fn()
         times.append(time.perf_counter() - start)
-    return min(times), statistics.median(times)
+        cpu.append(sum(os.times()[:2]) - start_cpu)
+    return min(times), statistics.median(times), statistics.median(cpu)
 
 
 def _process_cpu(pid: int) -> tuple[float, int]:
@@ -119,25 +127,12 @@ def _through(paths: list[str], target: str) -> int:
     return sum(array.nbytes for element in dataset for array in element.values())
 
 
-@contextlib.contextmanager
-def _service(folder: str, env: dict[str, str]) -> Iterator[data.LocalDataService]:
-    """A LocalDataService over grpc+local whose processes start with ``env`` added."""
-    saved = dict(os.environ)
-    os.environ.update(env)
-    try:
-        service = data.LocalDataService(2, "grpc+local", readable_dirs=[folder])
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    with service:
-        yield service
-
-
 class _Read:
     """One kind of read, and the processes whose CPU it costs (None: this one)."""
 
-    def __init__(self, read: Callable[[], int], service: data.LocalDataService | None = None):
-        self.read = read
+    def __init__(self, read: Callable[[], int], nbytes: int,
+                 service: data.LocalDataService | None = None):
+        self.read, self.nbytes = read, nbytes
         # The dispatcher first, then the workers (LocalDataService starts them so).
         self.pids = [] if service is None else [p.pid for p in service._processes]
         self.rates: list[float] = []
@@ -145,7 +140,8 @@ class _Read:
         self.faults: list[float] = []  # the workers' minor faults per MB
         self.rss: list[int] = []  # the workers' resident MiB once the rounds are done
 
-    def run(self, nbytes: int) -> None:
+    def run(self) -> None:
+        nbytes = self.nbytes
         before = [(sum(os.times()[:2]), 0)] + [_process_cpu(pid) for pid in self.pids]
         start = time.perf_counter()
         if self.read() != nbytes:
@@ -159,6 +155,13 @@ class _Read:
                            / (nbytes / 1e6))
 
 
+def _in_memory(target: str) -> int:
+    element = {f"c{k}": np.arange(SERVICE_BATCH_ROWS, dtype=np.int64) for k in range(_COLUMNS)}
+    dataset = data.Dataset.from_tensors(element).repeat(_IN_MEMORY_REPEATS).apply(
+        data.distribute("parallel_epochs", target, data_transfer_protocol="grpc+local"))
+    return sum(array.nbytes for element in dataset for array in element.values())
+
+
 def _service_rounds(folder: str, rounds: int) -> None:
     """The ``service`` part (see the module docstring)."""
     rng = np.random.default_rng(1)
@@ -170,17 +173,18 @@ def _service_rounds(folder: str, rounds: int) -> None:
         pq.write_table(pa.table(columns), paths[-1], row_group_size=SERVICE_GROUP_ROWS,
                        compression="none")
     nbytes = SERVICE_FILES * SERVICE_ROWS * _COLUMNS * 8
-    arrow_decay = {"JE_ARROW_MALLOC_CONF": "dirty_decay_ms:1000,muzzy_decay_ms:1000"}
-    with _service(folder, {}) as default, _service(folder, arrow_decay) as before:
+    in_memory = 2 * _IN_MEMORY_REPEATS * SERVICE_BATCH_ROWS * _COLUMNS * 8
+    with data.LocalDataService(2, "grpc+local", readable_dirs=[folder]) as service:
         reads = {
-            "pyarrow.parquet.read_table in the client": _Read(lambda: _pyarrow_files(paths)),
-            "service (worker defaults)": _Read(lambda: _through(paths, default.target),
-                                               default),
-            "service, Arrow's 1 s jemalloc decay": _Read(
-                lambda: _through(paths, before.target), before),
+            "pyarrow.parquet.read_table in the client": _Read(lambda: _pyarrow_files(paths),
+                                                              nbytes),
+            "service (worker defaults)": _Read(lambda: _through(paths, service.target),
+                                               nbytes, service),
+            "service, the same elements from memory (no Parquet)": _Read(
+                lambda: _in_memory(service.target), in_memory, service),
         }
         for read in reads.values():  # warm-up: page cache, workers' imports
-            assert read.read() == nbytes
+            assert read.read() == read.nbytes
         names = list(reads)
         print(f"\nservice: {SERVICE_FILES} files x {SERVICE_ROWS:,} rows x {_COLUMNS} columns "
               f"({nbytes / 1e6:,.0f} MB), row groups of {SERVICE_GROUP_ROWS:,}, batch_rows="
@@ -188,7 +192,7 @@ def _service_rounds(folder: str, rounds: int) -> None:
         for round_index in range(rounds):
             order = names[round_index % 3:] + names[:round_index % 3]
             for name in order:
-                reads[name].run(nbytes)
+                reads[name].run()
             base = reads[names[0]].rates[-1]
             print(f"  round {round_index + 1}: " + ", ".join(
                 f"{reads[n].rates[-1]:,.0f} MB/s" + ("" if n == names[0] else
@@ -219,6 +223,7 @@ def _service_rounds(folder: str, rounds: int) -> None:
                       " + ".join(map(str, read.rss)),
                       f"{median:.2f}x ({min(ratios):.2f}-{max(ratios):.2f}x)",
                       f"{base_cpu / cpu[0]:.2f}x",
+                      "" if name != names[1] else
                       f">= {TARGET}x: {'met' if median >= TARGET else 'NOT met'} by MB/s at "
                       f"load {os.getloadavg()[0]:.1f}"]
         print("| " + " | ".join(cells) + " |")
@@ -232,17 +237,20 @@ def _local(folder: str, args: argparse.Namespace) -> None:
         _pyarrow(path)  # page cache
         print(f"\n{args.rows} rows x {_COLUMNS} numeric columns, compression={compression}, "
               f"{nbytes / 1e6:.0f} MB of values, {os.path.getsize(path) / 1e6:.0f} MB file")
-        base_best, base_median = _time(lambda p=path: _pyarrow(p), args.runs)
-        ours_best, ours_median = _time(
+        base_best, base_median, base_cpu = _time(lambda p=path: _pyarrow(p), args.runs)
+        ours_best, ours_median, ours_cpu = _time(
             lambda p=path: _clusterwire(p, args.batch_rows), args.runs)
-        for name, best, median in (
-                ("pyarrow.parquet.read_table", base_best, base_median),
-                (f"ParquetReader(batch_rows={args.batch_rows})", ours_best, ours_median)):
+        for name, best, median, cpu in (
+                ("pyarrow.parquet.read_table", base_best, base_median, base_cpu),
+                (f"ParquetReader(batch_rows={args.batch_rows})", ours_best, ours_median,
+                 ours_cpu)):
             print(f"  {name:<40} {nbytes / best / 1e6:8.0f} MB/s best, "
-                  f"{nbytes / median / 1e6:8.0f} MB/s median")
-        print(f"  ratio (best): {base_best / ours_best:.2f}x of pyarrow")
+                  f"{nbytes / median / 1e6:8.0f} MB/s median, "
+                  f"{cpu / nbytes * 1e9:.2f} CPU ms/MB median")
+        print(f"  ratio (best): {base_best / ours_best:.2f}x of pyarrow; CPU ratio "
+              f"(pyarrow's CPU ms/MB / this): {base_cpu / ours_cpu:.2f}x")
         per_row = min(200_000, args.rows)
-        best, _ = _time(lambda p=path, n=per_row: _per_row(p, n), max(1, args.runs // 2))
+        best, _, _ = _time(lambda p=path, n=per_row: _per_row(p, n), max(1, args.runs // 2))
         print(f"  ParquetReader one row per element: {per_row / best:,.0f} rows/s")
 
 
