@@ -386,14 +386,18 @@ def _timed_gets(target: str, config: dict, count: int) -> list[float]:
     return took
 
 
+#: Flood connections (or watches) the server must end before the timed gets, and again
+#: during them: a whole pending table's worth, so the flood is past gRPC's quota for
+#: unauthenticated connections and the door is turning it over while token holders call.
+TURNOVER = ListenOptions().max_pending_connections
+
+
 def flood_gets(target: str, config: dict, pid: int, flood_args: list[str],
-               progress: Callable[[dict], int], turnover: int
-               ) -> tuple[list[float], float, float, int]:
+               progress: Callable[[dict], int]) -> tuple[list[float], float, float, int]:
     """Run ``cw_health_flood.py`` against ``target`` until ``progress`` of its JSON report
-    (flood connections or streams the server ended) reaches ``turnover`` (the flood holds
-    more than the port's quota and the server keeps ending its connections), then time
+    (flood connections or streams the server ended) reaches TURNOVER, then time
     token-holder sessions' 8-byte gets: 8 of them, then one more at each report of the flood
-    until it had ``turnover`` more ended since the first (a count, not a time: a flood
+    until it had TURNOVER more ended since the first (a count, not a time: a flood
     starved of CPU on a busy machine ends fewer per second but as many in all). (Their
     seconds, the seconds they may take (the surface kit's ``allowed_for``: 1 s on an idle
     machine), the task's RSS growth in MiB, the flood's progress during the gets.)"""
@@ -415,18 +419,18 @@ def flood_gets(target: str, config: dict, pid: int, flood_args: list[str],
     reader.start()
     try:
         with latest:
-            assert latest.wait_for(lambda: reports and reports[-1] >= turnover, 300), \
-                f"the flood reached {reports[-1:]} of {turnover}"
+            assert latest.wait_for(lambda: reports and reports[-1] >= TURNOVER, 300), \
+                f"the flood reached {reports[-1:]} of {TURNOVER}"
             start_progress = reports[-1]
         took = _timed_gets(target, config, 8)
         deadline = time.monotonic() + 300
-        while reports[-1] - start_progress < turnover:  # one more get per flood report
+        while reports[-1] - start_progress < TURNOVER:  # one more get per flood report
             with latest:
                 count = len(reports)
                 assert latest.wait_for(lambda seen=count: len(reports) > seen, 10), \
                     "the flood stopped"
             assert time.monotonic() < deadline, \
-                f"the flood ended {reports[-1] - start_progress} of {turnover} during the gets"
+                f"the flood ended {reports[-1] - start_progress} of {TURNOVER} during the gets"
             took += _timed_gets(target, config, 1)
         return took, allowed, rss_mib(pid) - before, reports[-1] - start_progress
     finally:
@@ -453,13 +457,13 @@ def test_a_reconnecting_tokenless_flood_does_not_lock_token_holders_out(token_ta
     """1,280 tokenless connections from another process, each holding a health Watch and
     reconnecting whenever the server closes it (the attack that held gRPC's connection
     quota): every token holder's new session gets its 8-byte tensor within 1 s while the
-    server ends 1,280 more watches."""
+    server ends TURNOVER more watches."""
     cluster, config = token_task
     took, allowed, grown, during = flood_gets(cluster.target("w"), config, cluster.process("w").pid,
-                                     ["1280"], lambda ended: sum(ended.values()), 1280)
+                                     ["1280"], lambda ended: sum(ended.values()))
     assert max(took) < allowed, (took, allowed)
     assert grown < 150, f"the task grew by {grown:.0f} MiB"
-    assert during >= 1280
+    assert during >= TURNOVER
     print(f"\nreconnecting tokenless Watch flood ({during} more watches ended by the server "
           f"meanwhile): {len(took)} sessions' gets took {min(took) * 1000:.0f}-"
           f"{max(took) * 1000:.0f} ms; RSS +{grown:.0f} MiB")
@@ -471,14 +475,14 @@ def test_a_reconnecting_silent_flood_from_another_peer_does_not_lock_token_holde
     """1,344 silent connections from another peer address (127.0.0.2), each opened again
     as soon as the server closes it, at full speed (the issue's attack, which kept more
     connections than gRPC's quota open): every token holder's new session gets its tensor
-    while the server closes 1,344 more of them."""
+    while the server closes TURNOVER more of them."""
     cluster, config = token_task
     took, allowed, grown, during = flood_gets(cluster.target("w"), config, cluster.process("w").pid,
                                      ["1344", "silent", "127.0.0.2"],
-                                     lambda report: report["closed"], 1344)
+                                     lambda report: report["closed"])
     assert max(took) < allowed, (took, allowed)
     assert grown < 150, f"the task grew by {grown:.0f} MiB"
-    assert during >= 1344
+    assert during >= TURNOVER
     print(f"\nreconnecting silent flood from 127.0.0.2 ({during} more connections closed by the "
           f"server meanwhile): {len(took)} sessions' gets took {min(took) * 1000:.0f}-"
           f"{max(took) * 1000:.0f} ms; RSS +{grown:.0f} MiB")
