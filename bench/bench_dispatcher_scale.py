@@ -27,6 +27,13 @@ worst lag is reported), and ``cpu_pct_at_planned_rate`` is then the CPU per requ
 times the planned rate, a projection, not a measurement. ``--fast-lane``: every process runs
 the grpc transport with ``fast_lane = true`` (a plugins.toml of its own, README "Fast
 paths"). ``--json`` prints one line: the sizes' rows.
+
+``--real K`` measures real processes instead, as many as the machine takes (at most 3 + 3
+beside the dispatcher and this one): K ``WorkerServer`` processes and K consumer processes,
+each iterating ``distribute`` of the same jobs (half distributed_epoch, half parallel_epochs)
+and reading elements all along; the requests are the dispatcher's own count
+(``clusterwire_requests_total``, from its status), so its CPU per request can be set beside
+the light peers' at the same size.
 Every process started here is stopped at the end, also on error.
 """
 
@@ -208,6 +215,36 @@ def _run_peers(args: argparse.Namespace) -> None:
         peers.client.close()
 
 
+# ---- real processes (--real) ----
+
+def _serve_worker(address: str, protocol: str, token_file: str) -> None:
+    """Serve a real worker until stdin closes."""
+    worker = data.WorkerServer(data.WorkerConfig(
+        dispatcher_address=address, protocol=protocol, worker_token_file=token_file,
+        worker_address="127.0.0.1:%port%"))
+    print("ready", flush=True)
+    sys.stdin.read()
+    worker.stop()
+
+
+def _consume(address: str, protocol: str, mode: str) -> None:
+    """Read the job of ``mode`` from the service until stdin closes."""
+    stop = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+    dataset = data.Dataset.range(1 << 40).apply(data.distribute(
+        mode, f"{protocol}://{address}", job_name=f"scale-{mode}"))
+    print("ready", flush=True)
+    for _ in dataset:
+        if stop.is_set():
+            break
+
+
+def _requests(address: str, protocol: str) -> int:
+    """The requests the dispatcher at ``address`` served (its status' own count)."""
+    status = data.service_status(f"{protocol}://{address}")
+    return int(sum(m.value for m in status.metrics if m.name == "clusterwire_requests_total"))
+
+
 # ---- the driver ----
 
 def _cpu_s(pid: int) -> float:
@@ -246,6 +283,8 @@ def _measure(n: int, args: argparse.Namespace, token_file: str) -> dict[str, Any
         started.append(dispatcher)
         # An IP address: "localhost" may be ::1 to gRPC and 127.0.0.1 to the fast lane.
         address = f"127.0.0.1:{int(dispatcher.stdout.readline())}"
+        if args.real:
+            return _measure_real(args, me, dispatcher, address, token_file, started)
         jobs = _jobs(address, args.protocol)
         idle_cpu = _cpu_s(dispatcher.pid)
         peers = []
@@ -309,9 +348,40 @@ def _measure(n: int, args: argparse.Namespace, token_file: str) -> dict[str, Any
                 process.wait()
 
 
+def _measure_real(args: argparse.Namespace, me: str, dispatcher: subprocess.Popen,
+                  address: str, token_file: str, started: list[subprocess.Popen]
+                  ) -> dict[str, Any]:
+    """The dispatcher's CPU with ``args.real`` real workers and consumers (``started``
+    collects them, for the caller to stop)."""
+    common = ["--address", address, "--protocol", args.protocol, "--token-file", token_file]
+    for role, count in (("worker", args.real), ("consumer", args.real)):
+        for index in range(count):
+            mode = list(_JOBS)[index % len(_JOBS)]
+            started.append(subprocess.Popen(
+                [sys.executable, me, "--role", role, "--mode", mode, *common],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+            if started[-1].stdout.readline().strip() != "ready":
+                raise RuntimeError(f"a {role} process failed (exit {started[-1].wait()})")
+    time.sleep(args.warmup)
+    loads = [_load()]
+    requests0, cpu0, wall0 = _requests(address, args.protocol), _cpu_s(dispatcher.pid), \
+        time.monotonic()
+    time.sleep(args.measure)
+    cpu1, wall1 = _cpu_s(dispatcher.pid), time.monotonic()
+    requests = _requests(address, args.protocol) - requests0 - 1  # less the first status
+    loads.append(_load())
+    return {"workers": args.real, "consumers": args.real, "real": True,
+            "dispatcher_cpu_pct": round(100 * (cpu1 - cpu0) / (wall1 - wall0), 2),
+            "dispatcher_rss_mib": round(_rss_mib(dispatcher.pid), 1),
+            "requests_per_s": round(requests / (wall1 - wall0), 1),
+            "cpu_us_per_request": round(1e6 * (cpu1 - cpu0) / max(requests, 1), 1),
+            "load": [round(x, 2) for x in loads]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--role", choices=("driver", "dispatcher", "peers"), default="driver",
+    parser.add_argument("--role", choices=("driver", "dispatcher", "peers", "worker", "consumer"),
+                        default="driver",
                         help=argparse.SUPPRESS)
     parser.add_argument("--sizes", default="10,100,1000",
                         help="workers = consumers for each run (comma-separated)")
@@ -324,10 +394,12 @@ def main() -> None:
     parser.add_argument("--protocol", default="grpc")
     parser.add_argument("--fast-lane", action="store_true",
                         help="grpc's fast lane on in every process (README 'Fast paths')")
+    parser.add_argument("--real", type=int, default=0,
+                        help="K real worker and K real consumer processes (1..3) instead")
     parser.add_argument("--json", action="store_true")
     for name in ("--index", "--of", "--workers", "--consumers"):
         parser.add_argument(name, type=int, default=0, help=argparse.SUPPRESS)
-    for name in ("--address", "--token-file", "--jobs"):
+    for name in ("--address", "--token-file", "--jobs", "--mode"):
         parser.add_argument(name, default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role == "dispatcher":
@@ -336,6 +408,15 @@ def main() -> None:
     if args.role == "peers":
         _run_peers(args)
         return
+    if args.role == "worker":
+        _serve_worker(args.address, args.protocol, args.token_file)
+        return
+    if args.role == "consumer":
+        _consume(args.address, args.protocol, args.mode)
+        return
+    if not 0 <= args.real <= 3:
+        parser.error("--real must be 0..3 (with the dispatcher and this one, at most 8 "
+                     "processes)")
     if not 1 <= args.procs <= 6:
         parser.error("--procs must be 1..6 (with the dispatcher and this one, at most 8 "
                      "processes)")
@@ -348,7 +429,8 @@ def main() -> None:
             with open(plugins, "w", encoding="utf-8") as handle:
                 handle.write("[options.grpc]\nfast_lane = true\n")
             os.environ["CLUSTERWIRE_PLUGINS"] = plugins  # this process's and its children's
-        rows = [_measure(int(n), args, token) for n in args.sizes.split(",")]
+        sizes = [args.real] if args.real else [int(n) for n in args.sizes.split(",")]
+        rows = [_measure(n, args, token) for n in sizes]
     if args.json:
         print(json.dumps({"bench": "dispatcher_scale", "procs": args.procs,
                           "fast_lane": args.fast_lane,
@@ -360,6 +442,12 @@ def main() -> None:
           f"heartbeats every {HEARTBEAT_INTERVAL_MS / 1000:g} s, consumer heartbeats every "
           f"{reader.TIMINGS.heartbeat_s:g} s, a split every {args.split_every:g} s")
     for row in rows:
+        if row.get("real"):
+            print(f"  {row['workers']} real workers + {row['consumers']} real consumers: "
+                  f"dispatcher {row['dispatcher_cpu_pct']:.2f}% of a core, RSS "
+                  f"{row['dispatcher_rss_mib']:.0f} MiB, {row['requests_per_s']:.0f} requests/s, "
+                  f"{row['cpu_us_per_request']:.0f} us CPU/request, load {row['load']}")
+            continue
         print(f"  {row['workers']:>5} workers + {row['consumers']:>5} consumers: dispatcher "
               f"{row['dispatcher_cpu_pct']:6.2f}% of a core, RSS {row['dispatcher_rss_mib']:.0f}"
               f" MiB, {row['requests_per_s']:.0f} requests/s, {row['cpu_us_per_request']:.0f}"
