@@ -361,10 +361,16 @@ class JobReader(Iterator[Any]):
                          if options.element_ids or self._skip else None)
         if position is not None and position.finished:
             self._resume_after_the_end(options, position)
-            return
+        else:
+            self._join_job(options, iteration, position)
+
+    def _join_job(self, options: ReadOptions, iteration: int,
+                  position: Position | JobPosition | None) -> None:
+        """Create or join the job at the dispatcher and start reading its workers (and
+        the heartbeat that keeps it alive), unless it has finished already."""
         request = self._job_request(options, iteration, position)
         self._key = request.job_key
-        response, _ = dispatcher.call(DataRequest(get_or_create_job=request))
+        response, _ = self._dispatcher.call(DataRequest(get_or_create_job=request))
         self._job: JobInfo = response.job
         if self._job.finished:
             self._finished = self._released = self._returned_all = True
