@@ -273,8 +273,10 @@ def _shutdown(shell: Shell, service: ClusterService, grace: float | None = None,
     """Say goodbye to the peers (see ``ClusterService.leave``), drain for ``grace`` s,
     cancel what is left, close the listener, then the peers and the metrics endpoint."""
     try:
-        service.leave()
-        shell.stop(grace)
+        try:
+            service.leave()
+        finally:
+            shell.stop(grace)
     finally:
         service.close()
         if metrics is not None:

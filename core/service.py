@@ -14,7 +14,7 @@ import secrets
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -197,7 +197,8 @@ class ClusterService:
         # Request header -> what serves it (see _prepare); its method (method_of).
         self._prepared: dict[bytes, Serve] = {}
         self._methods: dict[bytes, str] = {}
-        self._routes: dict[bytes, _Route] = {}  # header of a request for another task -> route
+        # The view the routes are of; header of a request for another task -> its route.
+        self._routes: tuple[View | None, dict[bytes, _Route]] = (None, {})
         self._forwarded = REGISTRY.family(catalog.FORWARDED)
         self._barrier_waits = REGISTRY.family(catalog.BARRIER_WAITS)
         self._stop_reporting = REGISTRY.add_source(self._samples)
@@ -226,8 +227,11 @@ class ClusterService:
         request = Request(method="heartbeat", membership_version=view.version,
                           from_task=TaskRef(job=self.job, index=self.index),
                           cluster=view.cluster.as_cluster_def())
-        with self._silence_is_unreachable(address, request.method):
+        try:
             response, _ = self._peers.send(address, request, timeout=timeout)
+        except errors.DeadlineExceededError as err:
+            self._note_if_silent(address, request.method, err)
+            raise
         return View.of(response.membership.version, _cluster_of(response.membership.cluster))
 
     def _heartbeat(self, request: Request) -> Frame:
@@ -335,8 +339,9 @@ class ClusterService:
         header = frame.header if type(frame.header) is bytes else bytes(frame.header)
         serve = self._prepared.get(header)
         if serve is None:
-            route = self._routes.get(header)
-            if route is not None and route.view is self.membership.view:
+            view, routes = self._routes
+            route = routes.get(header) if view is self.membership.view else None
+            if route is not None:
                 return self._send_on(route, frame.buffers)
             try:
                 request = Request.FromString(header)
@@ -346,7 +351,7 @@ class ClusterService:
                     self.job, self.index):
                 route = self._route(request)
                 if len(header) <= codec.PLAN_KEY_MAX:
-                    codec.remember(self._routes, header, route)
+                    self._remember_route(header, route)
                 return self._send_on(route, frame.buffers)
             serve = self._prepare(request)
             if serve is None:
@@ -378,17 +383,22 @@ class ClusterService:
                 f"No task /job:{job}/task:{index} in the cluster {self.cluster!r} (membership "
                 f"version {self.membership.view.version}).") from None
 
-    @contextlib.contextmanager
-    def _silence_is_unreachable(self, address: str, method: str) -> Iterator[None]:
+    def _note_if_silent(self, address: str, method: str,
+                        err: errors.DeadlineExceededError) -> None:
         """A request of a method answered at once that got no answer in time: the peer is
         cut off with a connection still open (a refused connection would have said so at
-        once), so it counts as unreachable; the error goes on."""
-        try:
-            yield
-        except errors.DeadlineExceededError as err:
-            if method in _AT_ONCE:
-                self._peers.note_unreachable(address, err.message)
-            raise
+        once), so it counts as unreachable (the caller raises ``err`` on)."""
+        if method in _AT_ONCE:
+            self._peers.note_unreachable(address, err.message)
+
+    def _remember_route(self, header: bytes, route: _Route) -> None:
+        """Keep ``route`` for requests with ``header`` while its view is the task's (the
+        routes of an older view are dropped with it, not kept alive)."""
+        view, routes = self._routes
+        if view is not route.view:
+            routes = {}
+            self._routes = (route.view, routes)
+        codec.remember(routes, header, route)
 
     def _route(self, request: Request) -> _Route:
         """Where ``request`` (for another task) goes in the current view, with its header as
@@ -430,8 +440,7 @@ class ClusterService:
                     route.address, Frame(route.header, buffers), route.method, timeout,
                     relay=not in_process.serving())
             except errors.DeadlineExceededError as err:
-                if route.method in _AT_ONCE:  # as _silence_is_unreachable says
-                    self._peers.note_unreachable(route.address, err.message)
+                self._note_if_silent(route.address, route.method, err)
                 raise
         # Received for this request alone: an in-process caller may share them.
         return Frame(reply.header, reply.buffers, frozen=True)

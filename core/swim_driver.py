@@ -152,14 +152,19 @@ class SwimDriver:
         on this member sends and takes nothing. A task killed outright sends nothing and is
         found dead, as before."""
         with self._lock:
-            if self._swim is None:
+            if self._swim is None or self._stopped.is_set():
                 return
             out = self._swim.leave()
             addresses = self._addresses()
         timeout = max(self.config.probe_timeout, LEAVE_SECONDS)
-        sends = [self._senders.submit(self._send, addresses[member], message.to_bytes(),
-                                      timeout)
-                 for member, message in out if member in addresses]
+        sends = []
+        for member, message in out:  # at most indirect_checks: not held to the senders' cap
+            if member in addresses:
+                try:
+                    sends.append(self._senders.submit(
+                        self._send, addresses[member], message.to_bytes(), timeout))
+                except RuntimeError:  # closed meanwhile
+                    break
         futures.wait(sends, timeout)
 
     def close(self) -> None:

@@ -207,7 +207,8 @@ def test_a_stopped_task_leaves_and_is_marked_left_not_found_dead():
                      30, "w:3 left (not suspected or dead)")
             states = server._service._swim.states()
             del states[("w", 3)]
-            assert set(states.values()) == {swim.State.ALIVE}
+            # A passing suspicion of a live task, refuted, is SWIM at work on a busy machine.
+            assert not {swim.State.DEAD, swim.State.LEFT} & set(states.values())
         for session in sessions:
             assert [t for t, down in down_map(session).items() if down] == ["/job:w/task:3"]
 
