@@ -8,6 +8,7 @@ Real servers of this process on 127.0.0.1.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import socket
@@ -45,12 +46,21 @@ def test_the_readme_table_is_the_dataclass():
         "markers:\n" + _readme_table())
 
 
-@pytest.mark.parametrize("value", [0, -1.0, True, "15", None])
+@pytest.mark.parametrize("value", [0, -1.0, True, "15", None, math.inf, math.nan])
 def test_a_bad_timing_is_refused_naming_it_and_its_default(value):
     with pytest.raises(errors.InvalidArgumentError,
-                       match=rf"read_timeout_s = {re.escape(repr(value))} must be a positive "
-                             r"number of seconds \(default 15.0\)"):
+                       match=rf"read_timeout_s = {re.escape(repr(value))} must be a positive, "
+                             r"finite number of seconds \(default 15.0\)"):
         ReadTimings(read_timeout_s=value)
+
+
+@pytest.mark.parametrize(("shorter", "longer"), [("read_wait_s", "read_timeout_s"),
+                                                 ("retry_s", "retry_max_s")])
+def test_timings_that_contradict_each_other_are_refused(shorter, longer):
+    with pytest.raises(errors.InvalidArgumentError,
+                       match=rf"{shorter} = 3.0 is longer than {longer} = 2.0.*"
+                             rf"Give {shorter} <= {longer}"):
+        ReadTimings(**{shorter: 3.0, longer: 2.0})
 
 
 def test_the_reader_keeps_no_timing_of_its_own():

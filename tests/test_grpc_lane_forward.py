@@ -58,15 +58,19 @@ def test_a_kept_forwarding_route_follows_the_task_to_its_new_address():
                                    job_name="w", task_index=1, config=config)
         here = first.target.split("://")[1]
         first.update_cluster({"w": [here, owner.target.split("://")[1]]})
-        session = clusterwire.Session(first.target)
-        clusterwire.Session(owner.target).put("x", np.array([1]))
-        for _ in range(2):  # the second one takes the kept route
-            np.testing.assert_array_equal(session.get("x", task="/job:w/task:1"), [1])
-        moved = clusterwire.Server({"w": [here, "127.0.0.1:0"]}, job_name="w", task_index=1,
-                                   config=config)
-        clusterwire.Session(moved.target).put("x", np.array([2]))
-        first.update_cluster({"w": [here, moved.target.split("://")[1]]})
-        np.testing.assert_array_equal(session.get("x", task="/job:w/task:1"), [2])
+        with clusterwire.Session(first.target) as session:
+            with clusterwire.Session(owner.target) as to_owner:
+                to_owner.put("x", np.array([1]))
+            for _ in range(2):  # the second one takes the kept route
+                np.testing.assert_array_equal(session.get("x", task="/job:w/task:1"), [1])
+            view, routes = first._service._routes
+            assert view is first._service.membership.view and len(routes) == 1
+            moved = clusterwire.Server({"w": [here, "127.0.0.1:0"]}, job_name="w",
+                                       task_index=1, config=config)
+            with clusterwire.Session(moved.target) as to_moved:
+                to_moved.put("x", np.array([2]))
+            first.update_cluster({"w": [here, moved.target.split("://")[1]]})
+            np.testing.assert_array_equal(session.get("x", task="/job:w/task:1"), [2])
     finally:
         for server in (moved, owner, first):
             if server is not None:

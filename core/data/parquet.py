@@ -213,9 +213,14 @@ def _native(file: Any) -> Any:
         return file
     pa, _ = _pyarrow()
     try:
-        return pa.OSFile(os.dup(file.fileno()))  # owns (and closes) the duplicate
+        duplicate = os.dup(file.fileno())
     finally:
         file.close()
+    try:
+        return pa.OSFile(duplicate)  # owns (and closes) the duplicate from here on
+    except BaseException:
+        os.close(duplicate)
+        raise
 
 
 def _values(array: Any, per_row: bool) -> Any:

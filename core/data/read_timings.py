@@ -9,6 +9,7 @@ dispatcher, and how often it asks again. Each field's metadata says what it time
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from clusterwire.errors import InvalidArgumentError
@@ -55,11 +56,17 @@ class ReadTimings:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not value > 0:
+                    or not 0 < value < math.inf:
                 raise InvalidArgumentError(
-                    f"Read timing {field.name} = {value!r} must be a positive number of "
-                    f"seconds (default {field.default!r}). Give e.g. "
+                    f"Read timing {field.name} = {value!r} must be a positive, finite number "
+                    f"of seconds (default {field.default!r}). Give e.g. "
                     f"{field.name}={field.default!r}.")
+        for shorter, longer in (("read_wait_s", "read_timeout_s"), ("retry_s", "retry_max_s")):
+            if getattr(self, shorter) > getattr(self, longer):
+                raise InvalidArgumentError(
+                    f"Read timing {shorter} = {getattr(self, shorter)!r} is longer than "
+                    f"{longer} = {getattr(self, longer)!r}: a held read would time out, or the "
+                    f"backoff would start past its cap. Give {shorter} <= {longer}.")
 
     def backoff(self, delay: float) -> float:
         """The backoff after ``delay``: doubled, at most ``retry_max_s``."""

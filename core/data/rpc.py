@@ -174,6 +174,12 @@ class DispatcherClient:
         self._client.close()
 
 
+#: Channels a consumer keeps open to workers, per protocol: it reads from every worker of
+#: its job in turn, so fewer than the job's workers would close and reopen them on every
+#: round (least recently used closed first beyond this).
+WORKER_CHANNELS = 4096
+
+
 class WorkerChannels:
     """Element reads and stream releases to workers, through the core ``RequestClient``
     (one per protocol: a worker may serve its elements over a data-transfer protocol of its
@@ -201,7 +207,7 @@ class WorkerChannels:
                 if client is None:
                     client = self._clients[protocol] = RequestClient(
                         protocol, security=self._security, in_process=False,
-                        peer="tf.data service worker")
+                        peer="tf.data service worker", max_channels=WORKER_CHANNELS)
         return client
 
     def call(self, protocol: str, address: str, request: DataRequest,
