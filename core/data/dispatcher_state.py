@@ -130,7 +130,9 @@ class Job:
     splits_completed: int = 0
 
     def saw(self, consumer: str, now: float) -> None:
-        """``consumer`` was heard from at ``now`` (the latest time yet)."""
+        """``consumer`` was heard from at ``now``: the latest time yet (its callers pass
+        ``time.monotonic()`` under the state's lock), so ``consumers`` stays in the order of
+        last hearing, which expiring the silent ones relies on."""
         self.consumers[consumer] = now
         self.consumers.move_to_end(consumer)
 

@@ -27,16 +27,10 @@ from clusterwire.data.ops.formats import (
     TFRecordRead,
     names_array,
 )
-from clusterwire.data.pipeline import Pipeline
+from clusterwire.data.pipeline import Pipeline, pipeline_of
 from clusterwire.data.splits import record_blocks
 from clusterwire.data.tfrecord import index_path, read_index
 from clusterwire.errors import FailedPreconditionError, InvalidArgumentError
-
-
-def _names_pipeline(filenames: Any) -> Pipeline | None:
-    """The pipeline of ``filenames`` if it is a Dataset (of names), else None."""
-    pipe = getattr(filenames, "pipeline", None)
-    return pipe if isinstance(pipe, Pipeline) else None
 
 
 def tfrecords(filenames: Any, compression_type: str | None, buffer_size: int | None,
@@ -47,7 +41,7 @@ def tfrecords(filenames: Any, compression_type: str | None, buffer_size: int | N
         return _indexed(filenames, compression_type, buffer_size, num_parallel_reads,
                         index_filenames, block_bytes)
     read = TFRecordRead(compression_type, buffer_size, num_parallel_reads)
-    names = _names_pipeline(filenames)
+    names = pipeline_of(filenames)
     if names is not None:
         return Pipeline(names.source, (*names.ops, read))
     return Pipeline(FileNamesSource(names_array(filenames, "TFRecordDataset")), (read,))
@@ -56,7 +50,7 @@ def tfrecords(filenames: Any, compression_type: str | None, buffer_size: int | N
 def _indexed(filenames: Any, compression_type: str | None, buffer_size: int | None,
              num_parallel_reads: int | None, index_filenames: Any, block_bytes: int
              ) -> Pipeline:
-    if _names_pipeline(filenames) is not None or compression_type:
+    if pipeline_of(filenames) is not None or compression_type:
         raise InvalidArgumentError(
             "TFRecordDataset(index_filenames=...) reads uncompressed files named in a list: "
             "give a list of names and compression_type=None (got "

@@ -572,6 +572,13 @@ class Pipeline:
         return self.factory(source, ops)()
 
 
+def pipeline_of(value: Any) -> Pipeline | None:
+    """The pipeline of a clusterwire ``Dataset`` (what holds a Pipeline at ``.pipeline``:
+    the modules below ``dataset`` take Datasets without importing it), else None."""
+    pipe = getattr(value, "pipeline", None)
+    return pipe if isinstance(pipe, Pipeline) else None
+
+
 @dataclass(frozen=True)
 class SplitPlan:
     """How a pipeline is split: units per epoch, epochs (-1 forever), ops run per split."""

@@ -88,6 +88,7 @@ from clusterwire.data.pipeline import (
     _stack,
     call,
     normalize,
+    pipeline_of,
 )
 from clusterwire.errors import InvalidArgumentError
 
@@ -678,8 +679,8 @@ def replay(dataset: Any, ids: Iterable[Any]) -> list[tuple[Any, Any]]:
     same way. InvalidArgumentError for an id not in the epoch (outside the source, left out
     by a ``filter``), an id where the dataset yields batches (or a list where it does not),
     or a pipeline whose elements cannot be made again from their ids alone."""
-    pipe = getattr(dataset, "pipeline", None)  # a Dataset's (the Dataset module imports this)
-    if not isinstance(pipe, Pipeline):
+    pipe = pipeline_of(dataset)
+    if pipe is None:
         raise InvalidArgumentError(
             f"replay takes the clusterwire.data.Dataset the ids came from, got "
             f"{type(dataset).__name__}.")

@@ -26,6 +26,7 @@ from clusterwire.data.pipeline import (
     _map_structure,
     call,
     parallelism,
+    pipeline_of,
 )
 from clusterwire.errors import InvalidArgumentError
 
@@ -60,8 +61,8 @@ def default_cycle_length() -> int:
 def returned_pipeline(fn: Callable[..., Any], result: Any, guard: Guard | None,
                       what: str) -> Pipeline:
     """The pipeline of the Dataset ``fn`` returned (checked by ``guard`` on a worker)."""
-    pipe = getattr(result, "pipeline", None)
-    if not isinstance(pipe, Pipeline):
+    pipe = pipeline_of(result)
+    if pipe is None:
         raise InvalidArgumentError(
             f"`{what}` must return a clusterwire.data.Dataset; {getattr(fn, '__qualname__', fn)}"
             f" returned {type(result).__name__}. Wrap the values in Dataset.from_tensors(...) "
