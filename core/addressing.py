@@ -50,6 +50,29 @@ def split_host_port(address: str) -> tuple[str, int]:
     return host, int(port_text)
 
 
+_HOST_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def check_dialable(address: str) -> None:
+    """InvalidArgumentError unless ``address`` is ``host:port`` with a host that a name
+    service could resolve or that is an IP address: a name of letters, digits, ``.``,
+    ``-`` and ``_``, an IPv4 address, or ``[ipv6]``. Such an address never becomes
+    reachable, so it is refused at once instead of retried until a deadline."""
+    host, _ = split_host_port(address)
+    if address.startswith("["):
+        try:
+            ipaddress.IPv6Address(host)
+            return
+        except ValueError:
+            pass
+    elif _HOST_NAME.fullmatch(host):
+        return
+    raise InvalidArgumentError(
+        f"Address {address!r} has a host, {host!r}, that no name service resolves: a host "
+        "is a name of letters, digits, '.', '-' and '_', an IPv4 address, or '[ipv6]'. Fix "
+        "the address in the target or the cluster spec.")
+
+
 def join_host_port(host: str, port: int) -> str:
     """The inverse of split_host_port (brackets an IPv6 host)."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -18,7 +18,7 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from clusterwire import codec, errors, in_process
+from clusterwire import addressing, codec, errors, in_process
 from clusterwire.durations import format_duration
 from clusterwire.plugins import get_plugin_manager
 from clusterwire.protos.service_pb2 import Request, Response
@@ -172,6 +172,7 @@ class RequestClient:
                 raise errors.CancelledError("This client was closed.")
             pooled = self._channels.get(address)
             if pooled is None:
+                addressing.check_dialable(address)
                 pooled = self._channels[address] = _Pooled(
                     self._transport.connect(address, self.security))
                 while len(self._channels) > self._max_channels:

@@ -40,6 +40,10 @@ SHOWN = (r"\x1b]0;pwned\x07\x1b[2J\x1b]8;;evil.example/x\x07link\x1b]8;;\x07"
          r"[/pwned][bold]x\u202eevil\u202c\x00\x9b31m\x7f")
 
 
+#: The error of an address whose host is HOSTILE (no host at all), as printed.
+REFUSED = f"InvalidArgumentError: Address '{SHOWN}:1' has a host"
+
+
 def raw_controls(data: bytes) -> set[str]:
     """What in ``data`` (UTF-8, strictly) a terminal would act on or render deceptively:
     every character ``str.isprintable()`` refuses, but the newline."""
@@ -140,13 +144,13 @@ def test_top_once_shows_a_hostile_task_escaped(tmp_path):
     with hostile_server("task", tmp_path) as address:
         result = clusterwire("top", f"grpc://{address}", "--once", "--interval", "0.2",
                              "--timeout", "5")
-    assert result.returncode == 1, result.stderr  # task 1's host does not resolve
+    assert result.returncode == 1, result.stderr  # task 1's host is not a host
     assert raw_controls(result.stdout) == raw_controls(result.stderr) == set()
     out = result.stdout.decode()
     # The names and addresses as cells (cut to 128 characters), the errors whole.
     assert f"/job:{SHOWN[:100]}" in out
     assert f"/job:worker/task:2: {SHOWN}" in out  # the UNAVAILABLE message of a task
-    assert f"/job:worker/task:1: UnavailableError: Task at {SHOWN}:1 (grpc)" in out
+    assert f"/job:worker/task:1: {REFUSED}" in out
     assert "[/pwned][bold]x" in out  # markup shown, not applied and not a MarkupError
     assert f"/job:{SHOWN}/task:7" in out  # an unreachable peer
     assert len(out) < 100_000
@@ -175,7 +179,8 @@ def test_top_once_shows_a_hostile_dispatcher_escaped(tmp_path):
     assert jobs["[/pwned]"][0] == "2" and jobs["[bold]x"][0] == "3"
     assert jobs[SHOWN][2] == SHOWN  # name and processing mode
     assert any(name.startswith("HHHH") and name.endswith("characters)") for name in jobs)
-    assert f"{SHOWN}:1: UnavailableError:" in out  # the worker's address and its error
+    # The worker's address and its error (which wraps in the dispatcher's view).
+    assert f"{SHOWN}:1: InvalidArgumentError: Address" in out
     assert f": UnavailableError: {SHOWN}" in out  # the failing worker's message
     # The reply does not choose the transport top uses.
     assert (f"{PREFIXED}: not asked: listed with a protocol prefix; top asks the workers "
@@ -271,18 +276,17 @@ def test_the_cli_error_line_carries_a_peers_message_escaped(tmp_path):
     assert result.stderr.decode() == f"clusterwire status: InternalError: {SHOWN}\n"
 
 
-def test_a_log_line_of_the_cli_is_escaped():
-    """The client's retry warning names the address and the resolver's error; the host is
-    HOSTILE (but NUL, which an argument cannot hold)."""
+def test_a_hostile_host_is_refused_at_once_and_escaped():
+    """A target whose host is HOSTILE (but NUL, which an argument cannot hold) is no host: it
+    is refused before any connection or retry (no retry warning), its error escaped."""
     host = HOSTILE.replace("\x00", "")
     shown = printable(host)
-    result = clusterwire("status", f"grpc://{host}:1", "--timeout", "3")
+    result = clusterwire("status", f"grpc://{host}:1", "--timeout", "30")
     assert result.returncode == 1
     assert raw_controls(result.stderr) == set()
     lines = result.stderr.decode().splitlines()
-    assert lines[0].startswith(f"clusterwire: the task at {shown}:1 (grpc) is unreachable ("
-                               f"errors resolving {shown}")
-    assert lines[-1].startswith(f"clusterwire status: UnavailableError: Task at {shown}:1")
+    assert len(lines) == 1 and lines[0].startswith(
+        f"clusterwire status: InvalidArgumentError: Address '{shown}:1' has a host"), lines
 
 
 def test_plugins_escapes_a_hostile_distribution(tmp_path):
@@ -318,8 +322,8 @@ def test_live_top_of_a_hostile_task_in_a_terminal(tmp_path):
             tmux("new-session", "-d", "-s", "top", "-x", "250", "-y", "50", command)
             tmux("set-option", "-t", "top", "-w", "remain-on-exit", "on")
             tmux("pipe-pane", "-t", "top", f"cat >> {log}")
-            # Task 1's host does not resolve: its error, whole, is below the table.
-            error = f"/job:worker/task:1: UnavailableError: Task at {SHOWN}:1"
+            # Task 1's host is not a host: its error, whole, is below the table.
+            error = f"/job:worker/task:1: {REFUSED}"
             screen = wait_for_screen(tmux, lambda s: error[:200] in s.replace("\n", ""),
                                      "the hostile task's rows and errors", timeout=30)
             assert "[/pwned][bold]x" in screen
