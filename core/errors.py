@@ -35,11 +35,17 @@ CODE_NAMES: dict[int, str] = {code: name for name, code in dict(globals()).items
 
 
 class OpError(Exception):
-    """The base of every clusterwire error; ``error_code`` is a tf.errors code."""
+    """The base of every clusterwire error; ``error_code`` is a tf.errors code.
+
+    ``retry_later``: the server refused the request only because a table of its is full
+    now (nothing of the request was done), so the same request may succeed later; carried
+    over the wire as the status's ``retry_later``, so callers decide by it, never by text.
+    """
 
     error_code: int = UNKNOWN
 
-    def __init__(self, *args: Any, message: Any = None, error_code: int | None = None):
+    def __init__(self, *args: Any, message: Any = None, error_code: int | None = None,
+                 retry_later: bool = False):
         if message is not None and not args:  # as torch's DataLoader re-raises a worker's error
             args = (message,)
         if len(args) == 1:
@@ -56,6 +62,7 @@ class OpError(Exception):
         self._message = str(message)
         if error_code is not None:
             self.error_code = int(error_code)
+        self.retry_later = bool(retry_later)
 
     @property
     def message(self) -> str:
@@ -76,7 +83,7 @@ class OpError(Exception):
         return self._message
 
     def __reduce__(self):
-        return (error_from_code, (self.error_code, self._message))
+        return (error_from_code, (self.error_code, self._message, self.retry_later))
 
 
 class CancelledError(OpError):
@@ -214,6 +221,6 @@ def error_code_from_exception_type(cls: type[OpError]) -> int:
     return cls.error_code
 
 
-def error_from_code(error_code: int, message: str) -> OpError:
+def error_from_code(error_code: int, message: str, retry_later: bool = False) -> OpError:
     """An error instance of the class that matches ``error_code``."""
-    return exception_type_from_error_code(error_code)(message)
+    return exception_type_from_error_code(error_code)(message, retry_later=retry_later)

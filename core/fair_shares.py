@@ -121,15 +121,16 @@ class FairShares(Generic[K]):
             choose(own)
         return list(chosen)
 
-    def refusal(self, table: str, limit: str, peer: str, size: int, advice: str
-                ) -> errors.ResourceExhaustedError:
-        """The error refusing a new entry of ``size`` from ``peer`` (the rule chose none)."""
+    def refusal(self, table: str, limit: str, peer: str, size: int, advice: str,
+                retry_later: bool = False) -> errors.ResourceExhaustedError:
+        """The error refusing a new entry of ``size`` from ``peer`` (the rule chose none);
+        ``retry_later`` where the table's entries end by themselves (``OpError``)."""
         biggest, most = self.biggest()
         return errors.ResourceExhaustedError(
             f"{table} is full ({limit}), and {peer_name(peer)} holds {self.held(peer)} of it "
             f"(with {size} more, as much as the peer holding the most, {peer_name(biggest)}, "
             f"holds: {most}): a full table is shared fairly between peers, and a new entry "
-            f"displaces only one of a peer holding more. {advice}")
+            f"displaces only one of a peer holding more. {advice}", retry_later=retry_later)
 
     def displacement(self, what: str, table: str, limit: str, entry: K, peer: str) -> str:
         """Why ``entry`` (``what``) goes to make room for ``peer``'s (call before discarding

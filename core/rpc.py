@@ -54,7 +54,7 @@ def raise_for_status(response: Response) -> None:
     if status.remote_type:
         raise errors.RemoteFunctionError(status.message, status.remote_type,
                                          status.remote_traceback)
-    raise errors.error_from_code(status.code, status.message)
+    raise errors.error_from_code(status.code, status.message, status.retry_later)
 
 
 def parse_response(frame: Frame) -> Response:

@@ -65,6 +65,7 @@ def error_response(err: errors.OpError, send_traceback: bool = False) -> Frame:
         if send_traceback:
             response.status.remote_traceback = err.remote_traceback
     response.status.code, response.status.message = err.error_code, err.message
+    response.status.retry_later = err.retry_later
     return Frame(response.SerializeToString(), [])
 
 

@@ -54,3 +54,18 @@ def test_errors_pickle_with_their_class_and_message():
     again = pickle.loads(pickle.dumps(remote))
     assert (again.remote_type, again.remote_traceback) == ("builtins.ValueError", "Traceback ...")
     assert isinstance(again, errors.UnknownError)
+
+
+@pytest.mark.parametrize("retry_later", [False, True])
+def test_retry_later_crosses_the_wire_and_pickles(retry_later):
+    """A refusal for now is told by the status's retry_later flag, not by its text."""
+    from clusterwire.rpc import parse_response, raise_for_status
+    from clusterwire.shell import error_response
+
+    sent = errors.ResourceExhaustedError("over its stream limits", retry_later=retry_later)
+    with pytest.raises(errors.ResourceExhaustedError) as caught:
+        raise_for_status(parse_response(error_response(sent)))
+    assert caught.value.retry_later is retry_later
+    assert caught.value.message == "over its stream limits"
+    assert pickle.loads(pickle.dumps(sent)).retry_later is retry_later
+    assert errors.ResourceExhaustedError("full").retry_later is False

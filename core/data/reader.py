@@ -81,7 +81,6 @@ from clusterwire.data.modes import STATIC_POLICIES, ShardingPolicy, mode_name
 from clusterwire.data.position import JobPosition, Offset, Position, group_of
 from clusterwire.data.read_timings import ReadTimings
 from clusterwire.data.rpc import DispatcherClient, WorkerChannels
-from clusterwire.data.streams import OVER_LIMITS
 from clusterwire.metrics import REGISTRY, catalog
 from clusterwire.metrics.registry import ENABLED, Histogram, Sample
 from clusterwire.protos.data_service_pb2 import (
@@ -828,7 +827,7 @@ class JobReader(Iterator[Any]):
             try:
                 return self._channels.call(*endpoint, request, times.read_timeout_s)
             except errors.ResourceExhaustedError as err:
-                if OVER_LIMITS not in err.message:
+                if not err.retry_later:  # over its stream limits: others' streams end
                     raise
                 deadline = deadline or time.monotonic() + times.busy_s
                 if time.monotonic() + delay > deadline:

@@ -40,9 +40,6 @@ from clusterwire.thread_pool import parked
 # it), whatever its readers ask; a worker's streams, limits.max_open_streams times that.
 # (ServiceLimits stream_buffer_bytes and stream_buffer_elements.)
 _DEFAULTS = ServiceLimits()
-#: In a worker's ResourceExhaustedError when it cannot open another stream now; a consumer
-#: seeing it retries with backoff (other consumers' streams end or are released).
-OVER_LIMITS = "over its stream limits"
 #: A stream skipping a resumed position's elements pauses when no reader asked for this long
 #: (a reader waiting for its first element asks again every read's wait, about a second).
 READER_GONE_S = 5.0

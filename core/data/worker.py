@@ -65,7 +65,7 @@ from clusterwire.data.pipeline import Pipeline, split_plan
 from clusterwire.data.position import check_stream_offset
 from clusterwire.data.rpc import DispatcherClient, serve
 from clusterwire.data.splits import file_shard
-from clusterwire.data.streams import OVER_LIMITS, Stream
+from clusterwire.data.streams import Stream
 from clusterwire.fair_shares import Displaced, FairShares
 from clusterwire.metrics import REGISTRY, catalog
 from clusterwire.metrics.registry import ENABLED, Sample
@@ -97,6 +97,8 @@ _IDLE_SHARED = (
     "read. Its consumers cannot continue it (starting it again would hand out its elements a "
     "second time): start a new iteration.")
 _MAX_READ_BYTES = 8 << 20  # a read's batch when it names no max_bytes
+#: Why a stream was refused for now (its ResourceExhaustedError has ``retry_later``).
+_OVER_LIMITS = "over its stream limits"
 _FIRST_REGISTRATION_S = 5.0
 _STOP_CHECK_S = 1.0  # how often wait_registered looks whether the worker was stopped
 
@@ -602,11 +604,11 @@ class WorkerServer(MonitoredServer):
         taken = shares.make_room(peer, need - len(room), unused=abandoned)
         if taken is None:
             raise shares.refusal(
-                f"This tf.data service worker is {OVER_LIMITS}: its table of cross-trainer "
+                f"This tf.data service worker is {_OVER_LIMITS}: its table of cross-trainer "
                 "caches", limit, peer, 1,
                 f"A job nobody reads for {idle_s:g} s (limits idle_cache_s) gives its slot "
                 f"up. Retry later (reading job {job_id}), share a job_name between the "
-                "trainers, or add workers.")
+                "trainers, or add workers.", retry_later=True)
         return room + [(k, None if k in abandoned else shares.displacement(
             f"The cross-trainer cache of job {k[0]}", "this tf.data service worker's "
             "table of cross-trainer caches", limit, k, peer)) for k in taken]
@@ -660,10 +662,10 @@ class WorkerServer(MonitoredServer):
         per_consumer, most = self._quotas.max_streams_per_consumer, self._quotas.max_open_streams
         if mine >= per_consumer:
             raise errors.ResourceExhaustedError(
-                f"This tf.data service worker is {OVER_LIMITS}: it runs {len(running)} "
+                f"This tf.data service worker is {_OVER_LIMITS}: it runs {len(running)} "
                 f"streams, {mine} of them for this consumer (reading job {spec.job_id}); its "
                 f"limit is {per_consumer} a consumer (limits max_streams_per_consumer). Retry "
-                "later or add workers.")
+                "later or add workers.", retry_later=True)
         evicted: list[tuple] = []
         now = time.monotonic()
         limit = f"{most} streams, limits max_open_streams"
@@ -677,9 +679,9 @@ class WorkerServer(MonitoredServer):
                                     unused=abandoned)
             if room is None:
                 raise shares.refusal(
-                    f"This tf.data service worker is {OVER_LIMITS}: its stream table",
+                    f"This tf.data service worker is {_OVER_LIMITS}: its stream table",
                     limit, peer, 1,
-                    f"Retry later (reading job {spec.job_id}), or add workers.")
+                    f"Retry later (reading job {spec.job_id}), or add workers.", retry_later=True)
             evicted = room
             for k in evicted:
                 if k not in abandoned:  # its readers are told at their next read
