@@ -7,6 +7,11 @@ Run from the repository root::
     python bench/bench_scale.py --quick          # n = 4, 16; a smoke run (under a minute)
     python bench/bench_scale.py --tasks 4,8,32 --json scale.json
     python bench/bench_scale.py --tasks 64,256 --barrier-only   # cluster-up and barrier only
+    nice -n 19 python bench/bench_scale.py --hosts 16 --tasks 1024 --json   # as root
+
+``--hosts H`` runs one job over H emulated hosts with SWIM membership instead (start-up,
+idle cost, barrier, false downs beside CPU hogs, a killed host's detection): see
+bench/_scale_hosts.py, which runs it. What follows is the one-host mode.
 
 For every n of ``--tasks`` (one job "worker" of n tasks, each its own process on 127.0.0.1,
 grpc) it measures:
@@ -751,9 +756,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="smoke run: n = 4, 16, 2 start-ups, fewer rounds, less data")
     parser.add_argument("--repeats", type=int, help="cluster start-ups per n (default 3; "
                         "--quick 2)")
-    parser.add_argument("--barrier-rounds", type=int, help="default 20 (--quick 10)")
-    parser.add_argument("--barrier-timeout", type=float, default=10.0,
-                        help="seconds a barrier arrival waits (default 10)")
+    parser.add_argument("--barrier-rounds", type=int,
+                        help="default 20 (--quick 10; --hosts 10)")
+    parser.add_argument("--barrier-timeout", type=float,
+                        help="seconds a barrier arrival waits (default 10; --hosts 60)")
     parser.add_argument("--barrier-only", action="store_true",
                         help="measure cluster-up and the barrier only; one JSON line per n")
     parser.add_argument("--client-timeout", type=float, default=5.0,
@@ -761,8 +767,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--status-rounds", type=int, help="default 10 (--quick 5)")
     parser.add_argument("--status-threads", type=int, default=16,
                         help="threads of the concurrent status fan-out (at most n)")
-    parser.add_argument("--idle-seconds", type=float, default=1.0,
-                        help="idle time before the memory is read")
+    parser.add_argument("--idle-seconds", type=float,
+                        help="idle time before the memory is read (default 1; --hosts: "
+                        "the idle CPU window, default 20)")
+    hosts = parser.add_argument_group("emulated hosts (as root; bench/_scale_hosts.py)")
+    hosts.add_argument("--hosts", type=int,
+                       help="spread one job with SWIM over this many emulated hosts "
+                       "(default n: 1024)")
+    hosts.add_argument("--probe-interval", type=float, default=1.0,
+                       help="SWIM's round, membership_heartbeat_seconds (default 1)")
+    hosts.add_argument("--settle", type=float, default=10.0,
+                       help="seconds after start-up before the idle window (default 10)")
+    hosts.add_argument("--false-down-seconds", type=float, default=60.0,
+                       help="seconds beside two CPU hogs, counting false downs (default 60)")
+    hosts.add_argument("--down-timeout", type=float, default=120.0,
+                       help="seconds a killed host's tasks may take to be down everywhere")
+    hosts.add_argument("--status-timeout", type=float, default=30.0,
+                       help="the client's status() deadline (default 30)")
+    hosts.add_argument("--run-timeout", type=float, default=3600.0,
+                       help="seconds one task count's run may take, then it is ended and "
+                       "cleaned up (default 3600)")
     parser.add_argument("--data-workers", type=int, default=8)
     parser.add_argument("--data-consumers", type=int, default=8)
     parser.add_argument("--data-elements", type=int,
@@ -773,10 +797,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-data", dest="data", action="store_false",
                         help="skip the data-service section")
     parser.add_argument("--output", help="report path (default bench/results/scale-<time>.md)")
-    parser.add_argument("--json", help="also write every sample to this JSON file")
+    parser.add_argument("--json", nargs="?", const=True,
+                        help="also write every sample to this JSON file; with --hosts, "
+                        "print one JSON line a task count (and append it to the file)")
     args = parser.parse_args(argv)
     if args.role == "consumer":
         return consumer_main(args)
+    if args.hosts is not None:
+        return hosts_main(args)
+    if args.json is True:
+        parser.error("--json takes a file name (a bare --json is for --hosts)")
+    args.idle_seconds = 1.0 if args.idle_seconds is None else args.idle_seconds
+    args.barrier_timeout = args.barrier_timeout or 10.0
     quick = args.quick
     args.tasks = args.tasks or ([4, 16] if quick else [4, 16, 64])
     args.repeats = args.repeats or (2 if quick else 3)
@@ -818,6 +850,22 @@ def main(argv: list[str] | None = None) -> int:
                       indent=1)
         step(f"samples written to {args.json}")
     return 0
+
+
+def hosts_main(args: argparse.Namespace) -> int:
+    """``--hosts``: bench/_scale_hosts.py with this mode's defaults."""
+    import _scale_hosts
+
+    args.tasks = args.tasks or [1024]
+    args.idle_seconds = 20.0 if args.idle_seconds is None else args.idle_seconds
+    args.barrier_rounds = args.barrier_rounds or 10
+    args.barrier_timeout = args.barrier_timeout or 60.0
+    started = time.perf_counter()
+
+    def step(text: str) -> None:
+        print(f"[{time.perf_counter() - started:6.1f} s] {text}", file=sys.stderr, flush=True)
+
+    return _scale_hosts.main(args, step)
 
 
 if __name__ == "__main__":
