@@ -8,21 +8,33 @@ the dispatcher's state says.
 * A consumer's request looks at the consumers timed out first (least recently heard from
   first): a consumer heard from again is not expired with those that went silent, even if
   it joined before them, and a silent one's split goes to the next consumer asking.
+* The worker list is versioned: a consumer's heartbeat that names the version it holds is
+  answered without the list (a few bytes, whatever the number of workers); a worker that
+  joins, changes or leaves gives a new version, which reaches every consumer of every job
+  with the new list; a heartbeat that names no version (a consumer from before versions) or
+  one this dispatcher never gave (one before a restart) gets the whole list. A real reader
+  sends its version and keeps its list while the replies carry none.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+import time
+
 import pytest
-from conftest import wait_for
+from conftest import in_process_data_service, wait_for
 
 from clusterwire import data
 from clusterwire.data import dispatcher as dispatcher_module
-from clusterwire.data import worker_auth
+from clusterwire.data import heartbeat_replies, reader, worker_auth
 from clusterwire.data.modes import ShardingPolicy
 from clusterwire.data.rpc import DispatcherClient
 from clusterwire.protos.data_service_pb2 import (
     ClientHeartbeatRequest,
+    ClientHeartbeatResponse,
     DataRequest,
+    DataResponse,
     GetOrCreateJobRequest,
     GetSplitRequest,
     WorkerHeartbeatRequest,
@@ -55,18 +67,26 @@ def _beat(client: DispatcherClient, index: int, transfer: str = "") -> None:
         worker_token=worker_auth.local_token(client.address))))
 
 
-def _job(client: DispatcherClient, policy: ShardingPolicy, consumer: str) -> int:
+def _job(client: DispatcherClient, policy: ShardingPolicy, consumer: str,
+         key: str = "scale/0") -> int:
     dataset_id = data.register_dataset(f"grpc://{client.address}", data.Dataset.range(1000))
     response, _ = client.call(DataRequest(get_or_create_job=GetOrCreateJobRequest(
-        dataset_id=dataset_id, sharding_policy=int(policy), job_key="scale/0", named=True,
+        dataset_id=dataset_id, sharding_policy=int(policy), job_key=key, named=True,
         consumer_id=consumer)))
     return response.job.job_id
 
 
-def _listed(client: DispatcherClient, job_id: int, consumer: str = "c") -> list[WorkerInfo]:
+def _heartbeat(client: DispatcherClient, job_id: int, consumer: str = "c",
+               version: int = 0) -> ClientHeartbeatResponse:
+    """The reply to a heartbeat holding the list of ``version`` (0: none, as a consumer from
+    before versions sends)."""
     response, _ = client.call(DataRequest(client_heartbeat=ClientHeartbeatRequest(
-        job_id=job_id, consumer_id=consumer)))
-    return list(response.client_heartbeat.workers)
+        job_id=job_id, consumer_id=consumer, workers_version=version)))
+    return response.client_heartbeat
+
+
+def _listed(client: DispatcherClient, job_id: int, consumer: str = "c") -> list[WorkerInfo]:
+    return list(_heartbeat(client, job_id, consumer).workers)
 
 
 def test_a_heartbeat_lists_the_live_workers_as_they_come_change_and_go(dispatcher):
@@ -132,3 +152,158 @@ def test_a_consumer_heard_from_again_keeps_its_split_a_silent_one_loses_it(monke
     finally:
         client.close()
         server.stop()
+
+
+def test_a_steady_consumers_heartbeat_carries_no_worker_list(dispatcher):
+    _, client = dispatcher
+    for index in range(WORKERS):
+        _beat(client, index)
+    for policy in (ShardingPolicy.OFF, ShardingPolicy.DYNAMIC):
+        job_id = _job(client, policy, "c", key=f"steady-{int(policy)}/0")
+        first = _heartbeat(client, job_id)  # no version held: the list
+        assert len(first.workers) == WORKERS and first.workers_version != 0
+        for _ in range(3):
+            steady = _heartbeat(client, job_id, version=first.workers_version)
+            assert list(steady.workers) == [] and not steady.job_finished
+            assert steady.workers_version == first.workers_version
+            # O(1): the version and the flags, against the whole list's bytes.
+            assert steady.ByteSize() <= 16 < first.ByteSize() // 64, (steady.ByteSize(),
+                                                                     first.ByteSize())
+        # A consumer from before versions sends none: it gets the whole list, every time.
+        for _ in range(2):
+            old = _heartbeat(client, job_id, "old")
+            assert [w.address for w in old.workers] == [w.address for w in first.workers]
+        # A version this dispatcher never gave (held from one before a restart): the list.
+        other = _heartbeat(client, job_id, version=first.workers_version + 1)
+        assert len(other.workers) == WORKERS
+        assert other.workers_version == first.workers_version
+
+
+def test_a_worker_joining_changing_or_leaving_reaches_every_consumer(dispatcher):
+    _, client = dispatcher
+    for index in range(WORKERS):
+        _beat(client, index)
+    jobs = {_job(client, policy, "c0", key=f"many-{int(policy)}/0")
+            for policy in (ShardingPolicy.OFF, ShardingPolicy.DYNAMIC)}
+    consumers = [(job_id, f"c{i}") for job_id in jobs for i in range(3)]
+    held = {c: (0, []) for c in consumers}  # consumer -> (version, list), as a reader keeps
+
+    def beat_all() -> set[int]:
+        """Every consumer's heartbeat; the versions that brought a new list."""
+        new = set()
+        for job_id, consumer in consumers:
+            version, workers = held[job_id, consumer]
+            reply = _heartbeat(client, job_id, consumer, version)
+            if reply.workers_version != version:
+                new.add(reply.workers_version)
+                held[job_id, consumer] = reply.workers_version, list(reply.workers)
+            else:
+                assert list(reply.workers) == []
+        return new
+
+    def addresses() -> set[tuple[str, ...]]:
+        return {tuple(w.address for w in workers) for _, workers in held.values()}
+
+    names = tuple(f"light-{i:04d}:1" for i in range(WORKERS))
+    assert len(beat_all()) == len(jobs) and addresses() == {names}
+    assert beat_all() == set()  # steady: nothing new
+    before = {version for version, _ in held.values()}
+
+    _beat(client, WORKERS)  # joins
+    assert len(beat_all()) == len(jobs)
+    assert {version for version, _ in held.values()}.isdisjoint(before)
+    assert addresses() == {(*names, f"light-{WORKERS:04d}:1")}
+    assert beat_all() == set()
+
+    _beat(client, 7, transfer="light-0007:2")  # changes its WorkerInfo
+    assert len(beat_all()) == len(jobs)
+    assert {workers[7].transfer_address for _, workers in held.values()} == {"light-0007:2"}
+
+    def silent_one_gone_everywhere() -> bool:
+        for index in range(1, WORKERS + 1):  # all but worker 0 keep beating
+            _beat(client, index, transfer="light-0007:2" if index == 7 else "")
+        beat_all()
+        return addresses() == {(*names[1:], f"light-{WORKERS:04d}:1")}
+    wait_for(silent_one_gone_everywhere, timeout=30, what="the silent worker dropped")
+    assert beat_all() == set()
+
+    _beat(client, 0)  # back from the dead
+    assert len(beat_all()) == len(jobs)
+    assert addresses() == {(*names, f"light-{WORKERS:04d}:1")}
+
+
+def test_a_restarted_dispatcher_sends_the_list_for_a_version_of_the_one_before(tmp_path):
+    config = data.DispatcherConfig(bind_address="127.0.0.1", work_dir=str(tmp_path),
+                                   fault_tolerant_mode=True)
+    server = data.DispatchServer(config)
+    client = DispatcherClient("grpc", server.target.split("://")[1], 10.0, load_security({}))
+    try:
+        _beat(client, 0)
+        job_id = _job(client, ShardingPolicy.OFF, "c")
+        version = _heartbeat(client, job_id).workers_version
+        assert list(_heartbeat(client, job_id, version=version).workers) == []
+    finally:
+        client.close()
+        server.stop()
+    server = data.DispatchServer(config)  # replays the journal: the same job and worker
+    client = DispatcherClient("grpc", server.target.split("://")[1], 10.0, load_security({}))
+    try:
+        reply = _heartbeat(client, job_id, version=version)
+        assert [w.address for w in reply.workers] == ["light-0000:1"]
+        assert reply.workers_version not in (0, version)
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_a_reader_sends_its_version_and_keeps_its_list(monkeypatch):
+    monkeypatch.setattr(reader, "TIMINGS", dataclasses.replace(reader.TIMINGS,
+                                                               heartbeat_s=0.05))
+    seen: list[tuple[int, int, int]] = []  # (version held, version now, workers sent)
+    lock = threading.Lock()
+    reply = heartbeat_replies.HeartbeatReplies.reply
+
+    def recording(self, job, view, workers, known_version):
+        made = reply(self, job, view, workers, known_version)
+        answer = DataResponse.FromString(made).client_heartbeat
+        with lock:
+            seen.append((known_version, answer.workers_version, len(answer.workers)))
+        return made
+    monkeypatch.setattr(heartbeat_replies.HeartbeatReplies, "reply", recording)
+
+    def heartbeats() -> list[tuple[int, int, int]]:
+        with lock:
+            return list(seen)
+
+    with in_process_data_service(workers=1) as dispatcher:
+        address = dispatcher.target.split("://")[1]
+        dataset = data.Dataset.range(1 << 40).apply(data.distribute(
+            "parallel_epochs", f"grpc://{address}", job_name="versions"))
+        iterator = iter(dataset)
+        try:
+            next(iterator)
+            wait_for(lambda: len(heartbeats()) >= 5, timeout=30, what="5 heartbeats")
+            first, *steady = heartbeats()
+            assert first[0] == 0 and first[2] == 1  # none held: the list of one worker
+            assert steady and all(s == (first[1], first[1], 0) for s in steady), steady
+            mark = len(heartbeats())
+            second = data.WorkerServer(data.WorkerConfig(
+                dispatcher_address=address, worker_address="127.0.0.1:%port%"))
+            try:
+                # parallel_epochs: the new worker's epoch starts at 0 again.
+                values, deadline = set(), time.monotonic() + 60
+                while 0 not in values:
+                    assert time.monotonic() < deadline, "no element of the new worker"
+                    values.add(int(next(iterator)))
+                wait_for(lambda: len(heartbeats()) >= mark + 3, timeout=30,
+                         what="3 heartbeats after the join")
+                after = heartbeats()[mark:]
+                changed = [s for s in after if s[2]]
+                assert changed[0][0] == first[1] and changed[0][2] == 2, after
+                assert changed[0][1] != first[1]
+                later = after[after.index(changed[0]) + 1:]
+                assert all(s == (changed[0][1], changed[0][1], 0) for s in later), after
+            finally:
+                second.stop()
+        finally:
+            iterator.close()

@@ -61,7 +61,8 @@ from clusterwire.data.config import (
     server_security,
     warn_if_unsafe,
 )
-from clusterwire.data.dispatcher_state import DispatcherState, Job, LiveWorkers
+from clusterwire.data.dispatcher_state import DispatcherState, Job
+from clusterwire.data.heartbeat_replies import HeartbeatReplies
 from clusterwire.data.journal import (
     Journal,
     ReadReport,
@@ -157,9 +158,7 @@ class DispatchServer(MonitoredServer):
         self._quotas = server_limits(config)
         self._state = DispatcherState(self._quotas)
         self._resumed_rounds: dict[str, _ResumeWave] = {}  # round-robin group -> its wave
-        # The live workers the heartbeat replies were made of, and those replies by the
-        # job's finished flag (_heartbeat_reply).
-        self._heartbeat_replies: tuple[LiveWorkers | None, dict[bool, DataResponse]] = (None, {})
+        self._heartbeat_replies = HeartbeatReplies()
         self._wave_shares: FairShares[str] = FairShares()  # the waves' groups by peer
         self._displaced_waves: Displaced[str] = Displaced(self._quotas.max_jobs)
         # Jobs and datasets displaced from a full table, and why: told at their next use.
@@ -835,29 +834,9 @@ class DispatchServer(MonitoredServer):
                 self._release(job, request)
             else:
                 self._seen(job, request.consumer_id)
-            return self._heartbeat_reply(job), []
-
-    def _heartbeat_reply(self, job: Job) -> DataResponse:
-        """The answer to a heartbeat of ``job``'s consumer: its live workers and whether it
-        finished. For jobs of every worker it is made once per list of live workers and
-        finished flag and shared (never changed once made): a heartbeat then costs the same
-        with 1,000 workers as with 10 but for serializing the list. Call with the lock held."""
-        finished = job.info.finished
-        if job.info.worker_order:
-            response = DataResponse()
-            response.client_heartbeat.workers.extend(self._workers_for(job))
-            response.client_heartbeat.job_finished = finished
-            return response
-        view = self._state.live_view(self._worker_timeout, time.monotonic())
-        if self._heartbeat_replies[0] is not view:
-            self._heartbeat_replies = (view, {})
-        replies = self._heartbeat_replies[1]
-        reply = replies.get(finished)
-        if reply is None:
-            reply = replies[finished] = DataResponse()
-            reply.client_heartbeat.workers.extend(view.workers)
-            reply.client_heartbeat.job_finished = finished
-        return reply
+            return self._heartbeat_replies.reply(
+                job, self._state.live_view(self._worker_timeout, time.monotonic()),
+                self._state.workers, request.workers_version), []
 
     def _release(self, job: Job, request) -> None:
         """A consumer stopped: remove its anonymous job, or give a named job's splits it

@@ -128,6 +128,9 @@ class Job:
     merges: dict[str, None] = field(default_factory=dict)  # merge ids applied, oldest first
     splits_handed: int = 0  # hand-outs (a split given back and handed again counts again)
     splits_completed: int = 0
+    # What its consumers are told of its workers (heartbeat_replies.WorkerList): not
+    # journaled, made again after a restart.
+    worker_list: Any = field(default=None, repr=False, compare=False)
 
     def saw(self, consumer: str, now: float) -> None:
         """``consumer`` was heard from at ``now``: the latest time yet (its callers pass

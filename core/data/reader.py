@@ -653,11 +653,16 @@ class JobReader(Iterator[Any]):
 
     def _heartbeat_loop(self) -> None:
         times = self._times
+        # The dispatcher's list of the job's workers and its version: the reply carries a
+        # list only when the version changed (0: none held yet, or a dispatcher that does
+        # not version its lists and always sends one).
+        version, workers = 0, []
         while not self._stop.wait(times.heartbeat_s if self._workers.listed
                                   else times.no_worker_poll_s):
             request = DataRequest(client_heartbeat=ClientHeartbeatRequest(
                 job_id=self._job.job_id, consumer_id=self._consumer,
-                resumable=self._resumable, generation=self._generation))
+                resumable=self._resumable, generation=self._generation,
+                workers_version=version))
             try:
                 response, _ = self._dispatcher.call(request)
             except errors.CancelledError:
@@ -665,7 +670,10 @@ class JobReader(Iterator[Any]):
             except errors.OpError as err:
                 self._put("error", err)
                 return
-            self._update_workers(list(response.client_heartbeat.workers))
+            beat = response.client_heartbeat
+            if not beat.workers_version or beat.workers_version != version:
+                version, workers = beat.workers_version, list(beat.workers)
+            self._update_workers(workers)
             if self._job.sharding_policy == ShardingPolicy.DYNAMIC:
                 self._revive()
 

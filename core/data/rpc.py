@@ -40,8 +40,9 @@ log = logging.getLogger("clusterwire")
 #: this backoff, doubling up to the most (a standby takes over within its lease poll).
 _FAILOVER_BACKOFF_START_S, _FAILOVER_BACKOFF_MAX_S = 0.05, 0.5
 
-#: A request, its buffers and the peer that sent it (``Frame.peer``) -> the response.
-Handler = Callable[[DataRequest, list[Any], str], tuple[DataResponse, Sequence[Any]]]
+#: A request, its buffers and the peer that sent it (``Frame.peer``) -> the response, or
+#: its serialized bytes (a reply made once and sent many times).
+Handler = Callable[[DataRequest, list[Any], str], tuple[DataResponse | bytes, Sequence[Any]]]
 
 
 def parse(frame: Frame) -> DataResponse:
@@ -73,7 +74,8 @@ def serve(protocol: str, host: str, port: int, handler: Handler, name: str,
             raise errors.InvalidArgumentError(f"Malformed request header: {err}") from None
         parsed.last = (frame.header, request.WhichOneof("kind"))
         response, buffers = handler(request, list(frame.buffers), frame.peer)
-        return Frame(response.SerializeToString(), list(buffers))
+        header = response if isinstance(response, bytes) else response.SerializeToString()
+        return Frame(header, list(buffers))
 
     def method_of(frame: Frame) -> str:
         last, parsed.last = getattr(parsed, "last", None), None
