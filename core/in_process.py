@@ -39,7 +39,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from clusterwire.security import Security
-from clusterwire.transport import Buffer, Frame
+from clusterwire.transport import Buffer
 
 
 class InProcessShell(Protocol):
@@ -49,9 +49,8 @@ class InProcessShell(Protocol):
     def takes_in_process(self, security: Security) -> bool:
         """Whether a caller of this process with ``security`` skips the transport."""
 
-    def call_in_process(self, frame: Frame, timeout: float | None, security: Security,
-                        closing: threading.Event) -> Frame:
-        """Serve ``frame`` from a caller of this process."""
+    def in_process_channel(self, security: Security, closing: threading.Event) -> Any:
+        """The channel (``clusterwire.transport.Channel``) of a caller of this process."""
 
 
 _shells: dict[tuple[str, str], InProcessShell] = {}

@@ -89,23 +89,6 @@ def response_value(frame: Frame) -> Any:
 MAX_CHANNELS = 256
 
 
-class _InProcessChannel:
-    """The channel to a server of this process: its shell serves the frame in the caller's
-    thread, no transport in between (``clusterwire.in_process``)."""
-
-    def __init__(self, shell: in_process.InProcessShell, security: Security,
-                 closing: threading.Event):
-        self._serve, self._security, self._closing = shell.call_in_process, security, closing
-
-    def call(self, frame: Frame, timeout: float | None = None) -> Frame:
-        return self._serve(frame, timeout, self._security, self._closing)
-
-    call_relayed = call  # nothing in between to relay through
-
-    def close(self) -> None:
-        pass
-
-
 class _Pooled:
     """A client's channel to one address, the calls using it now, and whether it left the
     pool (then it closes when the last of them ends)."""
@@ -157,15 +140,18 @@ class RequestClient:
         ``in_process`` is False), else the transport's (opened if needed), counted as used
         until ``_release``."""
         shell = in_process.lookup(self.protocol, address) if self.in_process else None
-        if shell is not None and shell.takes_in_process(self.security):
+        if shell is not None:
             local = self._in_process.get(address)
-            if local is None or local.shell is not shell:
-                local = _Pooled(_InProcessChannel(shell, self.security, self._closing), shell)
+            if local is not None and local.shell is shell:  # it took this client's calls
+                return local
+            if shell.takes_in_process(self.security):
+                local = _Pooled(shell.in_process_channel(self.security, self._closing),
+                                shell)
                 with self._lock:
                     self._in_process[address] = local
                     while len(self._in_process) > self._max_channels:
                         del self._in_process[next(iter(self._in_process))]
-            return local
+                return local
         closing: list[_Pooled] = []
         with self._lock:
             if self._closed:

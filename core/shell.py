@@ -181,26 +181,11 @@ class Shell:
             waiting.shutdown(wait=False, cancel_futures=True)
         self._listener.stop(_FLUSH_GRACE)
 
-    def call_in_process(self, frame: Frame, timeout: float | None, security: Security,
-                        closing: threading.Event) -> Frame:
-        """Serve ``frame`` from a caller of this process (see ``clusterwire.in_process``)
-        that ``takes_in_process``: the shell's policy without the transport. ``closing`` is
-        the caller's client closing, which ends the wait with CancelledError."""
-        if closing.is_set():
-            raise errors.CancelledError("The client was closed.")
-        self._options.security.check_token(security.token)
-        if not self._serving:
-            raise ConnectionFailed(f"{self.name} at {self.address} is not serving.")
-        check_total(frame.payload_bytes, self._options.max_message_bytes)
-        request = Frame(frame.header,
-                        in_process.hand_over(frame.buffers, keep=self.transport.keep))
-        deadline = None if timeout is None else time.monotonic() + timeout
-        method = self._method_of(request)
-        if method in self._served_at_once:
-            response = self._serve_for_caller(request, method, deadline)
-        else:
-            response = self._wait_for(request, method, deadline, closing)
-        return Frame(response.header, in_process.hand_over(response.buffers, response.frozen))
+    def in_process_channel(self, security: Security, closing: threading.Event
+                           ) -> InProcessChannel:
+        """The channel of a caller of this process (``clusterwire.in_process``) that
+        ``takes_in_process``; ``closing`` is the caller's client closing."""
+        return InProcessChannel(self, security, closing)
 
     def _serve_for_caller(self, request: Frame, method: str, deadline: float | None) -> Frame:
         with in_process.serving_until(deadline):
@@ -299,3 +284,39 @@ class Shell:
                 "max_concurrent_calls; retry later or raise the limit.")
         self._in_flight += 1
         return None
+
+
+class InProcessChannel:
+    """A caller of this process's channel to a ``Shell``: the shell's policy (token, limits,
+    admission, stop) without the transport. ``call`` serves in the caller's thread (or waits
+    for the shell's threads), with no frame in between: it is the in-process path's cost."""
+
+    __slots__ = ("_shell", "_security", "_closing")
+
+    def __init__(self, shell: Shell, security: Security, closing: threading.Event):
+        self._shell, self._security, self._closing = shell, security, closing
+
+    def call(self, frame: Frame, timeout: float | None = None) -> Frame:
+        """Serve ``frame``; ``closing`` (the caller's client closing) ends a wait with
+        CancelledError."""
+        shell = self._shell
+        if self._closing.is_set():
+            raise errors.CancelledError("The client was closed.")
+        shell._options.security.check_token(self._security.token)
+        if not shell._serving:
+            raise ConnectionFailed(f"{shell.name} at {shell.address} is not serving.")
+        check_total(frame.payload_bytes, shell._options.max_message_bytes)
+        request = Frame(frame.header,
+                        in_process.hand_over(frame.buffers, keep=shell.transport.keep))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        method = shell._method_of(request)
+        if method in shell._served_at_once:
+            response = shell._serve_for_caller(request, method, deadline)
+        else:
+            response = shell._wait_for(request, method, deadline, self._closing)
+        return Frame(response.header, in_process.hand_over(response.buffers, response.frozen))
+
+    call_relayed = call  # nothing in between to relay through
+
+    def close(self) -> None:
+        """Nothing to close: the shell is the server's."""
