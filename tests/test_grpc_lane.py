@@ -1,5 +1,6 @@
 """The grpc transport's fast lane (``fast_lane = true``): fallback to gRPC, and its TCP port
 under abuse (silent connections, a flood, oversized frames, per-peer caps, stolen tickets).
+The lane under TLS: ``test_grpc_lane_tls``.
 
 Listeners run on 127.0.0.1 in this process; every wait polls an outcome with a deadline,
 and every socket, channel and listener is closed at the end.
@@ -90,28 +91,6 @@ def test_a_lane_port_that_cannot_be_reached_keeps_calls_on_grpc(monkeypatch, blo
         assert took < lane._CONNECT_S + 2.0, f"the first call took {took:.2f} s"
         assert echo(channel) < 1.0  # the lane is not tried again for a while
         assert channel._lane.calls == 0 and listener.lane.calls == 0
-
-
-def test_tls_keeps_calls_on_grpc(tmp_path):
-    pytest.importorskip("cryptography")
-    from clusterwire.security import TlsConfig
-    from clusterwire.testing.certs import Authority
-
-    authority = Authority(tmp_path)
-    pair = authority.issue("server")
-    server = TlsConfig(certificate_chain=pair.cert.read_bytes(),
-                       private_key=pair.key.read_bytes())
-    listener = GrpcTransport(LANE).listen("127.0.0.1:0", echo_handler,
-                                          ListenOptions(security=Security(tls=server)))
-    listener.start()
-    channel = GrpcTransport(LANE).connect(listener.address, Security(
-        tls=TlsConfig(root_certificates=authority.pair.cert.read_bytes())))
-    try:
-        assert listener.lane is None and channel._lane is None
-        echo(channel)
-    finally:
-        channel.close()
-        listener.stop(0)
 
 
 def test_a_stopped_listener_fails_the_next_call_at_once():

@@ -41,7 +41,11 @@ ran out. A channel falls back to gRPC for a call whenever it gets no lane connec
 peer has no lane, the port cannot be reached within ``_CONNECT_S``, the listener is at its
 connection limit, the ticket is refused); calls that would need a new connection stay on
 gRPC for ``_RETRY_S`` after a lasting failure, ``_BUSY_S`` after a passing one.
-There is no TLS on the lane: a channel or listener with TLS never uses it.
+TLS (``lane_tls``): when the listener has TLS, its lane does too, with the same
+certificates; a connection's TLS handshake and its HELLO must both arrive within
+``handshake_timeout_seconds`` (a client without TLS, or whose certificate the listener's
+mutual TLS refuses, is closed at the handshake). A channel with TLS checks the lane's
+certificate as gRPC checks the listener's; one that cannot verify it calls over gRPC.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ import logging
 import os
 import secrets
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -63,6 +68,7 @@ from typing import Any
 from clusterwire import errors
 from clusterwire.addressing import split_host_port
 from clusterwire.envelope import BULK, split_inline
+from clusterwire.security import TlsConfig
 from clusterwire.thread_pool import WorkSlots, serve_parking
 from clusterwire.transport import ConnectionFailed, Frame, Handler, ListenOptions
 from clusterwire.transports._grpc_common.call_pool import (
@@ -72,7 +78,7 @@ from clusterwire.transports._grpc_common.call_pool import (
     set_receive_timeout,
     timeval,
 )
-from clusterwire.transports.grpc import framing
+from clusterwire.transports.grpc import framing, lane_tls
 from clusterwire.transports.grpc.bulk import Unreachable
 from clusterwire.transports.grpc.ticket_port import TicketPort, send_views, shutdown
 
@@ -218,7 +224,8 @@ class LaneServer(TicketPort):
 
     ``handler``: the listener's; ``respond(response frame)``: the reply envelope the Call
     method would send; ``limit``: max_message_bytes; ``message_limit``: the longest
-    request envelope the lane takes."""
+    request envelope the lane takes. With ``limits.security.tls`` every connection runs
+    inside TLS (``lane_tls``)."""
 
     def __init__(self, host: str, handler: Handler, respond: Callable[[Frame], bytes],
                  limits: ListenOptions, message_limit: int, ticket_ttl: float, address: str):
@@ -226,6 +233,9 @@ class LaneServer(TicketPort):
         self._handler, self._respond = handler, respond
         self._limit, self._message_limit = limits.max_message_bytes, message_limit
         self._address = address
+        self._tls = limits.security.tls
+        if self._tls is not None:
+            lane_tls.server_context(self._tls)  # bad PEM material fails here, not per connection
         self._tickets = _Tickets(ticket_ttl,
                                  limits.max_pending_connections + limits.max_connections)
         self.slots = WorkSlots(limits.max_workers)
@@ -243,7 +253,16 @@ class LaneServer(TicketPort):
     def _serve(self, connection: socket.socket, peer: str) -> None:
         hello = bytearray(_MESSAGE.size + _SECRET_BYTES)
         deadline = time.monotonic() + self._limits.handshake_timeout_seconds
-        if not _receive_exactly(connection, memoryview(hello), deadline):
+        # ``connection`` is what the port's tables hold; ``wire`` carries the bytes.
+        wire: socket.socket | lane_tls.TlsStream = connection
+        if self._tls is not None:
+            try:
+                wire = lane_tls.accept(connection, self._tls, deadline)
+            except (OSError, ValueError) as err:  # silent, slow, not TLS, or refused
+                _LOG.debug("Lane connection from %s refused at the TLS handshake: %s", peer,
+                           err)
+                return
+        if not _receive_exactly(wire, memoryview(hello), deadline):
             return
         magic, op, length = _MESSAGE.unpack_from(hello)
         if magic != MAGIC or op != HELLO or length != _SECRET_BYTES:
@@ -251,25 +270,25 @@ class LaneServer(TicketPort):
         owner = self._tickets.take(bytes(hello[_MESSAGE.size:]))
         if owner is None:  # a stranger's guess, expired or used: closed unanswered
             return
-        connection.settimeout(self._limits.message_idle_timeout_seconds)
+        wire.settimeout(self._limits.message_idle_timeout_seconds)
         if _address_of(owner) != _address_of(peer):
-            connection.sendall(_error_message(
+            wire.sendall(_error_message(
                 errors.PERMISSION_DENIED, f"This lane ticket was issued to {owner}, not "
                 f"{peer} (a proxy between them?): the calls go over gRPC."))
             return
         if not self._admit(connection, peer):
-            connection.sendall(_error_message(
+            wire.sendall(_error_message(
                 errors.RESOURCE_EXHAUSTED, "The lane is at max_connections."))
             return
-        served = _ServerConnection(self, connection, peer)
+        served = _ServerConnection(self, wire, peer)
         with self._calls:
             if self._draining:
                 return
             self._served[connection] = served
         try:
-            connection.settimeout(None)  # kernel timeouts from here (no poll per receive)
-            set_receive_timeout(connection, self._limits.message_idle_timeout_seconds)
-            connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+            wire.settimeout(None)  # kernel timeouts from here (no poll per receive)
+            set_receive_timeout(wire, self._limits.message_idle_timeout_seconds)
+            wire.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
                                   timeval(self._limits.message_idle_timeout_seconds))
             served.send(message(READY))
             served.serve()
@@ -334,8 +353,8 @@ class LaneServer(TicketPort):
         get ``grace`` seconds, then are answered CancelledError."""
         with self._calls:
             self._draining = True
-            served = list(self._served.values())
-        admitted = {connection.sock for connection in served}
+            admitted = dict(self._served)
+            served = list(admitted.values())
         for sock in self._close_listening():
             if sock not in admitted:  # pending, or admitted and not serving yet
                 shutdown(sock, socket.SHUT_RDWR)
@@ -383,7 +402,7 @@ def _receive_exactly(connection: socket.socket, view: memoryview, deadline: floa
 class _ServerConnection:
     """The listener's side of one admitted lane connection (its own thread)."""
 
-    def __init__(self, server: LaneServer, sock: socket.socket, peer: str):
+    def __init__(self, server: LaneServer, sock: socket.socket | lane_tls.TlsStream, peer: str):
         self._server = server
         self.sock = sock
         self.peer = peer
@@ -497,7 +516,7 @@ class _ServerConnection:
 class LaneConnection(PooledConnection):
     """A channel's lane connection, with its receive buffer."""
 
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket | lane_tls.TlsStream):
         super().__init__(sock)
         self.scratch = memoryview(bytearray(_SCRATCH_BYTES))
 
@@ -510,12 +529,16 @@ class LaneClient:
 
     ``ticket(seconds)``: the listener's ``Lane`` reply (a gRPC call of at most ``seconds``;
     None: no deadline); it raises ``Unreachable`` if there is none. ``reply_limit``: the
-    longest reply envelope taken."""
+    longest reply envelope taken. ``tls``: the channel's TLS (None: plain TCP), the lane's
+    connections run inside it (``lane_tls``)."""
 
     def __init__(self, address: str, ticket: Callable[[float | None], bytes],
-                 reply_limit: int):
+                 reply_limit: int, tls: TlsConfig | None = None):
         self._host = split_host_port(address)[0].strip("[]")
         self._address = address
+        self._tls = tls
+        if tls is not None:
+            lane_tls.client_context(tls)  # bad PEM material fails here, not per call
         self._ticket = ticket
         self._reply_limit = reply_limit
         self._connections: IdleConnections[LaneConnection] = IdleConnections(address)
@@ -578,14 +601,20 @@ class LaneClient:
                 ) from None
             self._lasting(err)
             return None
+        wire: socket.socket | lane_tls.TlsStream = sock
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.sendall(message(HELLO, secret))
-            connection = LaneConnection(sock)
-            answer = read_message(sock, connection.scratch, _MESSAGE.size + _ERROR.size
+            if self._tls is not None:
+                wire = lane_tls.dial(sock, self._tls, self._host, time.monotonic() + timeout)
+            wire.sendall(message(HELLO, secret))
+            connection = LaneConnection(wire)
+            answer = read_message(wire, connection.scratch, _MESSAGE.size + _ERROR.size
                                   + _MAX_ERROR_TEXT, _never, _never)
         except (OSError, Garbage, Oversized) as err:
             sock.close()
+            if isinstance(err, ssl.SSLCertVerificationError):  # not the listener's lane
+                self._lasting(err)
+                return None
             if isinstance(err, TimeoutError) and timeout < _CONNECT_S:
                 raise errors.DeadlineExceededError(
                     f"The lane of {self._address} did not admit the connection within the "
@@ -600,7 +629,7 @@ class LaneClient:
             else:
                 self._passing()
             return None
-        sock.settimeout(None)  # blocking: calls wait with a kernel timeout (arm)
+        wire.settimeout(None)  # blocking: calls wait with a kernel timeout (arm)
         try:
             self._connections.add(connection)
         except errors.CancelledError:

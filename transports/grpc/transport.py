@@ -16,8 +16,8 @@ default, or "grpc": everything on the gRPC port), ``bulk_bytes`` (default
 256 KiB: responses larger than this use the bulk port when there is one;
 from about there on it beats a unary reply, whose bytes grpcio copies), ``fast_lane``
 (default false: true sends calls whose requests fit ``inline_bytes`` over the listener's
-TCP fast lane instead of a unary call, see ``lane``; never under TLS, refused with
-``bulk_plane = "grpc"``).
+TCP fast lane instead of a unary call, see ``lane``; inside TLS when the listener has TLS,
+``lane_tls``; refused with ``bulk_plane = "grpc"``).
 
 Limits (``ListenOptions``): gRPC core enforces the connection limits
 (``_grpc_common.server.connection_args``), with a token its port's door the pending
@@ -144,7 +144,7 @@ class GrpcListener(Listener):
         limit = _message_limit(transport.inline_bytes, transport.chunk_bytes)
         # No maximum_concurrent_rpcs: gRPC's Python-side accounting costs ~45 us per call
         # here; the cluster service enforces max_concurrent_calls itself.
-        lane = transport.fast_lane and self._security.tls is None
+        lane = transport.fast_lane
         methods = {
             "Call": grpc.unary_unary_rpc_method_handler(self._call),
             "Upload": grpc.stream_unary_rpc_method_handler(self._upload),
@@ -191,7 +191,7 @@ class GrpcListener(Listener):
 
     @property
     def lane(self) -> LaneServer | None:
-        """The fast lane (``lane``), None when it is off or under TLS."""
+        """The fast lane (``lane``), None when it is off."""
         return self._lane
 
     def start(self) -> None:
@@ -343,8 +343,8 @@ class GrpcChannel(Channel):
         self._upload = self._channel.stream_unary(_UPLOAD, _registered_method=True)
         self._fetch = self._channel.unary_stream(_FETCH, _registered_method=True)
         self._lane: LaneClient | None = None
-        if transport.fast_lane and security.tls is None:
-            self._lane = LaneClient(address, self._lane_ticket, limit)
+        if transport.fast_lane:
+            self._lane = LaneClient(address, self._lane_ticket, limit, security.tls)
             self._ticket_call = self._channel.unary_unary(_LANE, _registered_method=True)
 
     def call(self, frame: Frame, timeout: float | None = None) -> Frame:
@@ -510,7 +510,7 @@ class GrpcTransport(Transport):
                                             "uploads and under TLS"}
         if self.fast_lane:
             facts["small_calls"] = (f"tcp fast lane (requests up to {self.inline_bytes} B; "
-                                    "grpc under TLS or when the peer has none)")
+                                    "inside TLS under TLS; grpc when the peer has none)")
         return facts
 
 
