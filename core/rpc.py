@@ -9,7 +9,6 @@ matching clusterwire error.
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections import OrderedDict
@@ -19,6 +18,7 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from clusterwire import addressing, codec, errors, in_process
+from clusterwire.backoff import UNREACHABLE, jittered
 from clusterwire.durations import format_duration
 from clusterwire.plugins import get_plugin_manager
 from clusterwire.protos.service_pb2 import Request, Response
@@ -36,16 +36,6 @@ _QUIET_RETRY_S = 1.0
 #: addresses it did not choose keeps a bounded table.
 _MAX_UNREACHABLE = 4096
 _LOG = logging.getLogger("clusterwire")
-_BACKOFF_START, _BACKOFF_MAX = 0.02, 1.0
-# Our own generator: retries must not consume (or race on) the user's seeded global one.
-_JITTER = random.Random()
-
-
-def jittered(delay: float) -> float:
-    """``delay`` scaled by a random factor in [0.5, 1.5) (spreads retries out)."""
-    return delay * _JITTER.uniform(0.5, 1.5)
-
-
 def raise_for_status(response: Response) -> None:
     """Raise the clusterwire error a non-OK response status stands for."""
     status = response.status
@@ -207,7 +197,7 @@ class RequestClient:
         deadline = time.monotonic() + budget
         if idempotent is None:
             idempotent = method in IDEMPOTENT
-        delay = _BACKOFF_START
+        delay = UNREACHABLE.start_s
         unreachable = ""  # why the last attempt found ``address`` unreachable
         while True:
             remaining = deadline - time.monotonic()
@@ -237,13 +227,13 @@ class RequestClient:
                     ) from None
                 if remaining <= 0:
                     raise self._unavailable_after(address, budget, err.message) from None
-                if delay == _BACKOFF_START and remaining > _QUIET_RETRY_S:
+                if delay == UNREACHABLE.start_s and remaining > _QUIET_RETRY_S:
                     _LOG.warning("clusterwire: the %s at %s (%s) is unreachable (%s); retrying "
                                  "until the deadline, %s from now.", self.peer, address,
                                  self.protocol, err.message, format_duration(remaining))
                 if self._closing.wait(min(jittered(delay), remaining)):
                     raise errors.CancelledError("This client was closed.") from None
-                delay = min(delay * 2, _BACKOFF_MAX)
+                delay = UNREACHABLE.after(delay)
             except errors.DeadlineExceededError as err:
                 if unreachable and time.monotonic() >= deadline:
                     # The last attempt only got what was left of the window (a loaded

@@ -26,19 +26,16 @@ from google.protobuf.message import DecodeError
 
 from clusterwire import errors
 from clusterwire.addressing import join_host_port
+from clusterwire.backoff import DISPATCHER_FAILOVER, jittered
 from clusterwire.data.addresses import dispatcher_addresses
 from clusterwire.durations import format_duration
 from clusterwire.protos.data_service_pb2 import DataRequest, DataResponse
-from clusterwire.rpc import RequestClient, jittered, raise_for_status
+from clusterwire.rpc import RequestClient, raise_for_status
 from clusterwire.security import Security
 from clusterwire.shell import Shell, warn_if_exposed
 from clusterwire.transport import Frame, ListenOptions
 
 log = logging.getLogger("clusterwire")
-
-#: After a round in which no dispatcher of a list answered, the next round starts after
-#: this backoff, doubling up to the most (a standby takes over within its lease poll).
-_FAILOVER_BACKOFF_START_S, _FAILOVER_BACKOFF_MAX_S = 0.05, 0.5
 
 #: A request, its buffers and the peer that sent it (``Frame.peer``) -> the response, or
 #: its serialized bytes (a reply made once and sent many times).
@@ -133,7 +130,7 @@ class DispatcherClient:
     def _fail_over(self, frame: Frame, method: str, retry: bool
                    ) -> tuple[DataResponse, list[Any]]:
         deadline = time.monotonic() + self.timeout
-        delay = _FAILOVER_BACKOFF_START_S
+        delay = DISPATCHER_FAILOVER.start_s
         while True:
             first, errors_seen = self._current, []
             for step in range(len(self.addresses)):
@@ -168,7 +165,7 @@ class DispatcherClient:
                     + " | ".join(errors_seen))
             if self._closed.wait(min(jittered(delay), remaining)):
                 raise errors.CancelledError("This client was closed.")
-            delay = min(delay * 2, _FAILOVER_BACKOFF_MAX_S)
+            delay = DISPATCHER_FAILOVER.after(delay)
 
     def close(self) -> None:
         """Stop retrying and release the channels."""
