@@ -1,7 +1,8 @@
 """The dispatcher at scale: its CPU and memory with N workers and M consumers (issue 33).
 
     nice -n 19 python bench/bench_dispatcher_scale.py [--sizes 10,100,1000] [--procs 4]
-        [--threads 8] [--warmup 8] [--measure 20] [--split-every 2.0] [--fast-lane] [--json]
+        [--threads 8] [--warmup 8] [--measure 20] [--split-every 2.0] [--fast-lane]
+        [--unversioned] [--json]
 
 For each size n, one real dispatcher process (``DispatchServer``, default config, a worker
 token file) serves n light workers and n light consumers. They are logical peers of
@@ -15,7 +16,10 @@ protocol at the real intervals:
   (``GetOrCreateJobRequest``), heartbeats every ``reader.TIMINGS.heartbeat_s`` and asks for its next
   split every ``--split-every`` seconds, acknowledging the one it held (``held``/``done`` as
   the reader sends them); the other half read one named parallel_epochs job and poll its
-  state with heartbeats only.
+  state with heartbeats only. A consumer's heartbeat names the version of the worker list it
+  holds, as the reader's does, so only a changed list is sent (``--unversioned``: consumers
+  from before versions, every reply carries the whole list); the replies' mean size is
+  reported.
 
 Nothing reads elements (the workers' addresses are names, never dialled): what is measured is
 the dispatcher alone. After every peer is registered and ``--warmup`` seconds more, the
@@ -136,15 +140,21 @@ def _worker(peers: _Peers, index: int, protocol: str) -> Any:
     return beat
 
 
-def _consumer(peers: _Peers, index: int, job: dict[str, Any]) -> list[Any]:
-    """The actions of one consumer of ``job`` (its id and policy), each rescheduling itself."""
+def _consumer(peers: _Peers, index: int, job: dict[str, Any], versioned: bool) -> list[Any]:
+    """The actions of one consumer of ``job`` (its id and policy), each rescheduling itself;
+    ``versioned``: its heartbeats name the worker list it holds, as the reader's do."""
     consumer = f"light-consumer-{index}"
-    heartbeat = DataRequest(client_heartbeat=ClientHeartbeatRequest(
-        job_id=job["job_id"], consumer_id=consumer))
+    heartbeat = ClientHeartbeatRequest(job_id=job["job_id"], consumer_id=consumer)
     held: list[int] = []
 
     def beat(when: float) -> None:
-        peers.call(heartbeat)
+        response = peers.call(DataRequest(client_heartbeat=heartbeat))
+        if response is not None:
+            reply = response.client_heartbeat
+            with peers.lock:
+                peers.counts["heartbeat_reply_bytes"] += reply.ByteSize()
+            if versioned:
+                heartbeat.workers_version = reply.workers_version
         peers.at(when + reader.TIMINGS.heartbeat_s, beat)
 
     def split(when: float) -> None:
@@ -190,7 +200,7 @@ def _run_peers(args: argparse.Namespace) -> None:
             dataset_id=job["dataset_id"], sharding_policy=job["policy"], job_key=job["key"],
             named=True, consumer_id=f"light-consumer-{index}")))
         job = {**job, "job_id": response.job.job_id}
-        for action, every in zip(_consumer(peers, index, job),
+        for action, every in zip(_consumer(peers, index, job, not args.unversioned),
                                  (reader.TIMINGS.heartbeat_s, args.split_every), strict=False):
             peers.at(now + rng.random() * every, action)
     stop = threading.Event()
@@ -294,7 +304,8 @@ def _measure(n: int, args: argparse.Namespace, token_file: str) -> dict[str, Any
                  "--of", str(args.procs), "--workers", str(n), "--consumers", str(n),
                  "--address", address, "--protocol", args.protocol, "--token-file",
                  token_file, "--jobs", json.dumps(jobs), "--threads", str(args.threads),
-                 "--split-every", str(args.split_every)],
+                 "--split-every", str(args.split_every),
+                 *(["--unversioned"] if args.unversioned else [])],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
             started.append(peers[-1])
         registering = time.monotonic()
@@ -321,6 +332,7 @@ def _measure(n: int, args: argparse.Namespace, token_file: str) -> dict[str, Any
             counts.update(report["counts"])
             lag = max(lag, report["lag_s"])
         rss = _rss_mib(dispatcher.pid)
+        reply_bytes = counts.pop("heartbeat_reply_bytes", 0)
         requests = sum(v for k, v in counts.items() if not k.startswith("error:"))
         cpu = cpu1 - cpu0
         consumer_s = reader.TIMINGS.heartbeat_s
@@ -333,6 +345,8 @@ def _measure(n: int, args: argparse.Namespace, token_file: str) -> dict[str, Any
                 "cpu_us_per_request": round(1e6 * cpu / max(requests, 1), 1),
                 "planned_requests_per_s": round(planned, 1),
                 "cpu_pct_at_planned_rate": round(100 * cpu / max(requests, 1) * planned, 2),
+                "heartbeat_reply_bytes": round(
+                    reply_bytes / max(counts.get("client_heartbeat", 0), 1), 1),
                 "per_kind": dict(sorted(counts.items())), "max_lag_s": round(lag, 3),
                 "registration_s": round(registered_s, 2),
                 "registration_cpu_s": round(cpu0 - idle_cpu, 2),
@@ -394,6 +408,9 @@ def main() -> None:
     parser.add_argument("--protocol", default="grpc")
     parser.add_argument("--fast-lane", action="store_true",
                         help="grpc's fast lane on in every process (README 'Fast paths')")
+    parser.add_argument("--unversioned", action="store_true",
+                        help="consumers' heartbeats name no worker list version (consumers "
+                             "from before versions: every reply carries the whole list)")
     parser.add_argument("--real", type=int, default=0,
                         help="K real worker and K real consumer processes (1..3) instead")
     parser.add_argument("--json", action="store_true")
@@ -433,7 +450,7 @@ def main() -> None:
         rows = [_measure(n, args, token) for n in sizes]
     if args.json:
         print(json.dumps({"bench": "dispatcher_scale", "procs": args.procs,
-                          "fast_lane": args.fast_lane,
+                          "fast_lane": args.fast_lane, "versioned": not args.unversioned,
                           "threads": args.threads, "split_every_s": args.split_every,
                           "worker_heartbeat_s": HEARTBEAT_INTERVAL_MS / 1000,
                           "consumer_heartbeat_s": reader.TIMINGS.heartbeat_s, "rows": rows}))
@@ -453,6 +470,8 @@ def main() -> None:
               f" MiB, {row['requests_per_s']:.0f} requests/s, {row['cpu_us_per_request']:.0f}"
               f" us CPU/request, peers' worst lag {row['max_lag_s']:.2f} s, load "
               f"{row['load']}")
+        print(f"        a consumer heartbeat's reply: {row['heartbeat_reply_bytes']:.0f} bytes "
+              "on average")
         print(f"        the intervals ask for {row['planned_requests_per_s']:.0f} requests/s: "
               f"{row['cpu_pct_at_planned_rate']:.1f}% of a core at the CPU per request measured")
         print(f"        {row['per_kind']}")

@@ -14,6 +14,9 @@ the dispatcher's state says.
   with the new list; a heartbeat that names no version (a consumer from before versions) or
   one this dispatcher never gave (one before a restart) gets the whole list. A real reader
   sends its version and keeps its list while the replies carry none.
+* Past ``consumer_heartbeat_rate`` consumers a second, the dispatcher tells its consumers a
+  longer heartbeat interval (their number over the rate, at most a tenth of its consumer
+  timeout), and a real reader heartbeats no faster than that.
 """
 
 from __future__ import annotations
@@ -263,8 +266,8 @@ def test_a_reader_sends_its_version_and_keeps_its_list(monkeypatch):
     lock = threading.Lock()
     reply = heartbeat_replies.HeartbeatReplies.reply
 
-    def recording(self, job, view, workers, known_version):
-        made = reply(self, job, view, workers, known_version)
+    def recording(self, job, view, workers, known_version, interval_ms):
+        made = reply(self, job, view, workers, known_version, interval_ms)
         answer = DataResponse.FromString(made).client_heartbeat
         with lock:
             seen.append((known_version, answer.workers_version, len(answer.workers)))
@@ -307,3 +310,55 @@ def test_a_reader_sends_its_version_and_keeps_its_list(monkeypatch):
                 second.stop()
         finally:
             iterator.close()
+
+
+@pytest.mark.parametrize("rate, floor_ms", [(1000, 0), (10, 2500), (1, 12000)])
+def test_many_consumers_are_told_a_longer_heartbeat_interval(rate, floor_ms):
+    server = data.DispatchServer(data.DispatcherConfig(
+        bind_address="127.0.0.1", limits={"consumer_heartbeat_rate": rate}))
+    client = DispatcherClient("grpc", server.target.split("://")[1], 10.0, load_security({}))
+    try:
+        _beat(client, 0)
+        job_id = _job(client, ShardingPolicy.OFF, "c0")
+
+        def floors() -> set[int]:  # consumers are counted once a second
+            return {_heartbeat(client, job_id, f"c{i}").heartbeat_interval_ms
+                    for i in range(25)}
+        # 25 consumers over the rate, in whole tenths of a second; at most 120 s / 10.
+        wait_for(lambda: floors() == {floor_ms}, timeout=30, what=f"a floor of {floor_ms} ms")
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_a_reader_heartbeats_no_faster_than_the_dispatcher_says(monkeypatch):
+    monkeypatch.setattr(reader, "TIMINGS", dataclasses.replace(reader.TIMINGS,
+                                                               heartbeat_s=0.05))
+    beats: list[tuple[float, int]] = []  # (when, the floor told)
+    reply = heartbeat_replies.HeartbeatReplies.reply
+
+    def recording(self, job, view, workers, known_version, interval_ms):
+        beats.append((time.monotonic(), interval_ms))
+        return reply(self, job, view, workers, known_version, interval_ms)
+    monkeypatch.setattr(heartbeat_replies.HeartbeatReplies, "reply", recording)
+    dispatcher = data.DispatchServer(data.DispatcherConfig(
+        bind_address="127.0.0.1", limits={"consumer_heartbeat_rate": 1}))
+    address = dispatcher.target.split("://")[1]
+    worker = data.WorkerServer(data.WorkerConfig(dispatcher_address=address,
+                                                 worker_address="127.0.0.1:%port%"))
+    try:
+        wait_for(lambda: dispatcher.num_workers() == 1, what="the worker")
+        iterator = iter(data.Dataset.range(1 << 40).apply(data.distribute(
+            "parallel_epochs", f"grpc://{address}", job_name="floor")))
+        try:
+            next(iterator)
+            wait_for(lambda: len(beats) >= 4, timeout=60, what="4 heartbeats")
+            told = list(beats)
+            assert {floor for _, floor in told} == {1000}  # one consumer, 1 a second
+            gaps = [b - a for (a, _), (b, _) in zip(told, told[1:], strict=False)]
+            assert min(gaps) >= 0.95, gaps  # its own 0.05 s would be 20 a second
+        finally:
+            iterator.close()
+    finally:
+        worker.stop()
+        dispatcher.stop()

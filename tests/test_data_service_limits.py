@@ -39,9 +39,10 @@ pytestmark = pytest.mark.timeout(120)
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 
 #: The module constants ServiceLimits replaced (dispatcher.py, dispatcher_state.py, worker.py,
-#: streams.py, cross_trainer_cache.py).
+#: streams.py, cross_trainer_cache.py), and limits added since (consumer_heartbeat_rate).
 OLD_CONSTANTS = {"max_datasets": 1024, "max_dataset_bytes": 4 << 30, "max_jobs": 4096,
-                 "max_handouts": 100_000, "max_merges": 1024, "max_open_streams": 64,
+                 "max_handouts": 100_000, "max_merges": 1024,
+                 "consumer_heartbeat_rate": 1000, "max_open_streams": 64,
                  "max_streams_per_consumer": 16, "idle_stream_s": 600.0,
                  "idle_split_stream_s": 30.0, "idle_cache_s": 10.0,
                  "stream_buffer_bytes": 16 << 20, "stream_buffer_elements": 8192,

@@ -158,7 +158,9 @@ class DispatchServer(MonitoredServer):
         self._quotas = server_limits(config)
         self._state = DispatcherState(self._quotas)
         self._resumed_rounds: dict[str, _ResumeWave] = {}  # round-robin group -> its wave
-        self._heartbeat_replies = HeartbeatReplies()
+        # A consumer heartbeating at the longest interval it is told is never timed out.
+        self._heartbeat_replies = HeartbeatReplies(self._quotas.consumer_heartbeat_rate,
+                                                   self._client_timeout / 10)
         self._wave_shares: FairShares[str] = FairShares()  # the waves' groups by peer
         self._displaced_waves: Displaced[str] = Displaced(self._quotas.max_jobs)
         # Jobs and datasets displaced from a full table, and why: told at their next use.
@@ -834,9 +836,11 @@ class DispatchServer(MonitoredServer):
                 self._release(job, request)
             else:
                 self._seen(job, request.consumer_id)
-            return self._heartbeat_replies.reply(
-                job, self._state.live_view(self._worker_timeout, time.monotonic()),
-                self._state.workers, request.workers_version), []
+            now = time.monotonic()
+            replies = self._heartbeat_replies
+            return replies.reply(
+                job, self._state.live_view(self._worker_timeout, now), self._state.workers,
+                request.workers_version, replies.interval_ms(self._state.jobs.values(), now)), []
 
     def _release(self, job: Job, request) -> None:
         """A consumer stopped: remove its anonymous job, or give a named job's splits it

@@ -33,9 +33,11 @@ class ServiceLimits:
     ``max_datasets``, ``max_dataset_bytes``, ``max_jobs``: the dispatcher's tables (full,
     the oldest entry of the peer holding the most is displaced, never one of a peer holding
     less). ``max_handouts``, ``max_merges``: what a distributed_epoch job remembers for
-    resuming and merging positions. ``max_open_streams``, ``max_streams_per_consumer``: a
-    worker's unfinished streams. ``idle_stream_s``, ``idle_split_stream_s``,
-    ``idle_cache_s``: how long an unread stream or cached job keeps its room.
+    resuming and merging positions. ``consumer_heartbeat_rate``: the consumer heartbeats a
+    second the dispatcher asks for (it lengthens their interval past it).
+    ``max_open_streams``, ``max_streams_per_consumer``: a worker's unfinished streams.
+    ``idle_stream_s``, ``idle_split_stream_s``, ``idle_cache_s``: how long an unread
+    stream or cached job keeps its room.
     ``stream_buffer_bytes``, ``stream_buffer_elements``: what one stream buffers.
     ``max_cached_jobs``, ``max_cache_trainers``: a worker's cross-trainer caches.
     ``removed_jobs_kept``: jobs a worker remembers the dispatcher removed. The defaults
@@ -62,6 +64,12 @@ class ServiceLimits:
         1024, "dispatcher", "merges of positions a distributed_epoch job remembers",
         "a new consumer passing an older job position is refused "
         "(FailedPreconditionError)")
+    consumer_heartbeat_rate: int = _limit(
+        1000, "dispatcher", "consumer heartbeats a second the dispatcher asks for, in all",
+        "past it (more consumers than it times their heartbeat interval) every consumer is "
+        "told to heartbeat every consumers / consumer_heartbeat_rate seconds (at most a "
+        "tenth of the dispatcher's consumer timeout): a new or lost worker reaches it that "
+        "much later (nothing is refused)")
     max_open_streams: int = _limit(
         64, "worker", "unfinished streams a worker runs at once",
         "as max_datasets, released or idle streams first; refused with "

@@ -655,10 +655,11 @@ class JobReader(Iterator[Any]):
         times = self._times
         # The dispatcher's list of the job's workers and its version: the reply carries a
         # list only when the version changed (0: none held yet, or a dispatcher that does
-        # not version its lists and always sends one).
-        version, workers = 0, []
-        while not self._stop.wait(times.heartbeat_s if self._workers.listed
-                                  else times.no_worker_poll_s):
+        # not version its lists and always sends one). Its floor on the interval keeps a
+        # dispatcher of many consumers at its consumer_heartbeat_rate.
+        version, workers, floor_s = 0, [], 0.0
+        while not self._stop.wait(max(floor_s, times.heartbeat_s if self._workers.listed
+                                      else times.no_worker_poll_s)):
             request = DataRequest(client_heartbeat=ClientHeartbeatRequest(
                 job_id=self._job.job_id, consumer_id=self._consumer,
                 resumable=self._resumable, generation=self._generation,
@@ -673,6 +674,7 @@ class JobReader(Iterator[Any]):
             beat = response.client_heartbeat
             if not beat.workers_version or beat.workers_version != version:
                 version, workers = beat.workers_version, list(beat.workers)
+            floor_s = beat.heartbeat_interval_ms / 1000
             self._update_workers(workers)
             if self._job.sharding_policy == ShardingPolicy.DYNAMIC:
                 self._revive()
