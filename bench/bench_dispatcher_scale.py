@@ -2,7 +2,7 @@
 
     nice -n 19 python bench/bench_dispatcher_scale.py [--sizes 10,100,1000] [--procs 4]
         [--threads 8] [--warmup 8] [--measure 20] [--split-every 2.0] [--fast-lane]
-        [--unversioned] [--json]
+        [--old-consumers] [--consumer-heartbeat-rate N] [--json]
 
 For each size n, one real dispatcher process (``DispatchServer``, default config, a worker
 token file) serves n light workers and n light consumers. They are logical peers of
@@ -16,10 +16,12 @@ protocol at the real intervals:
   (``GetOrCreateJobRequest``), heartbeats every ``reader.TIMINGS.heartbeat_s`` and asks for its next
   split every ``--split-every`` seconds, acknowledging the one it held (``held``/``done`` as
   the reader sends them); the other half read one named parallel_epochs job and poll its
-  state with heartbeats only. A consumer's heartbeat names the version of the worker list it
-  holds, as the reader's does, so only a changed list is sent (``--unversioned``: consumers
-  from before versions, every reply carries the whole list); the replies' mean size is
-  reported.
+  state with heartbeats only. As the reader's, a consumer's heartbeat names the version of
+  the worker list it holds, so only a changed list is sent, and it heartbeats at the longer
+  of its own interval and the dispatcher's floor (past its ``consumer_heartbeat_rate``
+  limit, which ``--consumer-heartbeat-rate`` sets). ``--old-consumers``: consumers from
+  before both, sending no version (every reply carries the whole list) and keeping their
+  own interval. The replies' mean size is reported.
 
 Nothing reads elements (the workers' addresses are names, never dialled): what is measured is
 the dispatcher alone. After every peer is registered and ``--warmup`` seconds more, the
@@ -61,6 +63,7 @@ from clusterwire import data, errors
 from clusterwire.data import reader, worker_auth
 from clusterwire.data.config import HEARTBEAT_INTERVAL_MS, DispatcherConfig
 from clusterwire.data.modes import ShardingPolicy
+from clusterwire.data.quotas import ServiceLimits
 from clusterwire.data.rpc import DispatcherClient
 from clusterwire.protos.data_service_pb2 import (
     ClientHeartbeatRequest,
@@ -79,10 +82,12 @@ _TICKS = os.sysconf("SC_CLK_TCK")
 
 # ---- the dispatcher process ----
 
-def _serve_dispatcher(protocol: str, token_file: str) -> None:
-    """Serve a dispatcher until stdin closes; print its port first."""
+def _serve_dispatcher(protocol: str, token_file: str, rate: int) -> None:
+    """Serve a dispatcher (``rate``: its consumer_heartbeat_rate limit) until stdin closes;
+    print its port first."""
     server = data.DispatchServer(DispatcherConfig(
-        port=0, protocol=protocol, worker_token_file=token_file, bind_address="127.0.0.1"))
+        port=0, protocol=protocol, worker_token_file=token_file, bind_address="127.0.0.1",
+        limits={"consumer_heartbeat_rate": rate}))
     print(server.config.port, flush=True)
     sys.stdin.read()
     server.stop()
@@ -101,6 +106,7 @@ class _Peers:
         self.due: list[tuple[float, int, Any]] = []
         self.serial = 0
         self.lag = 0.0  # the most a request started after its due time
+        self.floor_s = 0.0  # the longest heartbeat interval the dispatcher told a consumer
 
     def at(self, when: float, action: Any) -> None:
         self.serial += 1
@@ -140,12 +146,14 @@ def _worker(peers: _Peers, index: int, protocol: str) -> Any:
     return beat
 
 
-def _consumer(peers: _Peers, index: int, job: dict[str, Any], versioned: bool) -> list[Any]:
+def _consumer(peers: _Peers, index: int, job: dict[str, Any], old: bool) -> list[Any]:
     """The actions of one consumer of ``job`` (its id and policy), each rescheduling itself;
-    ``versioned``: its heartbeats name the worker list it holds, as the reader's do."""
+    unless ``old``, its heartbeats name the worker list it holds and it heartbeats no faster
+    than the dispatcher says, as the reader does."""
     consumer = f"light-consumer-{index}"
     heartbeat = ClientHeartbeatRequest(job_id=job["job_id"], consumer_id=consumer)
     held: list[int] = []
+    floor_s = [0.0]
 
     def beat(when: float) -> None:
         response = peers.call(DataRequest(client_heartbeat=heartbeat))
@@ -153,9 +161,11 @@ def _consumer(peers: _Peers, index: int, job: dict[str, Any], versioned: bool) -
             reply = response.client_heartbeat
             with peers.lock:
                 peers.counts["heartbeat_reply_bytes"] += reply.ByteSize()
-            if versioned:
+            if not old:
                 heartbeat.workers_version = reply.workers_version
-        peers.at(when + reader.TIMINGS.heartbeat_s, beat)
+                floor_s[0] = reply.heartbeat_interval_ms / 1000
+                peers.floor_s = max(peers.floor_s, floor_s[0])
+        peers.at(when + max(reader.TIMINGS.heartbeat_s, floor_s[0]), beat)
 
     def split(when: float) -> None:
         response = peers.call(DataRequest(get_split=GetSplitRequest(
@@ -200,7 +210,7 @@ def _run_peers(args: argparse.Namespace) -> None:
             dataset_id=job["dataset_id"], sharding_policy=job["policy"], job_key=job["key"],
             named=True, consumer_id=f"light-consumer-{index}")))
         job = {**job, "job_id": response.job.job_id}
-        for action, every in zip(_consumer(peers, index, job, not args.unversioned),
+        for action, every in zip(_consumer(peers, index, job, args.old_consumers),
                                  (reader.TIMINGS.heartbeat_s, args.split_every), strict=False):
             peers.at(now + rng.random() * every, action)
     stop = threading.Event()
@@ -215,8 +225,8 @@ def _run_peers(args: argparse.Namespace) -> None:
     with lock:
         window = Counter(counts)
     window.subtract(before)
-    print(json.dumps({"counts": dict(window), "lag_s": max(p.lag for p in threads)}),
-          flush=True)
+    print(json.dumps({"counts": dict(window), "lag_s": max(p.lag for p in threads),
+                      "floor_s": max(p.floor_s for p in threads)}), flush=True)
     sys.stdin.read()
     stop.set()
     for thread in running:
@@ -288,6 +298,7 @@ def _measure(n: int, args: argparse.Namespace, token_file: str) -> dict[str, Any
     try:
         dispatcher = subprocess.Popen(
             [sys.executable, me, "--role", "dispatcher", "--protocol", args.protocol,
+             "--consumer-heartbeat-rate", str(args.consumer_heartbeat_rate),
              "--token-file", token_file], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             text=True)
         started.append(dispatcher)
@@ -305,7 +316,7 @@ def _measure(n: int, args: argparse.Namespace, token_file: str) -> dict[str, Any
                  "--address", address, "--protocol", args.protocol, "--token-file",
                  token_file, "--jobs", json.dumps(jobs), "--threads", str(args.threads),
                  "--split-every", str(args.split_every),
-                 *(["--unversioned"] if args.unversioned else [])],
+                 *(["--old-consumers"] if args.old_consumers else [])],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
             started.append(peers[-1])
         registering = time.monotonic()
@@ -326,16 +337,16 @@ def _measure(n: int, args: argparse.Namespace, token_file: str) -> dict[str, Any
             process.stdin.flush()
         loads.append(_load())
         counts: Counter = Counter()
-        lag = 0.0
+        lag = floor_s = 0.0
         for process in peers:
             report = json.loads(process.stdout.readline())
             counts.update(report["counts"])
-            lag = max(lag, report["lag_s"])
+            lag, floor_s = max(lag, report["lag_s"]), max(floor_s, report["floor_s"])
         rss = _rss_mib(dispatcher.pid)
         reply_bytes = counts.pop("heartbeat_reply_bytes", 0)
         requests = sum(v for k, v in counts.items() if not k.startswith("error:"))
         cpu = cpu1 - cpu0
-        consumer_s = reader.TIMINGS.heartbeat_s
+        consumer_s = max(reader.TIMINGS.heartbeat_s, floor_s)
         planned = (n / (HEARTBEAT_INTERVAL_MS / 1000) + n / consumer_s
                    + (n + 1) // 2 / args.split_every)
         return {"workers": n, "consumers": n, "dispatcher_cpu_pct": round(
@@ -345,6 +356,7 @@ def _measure(n: int, args: argparse.Namespace, token_file: str) -> dict[str, Any
                 "cpu_us_per_request": round(1e6 * cpu / max(requests, 1), 1),
                 "planned_requests_per_s": round(planned, 1),
                 "cpu_pct_at_planned_rate": round(100 * cpu / max(requests, 1) * planned, 2),
+                "consumer_heartbeat_s": consumer_s,
                 "heartbeat_reply_bytes": round(
                     reply_bytes / max(counts.get("client_heartbeat", 0), 1), 1),
                 "per_kind": dict(sorted(counts.items())), "max_lag_s": round(lag, 3),
@@ -408,9 +420,12 @@ def main() -> None:
     parser.add_argument("--protocol", default="grpc")
     parser.add_argument("--fast-lane", action="store_true",
                         help="grpc's fast lane on in every process (README 'Fast paths')")
-    parser.add_argument("--unversioned", action="store_true",
-                        help="consumers' heartbeats name no worker list version (consumers "
-                             "from before versions: every reply carries the whole list)")
+    parser.add_argument("--old-consumers", action="store_true",
+                        help="consumers send no worker list version (every reply carries the "
+                             "whole list) and keep their own heartbeat interval")
+    parser.add_argument("--consumer-heartbeat-rate", type=int,
+                        default=ServiceLimits().consumer_heartbeat_rate,
+                        help="the dispatcher's consumer_heartbeat_rate limit")
     parser.add_argument("--real", type=int, default=0,
                         help="K real worker and K real consumer processes (1..3) instead")
     parser.add_argument("--json", action="store_true")
@@ -420,7 +435,7 @@ def main() -> None:
         parser.add_argument(name, default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role == "dispatcher":
-        _serve_dispatcher(args.protocol, args.token_file)
+        _serve_dispatcher(args.protocol, args.token_file, args.consumer_heartbeat_rate)
         return
     if args.role == "peers":
         _run_peers(args)
@@ -450,13 +465,14 @@ def main() -> None:
         rows = [_measure(n, args, token) for n in sizes]
     if args.json:
         print(json.dumps({"bench": "dispatcher_scale", "procs": args.procs,
-                          "fast_lane": args.fast_lane, "versioned": not args.unversioned,
+                          "fast_lane": args.fast_lane, "old_consumers": args.old_consumers,
+                          "consumer_heartbeat_rate": args.consumer_heartbeat_rate,
                           "threads": args.threads, "split_every_s": args.split_every,
                           "worker_heartbeat_s": HEARTBEAT_INTERVAL_MS / 1000,
-                          "consumer_heartbeat_s": reader.TIMINGS.heartbeat_s, "rows": rows}))
+                          "reader_heartbeat_s": reader.TIMINGS.heartbeat_s, "rows": rows}))
         return
     print(f"dispatcher at scale: {args.procs} peer processes x {args.threads} threads; worker "
-          f"heartbeats every {HEARTBEAT_INTERVAL_MS / 1000:g} s, consumer heartbeats every "
+          f"heartbeats every {HEARTBEAT_INTERVAL_MS / 1000:g} s, the reader's heartbeat every "
           f"{reader.TIMINGS.heartbeat_s:g} s, a split every {args.split_every:g} s")
     for row in rows:
         if row.get("real"):
@@ -470,8 +486,8 @@ def main() -> None:
               f" MiB, {row['requests_per_s']:.0f} requests/s, {row['cpu_us_per_request']:.0f}"
               f" us CPU/request, peers' worst lag {row['max_lag_s']:.2f} s, load "
               f"{row['load']}")
-        print(f"        a consumer heartbeat's reply: {row['heartbeat_reply_bytes']:.0f} bytes "
-              "on average")
+        print(f"        consumer heartbeats every {row['consumer_heartbeat_s']:g} s, their "
+              f"replies {row['heartbeat_reply_bytes']:.0f} bytes on average")
         print(f"        the intervals ask for {row['planned_requests_per_s']:.0f} requests/s: "
               f"{row['cpu_pct_at_planned_rate']:.1f}% of a core at the CPU per request measured")
         print(f"        {row['per_kind']}")
