@@ -98,6 +98,12 @@ def lane_client(listener: GrpcListener, tls: TlsConfig) -> lane.LaneClient:
                            1 << 20, tls)
 
 
+def dial(sock: socket.socket, pki, host: str = "127.0.0.1") -> lane_tls.TlsStream:
+    """A TLS lane connection on ``sock`` that trusts the test authority."""
+    return lane_tls.dial(sock, lane_tls.client_context(client_tls(pki)), host,
+                         time.monotonic() + 10)
+
+
 def hello_parts() -> list[memoryview]:
     return lane.framing.inline_parts(b"hi", [])
 
@@ -209,11 +215,11 @@ def test_a_lane_of_another_authority_is_not_trusted(pki):
     with listening(server_tls(pki, pair="stranger server")) as listener, \
             socket.create_connection(("127.0.0.1", listener.lane.port), timeout=10) as sock:
         with pytest.raises(ssl.SSLCertVerificationError):
-            lane_tls.dial(sock, client_tls(pki), "127.0.0.1", time.monotonic() + 10)
+            dial(sock, pki)
     with listening(server_tls(pki)) as listener, \
             socket.create_connection(("127.0.0.1", listener.lane.port), timeout=10) as sock:
         with pytest.raises(ssl.SSLCertVerificationError, match="mismatch|match"):
-            lane_tls.dial(sock, client_tls(pki), "cluster.example", time.monotonic() + 10)
+            dial(sock, pki, "cluster.example")
 
 
 def test_a_plaintext_client_is_refused_at_the_handshake(pki):
@@ -245,8 +251,7 @@ def test_the_handshake_deadline_closes_silent_tls_connections(pki):
                               greeting=_client_hello()[:60])]
         shaken = socket.create_connection(address, timeout=10)
         try:
-            stream = lane_tls.dial(shaken, client_tls(pki), "127.0.0.1",
-                                   time.monotonic() + 10)
+            stream = dial(shaken, pki)
             with channel_to(listener.address, client_tls(pki)) as channel:
                 took = echo(channel)
                 assert took < 1.0, f"a token holder's call took {took:.3f} s"
@@ -333,7 +338,7 @@ def test_stop_cancels_a_running_tls_lane_call_after_its_grace(pki):
 def test_an_oversized_tls_lane_message_is_refused_before_it_is_read(pki):
     with listening(server_tls(pki)) as listener, \
             socket.create_connection(("127.0.0.1", listener.lane.port), timeout=10) as sock:
-        stream = lane_tls.dial(sock, client_tls(pki), "127.0.0.1", time.monotonic() + 10)
+        stream = dial(sock, pki)
         stream.sendall(lane.message(lane.HELLO, listener.lane.ticket("127.0.0.1")[-16:]))
         scratch = memoryview(bytearray(1 << 16))
         assert lane.read_message(stream, scratch, 1 << 16, lambda: True, lambda: True)[0] \

@@ -233,9 +233,8 @@ class LaneServer(TicketPort):
         self._handler, self._respond = handler, respond
         self._limit, self._message_limit = limits.max_message_bytes, message_limit
         self._address = address
-        self._tls = limits.security.tls
-        if self._tls is not None:
-            lane_tls.server_context(self._tls)  # bad PEM material fails here, not per connection
+        tls = limits.security.tls
+        self._tls = None if tls is None else lane_tls.server_context(tls)
         self._tickets = _Tickets(ticket_ttl,
                                  limits.max_pending_connections + limits.max_connections)
         self.slots = WorkSlots(limits.max_workers)
@@ -536,9 +535,7 @@ class LaneClient:
                  reply_limit: int, tls: TlsConfig | None = None):
         self._host = split_host_port(address)[0].strip("[]")
         self._address = address
-        self._tls = tls
-        if tls is not None:
-            lane_tls.client_context(tls)  # bad PEM material fails here, not per call
+        self._tls = None if tls is None else lane_tls.client_context(tls)
         self._ticket = ticket
         self._reply_limit = reply_limit
         self._connections: IdleConnections[LaneConnection] = IdleConnections(address)
@@ -606,6 +603,7 @@ class LaneClient:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._tls is not None:
                 wire = lane_tls.dial(sock, self._tls, self._host, time.monotonic() + timeout)
+                sock.settimeout(timeout)  # for the HELLO's answer, as without TLS
             wire.sendall(message(HELLO, secret))
             connection = LaneConnection(wire)
             answer = read_message(wire, connection.scratch, _MESSAGE.size + _ERROR.size

@@ -152,19 +152,20 @@ class TlsStream:
         self.sock.close()
 
 
-def accept(sock: socket.socket, tls: TlsConfig, deadline: float) -> TlsStream:
-    """The listener's side of a new lane connection, its TLS handshake done by
-    ``deadline`` (else TimeoutError; ssl.SSLError: refused)."""
-    stream = TlsStream(sock, server_context(tls), True, None)
+def accept(sock: socket.socket, context: ssl.SSLContext, deadline: float) -> TlsStream:
+    """The listener's side of a new lane connection (``server_context``), its TLS
+    handshake done by ``deadline`` (else TimeoutError; ssl.SSLError: refused)."""
+    stream = TlsStream(sock, context, True, None)
     stream.handshake(deadline)
     return stream
 
 
-def dial(sock: socket.socket, tls: TlsConfig, host: str, deadline: float) -> TlsStream:
-    """The channel's side of a new lane connection to ``host``, its TLS handshake done by
-    ``deadline`` (else TimeoutError; ssl.SSLCertVerificationError: not the listener's
-    certificate)."""
-    stream = TlsStream(sock, client_context(tls), False, host)
+def dial(sock: socket.socket, context: ssl.SSLContext, host: str, deadline: float
+         ) -> TlsStream:
+    """The channel's side of a new lane connection to ``host`` (``client_context``), its
+    TLS handshake done by ``deadline`` (else TimeoutError; ssl.SSLCertVerificationError:
+    not the listener's certificate)."""
+    stream = TlsStream(sock, context, False, host)
     stream.handshake(deadline)
     return stream
 
