@@ -25,7 +25,8 @@ class ReadTimings:
 
     heartbeat_s: float = _timing(
         0.5, "between the consumer's heartbeats to the dispatcher (which list the job's "
-        "workers)")
+        "workers when they changed); longer when the dispatcher says so (its "
+        "consumer_heartbeat_rate limit)")
     no_worker_poll_s: float = _timing(
         0.02, "between heartbeats while the job has no worker yet")
     read_wait_s: float = _timing(
