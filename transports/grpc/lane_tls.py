@@ -78,14 +78,16 @@ class TlsStream:
         """Plaintext into ``view``: the byte count, 0 at the connection's end."""
         while True:
             with self._lock:
-                try:
-                    return self._read(view)
-                except ssl.SSLWantReadError:
-                    pass
-                except ssl.SSLZeroReturnError:
-                    return 0
-                except ssl.SSLError as err:
-                    raise ConnectionResetError(f"TLS: {err}") from None
+                # With nothing received, skip the read (it would raise) and wait for bytes.
+                if self._incoming.pending or self._tls.pending():
+                    try:
+                        return self._read(view)
+                    except ssl.SSLWantReadError:
+                        pass  # part of a record
+                    except ssl.SSLZeroReturnError:
+                        return 0
+                    except ssl.SSLError as err:
+                        raise ConnectionResetError(f"TLS: {err}") from None
             count = self.sock.recv_into(self._raw)  # the socket's timeouts raise here
             if not count:
                 return 0
