@@ -27,6 +27,7 @@ from clusterwire.security import Security, TlsConfig
 from clusterwire.testing.floods import SilentFlood, require_descriptors
 from clusterwire.testing.peer import SLEEP, echo_handler
 from clusterwire.transport import Frame, ListenOptions
+from clusterwire.transports._grpc_common.call_pool import set_receive_timeout
 from clusterwire.transports.grpc import lane, lane_tls
 from clusterwire.transports.grpc.transport import GrpcListener, GrpcTransport
 
@@ -383,3 +384,51 @@ def test_bad_pem_material_is_invalid_argument():
                                           private_key=b"nor a key"))
     with pytest.raises(errors.InvalidArgumentError, match="tls_ca_file"):
         lane_tls.client_context(TlsConfig(root_certificates=b"not a CA"))
+
+
+def test_a_tls_stream_resumes_partial_writes_and_survives_receive_timeouts(pki):
+    """Over a socket pair with small kernel buffers: megabytes in many parts arrive whole and
+    in order through partial sends; a receive that times out (the kernel timeout the lane
+    arms) raises as the socket's would, and the next one reads on with the TLS intact."""
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        for sock in (ours, theirs):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        accepted: list[lane_tls.TlsStream] = []
+        server = threading.Thread(target=lambda: accepted.append(lane_tls.accept(
+            theirs, lane_tls.server_context(server_tls(pki)), time.monotonic() + 10)))
+        server.start()
+        client = lane_tls.dial(ours, lane_tls.client_context(client_tls(pki)), "127.0.0.1",
+                               time.monotonic() + 10)
+        server.join(10)
+        (listener_side,) = accepted
+        listener_side.settimeout(None)
+        set_receive_timeout(listener_side, 0.05)
+        with pytest.raises(BlockingIOError):  # nothing sent yet: the kernel timeout
+            listener_side.recv_into(memoryview(bytearray(16)))
+        parts = [memoryview(bytes([index % 251]) * size)
+                 for index, size in enumerate([0, 7, 70_000, 1, 3 << 20, 100, 0, 999])]
+        expected = b"".join(parts)
+        received = bytearray()
+
+        def read() -> None:
+            view = memoryview(bytearray(1000))
+            while len(received) < len(expected):
+                try:
+                    count = listener_side.recv_into(view)
+                except BlockingIOError:
+                    continue  # the kernel timeout while the writer is blocked
+                if not count:
+                    return
+                received.extend(view[:count])
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        client.settimeout(None)
+        assert client.sendmsg(parts) == len(expected)
+        reader.join(30)
+        assert not reader.is_alive() and bytes(received) == expected
+        client.sendall(b"after")
+        view = memoryview(bytearray(16))
+        assert bytes(view[:listener_side.recv_into(view)]) == b"after"
