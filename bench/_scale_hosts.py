@@ -16,8 +16,8 @@ client interpreter on host H holds one ``Session`` per task. Measured, in this o
   whole cluster it was given;
 - ``idle_cpu_pct_per_task`` (mean; ``idle_cpu_pct_max``): after ``--settle`` s, the tasks'
   CPU time (utime + stime, /proc/PID/stat) over ``--idle-seconds`` s of no requests, as a
-  share of one core; ``pss_mib_per_task``: their mean Pss (smaps_rollup) at its end, and
-  ``threads_per_task``;
+  share of one core; ``pss_mib_per_task``: the mean Pss (smaps_rollup) at its end of 64
+  tasks evenly spread (all, up to 127 tasks), and ``threads_per_task``;
 - ``barrier_ms``: ``--barrier-rounds`` rounds of ``barrier("b")`` of every task at once
   (a thread per task in the client, as bench_barrier_hosts.py): the first round and the
   median / max of the others ("steady"); and the busiest task's barrier calls a round;
@@ -38,14 +38,16 @@ SIGTERM.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -57,6 +59,9 @@ from clusterwire.testing.hosts import EmulatedHosts, Served, netns_available
 PORT = 2222
 JOB = "w"
 POLLERS = 32
+#: Pss is read from about this many tasks, evenly spread (reading smaps_rollup walks a
+#: process's page tables: on a saturated machine, minutes for hundreds of tasks).
+PSS_SAMPLE = 64
 #: How long a task count's whole run may take before it is given up (then cleaned up).
 START_TIMEOUT_S = 600.0
 #: The two CPU hogs of the false-down window: .ci/busy's, ending once their parent is gone.
@@ -138,20 +143,49 @@ def _raise(signum: int, _frame: Any) -> None:
     raise TimedOut(f"signal {signal.Signals(signum).name}")
 
 
+def _memory_watch(min_free_mib: float, step: Callable[[str], None]) -> None:
+    """End the run (SIGTERM to this process: the test bed is removed) if the machine's
+    available memory falls below ``min_free_mib``, before its OOM killer picks a victim."""
+    while True:
+        free = mem_available_mib()
+        if free < min_free_mib:
+            step(f"MemAvailable {free:.0f} MiB < --min-free-mib {min_free_mib:g}: ending the run")
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        time.sleep(0.5)
+
+
 def _task_args(cluster: str, index: int, config: str) -> list[str]:
     return ["serve", "--cluster", cluster, "--job-name", JOB, "--task-index", str(index),
             "--config", config]
 
 
+def mem_available_mib() -> float:
+    """The machine's MemAvailable (/proc/meminfo), in MiB."""
+    with open("/proc/meminfo") as meminfo:
+        return next(int(line.split()[1]) for line in meminfo
+                    if line.startswith("MemAvailable:")) / 1024
+
+
 def start_tasks(bed: EmulatedHosts, hosts: int, tasks: int, config: str,
-                env: dict[str, str]) -> list[Served]:
-    """Every task started (each host forks its own, the hosts in parallel) and serving."""
+                env: dict[str, str], min_free_mib: float) -> list[Served]:
+    """Every task started (each host forks its own, the hosts in parallel) and serving;
+    ``MemoryError`` naming the counts if the machine's available memory falls below
+    ``min_free_mib`` before a task is started (the machine's other users are not pushed
+    into its OOM killer)."""
     layout = [f"{bed[i % hosts].address}:{PORT + i // hosts}" for i in range(tasks)]
     cluster = json.dumps({JOB: layout})
 
+    def serve(host: int, index: int) -> Served:
+        free = mem_available_mib()
+        if free < min_free_mib:
+            raise MemoryError(
+                f"MemAvailable {free:.0f} MiB < --min-free-mib {min_free_mib:g} after "
+                f"{len(bed.tasks)} of {tasks} tasks started")
+        return bed[host].serve(*_task_args(cluster, index, config), env=env)
+
     def host_tasks(host: int) -> list[tuple[int, Served]]:
-        started = [(i, bed[host].serve(*_task_args(cluster, i, config), env=env))
-                   for i in range(host, tasks, hosts)]
+        started = [(i, serve(host, i)) for i in range(host, tasks, hosts)]
         for _, served in started:
             served.wait_ready(START_TIMEOUT_S)
         return started
@@ -176,8 +210,20 @@ def idle_cost(pids: list[int], seconds: float) -> dict[str, float]:
                                 if line.startswith("Threads:")))
     return {"idle_cpu_pct_per_task": round(statistics.fmean(cpu), 4),
             "idle_cpu_pct_max": round(max(cpu), 4), "idle_s": round(elapsed, 1),
-            "pss_mib_per_task": round(statistics.fmean(pss_mib(pid) for pid in pids), 2),
+            "pss_mib_per_task": round(statistics.fmean(
+                pss_mib(pid) for pid in pids[::max(1, len(pids) // PSS_SAMPLE)]), 2),
             "threads_per_task": round(statistics.fmean(threads), 1)}
+
+
+@contextlib.contextmanager
+def _killing_tasks(bed: EmulatedHosts) -> Iterator[None]:
+    """SIGKILL every task from here on the way out, before the test bed's teardown: its
+    zygotes, one host after another, would each have to be scheduled first to kill theirs."""
+    try:
+        yield
+    finally:
+        for task in bed.tasks:
+            task.kill()
 
 
 def measure(args: argparse.Namespace, tasks: int, step: Callable[[str], None]) -> dict:
@@ -189,16 +235,20 @@ def measure(args: argparse.Namespace, tasks: int, step: Callable[[str], None]) -
     result: dict[str, Any] = {"tasks": tasks, "hosts": hosts,
                               "probe_interval_s": args.probe_interval,
                               "load_start": round(os.getloadavg()[0], 1)}
-    with EmulatedHosts(hosts + 1) as bed:
+    with EmulatedHosts(hosts + 1) as bed, _killing_tasks(bed):
         step(f"n={tasks}: starting {tasks} tasks on {hosts} hosts")
         began = time.perf_counter()
-        served = start_tasks(bed, hosts, tasks, config, env)
+        result["mem_available_mib_before"] = round(mem_available_mib())
+        served = start_tasks(bed, hosts, tasks, config, env, args.min_free_mib)
+        result["mem_available_mib_up"] = round(mem_available_mib())
         result["up_s"] = round(time.perf_counter() - began, 2)
         step(f"n={tasks}: up in {result['up_s']} s; settling {args.settle:g} s, then idle "
              f"{args.idle_seconds:g} s")
         time.sleep(args.settle)  # SWIM's first rounds and the start's work done
         result.update(idle_cost([s.process.pid for s in served], args.idle_seconds))
         result["load_idle"] = round(os.getloadavg()[0], 1)
+        step(f"n={tasks}: idle {result['idle_cpu_pct_per_task']}% of a core a task, Pss "
+             f"{result['pss_mib_per_task']} MiB, load {result['load_idle']}")
 
         client = bed[hosts].interpreter(env)
         client.exec(CLIENT.replace("TARGETS", repr([s.target for s in served]))
@@ -208,8 +258,11 @@ def measure(args: argparse.Namespace, tasks: int, step: Callable[[str], None]) -
             raise RuntimeError("a task answered as another task")
         step(f"n={tasks}: {args.barrier_rounds} barrier rounds")
         result.update(barrier(client, args))
+        step(f"n={tasks}: barrier {result['barrier_ms'] or result.get('barrier_error')}")
         step(f"n={tasks}: {args.false_down_seconds:g} s beside two CPU hogs")
         result.update(false_down(client, args.false_down_seconds))
+        step(f"n={tasks}: {result['false_down']} marked down falsely in "
+             f"{result['false_down_passes']} passes, load {result['load_hogs']}")
         victims = list(range(hosts - 1, tasks, hosts))
         step(f"n={tasks}: SIGKILL the {len(victims)} tasks of host {hosts - 1}")
         result.update(down_detect(client, served, victims, args.down_timeout))
@@ -280,6 +333,8 @@ def main(args: argparse.Namespace, step: Callable[[str], None]) -> int:
             return 2
     signal.signal(signal.SIGTERM, _raise)
     signal.signal(signal.SIGALRM, _raise)
+    threading.Thread(target=_memory_watch, args=(args.min_free_mib, step), daemon=True,
+                     name="bench-memory-watch").start()
     for tasks in args.tasks:
         signal.alarm(int(args.run_timeout))
         try:

@@ -784,6 +784,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="seconds a killed host's tasks may take to be down everywhere")
     hosts.add_argument("--status-timeout", type=float, default=30.0,
                        help="the client's status() deadline (default 30)")
+    hosts.add_argument("--min-free-mib", type=float, default=2048.0,
+                       help="end the run (every task killed) when the machine's "
+                       "MemAvailable falls below this (default 2048)")
     hosts.add_argument("--run-timeout", type=float, default=3600.0,
                        help="seconds one task count's run may take, then it is ended and "
                        "cleaned up (default 3600)")
