@@ -59,6 +59,7 @@ class SwimDriver:
         self._free = threading.BoundedSemaphore(senders)
         self._senders = futures.ThreadPoolExecutor(senders, thread_name_prefix="clusterwire-swim")
         self._wake = threading.Event()
+        self._sleep_until = 0.0  # when the ticker wakes next, unless woken (time.monotonic())
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name="clusterwire-swim-ticker")
@@ -113,6 +114,7 @@ class SwimDriver:
                     f"{self.name} has not started SWIM yet; send again in a moment.")
             out = self._swim.receive(time.monotonic(), message)
             self._heard[message.sender] = time.time()
+            sooner = self._sooner()
         answer = b""
         rest = []
         for member, reply in out:
@@ -121,7 +123,8 @@ class SwimDriver:
             else:
                 rest.append((member, reply))
         self._dispatch(rest)
-        self._wake.set()  # the message may have moved the next wakeup
+        if sooner:
+            self._wake.set()
         return answer
 
     def states(self) -> dict[Task, swim.State]:
@@ -184,9 +187,15 @@ class SwimDriver:
                 self._follow_moves()
                 now = time.monotonic()
                 out = self._swim.tick(now)
-                wakeup = self._swim.next_wakeup()
+                self._sleep_until = min(self._swim.next_wakeup(),
+                                        now + self.config.probe_interval)
             self._dispatch(out)
-            self._wake.wait(max(0.0, min(wakeup - time.monotonic(), self.config.probe_interval)))
+            self._wake.wait(max(0.0, self._sleep_until - time.monotonic()))
+
+    def _sooner(self) -> bool:
+        """Whether the state machine's next wakeup is now before the ticker's (under the
+        lock): only then is the ticker woken, so an acknowledged probe costs it no wake."""
+        return self._swim.next_wakeup() < self._sleep_until
 
     def _addresses(self) -> dict[str, str]:
         """Member name -> address in the current view (rebuilt when the view changes)."""
@@ -234,10 +243,12 @@ class SwimDriver:
                 with self._lock:
                     out = self._swim.receive(time.monotonic(), reply)
                     self._heard[reply.sender] = time.time()
+                    sooner = self._sooner()
             except errors.OpError:
                 self.dropped["answer refused"] += 1
                 return
             self._dispatch(out)
-            self._wake.set()
+            if sooner:
+                self._wake.set()
         finally:
             self._free.release()
