@@ -73,7 +73,6 @@ _LOG = logging.getLogger("clusterwire")
 class _Route(NamedTuple):
     """Where requests with one header go: kept per header while the view is the same."""
 
-    view: View  # the membership view ``address`` is of
     address: str
     header: bytes  # the header as forwarded
     method: str
@@ -349,9 +348,9 @@ class ClusterService:
                 raise errors.InvalidArgumentError(f"Malformed request header: {err}") from None
             if request.has_task and (request.task.job, request.task.index) != (
                     self.job, self.index):
-                route = self._route(request)
+                view, route = self._route(request)
                 if len(header) <= codec.PLAN_KEY_MAX:
-                    self._remember_route(header, route)
+                    self._remember_route(header, view, route)
                 return self._send_on(route, frame.buffers)
             serve = self._prepare(request)
             if serve is None:
@@ -391,18 +390,18 @@ class ClusterService:
         if method in _AT_ONCE:
             self._peers.note_unreachable(address, err.message)
 
-    def _remember_route(self, header: bytes, route: _Route) -> None:
-        """Keep ``route`` for requests with ``header`` while its view is the task's (the
-        routes of an older view are dropped with it, not kept alive)."""
-        view, routes = self._routes
-        if view is not route.view:
+    def _remember_route(self, header: bytes, view: View, route: _Route) -> None:
+        """Keep ``route`` (of membership ``view``) for requests with ``header`` while the
+        view is the task's (the routes of an older view are dropped with it)."""
+        kept_view, routes = self._routes
+        if kept_view is not view:
             routes = {}
-            self._routes = (route.view, routes)
+            self._routes = (view, routes)
         codec.remember(routes, header, route)
 
-    def _route(self, request: Request) -> _Route:
-        """Where ``request`` (for another task) goes in the current view, with its header as
-        forwarded: one more hop, nothing else changed."""
+    def _route(self, request: Request) -> tuple[View, _Route]:
+        """The current view and where ``request`` (for another task) goes in it, with its
+        header as forwarded: one more hop, nothing else changed."""
         if request.hops >= _MAX_HOPS:
             raise errors.InternalError(
                 f"Request for /job:{request.task.job}/task:{request.task.index} was forwarded "
@@ -418,11 +417,11 @@ class ClusterService:
             # in this task's error before the caller's own deadline passes.
             timeout = min(request.timeout_seconds, self._peers.timeout)
         method = request.method
-        return _Route(view, address, request.SerializeToString(), method,
-                      method if method in METHODS else "unknown", timeout)
+        return view, _Route(address, request.SerializeToString(), method,
+                            method if method in METHODS else "unknown", timeout)
 
     def _forward(self, request: Request, buffers: Sequence[Buffer]) -> Frame:
-        return self._send_on(self._route(request), buffers)
+        return self._send_on(self._route(request)[1], buffers)
 
     def _send_on(self, route: _Route, buffers: Sequence[Buffer]) -> Frame:
         """Forward a request along ``route``: the peer's answer."""
