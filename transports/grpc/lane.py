@@ -288,7 +288,7 @@ class LaneServer(TicketPort):
             wire.settimeout(None)  # kernel timeouts from here (no poll per receive)
             set_receive_timeout(wire, self._limits.message_idle_timeout_seconds)
             wire.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                                  timeval(self._limits.message_idle_timeout_seconds))
+                            timeval(self._limits.message_idle_timeout_seconds))
             served.send(message(READY))
             served.serve()
         finally:
