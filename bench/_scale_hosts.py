@@ -52,7 +52,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from bench_hosts import pss_mib
-from bench_idle import cpu_seconds
 
 from clusterwire.testing.hosts import EmulatedHosts, Served, netns_available
 
@@ -133,6 +132,16 @@ def watch_down(survivors, victims, deadline):
         passes.append(time.monotonic() - started)
     return seen, sorted(left), passes, failures
 """
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (/proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
 
 
 class TimedOut(Exception):
