@@ -432,3 +432,16 @@ def test_a_tls_stream_resumes_partial_writes_and_survives_receive_timeouts(pki):
         client.sendall(b"after")
         view = memoryview(bytearray(16))
         assert bytes(view[:listener_side.recv_into(view)]) == b"after"
+
+
+def test_a_channel_without_a_ca_file_trusts_grpcs_roots_file(pki, monkeypatch):
+    """Without tls_ca_file the lane trusts what gRPC trusts: the file
+    GRPC_DEFAULT_SSL_ROOTS_FILE_PATH names (else the system's roots)."""
+    monkeypatch.setenv("GRPC_DEFAULT_SSL_ROOTS_FILE_PATH", str(pki["ca"].pair.cert))
+    with listening(server_tls(pki)) as listener, channel_to(listener.address,
+                                                            TlsConfig()) as channel:
+        echo(channel)
+        assert channel._lane.calls == 1
+    monkeypatch.setenv("GRPC_DEFAULT_SSL_ROOTS_FILE_PATH", "/nonexistent/roots.pem")
+    with pytest.raises(errors.InvalidArgumentError, match="GRPC_DEFAULT_SSL_ROOTS_FILE_PATH"):
+        lane_tls.client_context(TlsConfig())

@@ -3,10 +3,11 @@ inside TLS, with the certificates its gRPC port uses.
 
 The listener presents its certificate chain and asks for a client certificate signed by its
 ``root_certificates`` when ``require_client_auth`` is set (mutual TLS), as its gRPC port
-does; the channel checks the listener against its ``root_certificates`` (the system's when
-None) and the host of the address it dialled (an IP address against the certificate's IP
-SANs), as gRPC does, and presents its own certificate when it has one. TLS 1.2 at least;
-no session tickets (a lane connection lives long and is not resumed).
+does; the channel checks the listener against its ``root_certificates`` (when None: the
+file ``GRPC_DEFAULT_SSL_ROOTS_FILE_PATH`` names, as gRPC reads it, else the system's) and
+the host of the address it dialled (an IP address against the certificate's IP SANs), as
+gRPC does, and presents its own certificate when it has one. TLS 1.2 at least; no session
+tickets (a lane connection lives long and is not resumed).
 
 The TLS runs over memory buffers (``ssl.MemoryBIO``), the socket's bytes moved by
 ``TlsStream``: the lane keeps its own socket timeouts (the kernel receive timeout that
@@ -189,14 +190,26 @@ def server_context(tls: TlsConfig) -> ssl.SSLContext:
     return context
 
 
-@functools.lru_cache(maxsize=16)
 def client_context(tls: TlsConfig) -> ssl.SSLContext:
     """The channel's TLS context (the listener checked against the roots and the host
     name; its own certificate for mutual TLS)."""
+    return _client_context(tls, os.environ.get("GRPC_DEFAULT_SSL_ROOTS_FILE_PATH"))
+
+
+@functools.lru_cache(maxsize=16)
+def _client_context(tls: TlsConfig, roots_file: str | None) -> ssl.SSLContext:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # hostname and certificate checked
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     if tls.root_certificates:
         _load_roots(context, tls.root_certificates)
+    elif roots_file:
+        try:
+            context.load_verify_locations(cafile=roots_file)
+        except (ssl.SSLError, OSError) as err:
+            raise errors.InvalidArgumentError(
+                f"GRPC_DEFAULT_SSL_ROOTS_FILE_PATH={roots_file!r} does not load for the fast "
+                f"lane: {err}. Point it at a PEM file of CA certificates, or set "
+                "tls_ca_file.") from None
     else:
         context.load_default_certs(ssl.Purpose.SERVER_AUTH)
     if tls.certificate_chain and tls.private_key:
