@@ -152,15 +152,29 @@ def _raise(signum: int, _frame: Any) -> None:
     raise TimedOut(f"signal {signal.Signals(signum).name}")
 
 
+#: The machine's state is logged this often (memory, threads, load, tasks started).
+WATCH_LOG_S = 30.0
+_bed: list[EmulatedHosts] = []  # the test bed of the run under way, for the watch's log
+
+
 def _memory_watch(min_free_mib: float, step: Callable[[str], None]) -> None:
     """End the run (SIGTERM to this process: the test bed is removed) if the machine's
-    available memory falls below ``min_free_mib``, before its OOM killer picks a victim."""
+    available memory falls below ``min_free_mib``, before its OOM killer picks a victim;
+    log the machine's state every WATCH_LOG_S."""
+    logged = time.monotonic()
     while True:
         free = mem_available_mib()
         if free < min_free_mib:
             step(f"MemAvailable {free:.0f} MiB < --min-free-mib {min_free_mib:g}: ending the run")
             os.kill(os.getpid(), signal.SIGTERM)
             return
+        if time.monotonic() - logged > WATCH_LOG_S:
+            logged = time.monotonic()
+            with open("/proc/loadavg") as loadavg:
+                load = loadavg.read().split()
+            started = len(_bed[-1].tasks) if _bed else 0
+            step(f"machine: MemAvailable {free:.0f} MiB, threads running/all {load[3]}, "
+                 f"load {load[0]}; {started} tasks started")
         time.sleep(0.5)
 
 
@@ -245,6 +259,7 @@ def measure(args: argparse.Namespace, tasks: int, step: Callable[[str], None]) -
                               "probe_interval_s": args.probe_interval,
                               "load_start": round(os.getloadavg()[0], 1)}
     with EmulatedHosts(hosts + 1) as bed, _killing_tasks(bed):
+        _bed.append(bed)
         step(f"n={tasks}: starting {tasks} tasks on {hosts} hosts")
         began = time.perf_counter()
         result["mem_available_mib_before"] = round(mem_available_mib())
