@@ -7,7 +7,8 @@ heartbeat names the version it holds (``ClientHeartbeatRequest.workers_version``
 reply carries the list only when that is not the current one: a steady consumer's heartbeat
 costs the same with 1,000 workers as with 10. One that names none (0: its first heartbeat,
 or a consumer from before versions) gets the list. Every reply is serialized once per
-version, finished flag and with or without the list, and the bytes are shared.
+version, finished flag, floor (below) and with or without the list, and the bytes are
+shared.
 
 Versions start at a random point in each dispatcher process, so that a version a consumer
 holds from a dispatcher before a restart or a standby's takeover names no list of this one.
