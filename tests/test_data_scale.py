@@ -362,3 +362,30 @@ def test_a_reader_heartbeats_no_faster_than_the_dispatcher_says(monkeypatch):
     finally:
         worker.stop()
         dispatcher.stop()
+
+
+def test_a_static_jobs_list_is_its_configured_workers_in_order_versioned():
+    order = ["light-0002:1", "light-0000:1", "light-0001:1"]
+    server = data.DispatchServer(data.DispatcherConfig(
+        bind_address="127.0.0.1", worker_addresses=order, worker_timeout_ms=WORKER_TIMEOUT_MS))
+    client = DispatcherClient("grpc", server.target.split("://")[1], 10.0, load_security({}))
+    try:
+        for index in (0, 2):  # worker 1 not yet
+            _beat(client, index)
+        job_id = _job(client, ShardingPolicy.DATA, "c")
+        first = _heartbeat(client, job_id)
+        assert [w.address for w in first.workers] == ["light-0002:1", "light-0000:1"]
+        steady = _heartbeat(client, job_id, version=first.workers_version)
+        assert list(steady.workers) == [] and steady.workers_version == first.workers_version
+
+        _beat(client, 1)  # joins: listed in its configured place, a new version
+        joined = _heartbeat(client, job_id, version=first.workers_version)
+        assert [w.address for w in joined.workers] == order
+        assert joined.workers_version != first.workers_version
+        _beat(client, 0, transfer="light-0000:2")  # changes
+        changed = _heartbeat(client, job_id, version=joined.workers_version)
+        assert changed.workers[1].transfer_address == "light-0000:2"
+        assert list(_heartbeat(client, job_id, version=changed.workers_version).workers) == []
+    finally:
+        client.close()
+        server.stop()
