@@ -198,8 +198,11 @@ def start_tasks(bed: EmulatedHosts, hosts: int, tasks: int, config: str,
     into its OOM killer)."""
     layout = [f"{bed[i % hosts].address}:{PORT + i // hosts}" for i in range(tasks)]
     cluster = json.dumps({JOB: layout})
+    abandoned = threading.Event()
 
     def serve(host: int, index: int) -> Served:
+        if abandoned.is_set():
+            raise TimedOut("the start-up was abandoned")
         free = mem_available_mib()
         if free < min_free_mib:
             raise MemoryError(
@@ -213,9 +216,17 @@ def start_tasks(bed: EmulatedHosts, hosts: int, tasks: int, config: str,
             served.wait_ready(START_TIMEOUT_S)
         return started
 
-    with ThreadPoolExecutor(hosts) as pool:
+    # Not a with-block: on an error or a timeout the hosts' threads, still forking and
+    # waiting, are left to end once the tasks are killed, not waited for.
+    pool = ThreadPoolExecutor(hosts)
+    try:
         by_index = dict(pair for started in pool.map(host_tasks, range(hosts))
                         for pair in started)
+    except BaseException:
+        abandoned.set()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
     return [by_index[i] for i in range(tasks)]
 
 
@@ -363,6 +374,10 @@ def main(args: argparse.Namespace, step: Callable[[str], None]) -> int:
         signal.alarm(int(args.run_timeout))
         try:
             result = measure(args, tasks, step)
+        except TimedOut as err:
+            step(f"n={tasks}: ended by {err} (--run-timeout {args.run_timeout:g} s, or "
+                 "--min-free-mib); every task and namespace removed")
+            return 1
         finally:
             signal.alarm(0)
         line = json.dumps(result)
