@@ -1,10 +1,18 @@
 """The zmq listener: a ROUTER socket served by a small pool of worker threads.
 
-Leader/follower style: up to two idle workers wait on the socket; the one that receives
-a request runs the handler and sends the reply itself, and if no idle worker is left it
-wakes a parked one (or starts one, up to ``max_workers``). After a call a worker reads
-again before it waits or parks (see router.py for why). A plain accept-then-dispatch
-pool would put two thread hand-offs on every call, about 25 us on 2 cores.
+One thread at a time, the leader, waits on the socket. The request it receives it serves
+inline, handler and reply, and then leads again (or, when another thread leads meanwhile,
+serves what is queued and parks): a sequence of small calls is served by one thread, as a
+bare pyzmq server serves them, with no other thread woken. Two threads (or more) waiting
+on the socket cost more than they save: a request arriving as the last one's thread went
+back to the socket woke both, and they traded the GIL and the socket's lock.
+
+A call must not hold the other requests back, so another thread leads while it runs:
+at once when its handler waits on other requests (``clusterwire.thread_pool.parked``),
+and after ``STANDBY_SECONDS`` otherwise: an idle thread, the standby, wakes that often
+while calls are served and takes the socket when one and the same call has kept it
+leaderless for a whole interval (it sleeps until the next call once one interval passed
+without any). At most ``max_workers`` threads work at once (parked waits do not count).
 """
 
 from __future__ import annotations
@@ -26,8 +34,8 @@ from clusterwire_zmq.guard import ConnectionGuard
 from clusterwire_zmq.options import Settings
 from clusterwire_zmq.router import SharedRouter
 
-#: Idle workers kept waiting on the socket: one to take the next request, one spare.
-_POLLERS = 2
+#: How long a call may keep the socket without a leader before the standby takes it.
+STANDBY_SECONDS = 0.005
 #: How long replies already queued (and the CANCELLED answers of a stop) may take to flush.
 _FLUSH_MS = 1000
 
@@ -81,12 +89,18 @@ class ZmqListener(Listener):
         self._inline_max = settings.inline_bytes
         self._lock = threading.Lock()
         self._calls_changed = threading.Condition(self._lock)
-        self._wakeup = threading.Condition(self._lock)
+        self._wakeup = threading.Condition(self._lock)  # parked threads but the standby
+        self._standby_wakeup = threading.Condition(self._lock)
         # In-flight calls: token -> [routing id, request id, cancelled by stop()].
         self._calls: dict[int, list] = {}
         self._tokens = itertools.count()
-        self._threads = self._idle = self._parked = self._wakeups = 0
+        self._threads = self._parked = self._wakeups = 0
         self._waiting = 0  # workers in a handler's parked() wait: not counted as working
+        self._leading = False  # a thread waits on the socket, or is on its way there
+        self._handoffs = 0  # how often the leader left the socket to serve a request
+        self._standby = False  # a parked thread is the standby
+        self._standby_asleep = False  # ... and waits for the next handoff, not on a timer
+        self._standby_leads = False  # ... and is to lead
         self._started = self._stopping = False
         self._stopped = threading.Event()
 
@@ -99,13 +113,16 @@ class ZmqListener(Listener):
             if self._started or self._stopping:
                 return
             self._started = True
-            for _ in range(min(_POLLERS, self._max_workers)):
-                self._spawn()
+            self._leading = True
+            self._start_thread(lead=True)
+            if self._max_workers > 1:
+                self._start_thread(lead=False)
 
     def stop(self, grace: float | None = None) -> None:
         with self._lock:
             stopping, self._stopping = self._stopping, True
             self._wakeup.notify_all()
+            self._standby_wakeup.notify_all()
         if stopping:
             self._stopped.wait()
             return
@@ -128,73 +145,126 @@ class ZmqListener(Listener):
     def connections(self) -> int:
         return self._guard.admitted()
 
-    def _spawn(self) -> None:
-        """Under the lock: one more idle worker, woken from the parked ones or new."""
-        if self._parked > self._wakeups:
+    def _start_thread(self, lead: bool) -> None:
+        """Under the lock: one more worker, to lead or to park."""
+        self._threads += 1
+        threading.Thread(target=self._work, args=(lead,), name="clusterwire-zmq",
+                         daemon=True).start()
+
+    def _working(self) -> int:
+        """Under the lock: threads serving or leading (not parked, not in a parked() wait)."""
+        return self._threads - self._waiting - self._parked
+
+    def _promote(self) -> None:
+        """Under the lock, with no leader: make a parked thread (or a new one) lead."""
+        if self._parked > self._wakeups + self._standby:
             self._wakeups += 1
             self._wakeup.notify()
+        elif self._standby and not self._standby_leads:
+            self._standby_leads = True
+            self._standby_wakeup.notify()
         elif self._threads - self._waiting < self._max_workers:
-            self._threads += 1
-            threading.Thread(target=self._work, name="clusterwire-zmq", daemon=True).start()
+            self._start_thread(lead=True)
         else:
             return  # every worker is busy: requests wait in the socket's queue
-        self._idle += 1
+        self._leading = True
 
     def park(self) -> None:
         """A handler waits on other requests (clusterwire.thread_pool.parked): let another
-        worker take the socket meanwhile, beyond max_workers if need be."""
+        worker lead meanwhile, beyond max_workers if need be."""
         with self._lock:
             self._waiting += 1
-            if self._idle == 0 and not self._stopping:
-                self._spawn()
+            if not self._leading and not self._stopping:
+                self._promote()
 
     def unpark(self) -> None:
         with self._lock:
             self._waiting -= 1
 
-    def _work(self) -> None:
+    def _work(self, lead: bool) -> None:
         serve_parking(self)
         poller = self._router.poller()
         try:
             if poller is not None:  # None: the listener stopped before this thread began
                 with poller:
-                    self._serve_requests(poller)
+                    if lead or self._park():
+                        self._lead(poller)
         finally:
             with self._lock:
                 self._threads -= 1
 
-    def _serve_requests(self, poller: select.epoll) -> None:
+    def _lead(self, poller: select.epoll) -> None:
+        """Wait on the socket and serve; give the socket up only to park."""
         while True:
             parts = self._router.receive(poller)
             with self._lock:
-                self._idle -= 1
+                self._leading = False
+                self._handoffs += 1
                 if parts is None or self._stopping:
                     return
-                if self._idle == 0:
-                    self._spawn()
+                if self._standby_asleep:
+                    self._standby_asleep = False
+                    self._standby_wakeup.notify()
             while parts is not None:
                 self._serve(parts)
+                with self._lock:
+                    if self._stopping:
+                        return
+                    lead = not self._leading
+                    self._leading = True
+                if lead:
+                    break
+                # Another thread leads. Our reply may have consumed libzmq's signal of a
+                # request that arrived meanwhile: read before parking.
                 parts = self._router.receive(poller, block=False)
-            if not self._rejoin():
-                return
+            else:
+                if not self._park():
+                    return
 
-    def _rejoin(self) -> bool:
-        """After a call: wait on the socket again, or park while enough others do."""
+    def _park(self) -> bool:
+        """Wait until told to lead (True), or False when this thread is to end."""
         with self._lock:
-            if self._stopping:
-                return False
-            if self._idle < _POLLERS:
-                self._idle += 1
-                return True
             if self._threads - self._waiting > self._max_workers:
                 return False  # started while others waited parked: no longer needed
             self._parked += 1
-            self._wakeup.wait_for(lambda: self._wakeups or self._stopping)
-            self._parked -= 1
-            if self._stopping:
-                return False
-            self._wakeups -= 1
-            return True
+            try:
+                if not self._standby:
+                    return self._stand_by()
+                self._wakeup.wait_for(lambda: self._wakeups or self._stopping)
+                if self._stopping:
+                    return False
+                self._wakeups -= 1
+                return True
+            finally:
+                self._parked -= 1
+
+    def _stand_by(self) -> bool:
+        """Under the lock, parked: the standby's wait (see the module's docstring)."""
+        self._standby = True
+        try:
+            seen, timed = self._handoffs, True
+            while not self._stopping:
+                if self._standby_leads:
+                    return True
+                if not timed:  # no call in a whole interval: sleep until the next one
+                    self._standby_asleep = True
+                    self._standby_wakeup.wait()
+                    self._standby_asleep = False
+                    seen, timed = self._handoffs, True
+                    continue
+                self._standby_wakeup.wait(STANDBY_SECONDS)
+                if self._standby_leads or seen != self._handoffs:
+                    seen = self._handoffs
+                elif self._leading:
+                    timed = False
+                elif self._working() < self._max_workers:
+                    self._leading = True  # one call held the socket for a whole interval
+                    if self._threads - self._waiting < self._max_workers:
+                        self._start_thread(lead=False)  # the next standby
+                    return True
+            return False
+        finally:
+            self._standby = self._standby_leads = self._standby_asleep = False
 
     def _serve(self, parts: list[zmq.Frame]) -> None:
         if len(parts) < 2:

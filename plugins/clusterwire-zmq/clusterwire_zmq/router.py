@@ -1,20 +1,20 @@
 """A ROUTER socket shared by a listener's worker threads.
 
 zmq sockets are not thread-safe, so every zmq call on the socket happens under one lock,
-and a thread waiting for a request blocks in ``poll`` on the socket's ``ZMQ_FD`` (outside
-the lock), never inside libzmq. That lets the thread that receives a request also run the
-handler and send the reply: no hand-off between threads on the path of a call.
+and the thread waiting for a request (the listener's leader: one at a time) blocks in
+``poll`` on the socket's ``ZMQ_FD`` (outside the lock), never inside libzmq. That lets the
+thread that receives a request also run the handler and send the reply: no hand-off
+between threads on the path of a call.
 
 libzmq signals ``ZMQ_FD`` for a connection's next message only once a read (or a
 ``ZMQ_EVENTS`` query) has found the socket empty, and any zmq call may consume a pending
-signal. So a receive that got a message reads on until the socket is empty, queueing
-the extra messages here and poking the waiting threads through a pipe; and a thread
-that served a request reads again (``block=False``) before it waits or parks.
+signal (a reply's send too). So a thread reads again (``block=False``) after its last
+zmq call before it waits or parks: ``receive`` asks ``ZMQ_EVENTS`` before it waits.
+After a wake-up it reads at once: a request is what wakes it, nearly always.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import os
 import select
@@ -36,70 +36,48 @@ class SharedRouter:
         self._fd = sock.getsockopt(zmq.FD)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
-        self._wake_r, self._wake_w = os.pipe()
         self._stop_r, self._stop_w = os.pipe()
-        for fd in (self._wake_r, self._wake_w):
-            os.set_blocking(fd, False)
-        self._queued: collections.deque[list[zmq.Frame]] = collections.deque()
         self._waiting = 0
         self._stopping = False
         self._closed = False
 
     def poller(self) -> select.epoll | None:
         """A waiting set for one thread's ``receive`` calls (one per thread, closed with it);
-        None once ``interrupt`` was called (``close`` may have closed the descriptors).
-
-        The socket's descriptor is EPOLLEXCLUSIVE: a request wakes one waiting thread, not
-        every one (the others would only find the socket empty again)."""
+        None once ``interrupt`` was called (``close`` may have closed the descriptors)."""
         with self._lock:
             if self._stopping:
                 return None
             poller = select.epoll()
-            poller.register(self._fd, select.EPOLLIN | select.EPOLLEXCLUSIVE)
-            for fd in (self._wake_r, self._stop_r):
-                poller.register(fd, select.EPOLLIN)
+            poller.register(self._fd, select.EPOLLIN)
+            poller.register(self._stop_r, select.EPOLLIN)
             return poller
 
     def receive(self, poller: select.epoll, block: bool = True) -> list[zmq.Frame] | None:
         """The next message (routing id first); None once ``interrupt`` was called, or at
         once when nothing is pending and ``block`` is false."""
+        woken = False
         while True:
             with self._lock:
                 if self._stopping:
                     return None
-                if self._queued:
-                    return self._queued.popleft()
+                if woken:
+                    try:
+                        return recv_parts(self._sock, NOBLOCK, self._max_parts)
+                    except zmq.Again:  # woken by another of libzmq's commands
+                        pass
                 if readable(self._sock):
-                    parts = recv_parts(self._sock, NOBLOCK, self._max_parts)
-                    self._drain()
-                    poke = bool(self._queued and self._waiting)
-                    break
+                    return recv_parts(self._sock, NOBLOCK, self._max_parts)
                 if not block:
                     return None
                 self._waiting += 1
-            self._wait(poller)
-        if poke:
-            with contextlib.suppress(BlockingIOError):  # a full pipe wakes them anyway
-                os.write(self._wake_w, b"\0")
-        return parts
-
-    def _drain(self) -> None:
-        """Under the lock: queue every message still readable, leaving libzmq's signal armed."""
-        while readable(self._sock):
-            self._queued.append(recv_parts(self._sock, NOBLOCK, self._max_parts))
-
-    def _wait(self, poller: select.epoll) -> None:
-        try:
-            ready = poller.poll()
-        finally:
-            with self._lock:
-                self._waiting -= 1
-                if self._stopping:  # close() waits for the last waiter
-                    self._idle.notify_all()
-        for fd, _ in ready:
-            if fd == self._wake_r:
-                with contextlib.suppress(BlockingIOError):
-                    os.read(self._wake_r, 4096)
+            try:
+                poller.poll()
+            finally:
+                with self._lock:
+                    self._waiting -= 1
+                    if self._stopping:  # close() waits for the last waiter
+                        self._idle.notify_all()
+            woken = True
 
     def send(self, parts: list) -> None:
         """Send one message (routing id first); dropped once the socket is closed."""
@@ -127,5 +105,5 @@ class SharedRouter:
             with contextlib.suppress(zmq.ZMQError):
                 self._sock.disable_monitor()
             self._sock.close(linger=linger_ms)
-        for fd in (self._wake_r, self._wake_w, self._stop_r, self._stop_w):
+        for fd in (self._stop_r, self._stop_w):
             os.close(fd)

@@ -18,6 +18,7 @@ import zmq
 NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+_COPY_THRESHOLD = zmq.COPY_THRESHOLD
 
 
 def readable(sock: zmq.Socket) -> bool:
@@ -28,9 +29,12 @@ def readable(sock: zmq.Socket) -> bool:
 def send_parts(sock: zmq.Socket, parts: Sequence, flags: int = 0) -> None:
     """Send one multipart message; parts of ``zmq.COPY_THRESHOLD`` bytes or more zero-copy."""
     last = len(parts) - 1
-    for index, part in enumerate(parts):
-        more = _SNDMORE if index < last else 0
-        sock.send(part, flags | more, copy=memoryview(part).nbytes < zmq.COPY_THRESHOLD)
+    more = flags | _SNDMORE
+    for index in range(last):
+        part = parts[index]
+        sock.send(part, more, copy=memoryview(part).nbytes < _COPY_THRESHOLD)
+    part = parts[last]
+    sock.send(part, flags, copy=memoryview(part).nbytes < _COPY_THRESHOLD)
 
 
 def recv_parts(sock: zmq.Socket, flags: int = 0, max_parts: int = 0) -> list[zmq.Frame]:

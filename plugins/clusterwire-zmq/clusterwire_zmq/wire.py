@@ -15,9 +15,10 @@ header is the limit as u64).
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from clusterwire.envelope import (
     BULK,
@@ -42,8 +43,7 @@ PART0_OVERHEAD = LAYOUT.max_bytes(0)
 MAX_PARTS = 1 + MAX_BUFFERS
 
 
-@dataclass
-class Message:
+class Message(NamedTuple):
     """A decoded message; ``buffers`` are views of the received zmq frames."""
 
     kind: int
@@ -51,6 +51,10 @@ class Message:
     status: int
     header: bytes
     buffers: list[memoryview]
+
+
+#: Builds a Message from one tuple without NamedTuple's Python-level ``__new__``.
+_new_message = functools.partial(tuple.__new__, Message)
 
 
 def byte_views(buffers: Sequence) -> list[memoryview]:
@@ -105,7 +109,7 @@ def decode(parts: Sequence, limit: int) -> Message:
         raise InvalidArgumentError(f"Malformed message: unknown kind {kind}.")
     inline = split_inline(envelope, copy=False)
     if len(parts) == 1 and BULK not in envelope.kinds:
-        return Message(kind, request_id, status, envelope.header, inline)
+        return _new_message((kind, request_id, status, envelope.header, inline))
     lengths = bulk_lengths(envelope)
     if len(parts) - 1 != len(lengths):
         raise InvalidArgumentError(
@@ -115,5 +119,5 @@ def decode(parts: Sequence, limit: int) -> Message:
         if view.nbytes != length:
             raise InvalidArgumentError(
                 f"Malformed message: a {view.nbytes}-byte buffer part, declared {length}.")
-    return Message(kind, request_id, status, envelope.header,
-                   interleave(envelope.kinds, inline, bulk))
+    return _new_message((kind, request_id, status, envelope.header,
+                         interleave(envelope.kinds, inline, bulk)))
