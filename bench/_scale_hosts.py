@@ -30,9 +30,11 @@ client interpreter on host H holds one ``Session`` per task. Measured, in this o
   survivor was seen doing so (an answer's arrival: the figure is late by at most one
   poll of that task, ``down_poll_pass_s`` says how long a pass took).
 
-Prints one JSON line a task count (``--json``), or a Markdown table row. Progress goes to
-stderr. Every process and namespace is removed at the end, also on error, timeout or
-SIGTERM.
+Prints one JSON line a task count (``--json``), or a Markdown table row. Progress, and the
+machine's memory, threads and load every 30 s, go to stderr. Every process and namespace
+is removed at the end, also on error, ``--run-timeout``, SIGTERM or when MemAvailable
+falls below ``--min-free-mib`` (before the OOM killer would pick one of the machine's
+other processes).
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ POLLERS = 32
 #: Pss is read from about this many tasks, evenly spread (reading smaps_rollup walks a
 #: process's page tables: on a saturated machine, minutes for hundreds of tasks).
 PSS_SAMPLE = 64
-#: How long a task count's whole run may take before it is given up (then cleaned up).
+#: How long one step waits: a task to serve, the client's set-up, a sweep of statuses.
 START_TIMEOUT_S = 600.0
 #: The two CPU hogs of the false-down window: .ci/busy's, ending once their parent is gone.
 HOG = """
@@ -157,7 +159,7 @@ WATCH_LOG_S = 30.0
 _bed: list[EmulatedHosts] = []  # the test bed of the run under way, for the watch's log
 
 
-def _memory_watch(min_free_mib: float, step: Callable[[str], None]) -> None:
+def _watch_machine(min_free_mib: float, step: Callable[[str], None]) -> None:
     """End the run (SIGTERM to this process: the test bed is removed) if the machine's
     available memory falls below ``min_free_mib``, before its OOM killer picks a victim;
     log the machine's state every WATCH_LOG_S."""
@@ -191,11 +193,8 @@ def mem_available_mib() -> float:
 
 
 def start_tasks(bed: EmulatedHosts, hosts: int, tasks: int, config: str,
-                env: dict[str, str], min_free_mib: float) -> list[Served]:
-    """Every task started (each host forks its own, the hosts in parallel) and serving;
-    ``MemoryError`` naming the counts if the machine's available memory falls below
-    ``min_free_mib`` before a task is started (the machine's other users are not pushed
-    into its OOM killer)."""
+                env: dict[str, str]) -> list[Served]:
+    """Every task started (each host forks its own, the hosts in parallel) and serving."""
     layout = [f"{bed[i % hosts].address}:{PORT + i // hosts}" for i in range(tasks)]
     cluster = json.dumps({JOB: layout})
     abandoned = threading.Event()
@@ -203,11 +202,6 @@ def start_tasks(bed: EmulatedHosts, hosts: int, tasks: int, config: str,
     def serve(host: int, index: int) -> Served:
         if abandoned.is_set():
             raise TimedOut("the start-up was abandoned")
-        free = mem_available_mib()
-        if free < min_free_mib:
-            raise MemoryError(
-                f"MemAvailable {free:.0f} MiB < --min-free-mib {min_free_mib:g} after "
-                f"{len(bed.tasks)} of {tasks} tasks started")
         return bed[host].serve(*_task_args(cluster, index, config), env=env)
 
     def host_tasks(host: int) -> list[tuple[int, Served]]:
@@ -274,7 +268,7 @@ def measure(args: argparse.Namespace, tasks: int, step: Callable[[str], None]) -
         step(f"n={tasks}: starting {tasks} tasks on {hosts} hosts")
         began = time.perf_counter()
         result["mem_available_mib_before"] = round(mem_available_mib())
-        served = start_tasks(bed, hosts, tasks, config, env, args.min_free_mib)
+        served = start_tasks(bed, hosts, tasks, config, env)
         result["mem_available_mib_up"] = round(mem_available_mib())
         result["up_s"] = round(time.perf_counter() - began, 2)
         step(f"n={tasks}: up in {result['up_s']} s; settling {args.settle:g} s, then idle "
@@ -368,7 +362,7 @@ def main(args: argparse.Namespace, step: Callable[[str], None]) -> int:
             return 2
     signal.signal(signal.SIGTERM, _raise)
     signal.signal(signal.SIGALRM, _raise)
-    threading.Thread(target=_memory_watch, args=(args.min_free_mib, step), daemon=True,
+    threading.Thread(target=_watch_machine, args=(args.min_free_mib, step), daemon=True,
                      name="bench-memory-watch").start()
     for tasks in args.tasks:
         signal.alarm(int(args.run_timeout))
