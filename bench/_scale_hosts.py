@@ -386,9 +386,14 @@ def main(args: argparse.Namespace, step: Callable[[str], None]) -> int:
 
 
 def row(r: dict[str, Any]) -> str:
-    """The run as a row of BENCHMARKS.md's "16 emulated hosts" table."""
-    b = r["barrier_ms"] or {}
-    return (f"| {r['tasks']} | {r['hosts']} | {r['up_s']} | {b.get('first', '-')} / "
-            f"{b.get('steady', '-')} | {r['down_detect_s']} | {r['false_down']} | "
-            f"{r['idle_cpu_pct_per_task']} | {r['pss_mib_per_task']} | "
-            f"{r['load_start']} / {r['load_hogs']} / {r['load_end']} |")
+    """The run as a row of BENCHMARKS.md's "16 emulated hosts" table, from its n column."""
+    b = r["barrier_ms"]
+    barrier = (f"{b['first']} / {b['steady']}; {r['barrier_busiest_calls_per_round']:g}"
+               if b else r["barrier_error"][:80])
+    down = (f"{r['killed']} killed: {r['down_detect_s']} ({r['down_detect_median_s']})"
+            if r["down_detect_s"] is not None else
+            f"{r['killed']} killed: {r['down_not_seen']} survivors did not see it")
+    return (f"| {r['tasks']} ({r['hosts']}) | {r['up_s']} | {barrier} | {down} | "
+            f"{r['false_down']} ({r['false_down_passes']}) | {r['idle_cpu_pct_per_task']} "
+            f"({r['idle_cpu_pct_max']}) | {r['pss_mib_per_task']} | {r['threads_per_task']} | "
+            f"{r['load_start']} / {r['load_idle']} / {r['load_hogs']} / {r['load_end']} |")
