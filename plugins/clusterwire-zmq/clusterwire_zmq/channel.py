@@ -33,6 +33,10 @@ from clusterwire_zmq.sockets import NOBLOCK, readable, recv_parts, send_parts
 _NO_LIMIT = 1 << 62
 #: How long a call's receive waits inside libzmq before it looks for a close or a lost peer.
 _SLICE_MS = 50
+_SLICE_SECONDS = _SLICE_MS / 1000
+#: A link idle for less than this is taken without reading its monitor first: its call
+#: ended that recently, and a loss in between is noticed during the call (within a slice).
+_FRESH_SECONDS = 0.001
 _RCVTIMEO = int(zmq.RCVTIMEO)
 _LOST = {
     zmq.EVENT_CONNECT_RETRIED: "connection refused or failed",
@@ -78,6 +82,7 @@ class _Link:
         self.reached = False  # the TCP connection is up
         self.connected = False  # the ZMTP handshake succeeded
         self.limit: int | None = None  # the listener's max_message_bytes, from WELCOME
+        self.idle_since = 0.0  # time.monotonic() when its last call ended
         self._receive_timeout = -1  # the socket's RCVTIMEO (ms): libzmq's default, forever
 
     def close(self) -> None:
@@ -158,7 +163,7 @@ class _Link:
         """
         while True:
             timeout = _SLICE_MS
-            if deadline is not None:
+            if deadline is not None and deadline - time.monotonic() < _SLICE_SECONDS:
                 timeout = min(timeout, self._milliseconds(deadline, sent=True))
             if timeout != self._receive_timeout:
                 self.sock.setsockopt(_RCVTIMEO, timeout)
@@ -282,9 +287,10 @@ class ZmqChannel(Channel):
             if self._closed:
                 raise errors.CancelledError(f"The zmq channel to {self._address} is closed.")
             self._users += 1
+            now = time.monotonic()
             while self._idle:
                 link = self._idle.pop()
-                if not link.stale():
+                if now - link.idle_since < _FRESH_SECONDS or not link.stale():
                     return link
                 link.close()
         try:
@@ -298,6 +304,7 @@ class ZmqChannel(Channel):
         with self._lock:
             self._users -= 1
             if keep and link is not None and not self._closed:
+                link.idle_since = time.monotonic()
                 self._idle.append(link)
                 link = None
             release = self._closed and self._users == 0
