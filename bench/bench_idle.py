@@ -18,10 +18,10 @@ each interval) or ``swim`` (``membership_protocol="swim"``, one probe a task eve
 minute: flat memory is a slope near 0, whatever the start). With ``--tree`` the tasks run
 the clusterwire of each given source tree (a ``clusterwire`` package directory's parent,
 put first on the tasks' ``PYTHONPATH``; ``installed``: the one this Python imports), round
-by round in turn. ``--threads`` adds each
-kind of thread's share (by ``/proc`` thread name; Python threads by their ``threading``
-name when ``py-spy`` is installed). CPU time is what the processes used, so other load on
-the machine changes it little. Target (issue 33): < 0.2% of a core per task, memory flat.
+by round in turn. ``--threads`` adds each kind of thread's share (by ``/proc`` thread name;
+Python threads by their ``threading`` name when ``py-spy`` is installed). CPU time is what
+the processes used, so other load on the machine changes it little. Target (issue 33):
+< 0.2% of a core per task, memory flat.
 """
 
 from __future__ import annotations
