@@ -146,8 +146,9 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK
 
 
-class TimedOut(Exception):
-    """SIGTERM or SIGALRM: the run ends, and the test bed is removed on the way out."""
+class TimedOut(BaseException):
+    """SIGTERM or SIGALRM: the run ends, and the test bed is removed on the way out (a
+    BaseException, so that no measure's ``except Exception`` takes it for its failure)."""
 
 
 def _raise(signum: int, _frame: Any) -> None:
