@@ -29,11 +29,10 @@ Values received this way are read-only arrays; ``.copy()`` one to modify it.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -98,14 +97,20 @@ def lookup(protocol: str, address: str) -> InProcessShell | None:
     return _shells.get((protocol, address))
 
 
-@contextlib.contextmanager
-def serving_until(deadline: float | None) -> Iterator[None]:
+class serving_until:  # noqa: N801 - used as a function: ``with serving_until(deadline):``
     """Mark this thread as serving an in-process caller whose deadline (``time.monotonic``)
-    is ``deadline``: requests it sends on ask for no more than the time left."""
-    _caller.serving, _caller.deadline = True, deadline
-    try:
-        yield
-    finally:
+    is ``deadline``: requests it sends on ask for no more than the time left. (A class, not
+    a generator context manager: it is on every in-process call's path.)"""
+
+    __slots__ = ("_deadline",)
+
+    def __init__(self, deadline: float | None):
+        self._deadline = deadline
+
+    def __enter__(self) -> None:
+        _caller.serving, _caller.deadline = True, self._deadline
+
+    def __exit__(self, *exc_info: object) -> None:
         _caller.serving, _caller.deadline = False, None
 
 
