@@ -186,7 +186,7 @@ def test_unused_datasets_are_collected_with_their_payloads(tmp_path):
     work_dir = str(tmp_path)
     config = data.DispatcherConfig(port=0, work_dir=work_dir, fault_tolerant_mode=True,
                                    job_gc_check_interval_ms=50, job_gc_timeout_ms=1,
-                                   dataset_gc_timeout_ms=200)
+                                   dataset_gc_timeout_ms=2000)
     payloads = os.path.join(work_dir, "datasets")
     with data.DispatchServer(config) as dispatcher:
         address = dispatcher.target.split("://")[1]
@@ -194,9 +194,10 @@ def test_unused_datasets_are_collected_with_their_payloads(tmp_path):
             data.register_dataset(dispatcher.target,
                                   data.Dataset.from_tensor_slices(np.arange(1000)),
                                   dataset_id="slices")
-            read = data.from_dataset_id("parallel_epochs", dispatcher.target, "slices")
-            assert sum(1 for _ in read) == 1000
+            read = iter(data.from_dataset_id("parallel_epochs", dispatcher.target, "slices"))
+            next(read)  # a job reads the dataset now: its payload is kept
             assert len(os.listdir(payloads)) == 1
+            assert 1 + sum(1 for _ in read) == 1000
             deadline = time.monotonic() + 20
             while os.listdir(payloads) and time.monotonic() < deadline:
                 time.sleep(0.05)
