@@ -14,11 +14,12 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Iterator
 
+import grpc_listeners
 import numpy as np
 import pytest
 from conftest import wait_for
+from grpc_listeners import TOKEN
 
 import clusterwire
 from clusterwire import errors
@@ -26,7 +27,7 @@ from clusterwire.plugins import PluginManager, set_plugin_manager
 from clusterwire.security import Security, TlsConfig
 from clusterwire.testing.floods import SilentFlood, require_descriptors
 from clusterwire.testing.peer import SLEEP, echo_handler
-from clusterwire.transport import Frame, ListenOptions
+from clusterwire.transport import Frame
 from clusterwire.transports._grpc_common.call_pool import set_receive_timeout
 from clusterwire.transports.grpc import lane, lane_tls
 from clusterwire.transports.grpc.transport import GrpcListener, GrpcTransport
@@ -37,7 +38,6 @@ from clusterwire.testing.certs import Authority  # noqa: E402
 pytestmark = pytest.mark.timeout(120)
 
 LANE = {"fast_lane": True}
-TOKEN = b"t" * 32
 FLOOD = 256
 
 
@@ -65,24 +65,13 @@ def client_tls(pki, cert: str | None = None, ca: str = "ca") -> TlsConfig:
                      root_certificates=pki[ca].pair.cert.read_bytes())
 
 
-@contextlib.contextmanager
-def listening(tls: TlsConfig, handler=echo_handler, **limits) -> Iterator[GrpcListener]:
-    listener = GrpcTransport(LANE).listen(
-        "127.0.0.1:0", handler, ListenOptions(security=Security(tls=tls, token=TOKEN), **limits))
-    listener.start()
-    try:
-        yield listener
-    finally:
-        listener.stop(0)
+def listening(tls: TlsConfig, handler=echo_handler, **limits
+              ) -> contextlib.AbstractContextManager[GrpcListener]:
+    return grpc_listeners.listening(LANE, handler, tls=tls, **limits)
 
 
-@contextlib.contextmanager
-def channel_to(address: str, tls: TlsConfig | None) -> Iterator:
-    channel = GrpcTransport(LANE).connect(address, Security(tls=tls, token=TOKEN))
-    try:
-        yield channel
-    finally:
-        channel.close()
+def channel_to(address: str, tls: TlsConfig | None) -> contextlib.AbstractContextManager:
+    return grpc_listeners.channel_to(address, transport_options=LANE, tls=tls)
 
 
 def echo(channel, payload: bytes = b"8 bytes!", timeout: float = 10) -> float:
