@@ -35,3 +35,6 @@ UNREACHABLE = Backoff(0.02, 1.0)
 #: (``clusterwire.data.rpc.DispatcherClient``): the next round after these (a standby takes
 #: over within its lease poll).
 DISPATCHER_FAILOVER = Backoff(0.05, 0.5)
+#: A streamed gRPC call refused as busy (every thread for streamed calls working; nothing of
+#: it read): sent again after these, until its deadline.
+STREAM_BUSY = Backoff(0.002, 0.1)

@@ -51,6 +51,7 @@ import grpc.experimental
 
 from clusterwire import errors
 from clusterwire.addressing import split_host_port
+from clusterwire.backoff import STREAM_BUSY
 from clusterwire.envelope import (
     BULK,
     REPLY_LIMIT,
@@ -84,9 +85,6 @@ SERVICE = "clusterwire.Transport"
 _CALL, _UPLOAD, _FETCH, _LANE = (f"/{SERVICE}/{m}" for m in ("Call", "Upload", "Fetch", "Lane"))
 _BULK_PLANES = ("tcp", "grpc")
 _BULK_RETRY_S = 30.0  # after the bulk port could not be reached, before it is tried again
-#: A streamed call refused as busy (every thread for streamed calls working; nothing of it
-#: read) is sent again, backing off, until its deadline: first and longest wait.
-_BUSY_BACKOFF_S = (0.002, 0.1)
 _LOG = logging.getLogger(__name__)
 _T = TypeVar("_T")
 #: Failures of a lane ticket call that may pass: the lane is tried again at the next call.
@@ -454,7 +452,7 @@ class GrpcChannel(Channel):
     def _streamed(self, start: Callable[[float | None], _T], deadline: float | None) -> _T:
         """``start(remaining seconds)`` of a streamed call, again (backing off, until the
         deadline) while the listener refuses it as busy, before reading any of it."""
-        delay = _BUSY_BACKOFF_S[0]
+        delay = STREAM_BUSY.start_s
         while True:
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
             try:
@@ -468,7 +466,7 @@ class GrpcChannel(Channel):
                         f"{self._address} had no thread free for a streamed request before "
                         f"the deadline: {details}") from None
             time.sleep(random.uniform(0.5, 1.0) * delay)
-            delay = min(2 * delay, _BUSY_BACKOFF_S[1])
+            delay = STREAM_BUSY.after(delay)
 
     def close(self) -> None:
         if self._lane is not None:
